@@ -1,0 +1,426 @@
+"""Measuring a boundary: launches, latency (eager and CUDA graph, cold weights), timeline, roofline.
+
+Every figure says how it was taken. On CUDA, launches are the kernel, memset and memcpy events
+torch.profiler records; latencies come from CUDA events recorded around each call or graph replay
+with no host synchronization inside the timed region (one sync after the last repeat). On CPU the
+Triton kernels run under the interpreter, launches are *logical* (Triton launches plus the ATen ops
+dispatched, views and allocations excluded) and latencies are wall-clock: neither is a GPU figure.
+
+Cold weights: the 60 MB L2 of an H200 holds a whole router weight, so replaying a boundary on one
+set of inputs times it warm. ``cold_copies`` builds enough input copies (different seeds) that the
+bytes touched by one pass over them exceed twice the L2; eager timing rotates through the copies,
+and the CUDA graph captures one call per copy and divides a replay by their number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from k3lab.boundaries import Boundary, clone_inputs
+from k3lab.config import Preset
+
+__all__ = [
+    "Launches", "Timing", "count_launches", "time_variant", "cold_copies", "tensor_bytes",
+    "copy_bandwidth", "l2_bytes", "timeline", "measure", "roofline_us",
+]
+
+# Ops that move no data and launch nothing: views, metadata and bare allocations.
+_NOT_LAUNCHES = {
+    "view", "_unsafe_view", "reshape", "alias", "as_strided", "t", "transpose", "permute",
+    "expand", "unsqueeze", "squeeze", "slice", "select", "detach", "empty", "empty_like",
+    "empty_strided", "unbind", "split", "split_with_sizes", "chunk", "narrow", "lift_fresh",
+    "_to_copy_noop", "view_as", "unfold", "diagonal", "resolve_conj", "resolve_neg", "sym_size",
+    "is_same_size", "_local_scalar_dense", "set_", "new_empty", "new_empty_strided",
+}
+
+DEFAULT_REPEATS = {"cpu": 3, "cuda": 50}
+DEFAULT_WARMUP = {"cpu": 1, "cuda": 5}
+MAX_COLD_COPIES = 64
+
+
+@dataclass
+class Launches:
+    """What one call launched; ``kind``: CUDA kernels, or logical launches on CPU."""
+
+    count: int
+    kernels: list[str] = field(default_factory=list)
+    kind: str = "cuda kernels"
+
+
+@dataclass
+class Timing:
+    """Latency of one call in microseconds: median and 10th/90th percentiles over ``repeats``."""
+
+    median_us: float
+    p10_us: float
+    p90_us: float
+    repeats: int
+    mode: str  # "eager" or "graph"
+    cold: bool
+    device: str
+    copies: int = 1
+    note: str = ""
+
+
+def _device_of(inputs: Any) -> torch.device:
+    for t in _tensors(inputs):
+        return t.device
+    return torch.device("cpu")
+
+
+def _tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+    elif hasattr(obj, "__dataclass_fields__") and not isinstance(obj, Preset):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors(getattr(obj, name))
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Total bytes of the distinct tensors reachable in ``obj`` (dicts, lists, dataclasses)."""
+    seen, total = set(), 0
+    for t in _tensors(obj):
+        key = (t.data_ptr(), t.nbytes)
+        if key not in seen:
+            seen.add(key)
+            total += t.nbytes
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# launches
+
+
+class _OpLog(TorchDispatchMode):
+    """Records ATen ops dispatched (outside Triton launches) with wall-clock start and end."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, float, float]] = []
+        self.paused = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.paused:
+            return func(*args, **(kwargs or {}))
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in _NOT_LAUNCHES:
+            self.events.append((f"aten::{name}", t0, time.perf_counter()))
+        return out
+
+
+@contextlib.contextmanager
+def _cpu_launch_log():
+    """Log Triton interpreter launches and ATen ops; yields the event list."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    log = _OpLog()
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if warmup:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        t0 = time.perf_counter()
+        log.paused += 1
+        try:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        finally:
+            log.paused -= 1
+            log.events.append((f"triton::{self.__name__}", t0, time.perf_counter()))
+
+    InterpretedFunction.run = run
+    try:
+        with log:
+            yield log.events
+    finally:
+        InterpretedFunction.run = original
+
+
+def _cuda_profile(fn: Callable, inputs: Any):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(inputs)
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA], prof
+
+
+def count_launches(fn: Callable[[Any], Any], inputs: Any, *, warmup: bool = True) -> Launches:
+    """Count what one call ``fn(inputs)`` launches (after a warm-up call that compiles).
+
+    CUDA: kernel, memset and memcpy events from torch.profiler. CPU: Triton launches plus ATen
+    ops dispatched, views and allocations excluded (``kind`` = "logical launches (CPU)").
+    """
+    device = _device_of(inputs)
+    if warmup:
+        fn(inputs)
+        _sync(device)
+    if device.type == "cuda":
+        events, _ = _cuda_profile(fn, inputs)
+        names = [e.name for e in events]
+        return Launches(len(names), names, "cuda kernels")
+    with _cpu_launch_log() as events:
+        fn(inputs)
+    names = [name for name, _, _ in events]
+    return Launches(len(names), names, "logical launches (CPU)")
+
+
+# ---------------------------------------------------------------------------------------------
+# latency
+
+
+def l2_bytes(device: torch.device | str) -> int:
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 50 << 20))
+
+
+def cold_copies(make: Callable[[int], Any], *, bytes_per_copy: int | None = None,
+                device: torch.device | str | None = None, min_bytes: int | None = None) -> list:
+    """Input copies ``make(0), make(1), ...`` until one pass over them touches at least
+    ``min_bytes`` (default: twice the L2 on CUDA; one copy on CPU, where L2 is moot).
+
+    ``bytes_per_copy`` is what one call touches (a boundary's ``bytes_moved``), by default every
+    tensor of a copy.
+    """
+    first = make(0)
+    dev = torch.device(device) if device is not None else _device_of(first)
+    if min_bytes is None:
+        min_bytes = 2 * l2_bytes(dev)
+    per = bytes_per_copy or tensor_bytes(first)
+    n = 1 if per <= 0 else max(1, min(MAX_COLD_COPIES, math.ceil(min_bytes / per)))
+    return [first] + [make(i) for i in range(1, n)]
+
+
+def _summary(samples_us: list[float], **kw) -> Timing:
+    q = statistics.quantiles(samples_us, n=10) if len(samples_us) > 1 else samples_us * 9
+    return Timing(statistics.median(samples_us), q[0], q[-1], len(samples_us), **kw)
+
+
+def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "eager",
+                 repeats: int | None = None, warmup: int | None = None,
+                 cold: bool | None = None) -> Timing:
+    """Latency of one call ``fn(inputs)``, rotating through ``inputs_list``.
+
+    eager: CUDA events recorded around each call, back to back, one synchronization after the
+    last (on CPU: wall clock per call). graph: one CUDA graph capturing one call per input copy,
+    events around each replay, divided by the number of copies.
+    """
+    if mode not in ("eager", "graph"):
+        raise ValueError(f"mode: expected 'eager' or 'graph', got {mode!r}")
+    if not inputs_list:
+        raise ValueError("inputs_list: expected at least one input set")
+    device = _device_of(inputs_list[0])
+    repeats = repeats or DEFAULT_REPEATS[device.type]
+    warmup = DEFAULT_WARMUP[device.type] if warmup is None else warmup
+    n = len(inputs_list)
+    cold = n > 1 if cold is None else cold
+    meta = dict(mode=mode, cold=cold, device=str(device), copies=n)
+    if mode == "graph" and device.type != "cuda":
+        raise ValueError("mode: 'graph' needs a CUDA device")
+
+    if mode == "eager":
+        for i in range(max(warmup, 1)):
+            fn(inputs_list[i % n])
+        _sync(device)
+        if device.type != "cuda":
+            samples = []
+            for i in range(repeats):
+                t0 = time.perf_counter()
+                fn(inputs_list[i % n])
+                samples.append((time.perf_counter() - t0) * 1e6)
+            return _summary(samples, **meta)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+        for i in range(repeats):
+            starts[i].record()
+            fn(inputs_list[i % n])
+            ends[i].record()
+        torch.cuda.synchronize(device)
+        samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
+        return _summary(samples, **meta)
+
+    # graph: warm up on a side stream (required before capture), capture one call per copy
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for inputs in inputs_list:
+            fn(inputs)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for inputs in inputs_list:
+            fn(inputs)
+    for _ in range(max(warmup, 1)):
+        graph.replay()
+    replays = max(5, repeats // 2)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for i in range(replays):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    samples = [s.elapsed_time(e) * 1e3 / n for s, e in zip(starts, ends, strict=True)]
+    del graph
+    return _summary(samples, **meta)
+
+
+_BANDWIDTH: dict[str, float] = {}
+
+
+def copy_bandwidth(device: torch.device | str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written; measured
+    once per process and device (median of 10 copies of ``nbytes``)."""
+    dev = torch.device(device)
+    key = str(dev)
+    if key in _BANDWIDTH:
+        return _BANDWIDTH[key]
+    if dev.type != "cuda":
+        nbytes = min(nbytes, 64 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=dev).fill_(1.0)
+    dst = torch.empty_like(src)
+    t = time_variant(lambda io: io[1].copy_(io[0]), [(src, dst)], repeats=10, warmup=2)
+    _BANDWIDTH[key] = 2 * src.nbytes / (t.median_us * 1e-6)
+    del src, dst
+    return _BANDWIDTH[key]
+
+
+def roofline_us(nbytes: int, bandwidth: float) -> float:
+    """The time to move ``nbytes`` at ``bandwidth`` bytes/s, in microseconds."""
+    return nbytes / bandwidth * 1e6
+
+
+# ---------------------------------------------------------------------------------------------
+# timeline
+
+
+def timeline(fn: Callable[[Any], Any], inputs: Any, trace_path: str | None = None) -> pd.DataFrame:
+    """One call's launches in time order: columns kernel, start_us, end_us, dur_us, stream.
+
+    CUDA: kernel events from torch.profiler (times relative to the first kernel); the Chrome /
+    Perfetto trace is written to ``trace_path`` when given. CPU: the logical launches with
+    wall-clock times (stream "cpu").
+    """
+    device = _device_of(inputs)
+    fn(inputs)
+    _sync(device)
+    if device.type == "cuda":
+        events, prof = _cuda_profile(fn, inputs)
+        if trace_path:
+            prof.export_chrome_trace(str(trace_path))
+        rows = [(e.name, e.time_range.start, e.time_range.end,
+                 f"stream {getattr(e, 'device_resource_id', 0)}") for e in events]
+    else:
+        with _cpu_launch_log() as events:
+            fn(inputs)
+        rows = [(n, s * 1e6, e * 1e6, "cpu") for n, s, e in events]
+    df = pd.DataFrame(rows, columns=["kernel", "start_us", "end_us", "stream"])
+    if len(df):
+        t0 = df["start_us"].min()
+        df["start_us"] -= t0
+        df["end_us"] -= t0
+    df["dur_us"] = df["end_us"] - df["start_us"]
+    return df.sort_values("start_us").reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# one boundary, every variant
+
+
+def measure(boundary: Boundary, cfg: Preset, device: torch.device | str, *,
+            variants: Iterable[str] | None = None, seed: int = 0, params: dict | None = None,
+            modes: Iterable[str] = ("eager", "graph"), cold: bool = True,
+            repeats: int | None = None, launches: bool = True) -> pd.DataFrame:
+    """Check, count and time the variants of ``boundary`` at ``cfg`` on ``device``.
+
+    Returns tidy rows (boundary, variant, role, preset, tp, device, M, mode, metric, value, unit,
+    note). Correctness comes first: a variant whose check fails gets a ``check`` row of 0 and its
+    error, and no timing. Graph mode is skipped on CPU; a variant that cannot be captured gets a
+    note instead of a figure. Ratios (``speedup_vs_reference``) compare figures of this one call.
+    """
+    dev = torch.device(device)
+    params = dict(params or {})
+    chosen = [boundary.variant(v) for v in variants] if variants else list(boundary.variants)
+    base = dict(boundary=boundary.name, preset=cfg.name, tp=cfg.tp, device=dev.type,
+                M=params.get("M", 1))
+    rows: list[dict] = []
+
+    def row(v, metric, value, unit="", mode="", note=""):
+        rows.append({**base, "variant": v.name, "role": v.role, "mode": mode, "metric": metric,
+                     "value": value, "unit": unit, "note": note})
+
+    inputs = boundary.make_inputs(cfg, dev, seed, **params)
+    nbytes = boundary.bytes_moved(inputs)
+    ref = boundary.reference.fn(clone_inputs(inputs))
+    bw = copy_bandwidth(dev)
+    modes = [m for m in modes if m == "eager" or dev.type == "cuda"]
+    copies = None
+    latency: dict[tuple[str, str], float] = {}
+    for v in chosen:
+        reason = v.unavailable(dev)
+        if reason:
+            row(v, "available", 0, note=reason)
+            continue
+        try:
+            out = v.fn(clone_inputs(inputs))
+            errs = boundary.check(out, ref, inputs) if v.role != "reference" else {}
+        except AssertionError as exc:
+            row(v, "check", 0, note=str(exc))
+            continue
+        row(v, "check", 1)
+        for name, err in errs.items():
+            row(v, "max_abs_err", err, note=name)
+        if launches:
+            lc = count_launches(v.fn, clone_inputs(inputs))
+            row(v, "launches", lc.count, "launches", note=lc.kind)
+        row(v, "bytes", nbytes, "B")
+        if copies is None:
+            copies = (cold_copies(lambda s: boundary.make_inputs(cfg, dev, seed + s, **params),
+                                  bytes_per_copy=nbytes, device=dev) if cold else [inputs])
+        for mode in modes:
+            try:
+                t = time_variant(v.fn, copies, mode=mode, repeats=repeats, cold=cold)
+            except Exception as exc:  # noqa: BLE001 - a capture failure is a finding, not a crash
+                row(v, "latency_us", float("nan"), "us", mode,
+                    note=f"{mode} failed: {type(exc).__name__}: {exc}"[:300])
+                continue
+            how = f"{'cold' if t.cold else 'warm'} x{t.copies}, {t.repeats} repeats"
+            row(v, "latency_us", t.median_us, "us", mode, note=how)
+            row(v, "latency_p10_us", t.p10_us, "us", mode)
+            row(v, "latency_p90_us", t.p90_us, "us", mode)
+            row(v, "roofline_us", roofline_us(nbytes, bw), "us", mode,
+                note=f"copy bandwidth {bw / 1e12:.3f} TB/s measured in this run")
+            row(v, "roofline_frac", roofline_us(nbytes, bw) / t.median_us, "", mode)
+            latency[(v.name, mode)] = t.median_us
+    ref_name = boundary.reference.name
+    for v in chosen:
+        for mode in modes:
+            if (v.name, mode) in latency and (ref_name, mode) in latency:
+                row(v, "speedup_vs_reference",
+                    latency[(ref_name, mode)] / latency[(v.name, mode)], "x", mode)
+    return pd.DataFrame(rows)

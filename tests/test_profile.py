@@ -1,0 +1,117 @@
+"""The profiler on CPU: logical launch counts, timing, cold copies, timeline, measure()."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from k3lab import profile
+from k3lab.boundaries import Boundary, Variant, assert_close
+from k3lab.config import preset
+
+
+@triton.jit
+def _double_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(y_ptr + o, tl.load(x_ptr + o, mask=m) * 2, mask=m)
+
+
+def fused_double(inputs):
+    x = inputs["x"]
+    y = torch.empty_like(x)
+    _double_kernel[(triton.cdiv(x.numel(), 64),)](x, y, x.numel(), BLOCK=64)
+    return y
+
+
+def reference_double(inputs):
+    x = inputs["x"].float()
+    return (x.view(-1) + x.view(-1)).reshape(x.shape).to(inputs["x"].dtype)
+
+
+def wrong_double(inputs):
+    return inputs["x"] * 3
+
+
+def _boundary():
+    return Boundary(
+        name="toy", title="toy", owns=("toy.op",),
+        make_inputs=lambda cfg, device, seed, M=1: {
+            "x": torch.randn(M, 100, generator=torch.Generator().manual_seed(seed)).to(device)},
+        variants=(Variant("reference", "reference", reference_double),
+                  Variant("fused", "fused", fused_double),
+                  Variant("wrong", "fused", wrong_double),
+                  Variant("gpu-peer", "peer", reference_double, devices=("cuda",))),
+        check=lambda out, ref, inputs: {"y": assert_close("y", out, ref, atol=1e-6)},
+        bytes_moved=lambda inputs: 2 * inputs["x"].nbytes,
+    )
+
+
+def test_cpu_launches_count_triton_launches_and_aten_ops_not_views():
+    x = {"x": torch.randn(3, 100)}
+    fused = profile.count_launches(fused_double, x)
+    assert fused.count == 1 and fused.kernels == ["triton::_double_kernel"]
+    assert fused.kind.startswith("logical launches")
+    ref = profile.count_launches(reference_double, x)
+    # .float() on fp32 and the views launch nothing: add, then the copy back is a no-op too
+    assert ref.kernels == ["aten::add"]
+
+
+def test_time_variant_on_cpu_rotates_inputs_and_reports_spread():
+    seen = []
+    copies = [{"x": torch.full((4,), float(i))} for i in range(3)]
+    t = profile.time_variant(lambda inp: seen.append(float(inp["x"][0])), copies, repeats=6,
+                             warmup=0)
+    assert t.mode == "eager" and t.repeats == 6 and t.copies == 3 and t.cold
+    assert t.p10_us <= t.median_us <= t.p90_us
+    assert seen[-6:] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+
+
+def test_graph_mode_needs_cuda():
+    with pytest.raises(ValueError, match="mode"):
+        profile.time_variant(reference_double, [{"x": torch.ones(2)}], mode="graph")
+    with pytest.raises(ValueError, match="mode: expected"):
+        profile.time_variant(reference_double, [{"x": torch.ones(2)}], mode="hot")
+
+
+def test_cold_copies_cover_the_requested_bytes():
+    made = []
+    copies = profile.cold_copies(lambda s: made.append(s) or {"x": torch.zeros(256)},
+                                 min_bytes=4096)
+    assert len(copies) == 4 and made == [0, 1, 2, 3]  # 1 KiB a copy
+    assert len(profile.cold_copies(lambda s: {"x": torch.zeros(256)}, device="cpu")) == 1
+
+
+def test_timeline_lists_launches_in_order():
+    df = profile.timeline(reference_double, {"x": torch.randn(2, 100)})
+    assert list(df.columns) == ["kernel", "start_us", "end_us", "stream", "dur_us"]
+    assert df["kernel"].tolist() == ["aten::add"]
+    assert (df["dur_us"] >= 0).all() and df["start_us"].iloc[0] == 0
+
+
+def test_measure_checks_before_timing_and_reports_ratios():
+    df = profile.measure(_boundary(), preset("tiny"), "cpu", params={"M": 2}, repeats=3)
+    by = df.set_index(["variant", "metric"])
+    assert by.loc[("fused", "check"), "value"] == 1
+    assert by.loc[("fused", "launches"), "value"] == 1
+    assert by.loc[("reference", "launches"), "value"] == 1
+    # the wrong variant fails its check and is never timed
+    assert by.loc[("wrong", "check"), "value"] == 0
+    assert "max abs error" in by.loc[("wrong", "check"), "note"]
+    assert not ((df.variant == "wrong") & (df.metric == "latency_us")).any()
+    # a CUDA-only peer is reported unavailable on CPU, with the reason
+    assert by.loc[("gpu-peer", "available"), "value"] == 0
+    lat = df[(df.metric == "latency_us")]
+    assert set(lat["mode"]) == {"eager"} and (lat["value"] > 0).all()
+    assert set(df["M"]) == {2} and set(df["preset"]) == {"tiny"}
+    sp = df[(df.metric == "speedup_vs_reference") & (df.variant == "reference")]
+    assert float(sp["value"].iloc[0]) == 1.0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_timing_and_kernel_count():
+    x = {"x": torch.randn(1 << 20, device="cuda")}
+    assert profile.count_launches(fused_double, x).count == 1
+    t = profile.time_variant(fused_double, [x], mode="graph", repeats=10)
+    assert t.mode == "graph" and 0 < t.median_us < 1000
+    assert profile.copy_bandwidth("cuda") > 1e11
