@@ -31,7 +31,7 @@ from k3lab.config import Preset
 
 __all__ = [
     "Launches", "Timing", "count_launches", "time_variant", "cold_copies", "tensor_bytes",
-    "copy_bandwidth", "l2_bytes", "timeline", "measure", "roofline_us",
+    "copy_bandwidth", "l2_bytes", "timeline", "measure", "roofline_us", "short_kernel_name",
 ]
 
 # Ops that move no data and launch nothing: views, metadata and bare allocations.
@@ -167,6 +167,16 @@ def _cuda_profile(fn: Callable, inputs: Any):
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA], prof
 
 
+def short_kernel_name(name: str, width: int = 80) -> str:
+    """A CUDA kernel's name without ``void``, ``at::native::`` and argument lists, cut to width."""
+    name = name.removeprefix("void ")
+    for noise in ("at::native::", "(anonymous namespace)::", "binary_internal::", "std::"):
+        name = name.replace(noise, "")
+    if "(" in name and not name.startswith("triton"):
+        name = name[: name.index("(")] if name.index("(") > 0 else name
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
 def count_launches(fn: Callable[[Any], Any], inputs: Any, *, warmup: bool = True) -> Launches:
     """Count what one call ``fn(inputs)`` launches (after a warm-up call that compiles).
 
@@ -179,7 +189,7 @@ def count_launches(fn: Callable[[Any], Any], inputs: Any, *, warmup: bool = True
         _sync(device)
     if device.type == "cuda":
         events, _ = _cuda_profile(fn, inputs)
-        names = [e.name for e in events]
+        names = [short_kernel_name(e.name) for e in events]
         return Launches(len(names), names, "cuda kernels")
     with _cpu_launch_log() as events:
         fn(inputs)
@@ -333,7 +343,7 @@ def timeline(fn: Callable[[Any], Any], inputs: Any, trace_path: str | None = Non
         events, prof = _cuda_profile(fn, inputs)
         if trace_path:
             prof.export_chrome_trace(str(trace_path))
-        rows = [(e.name, e.time_range.start, e.time_range.end,
+        rows = [(short_kernel_name(e.name), e.time_range.start, e.time_range.end,
                  f"stream {getattr(e, 'device_resource_id', 0)}") for e in events]
     else:
         with _cpu_launch_log() as events:

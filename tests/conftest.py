@@ -27,9 +27,11 @@ def device():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (GPU-only test)")
+    gpu = torch.cuda.is_available()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device (GPU-only test)")
+    skip_cpu = pytest.mark.skip(reason="runs Triton on CPU tensors: interpreter-only test")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(skip_gpu)
+        if "interpreter" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":
+            item.add_marker(skip_cpu)

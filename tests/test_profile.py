@@ -47,6 +47,7 @@ def _boundary():
     )
 
 
+@pytest.mark.interpreter
 def test_cpu_launches_count_triton_launches_and_aten_ops_not_views():
     x = {"x": torch.randn(3, 100)}
     fused = profile.count_launches(fused_double, x)
@@ -89,6 +90,7 @@ def test_timeline_lists_launches_in_order():
     assert (df["dur_us"] >= 0).all() and df["start_us"].iloc[0] == 0
 
 
+@pytest.mark.interpreter
 def test_measure_checks_before_timing_and_reports_ratios():
     df = profile.measure(_boundary(), preset("tiny"), "cpu", params={"M": 2}, repeats=3)
     by = df.set_index(["variant", "metric"])
