@@ -1,0 +1,302 @@
+"""Split-KV absorbed MLA decode (ARCHITECTURE.md section 8).
+
+For every token m and head h, over the first ``seq_lens[m]`` rows ``[c_t | kr_t]`` of its cache::
+
+    s[h, t]  = (q_lat[h] . c_t + q_rope[h] . kr_t) * sm_scale
+    o_lat[h] = sum_t softmax_t(s)[h, t] c_t,        lse[h] = log sum_t exp(s[h, t])
+
+Two kernels. ``_mla_decode_split_kernel``: one program per (token, group of BLOCK_H heads, split);
+all heads of a token share the cache rows, so the program reads each cache tile once for its
+BLOCK_H heads ([BLOCK_H, C] x [C, BLOCK_N] scores, online softmax in base 2) and writes a partial
+o [C] fp32 and its log-sum-exp per head. ``_mla_decode_combine_kernel`` merges the splits. With a
+single split the first kernel writes the final output itself (one launch).
+
+The split of the context is computed on the device from ``seq_lens``: a token of length L gets
+``cdiv(cdiv(L, BLOCK_N), num_splits)`` blocks per split and splits past the end do nothing (their
+lse is -inf). The grid depends only on (M, Hl, num_splits), so an explicit ``num_splits`` lets one
+captured CUDA graph serve every length up to L_max.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["mla_decode", "default_num_splits", "BLOCK_N", "BLOCK_H", "MAX_SPLITS"]
+
+# Cache rows per inner step. 32 rows x 576 x bf16 = 36 KiB per pipeline stage keeps two stages
+# in shared memory next to the [16, 512] fp32 accumulator (the size vLLM's Triton MLA decode uses).
+BLOCK_N = 32
+# Heads per program: every head of a token reads the same cache rows, so a program takes a group
+# of them; 16 is tl.dot's smallest M (K3 at tp 8 has 12 heads: one group, 4 padded rows).
+BLOCK_H = 16
+SPLIT_NUM_WARPS = 4
+SPLIT_NUM_STAGES = 2
+# Combine: latent columns per program (C / 64 programs per head spread the merge over the GPU)
+# and splits merged per step.
+COMBINE_BLOCK_C = 64
+COMBINE_BLOCK_S = 32
+# Heuristic: aim for this many resident split programs per SM (register and shared-memory use
+# allow about two), but give every split at least MIN_ROWS_PER_SPLIT cache rows so the fixed cost
+# of a split (loading q, writing a [BLOCK_H, C] fp32 partial) stays small next to its reads.
+PROGRAMS_PER_SM = 2
+MIN_ROWS_PER_SPLIT = 256
+MAX_SPLITS = 1024
+# SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.
+CPU_SM_STANDIN = 8
+
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_lat, q_rope, kv, seq_lens, o, lse,
+    sm_scale_log2, num_splits, H,
+    stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
+    stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
+    C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, FINAL: tl.constexpr,
+):
+    """FINAL: single split; o is the output [M, Hl, C] and lse the natural-log lse [M, Hl].
+    Otherwise o is the fp32 partial [M, Hl, S, C] and lse the base-2 partial lse [M, Hl, S]."""
+    i_m, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_m64 = i_m.to(tl.int64)
+    L = tl.load(seq_lens + i_m)
+    blocks_per_split = tl.cdiv(tl.cdiv(L, BLOCK_N), num_splits)
+    start = i_s * blocks_per_split * BLOCK_N
+    end = tl.minimum(start + blocks_per_split * BLOCK_N, L)
+
+    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    o_c = tl.arange(0, C)
+    o_r = tl.arange(0, R)
+    p_ql = q_lat + i_m64 * stride_ql_m + o_h[:, None] * stride_ql_h + o_c[None, :]
+    p_qr = q_rope + i_m64 * stride_qr_m + o_h[:, None] * stride_qr_h + o_r[None, :]
+    b_ql = tl.load(p_ql, mask=m_h[:, None], other=0.0)
+    b_qr = tl.load(p_qr, mask=m_h[:, None], other=0.0)
+    if DOT_FP32:  # the interpreter's tl.dot is wrong on bf16: compute in fp32 there
+        b_ql = b_ql.to(tl.float32)
+        b_qr = b_qr.to(tl.float32)
+
+    b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    p_kv = kv + i_m64 * stride_kv_m
+    for n0 in range(start, end, BLOCK_N):
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        m_n = o_n < end
+        b_c = tl.load(p_kv + o_n[:, None] * stride_kv_n + o_c[None, :], mask=m_n[:, None],
+                      other=0.0)
+        b_kr = tl.load(p_kv + o_n[:, None] * stride_kv_n + C + o_r[None, :], mask=m_n[:, None],
+                       other=0.0)
+        if DOT_FP32:
+            b_c = b_c.to(tl.float32)
+            b_kr = b_kr.to(tl.float32)
+        b_s = tl.dot(b_ql, tl.trans(b_c)) + tl.dot(b_qr, tl.trans(b_kr))
+        b_s = tl.where(m_n[None, :], b_s * sm_scale_log2, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c)
+        b_m = b_m_new
+
+    # an empty split (or a zero length) leaves l = 0, acc = 0: o = 0 and lse = -inf
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+    if FINAL:
+        b_lse = b_lse * 0.6931471805599453  # base 2 -> natural log
+    p_o = o + i_m64 * stride_o_m + i_s * stride_o_s + o_h[:, None] * stride_o_h + o_c[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_h[:, None])
+    tl.store(lse + i_m64 * stride_lse_m + o_h * stride_lse_h + i_s, b_lse, mask=m_h)
+
+
+@triton.jit
+def _mla_decode_combine_kernel(
+    o_part, lse_part, o, lse, num_splits,
+    stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
+    stride_o_m, stride_o_h, stride_lse_m,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (token, head, BLOCK_C latent columns): softmax-weighted sum of the
+    splits' partial outputs by their base-2 lse; empty splits (lse -inf) are never read."""
+    i_m, i_h, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_m64 = i_m.to(tl.int64)
+    o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < C
+    p_lp = lse_part + i_m64 * stride_lp_m + i_h * stride_lp_h
+    p_op = o_part + i_m64 * stride_op_m + i_h * stride_op_h
+
+    b_m = tl.full([1], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([1], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        m_s = o_s < num_splits
+        b_lse = tl.load(p_lp + o_s, mask=m_s, other=float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_lse, axis=0))
+        b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no -inf - -inf
+        b_alpha = tl.exp2(b_m - b_ref)
+        b_w = tl.exp2(b_lse - b_ref)
+        m_live = m_s & (b_lse > float("-inf"))
+        b_op = tl.load(p_op + o_s[:, None] * stride_op_s + o_c[None, :],
+                       mask=m_live[:, None] & m_c[None, :], other=0.0)
+        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_op, axis=0)
+        b_l = b_l * b_alpha + tl.sum(b_w, axis=0)
+        b_m = b_m_new
+
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)
+    tl.store(o + i_m64 * stride_o_m + i_h * stride_o_h + o_c, b_o.to(o.dtype.element_ty),
+             mask=m_c)
+    if i_c == 0:
+        b_lse_out = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+        tl.store(lse + i_m64 * stride_lse_m + i_h + tl.arange(0, 1), b_lse_out * 0.6931471805599453)
+
+
+@functools.cache
+def _sm_count(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index or 0).multi_processor_count
+    return CPU_SM_STANDIN
+
+
+def default_num_splits(batch: int, heads: int, max_len: int,
+                       device: torch.device | str = "cuda") -> int:
+    """The split count ``mla_decode`` picks when ``num_splits=None``.
+
+    From host-known sizes only (never the lengths' values): enough (token, head group, split)
+    programs for PROGRAMS_PER_SM per SM, but at most one split per MIN_ROWS_PER_SPLIT rows of
+    L_max, within [1, MAX_SPLITS].
+    """
+    dev = torch.device(device)
+    sms = _sm_count(dev.type, dev.index if dev.type == "cuda" else None)
+    programs = batch * triton.cdiv(heads, BLOCK_H)
+    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
+    by_length = max_len // MIN_ROWS_PER_SPLIT
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _is_pow2_at_least_16(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits):
+    for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache),
+                    ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q_lat.dim() != 3:
+        raise ValueError(f"q_lat: expected [M, Hl, C] (3-D), got shape {tuple(q_lat.shape)}")
+    m, h, c = q_lat.shape
+    if q_rope.dim() != 3 or q_rope.shape[:2] != (m, h):
+        raise ValueError(f"q_rope: expected [M, Hl, R] = [{m}, {h}, R], "
+                         f"got shape {tuple(q_rope.shape)}")
+    r = q_rope.shape[2]
+    if kv_cache.dim() != 3 or kv_cache.shape[0] != m or kv_cache.shape[2] != c + r:
+        raise ValueError(f"kv_cache: expected [M, L_max, C + R] = [{m}, L_max, {c + r}], "
+                         f"got shape {tuple(kv_cache.shape)}")
+    if m < 1 or h < 1 or kv_cache.shape[1] < 1:
+        raise ValueError(f"q_lat/kv_cache: M, Hl and L_max must be >= 1, got M={m}, Hl={h}, "
+                         f"L_max={kv_cache.shape[1]}")
+    if not _is_pow2_at_least_16(c):
+        raise ValueError(f"q_lat: latent size C must be a power of two >= 16, got {c}")
+    if not _is_pow2_at_least_16(r):
+        raise ValueError(f"q_rope: rope size R must be a power of two >= 16, got {r}")
+    if seq_lens.shape != (m,):
+        raise ValueError(f"seq_lens: expected shape [{m}], got {tuple(seq_lens.shape)}")
+    if seq_lens.dtype != torch.int32:
+        raise ValueError(f"seq_lens: expected torch.int32, got {seq_lens.dtype}")
+    if q_lat.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"q_lat: expected torch.bfloat16 or torch.float16, got {q_lat.dtype}")
+    for name, t in (("q_rope", q_rope), ("kv_cache", kv_cache)):
+        if t.dtype != q_lat.dtype:
+            raise ValueError(f"{name}: expected {q_lat.dtype} like q_lat, got {t.dtype}")
+    for name, t in (("q_rope", q_rope), ("kv_cache", kv_cache), ("seq_lens", seq_lens)):
+        if t.device != q_lat.device:
+            raise ValueError(f"{name}: expected device {q_lat.device} like q_lat, got {t.device}")
+    if q_lat.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("q_lat: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1, "
+                         "see k3lab.device.use_device)")
+    if q_lat.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q_lat: expected a cuda (or interpreted cpu) tensor, got "
+                         f"{q_lat.device}")
+    for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a contiguous last dimension, got strides "
+                             f"{t.stride()}")
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens: expected a contiguous tensor")
+    if (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)
+            or not math.isfinite(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale!r}")
+    if num_splits is not None and (isinstance(num_splits, bool)
+                                   or not isinstance(num_splits, numbers.Integral)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"num_splits: expected None or an int in [1, {MAX_SPLITS}], "
+                         f"got {num_splits!r}")
+
+
+def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
+               seq_lens: torch.Tensor, *, sm_scale: float, num_splits: int | None = None,
+               return_lse: bool = False):
+    """Absorbed MLA decode attention over the latent cache (split-KV, two kernels).
+
+    q_lat: [M, Hl, C] bf16/fp16 (q_nope absorbed through W_uk; C = kv_lora, 512 for K3).
+    q_rope: [M, Hl, R] same dtype (R = qk_rope, 64 for K3).
+    kv_cache: [M, L_max, C + R] same dtype; per position the latent c then the rope values kr.
+    seq_lens: [M] int32 on the same device; lengths in [1, L_max] (read on the device only; a
+        zero length gives o = 0, lse = -inf). Rows at or past a length are never read.
+    sm_scale: the score scale (K3: (qk_nope + qk_rope) ** -0.5).
+    num_splits: pieces the context is cut into. None picks :func:`default_num_splits` from the
+        host shapes (M, Hl, L_max) and the SM count; an int in [1, MAX_SPLITS] fixes the grid,
+        so one captured CUDA graph serves every length up to L_max.
+    Returns o_lat [M, Hl, C] in q_lat's dtype; with ``return_lse`` also lse [M, Hl] fp32 (natural
+    log of sum_t exp(score), scores scaled). No host synchronization.
+    """
+    _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits)
+    m, h, c = q_lat.shape
+    r = q_rope.shape[2]
+    dev = q_lat.device
+    if num_splits is None:
+        num_splits = default_num_splits(m, h, kv_cache.shape[1], dev)
+    num_splits = int(num_splits)
+    dot_fp32 = dev.type == "cpu"
+    out = torch.empty((m, h, c), device=dev, dtype=q_lat.dtype)
+    lse = torch.empty((m, h), device=dev, dtype=torch.float32)
+    final = num_splits == 1
+    if final:
+        o_dst, lse_dst = out, lse
+        so = (out.stride(0), out.stride(1), 0)
+        sl = (lse.stride(0), lse.stride(1))
+    else:
+        o_dst = torch.empty((m, h, num_splits, c), device=dev, dtype=torch.float32)
+        lse_dst = torch.empty((m, h, num_splits), device=dev, dtype=torch.float32)
+        so = (o_dst.stride(0), o_dst.stride(1), o_dst.stride(2))
+        sl = (lse_dst.stride(0), lse_dst.stride(1))
+    grid = (m, triton.cdiv(h, BLOCK_H), num_splits)
+    _mla_decode_split_kernel[grid](
+        q_lat, q_rope, kv_cache, seq_lens, o_dst, lse_dst,
+        sm_scale * _LOG2E, num_splits, h,
+        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), *so, *sl,
+        C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, DOT_FP32=dot_fp32, FINAL=final,
+        num_warps=SPLIT_NUM_WARPS, num_stages=SPLIT_NUM_STAGES,
+    )
+    if not final:
+        block_c = min(COMBINE_BLOCK_C, c)
+        block_s = min(COMBINE_BLOCK_S, triton.next_power_of_2(num_splits))
+        _mla_decode_combine_kernel[(m, h, triton.cdiv(c, block_c))](
+            o_dst, lse_dst, out, lse, num_splits,
+            o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
+            lse_dst.stride(0), lse_dst.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0),
+            C=c, BLOCK_C=block_c, BLOCK_S=block_s,
+        )
+    return (out, lse) if return_lse else out

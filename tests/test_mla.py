@@ -1,0 +1,385 @@
+"""MLA decode kernel (kernels/mla.py) against the absorbed fp32 reference and the unabsorbed SDPA
+form; split heuristic; bad input; GPU: K3 tp 8 sizes, no host sync, one CUDA graph at every
+length."""
+
+import math
+
+import pytest
+import torch
+from k3lab.kernels import mla_decode
+from k3lab.kernels.mla import BLOCK_N, COMBINE_BLOCK_S, MAX_SPLITS, default_num_splits
+
+from k3lab.boundaries import assert_close, get
+from k3lab.config import preset
+from k3lab.reference.mla import (
+    mla_decode_reference,
+    mla_decode_unabsorbed,
+    mla_layer_reference,
+    rope_rotate,
+    split_kv_b,
+)
+from k3lab.weights import hidden_states, make_generator, mla_cache, mla_weights, randn
+
+# Under the interpreter the kernel computes in fp32 from the bf16 inputs: o_lat differs from
+# the fp32 reference by its bf16 output conversion only, which the interpreter truncates (not
+# round-to-nearest as the GPU does): up to 1 ulp = 2^-7 relative.
+O_LAT_ATOL_CPU = 1e-3
+O_LAT_RTOL_CPU = 2 ** -7
+# On the GPU the probabilities enter the P @ C tensor-core product in bf16 as well.
+O_LAT_ATOL_GPU = 1e-2
+O_LAT_RTOL_GPU = 1e-2
+# lse: fp32 sums of exact bf16 products, in a different order than the reference.
+LSE_ATOL = 1e-3
+# Absorbed fp32 reference vs the unabsorbed SDPA form (same fp32 inputs): reassociation only.
+UNABSORBED_ATOL = 1e-4
+# Kernel (q_lat rounded to bf16, bf16 output) projected through W_uv vs the unabsorbed form.
+KERNEL_VS_UNABSORBED_ATOL = 3e-2
+# Layer step with the kernel inside vs the all-reference layer (fp32 output of o_proj).
+LAYER_ATOL = 2e-2
+
+TINY = preset("tiny", 1)
+K3 = preset("kimi-k3", 8)
+
+
+def _on(device):
+    return "gpu" if torch.device(device).type == "cuda" else "cpu"
+
+
+def _tol(device):
+    if _on(device) == "gpu":
+        return dict(atol=O_LAT_ATOL_GPU, rtol=O_LAT_RTOL_GPU)
+    return dict(atol=O_LAT_ATOL_CPU, rtol=O_LAT_RTOL_CPU)
+
+
+def _inputs(cfg, lens, device, *, max_len=None, seed=0):
+    """q_lat, q_rope (std 1), cache [M, max_len, C + R] and seq_lens for the given lengths."""
+    gen = make_generator(seed, device)
+    m = len(lens)
+    q_lat = randn((m, cfg.mla_heads, cfg.kv_lora), gen)
+    q_rope = randn((m, cfg.mla_heads, cfg.qk_rope), gen)
+    cache = mla_cache(cfg, m, max_len or max(lens), lens, gen)
+    return q_lat, q_rope, cache["kv_cache"], cache["seq_lens"]
+
+
+def _check(device, q_lat, q_rope, kv, lens, num_splits, sm_scale):
+    o, lse = mla_decode(q_lat, q_rope, kv, lens, sm_scale=sm_scale, num_splits=num_splits,
+                        return_lse=True)
+    ro, rlse = mla_decode_reference(q_lat, q_rope, kv, lens, sm_scale=sm_scale, return_lse=True)
+    assert o.dtype == q_lat.dtype and o.shape == q_lat.shape
+    assert lse.dtype == torch.float32 and lse.shape == q_lat.shape[:2]
+    assert_close("o_lat", o, ro, **_tol(device))
+    assert_close("lse", lse, rlse, atol=LSE_ATOL)
+    return o
+
+
+# (id, preset, lengths, L_max or None (= longest), num_splits)
+CASES = [
+    ("M1-L1-auto", TINY, [1], 40, None),
+    ("M1-L1-s4", TINY, [1], 40, 4),
+    ("M1-L37-auto", TINY, [37], None, None),
+    ("M1-L100-s3", TINY, [100], 130, 3),
+    ("M1-L33-s64-more-splits-than-blocks", TINY, [33], None, 64),
+    ("M1-L600-auto-multisplit", TINY, [600], None, None),
+    ("M1-L1200-s40-combine-chunks", TINY, [1200], None, 40),  # > COMBINE_BLOCK_S live splits
+    ("M1-L95-s1-single-kernel", TINY, [95], None, 1),
+    ("M3-mixed-s4", TINY, [97, 1, 64], 100, 4),
+    ("M2-mixed-s1", TINY, [31, 65], None, 1),
+    ("M4-mixed-auto", TINY, [300, 2, 129, 33], 300, None),
+    ("K3tp8-M2-L300-s5", K3, [300, 45], None, 5),
+]
+
+
+@pytest.mark.parametrize("cfg,lens,max_len,num_splits", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_matches_reference(device, cfg, lens, max_len, num_splits):
+    q_lat, q_rope, kv, sl = _inputs(cfg, lens, device, max_len=max_len)
+    _check(device, q_lat, q_rope, kv, sl, num_splits, cfg.qk_head ** -0.5)
+
+
+def test_cases_cover_the_paths():
+    """M1-L600-auto runs the combine kernel (more than one split); M1-L1200-s40 has live splits
+    in more than one combine chunk."""
+    assert default_num_splits(1, TINY.mla_heads, 600, "cpu") > 1
+    assert -(-1200 // BLOCK_N) > COMBINE_BLOCK_S < 40
+
+
+def test_rows_past_length_never_read(device):
+    """NaN in every cache row at or past a token's length must not reach the output."""
+    q_lat, q_rope, kv, sl = _inputs(TINY, [45, 3], device, max_len=80)
+    ref = mla_decode_reference(q_lat, q_rope, kv, sl, sm_scale=0.2)
+    kv[0, 45:] = float("nan")
+    kv[1, 3:] = float("nan")
+    for ns in (1, 3, 16):
+        o = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=ns)
+        assert_close(f"o_lat(splits={ns})", o, ref, **_tol(device))
+
+
+def test_split_count_does_not_change_result(device):
+    q_lat, q_rope, kv, sl = _inputs(TINY, [257, 100], device)
+    outs = {ns: mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.15, num_splits=ns).float()
+            for ns in (1, 2, 7, 9, 40)}
+    for ns, o in outs.items():
+        assert_close(f"o_lat(splits={ns}) vs 1 split", o, outs[1], **_tol(device))
+
+
+def test_zero_length_gives_zero_output(device):
+    """Outside the contract (lengths >= 1) but what a padded graph batch relies on: a zero
+    length yields o = 0 and lse = -inf instead of NaN."""
+    q_lat, q_rope, kv, sl = _inputs(TINY, [20, 20], device)
+    sl[1] = 0
+    for ns in (1, 4):
+        o, lse = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=ns, return_lse=True)
+        assert torch.equal(o[1].float(), torch.zeros_like(o[1].float()))
+        assert torch.isneginf(lse[1]).all()
+        ref = mla_decode_reference(q_lat[:1], q_rope[:1], kv[:1], sl[:1], sm_scale=0.2)
+        assert_close("o_lat[0]", o[:1], ref, **_tol(device))
+
+
+# ---------------------------------------------------------------------------------------------
+# the absorbed form is MLA: compare with keys and values expanded through W_uk / W_uv (SDPA)
+
+
+def _unabsorbed_setup(cfg, lens, device, seed=1):
+    gen = make_generator(seed, device)
+    m = len(lens)
+    w = mla_weights(cfg, gen)
+    w_uk, w_uv = split_kv_b(w["kv_b"].float(), cfg.mla_heads, cfg.qk_nope, cfg.v_head)
+    q_nope = randn((m, cfg.mla_heads, cfg.qk_nope), gen, dtype=torch.float32)
+    q_rope = randn((m, cfg.mla_heads, cfg.qk_rope), gen)
+    cache = mla_cache(cfg, m, max(lens) + 5, lens, gen)
+    return q_nope, q_rope, cache["kv_cache"], cache["seq_lens"], w_uk, w_uv
+
+
+@pytest.mark.parametrize("cfg,lens", [(TINY, [1]), (TINY, [70, 33, 2]), (K3, [129])],
+                         ids=["tiny-M1-L1", "tiny-M3-mixed", "K3tp8-M1-L129"])
+def test_reference_matches_unabsorbed(cfg, lens):
+    q_nope, q_rope, kv, sl, w_uk, w_uv = _unabsorbed_setup(cfg, lens, "cpu")
+    sm_scale = cfg.qk_head ** -0.5
+    q_lat = torch.einsum("mhn,hnc->mhc", q_nope, w_uk)
+    o_lat = mla_decode_reference(q_lat, q_rope, kv, sl, sm_scale=sm_scale)
+    o = torch.einsum("mhc,hvc->mhv", o_lat, w_uv)
+    expect = mla_decode_unabsorbed(q_nope, q_rope, kv, sl, w_uk, w_uv, sm_scale=sm_scale)
+    assert_close("o (absorbed ref vs SDPA)", o, expect, atol=UNABSORBED_ATOL)
+
+
+@pytest.mark.parametrize("lens,num_splits", [([50, 1], 4), ([200], None)],
+                         ids=["tiny-M2-mixed-s4", "tiny-M1-L200-auto"])
+def test_kernel_matches_unabsorbed(device, lens, num_splits):
+    cfg = TINY
+    q_nope, q_rope, kv, sl, w_uk, w_uv = _unabsorbed_setup(cfg, lens, device)
+    sm_scale = cfg.qk_head ** -0.5
+    q_lat = torch.einsum("mhn,hnc->mhc", q_nope, w_uk).to(torch.bfloat16)
+    o_lat = mla_decode(q_lat, q_rope, kv, sl, sm_scale=sm_scale, num_splits=num_splits)
+    o = torch.einsum("mhc,hvc->mhv", o_lat.float(), w_uv)
+    expect = mla_decode_unabsorbed(q_nope, q_rope, kv, sl, w_uk, w_uv, sm_scale=sm_scale)
+    assert_close("o (kernel vs SDPA)", o, expect, atol=KERNEL_VS_UNABSORBED_ATOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole layer step
+
+
+def test_layer_reference_appends_and_runs_kernel(device):
+    cfg = TINY
+    gen = make_generator(3, device)
+    w = mla_weights(cfg, gen)
+    x = hidden_states(cfg, 2, gen)
+    cache = mla_cache(cfg, 2, 50, [10, 30], gen)
+    cache_k = {k: v.clone() for k, v in cache.items()}
+    pos = torch.tensor([10, 30], device=device)
+    expect = mla_layer_reference(x, w, cache, cfg, pos)
+    got = mla_layer_reference(x, w, cache_k, cfg, pos,
+                              attention=lambda *a, **k: mla_decode(*a, num_splits=3, **k))
+    assert cache["seq_lens"].tolist() == [11, 31]
+    assert torch.equal(cache["kv_cache"], cache_k["kv_cache"])
+    assert expect.shape == (2, cfg.hidden) and torch.isfinite(expect).all()
+    assert_close("layer output", got, expect, atol=LAYER_ATOL)
+    # the appended row is the new token's normalized latent: unit RMS
+    rms = cache["kv_cache"][0, 10, :cfg.kv_lora].float().pow(2).mean().sqrt()
+    assert 0.5 < float(rms) < 2.0
+
+
+def test_rope_rotation_is_a_rotation():
+    x = torch.randn(3, 4, 16)
+    pos = torch.tensor([0, 5, 1000])
+    y = rope_rotate(x, pos)
+    assert torch.allclose(y[0], x[0])
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+    # relative: <R(a) q, R(b) k> depends on a - b only
+    q, k = torch.randn(1, 16), torch.randn(1, 16)
+    d1 = (rope_rotate(q, torch.tensor([7])) * rope_rotate(k, torch.tensor([3]))).sum()
+    d2 = (rope_rotate(q, torch.tensor([104])) * rope_rotate(k, torch.tensor([100]))).sum()
+    assert math.isclose(float(d1), float(d2), rel_tol=1e-4, abs_tol=1e-4)
+
+
+def test_layer_reference_k2_rope_runs():
+    cfg = preset("kimi-k2", 8)
+    # shrink only what the math does not care about, keep K2's head dims and rope flag
+    import dataclasses
+    cfg = dataclasses.replace(cfg, hidden=128, q_lora=64)
+    gen = make_generator(0, "cpu")
+    w = mla_weights(cfg, gen)
+    cache = mla_cache(cfg, 1, 8, [3], gen)
+    out = mla_layer_reference(hidden_states(cfg, 1, gen), w, cache, cfg, 3)
+    assert out.shape == (1, 128) and torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# heuristic
+
+
+def test_heuristic_from_shapes():
+    d = "cpu"
+    assert default_num_splits(1, 12, 1, d) == 1
+    assert default_num_splits(1, 12, 255, d) == 1
+    seq = [default_num_splits(1, 12, n, d) for n in (256, 1024, 4096, 32768, 131072)]
+    assert seq == sorted(seq) and seq[0] >= 1 and seq[-1] > seq[0]
+    assert all(1 <= s <= MAX_SPLITS for s in seq)
+    # more tokens / head groups fill the GPU without splitting as much
+    assert default_num_splits(64, 12, 131072, d) <= default_num_splits(1, 12, 131072, d)
+
+
+def test_boundary_variants_agree(device):
+    b = get("mla")
+    inputs = b.make_inputs(TINY, device, 0, M=2, context=100)
+    ref = b.reference.fn(inputs)
+    for v in b.available_variants(device):
+        if v.name != "torch.compile":  # compiled in the notebook; minutes of compile here
+            b.check(v.fn(inputs), ref, inputs)
+    kv_bytes = (100 + 75) * (TINY.kv_lora + TINY.qk_rope) * 2
+    assert inputs["seq_lens"].tolist() == [100, 75]
+    q_bytes = inputs["q_lat"].nbytes + inputs["q_rope"].nbytes
+    assert b.bytes_moved(inputs) == kv_bytes + q_bytes + inputs["q_lat"].nbytes
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def _good(device):
+    return dict(zip(("q_lat", "q_rope", "kv_cache", "seq_lens"),
+                    _inputs(TINY, [20, 10], device), strict=True))
+
+
+def _bad_cases():
+    def noncontig(a):
+        return a["kv_cache"].transpose(1, 2).contiguous().transpose(1, 2)
+
+    return [
+        ("q_lat-2d", lambda a: {**a, "q_lat": a["q_lat"][0]}, "q_lat"),
+        ("q_lat-fp32", lambda a: {**a, "q_lat": a["q_lat"].float()}, "q_lat"),
+        ("q_lat-C48", lambda a: {**a, "q_lat": a["q_lat"][..., :48],
+                                 "kv_cache": a["kv_cache"][..., 16:]}, "q_lat"),
+        ("q_rope-heads", lambda a: {**a, "q_rope": a["q_rope"][:, :3]}, "q_rope"),
+        ("q_rope-R12", lambda a: {**a, "q_rope": a["q_rope"][..., :12],
+                                  "kv_cache": a["kv_cache"][..., :76]}, "q_rope"),
+        ("q_rope-fp16", lambda a: {**a, "q_rope": a["q_rope"].half()}, "q_rope"),
+        ("kv-width", lambda a: {**a, "kv_cache": a["kv_cache"][..., :70]}, "kv_cache"),
+        ("kv-batch", lambda a: {**a, "kv_cache": a["kv_cache"][:1]}, "kv_cache"),
+        ("kv-fp16", lambda a: {**a, "kv_cache": a["kv_cache"].half()}, "kv_cache"),
+        ("kv-noncontig", lambda a: {**a, "kv_cache": noncontig(a)}, "kv_cache"),
+        ("lens-int64", lambda a: {**a, "seq_lens": a["seq_lens"].long()}, "seq_lens"),
+        ("lens-shape", lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, "seq_lens"),
+        ("lens-list", lambda a: {**a, "seq_lens": [20, 10]}, "seq_lens"),
+    ]
+
+
+@pytest.mark.parametrize("mutate,param", [c[1:] for c in _bad_cases()],
+                         ids=[c[0] for c in _bad_cases()])
+def test_bad_tensors(device, mutate, param):
+    a = mutate(_good(device))
+    with pytest.raises(ValueError, match=param):
+        mla_decode(a["q_lat"], a["q_rope"], a["kv_cache"], a["seq_lens"], sm_scale=0.1)
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"sm_scale": 0.0}, "sm_scale"), ({"sm_scale": float("nan")}, "sm_scale"),
+    ({"sm_scale": -1.0}, "sm_scale"), ({"sm_scale": True}, "sm_scale"),
+    ({"sm_scale": 0.1, "num_splits": 0}, "num_splits"),
+    ({"sm_scale": 0.1, "num_splits": MAX_SPLITS + 1}, "num_splits"),
+    ({"sm_scale": 0.1, "num_splits": 2.0}, "num_splits"),
+    ({"sm_scale": 0.1, "num_splits": True}, "num_splits"),
+], ids=["scale-0", "scale-nan", "scale-neg", "scale-bool", "splits-0", "splits-max", "splits-float",
+        "splits-bool"])
+def test_bad_scalars(device, kwargs, param):
+    a = _good(device)
+    with pytest.raises(ValueError, match=param):
+        mla_decode(a["q_lat"], a["q_rope"], a["kv_cache"], a["seq_lens"], **kwargs)
+
+
+def test_cpu_needs_interpreter(monkeypatch):
+    a = _good("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="q_lat"):
+        mla_decode(a["q_lat"], a["q_rope"], a["kv_cache"], a["seq_lens"], sm_scale=0.1)
+
+
+@pytest.mark.gpu
+def test_device_mismatch():
+    a = _good("cuda")
+    with pytest.raises(ValueError, match="seq_lens"):
+        mla_decode(a["q_lat"], a["q_rope"], a["kv_cache"], a["seq_lens"].cpu(), sm_scale=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: K3 at tp 8 (12 heads, 512 + 64), long contexts, no host sync, one graph for all lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("length", [1, 31, 32, 33, 1000, 4097, 32768, 131072])
+@pytest.mark.parametrize("num_splits", [None, 1, 4, 64, 300])
+def test_gpu_k3_sizes(length, num_splits):
+    q_lat, q_rope, kv, sl = _inputs(K3, [length], "cuda", max_len=max(length, BLOCK_N * 3))
+    _check("cuda", q_lat, q_rope, kv, sl, num_splits, K3.qk_head ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 8, 132])
+def test_gpu_k3_batch_mixed_lengths(num_splits):
+    q_lat, q_rope, kv, sl = _inputs(K3, [8192, 1, 3000, 77], "cuda")
+    _check("cuda", q_lat, q_rope, kv, sl, num_splits, K3.qk_head ** -0.5)
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync():
+    q_lat, q_rope, kv, sl = _inputs(K3, [5000], "cuda")
+    mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1)  # compile first
+    mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1)
+        mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16, return_lse=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4, 64, None])
+def test_gpu_one_graph_every_length(num_splits):
+    """Capture once at L_max with a fixed split count, then change seq_lens in place and replay:
+    every length (shorter, not a multiple of the block, 1, L_max) must match the reference."""
+    l_max = 16384
+    q_lat, q_rope, kv, sl = _inputs(K3, [l_max, l_max], "cuda")
+    sm_scale = K3.qk_head ** -0.5
+
+    def step():
+        return mla_decode(q_lat, q_rope, kv, sl, sm_scale=sm_scale, num_splits=num_splits,
+                          return_lse=True)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = step()
+    for lens in ([l_max, l_max], [1, 33], [4097, 100], [31, l_max], [l_max - 1, 2048]):
+        sl.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        ro, rlse = mla_decode_reference(q_lat, q_rope, kv, sl, sm_scale=sm_scale,
+                                        return_lse=True)
+        assert_close(f"o_lat at {lens}", o, ro, atol=O_LAT_ATOL_GPU, rtol=O_LAT_RTOL_GPU)
+        assert_close(f"lse at {lens}", lse, rlse, atol=LSE_ATOL)
