@@ -1,2 +1,3 @@
 """Fused Triton kernels, one file per boundary (imported as ``k3lab.kernels``)."""
 from .mla import mla_decode  # noqa: F401
+from .route_sort import route_sort  # noqa: F401

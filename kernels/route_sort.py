@@ -1,0 +1,378 @@
+"""Fused routing + MoE sort metadata (the route boundary) in two launches.
+
+Math (ARCHITECTURE.md section 3, ``noaux_tc``), per token m of M::
+
+    logits = fp32(x[m]) @ fp32(W_gate)^T            # [E]
+    s      = sigmoid(logits);  sb = s + bias        # sb chooses, s weighs
+    (n_group > 1: group score = top-2 sum of sb in the group; keep topk_group groups)
+    ids    = top_k of sb, descending, ties to the lower expert index
+    w      = s[ids] / (sum + 1e-20) (if renormalize) * routed_scaling_factor
+
+and the sort metadata of ``k3lab.plan.RoutePlan``: entries ``m * top_k + slot`` grouped by
+expert (ascending), each run padded to a multiple of ``block_m`` with the sentinel ``M * top_k``.
+
+Launch 1, ``_gate_gemv_kernel``, grid (E tiles, K splits): each program loads one
+[BLOCK_E, BLOCK_K] tile of W once (FP32 accumulation) and writes, for every token, its partial
+logits into an fp32 scratch [SPLIT_K, M, E] (no memset, no atomics: deterministic). As a side job
+the programs fill the plan's padding (sorted_ids = sentinel, sorted_weights = 0,
+block_expert_ids = -1) and zero ``out``, so launch 2 only writes real entries.
+
+Launch 2, ``_route_select_sort_kernel``, one program: sums the partials in a fixed order,
+sigmoid, bias, grouped top-k by iterative arg-max on packed (score, expert) int64 keys (one
+reduction per slot; the low word breaks ties toward the lower expert), weights, then the sort
+metadata from pairwise comparisons of the M * top_k entries (rank within the expert, tiles of
+lower experts), so nothing scales with E beyond the selection itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lab.plan import RoutePlan, plan_capacity
+
+__all__ = ["route_sort", "MAX_TOKENS"]
+
+MAX_TOKENS = 64  # one selection program walks the tokens; beyond a decode batch, use a sort
+RENORM_EPS = tl.constexpr(1e-20)  # the model's epsilon on the weight sum
+# GPU gate GEMV tiles: 16 x 512 bf16 = 16 KB of W per program; for K3's 896 x 7168 that is
+# 56 x 14 = 784 programs (about 6 per H200 SM), enough loads in flight to pull full bandwidth.
+GEMV_BLOCK_E = 16
+GEMV_BLOCK_K = (512, 256, 128)  # the widest K tile that still gives GEMV_MIN_PROGRAMS
+GEMV_MIN_PROGRAMS = 512
+# Interpreter (CPU): few, big programs; each program costs a fixed Python overhead.
+INTERP_BLOCK_E = 128
+INTERP_BLOCK_K = 2048
+FILL_BLOCK = 1024  # elements per store in the padding / zero fill side job
+SELECT_TILE = 4096  # tokens x padded experts held by the selection program at once
+REG_ENTRIES = 64  # (padded) entries sorted in registers when all tokens fit one block (B1)
+PAIR_TILE = 8192  # entries x entries compared at once by the sort passes
+PAIR_COLS = 1024  # widest column block of the sort passes
+NUM_WARPS = 4
+KEY_MIN = tl.constexpr(-(2**63))  # below every packed key: marks an expert already taken
+IDX_BITS = tl.constexpr(0x7FFFFFFF)  # low word of a key: IDX_BITS - expert (larger = lower expert)
+
+
+@triton.jit
+def _fill(p_dst, n, b_value, pid, n_prog, BLOCK: tl.constexpr):
+    """Grid-stride store of the block ``b_value`` over ``p_dst[0:n]``."""
+    o = tl.arange(0, BLOCK)
+    for start in range(pid * BLOCK, n, n_prog * BLOCK):
+        tl.store(p_dst + start + o, b_value, mask=start + o < n)
+
+
+@triton.jit
+def _gate_gemv_kernel(p_x, p_w, p_part, p_sorted_ids, p_sorted_w, p_block_ids, p_out,
+                      M, E, H, n_sorted, n_blocks, n_out, sentinel,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, FILL: tl.constexpr):
+    i_e, i_k = tl.program_id(0), tl.program_id(1)
+    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    m_e, m_k = o_e < E, o_k < H
+    b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :], mask=m_e[:, None] & m_k[None, :],
+                  other=0.0).to(tl.float32)
+    for i_m in range(M):
+        b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_acc = tl.sum(b_w * b_x[None, :], axis=1)
+        tl.store(p_part + (i_k * M + i_m) * E + o_e, b_acc, mask=m_e)
+
+    # side job: the plan's padding and the zeroed stage-2 buffer
+    pid = i_k * tl.num_programs(0) + i_e
+    n_prog = tl.num_programs(0) * tl.num_programs(1)
+    _fill(p_sorted_ids, n_sorted, tl.zeros([FILL], tl.int32) + sentinel, pid, n_prog, FILL)
+    _fill(p_sorted_w, n_sorted, tl.zeros([FILL], tl.float32), pid, n_prog, FILL)
+    _fill(p_block_ids, n_blocks, tl.zeros([FILL], tl.int32) - 1, pid, n_prog, FILL)
+    _fill(p_out, n_out, tl.zeros([FILL], tl.float32), pid, n_prog, FILL)
+
+
+@triton.jit
+def _select_tokens(p_part, b_bias, p_ids, p_w, t0, M, scaling,
+                   E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr,
+                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Route tokens [t0, t0 + BLOCK_T): store their ids and weights; return
+    (ids, weights, entry index, mask), each [BLOCK_T, BLOCK_S]."""
+    o_e = tl.arange(0, BLOCK_E)
+    o_s = tl.arange(0, BLOCK_S)
+    o_t = t0 + tl.arange(0, BLOCK_T)
+    m_e, m_t = o_e < E, o_t < M
+    m_te = m_t[:, None] & m_e[None, :]
+    b_logit = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for i_k in tl.static_range(SPLIT_K):  # fixed order: the weight gather below repeats it
+        b_logit += tl.load(p_part + (i_k * M + o_t[:, None]) * E + o_e[None, :], mask=m_te,
+                           other=0.0)
+    b_sb = tl.where(m_te, 1.0 / (1.0 + tl.exp(-b_logit)) + b_bias[None, :], float("-inf"))
+
+    if N_GROUP > 1:
+        o_g = tl.arange(0, BLOCK_G)
+        b_grp = o_e // GROUP_SIZE
+        b_gscore = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):  # group score = top-2 sum (values only)
+            b_in = tl.where((b_grp == g)[None, :], b_sb, float("-inf"))
+            b_top1 = tl.max(b_in, axis=1)
+            b_i1 = tl.min(tl.where(b_in == b_top1[:, None], o_e[None, :], BLOCK_E), axis=1)
+            b_top2 = tl.max(tl.where(o_e[None, :] == b_i1[:, None], float("-inf"), b_in), axis=1)
+            b_gscore = tl.where(o_g[None, :] == g, (b_top1 + b_top2)[:, None], b_gscore)
+        b_keep = tl.zeros([BLOCK_T, BLOCK_G], tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):  # arg-max, ties to the lower group
+            b_best = tl.max(b_gscore, axis=1)
+            b_ig = tl.min(tl.where(b_gscore == b_best[:, None], o_g[None, :], BLOCK_G), axis=1)
+            b_hit = o_g[None, :] == b_ig[:, None]
+            b_keep = tl.where(b_hit, 1, b_keep)
+            b_gscore = tl.where(b_hit, float("-inf"), b_gscore)
+        b_keep_e = tl.zeros([BLOCK_T, BLOCK_E], tl.int32)
+        for g in tl.static_range(N_GROUP):
+            b_kg = tl.sum(tl.where(o_g[None, :] == g, b_keep, 0), axis=1)
+            b_keep_e = tl.where((b_grp == g)[None, :], b_kg[:, None], b_keep_e)
+        b_sb = tl.where(b_keep_e != 0, b_sb, float("-inf"))
+
+    # packed key: order-preserving int32 image of sb above (IDX_BITS - expert), so one max
+    # reduction per slot finds the best score and, among equals, the lowest expert
+    b_bits = b_sb.to(tl.int32, bitcast=True)
+    b_bits = b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)
+    b_key = (b_bits.to(tl.int64) << 32) | (-o_e[None, :] + IDX_BITS).to(tl.int64)
+    b_ids = tl.zeros([BLOCK_T, BLOCK_S], tl.int32)
+    for i_s in range(TOP_K):
+        b_best = tl.max(b_key, axis=1)
+        b_idx = (-(b_best & IDX_BITS) + IDX_BITS).to(tl.int32)
+        b_ids = tl.where(o_s[None, :] == i_s, b_idx[:, None], b_ids)
+        b_key = tl.where(b_key == b_best[:, None], KEY_MIN, b_key)
+
+    # weights: the unbiased scores of the chosen experts, same partial-sum order
+    m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
+    b_wl = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
+    for i_k in tl.static_range(SPLIT_K):
+        b_wl += tl.load(p_part + (i_k * M + o_t[:, None]) * E + b_ids, mask=m_ts, other=0.0)
+    b_w = tl.where(m_ts, 1.0 / (1.0 + tl.exp(-b_wl)), 0.0)
+    if RENORMALIZE:
+        b_w = b_w / (tl.sum(b_w, axis=1)[:, None] + RENORM_EPS)
+    b_w = b_w * scaling
+    o_ts = o_t[:, None] * TOP_K + o_s[None, :]
+    tl.store(p_ids + o_ts, b_ids, mask=m_ts)
+    tl.store(p_w + o_ts, b_w, mask=m_ts)
+    return b_ids, b_w, o_ts, m_ts
+
+
+@triton.jit
+def _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_e, o_n, b_w, b_rank, b_before, m_n,
+                   BM: tl.constexpr):
+    """Scatter entries to position BM * (tiles of lower experts) + rank; an entry whose rank is
+    a multiple of BM opens a tile and writes its expert id. Returns the tile-opening mask."""
+    b_pos = b_before * BM + b_rank
+    tl.store(p_sorted_ids + b_pos, o_n, mask=m_n)
+    tl.store(p_sorted_w + b_pos, b_w, mask=m_n)
+    m_open = m_n & (b_rank % BM == 0)
+    tl.store(p_block_ids + b_pos // BM, b_e, mask=m_open)
+    return m_open
+
+
+@triton.jit
+def _route_select_sort_kernel(
+        p_part, p_bias, p_ids, p_w, p_sorted_ids, p_sorted_w, p_block_ids, p_num_valid,
+        p_rank, M, scaling,
+        E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        BM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_S: tl.constexpr, IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr):
+    b_bias = tl.load(p_bias + tl.arange(0, BLOCK_E), mask=tl.arange(0, BLOCK_E) < E, other=0.0)
+
+    if IN_REGS:
+        # all tokens fit one selection block: the sort works on the registers directly
+        b_ids, b_w, o_ts, m_ts = _select_tokens(
+            p_part, b_bias, p_ids, p_w, 0, M, scaling, E, SPLIT_K, TOP_K, N_GROUP, TOPK_GROUP,
+            GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S)
+        b_e = tl.reshape(b_ids, [BLOCK_T * BLOCK_S])
+        o_n = tl.reshape(o_ts, [BLOCK_T * BLOCK_S])
+        m_n = tl.reshape(m_ts, [BLOCK_T * BLOCK_S])
+        b_wn = tl.reshape(b_w, [BLOCK_T * BLOCK_S])
+        b_same = (b_e[None, :] == b_e[:, None]) & (o_n[None, :] < o_n[:, None]) & m_n[None, :]
+        b_rank = tl.sum(b_same.to(tl.int32), axis=1)
+        m_open = m_n & (b_rank % BM == 0)
+        b_lower = (b_e[None, :] < b_e[:, None]) & m_open[None, :]
+        b_before = tl.sum(b_lower.to(tl.int32), axis=1)
+        m_open = _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_e, o_n, b_wn, b_rank,
+                                b_before, m_n, BM)
+        tl.store(p_num_valid, tl.sum(m_open.to(tl.int32), axis=0) * BM)
+    else:
+        for t0 in range(0, M, BLOCK_T):
+            _select_tokens(p_part, b_bias, p_ids, p_w, t0, M, scaling, E, SPLIT_K, TOP_K,
+                           N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
+                           BLOCK_G, BLOCK_S)
+        tl.debug_barrier()  # the passes below read topk_ids written by other threads
+
+        # pass 1: rank of each entry within its expert (earlier entries of the same expert)
+        N = M * TOP_K
+        for r0 in range(0, N, BLOCK_R):
+            o_r = r0 + tl.arange(0, BLOCK_R)
+            m_r = o_r < N
+            b_er = tl.load(p_ids + o_r, mask=m_r, other=-1)
+            b_rank = tl.zeros([BLOCK_R], tl.int32)
+            for c0 in range(0, r0 + BLOCK_R, BLOCK_C):
+                o_c = c0 + tl.arange(0, BLOCK_C)
+                b_ec = tl.load(p_ids + o_c, mask=o_c < N, other=-2)
+                b_same = (b_ec[None, :] == b_er[:, None]) & (o_c[None, :] < o_r[:, None])
+                b_rank += tl.sum(b_same.to(tl.int32), axis=1)
+            tl.store(p_rank + o_r, b_rank, mask=m_r)
+        tl.debug_barrier()
+
+        # pass 2: tiles opened by lower experts, then scatter
+        b_tiles = tl.zeros([BLOCK_R], tl.int32)
+        for r0 in range(0, N, BLOCK_R):
+            o_r = r0 + tl.arange(0, BLOCK_R)
+            m_r = o_r < N
+            b_er = tl.load(p_ids + o_r, mask=m_r, other=-1)
+            b_rank = tl.load(p_rank + o_r, mask=m_r, other=1)
+            b_before = tl.zeros([BLOCK_R], tl.int32)
+            for c0 in range(0, N, BLOCK_C):
+                o_c = c0 + tl.arange(0, BLOCK_C)
+                m_c = o_c < N
+                b_ec = tl.load(p_ids + o_c, mask=m_c, other=E)
+                m_open_c = m_c & (tl.load(p_rank + o_c, mask=m_c, other=1) % BM == 0)
+                b_lower = (b_ec[None, :] < b_er[:, None]) & m_open_c[None, :]
+                b_before += tl.sum(b_lower.to(tl.int32), axis=1)
+            b_wr = tl.load(p_w + o_r, mask=m_r, other=0.0)
+            m_open = _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_er, o_r, b_wr,
+                                    b_rank, b_before, m_r, BM)
+            b_tiles += m_open.to(tl.int32)
+        tl.store(p_num_valid, tl.sum(b_tiles, axis=0) * BM)
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name}: expected {rng}, got {value}")
+    return value
+
+
+def _gemv_blocks(E: int, H: int, on_gpu: bool, block_e: int | None,
+                 block_k: int | None) -> tuple[int, int]:
+    if not on_gpu:
+        be = block_e or min(triton.next_power_of_2(E), INTERP_BLOCK_E)
+        return be, block_k or min(triton.next_power_of_2(H), INTERP_BLOCK_K)
+    be = block_e or GEMV_BLOCK_E
+    if block_k:
+        return be, block_k
+    for bk in GEMV_BLOCK_K:
+        if triton.cdiv(E, be) * triton.cdiv(H, bk) >= GEMV_MIN_PROGRAMS:
+            return be, bk
+    return be, GEMV_BLOCK_K[-1]
+
+
+def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,
+               *, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
+               routed_scaling_factor: float = 1.0, block_m: int = 1, out_dim: int | None = None,
+               gemv_block_e: int | None = None, gemv_block_k: int | None = None) -> RoutePlan:
+    """Route M tokens and build the MoE sort metadata in two launches (no host sync).
+
+    Args:
+        hidden: [M, H] bf16 or fp32, contiguous, 1 <= M <= MAX_TOKENS.
+        gate_weight: [E, H] bf16 or fp32, contiguous, same device.
+        correction_bias: [E] fp32.
+        top_k: experts per token, 1 <= top_k <= E (and within the kept groups).
+        n_group, topk_group: grouped routing; n_group divides E with >= 2 experts per group,
+            1 <= topk_group <= n_group.
+        renormalize, routed_scaling_factor: weight normalization and scale.
+        block_m: tile height the sorted runs are padded to (>= 1).
+        out_dim: when given, ``out`` is a zeroed fp32 [M, out_dim].
+        gemv_block_e, gemv_block_k: tuning overrides of the gate GEMV tile (powers of two).
+
+    Returns:
+        RoutePlan with topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k], sorted_ids int32
+        [cap], sorted_weights fp32 [cap], block_expert_ids int32 [cap // block_m], num_valid
+        int32 [1], out fp32 [M, out_dim] or None; cap = M * top_k + E * (block_m - 1).
+    """
+    for name, t in (("hidden", hidden), ("gate_weight", gate_weight),
+                    ("correction_bias", correction_bias)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor")
+    if hidden.dim() != 2 or hidden.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"hidden: expected [M, H] bf16 or fp32, got {tuple(hidden.shape)} "
+                         f"{hidden.dtype}")
+    M, H = hidden.shape
+    if not 1 <= M <= MAX_TOKENS:
+        raise ValueError(f"hidden: expected 1 <= M <= {MAX_TOKENS} tokens, got M={M}")
+    if gate_weight.dim() != 2 or gate_weight.shape[1] != H or gate_weight.dtype not in (
+            torch.bfloat16, torch.float32):
+        raise ValueError(f"gate_weight: expected [E, {H}] bf16 or fp32, got "
+                         f"{tuple(gate_weight.shape)} {gate_weight.dtype}")
+    E = gate_weight.shape[0]
+    if correction_bias.shape != (E,) or correction_bias.dtype != torch.float32:
+        raise ValueError(f"correction_bias: expected [{E}] fp32, got "
+                         f"{tuple(correction_bias.shape)} {correction_bias.dtype}")
+    dev = hidden.device
+    for name, t in (("gate_weight", gate_weight), ("correction_bias", correction_bias)):
+        if t.device != dev:
+            raise ValueError(f"{name}: expected device {dev} (that of hidden), got {t.device}")
+    if dev.type == "cpu":
+        import os
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("hidden: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1"
+                             " before importing triton; see k3lab.device.use_device)")
+    elif dev.type != "cuda":
+        raise ValueError(f"hidden: expected a cuda (or interpreted cpu) tensor, got {dev}")
+    _check_int("n_group", n_group, 1)
+    if E % n_group:
+        raise ValueError(f"n_group: {n_group} does not divide the expert count E={E}")
+    if n_group > 1 and E // n_group < 2:
+        raise ValueError(f"n_group: groups need >= 2 experts (top-2 group score), got "
+                         f"E / n_group = {E // n_group}")
+    _check_int("topk_group", topk_group, 1, n_group)
+    kept = E if n_group == 1 else topk_group * (E // n_group)
+    _check_int("top_k", top_k, 1, kept)
+    _check_int("block_m", block_m, 1)
+    if out_dim is not None:
+        _check_int("out_dim", out_dim, 1)
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor,
+                                                                 (int, float)):
+        raise ValueError(f"routed_scaling_factor: expected a float, got "
+                         f"{type(routed_scaling_factor).__name__}")
+    for name, b in (("gemv_block_e", gemv_block_e), ("gemv_block_k", gemv_block_k)):
+        if b is not None and (_check_int(name, b, 1) & (b - 1)):
+            raise ValueError(f"{name}: expected a power of two, got {b}")
+
+    block_e, block_k = _gemv_blocks(E, H, dev.type == "cuda", gemv_block_e, gemv_block_k)
+    split_k = triton.cdiv(H, block_k)
+    n = M * top_k
+    cap = plan_capacity(M, top_k, E, block_m)
+    f32, i32 = torch.float32, torch.int32
+    partial = torch.empty(split_k, M, E, dtype=f32, device=dev)
+    rank = torch.empty(n, dtype=i32, device=dev)
+    topk_ids = torch.empty(M, top_k, dtype=i32, device=dev)
+    topk_weights = torch.empty(M, top_k, dtype=f32, device=dev)
+    sorted_ids = torch.empty(cap, dtype=i32, device=dev)
+    sorted_weights = torch.empty(cap, dtype=f32, device=dev)
+    block_expert_ids = torch.empty(cap // block_m, dtype=i32, device=dev)
+    num_valid = torch.empty(1, dtype=i32, device=dev)
+    out = None if out_dim is None else torch.empty(M, out_dim, dtype=f32, device=dev)
+
+    _gate_gemv_kernel[(triton.cdiv(E, block_e), split_k)](
+        hidden, gate_weight, partial, sorted_ids, sorted_weights, block_expert_ids,
+        partial if out is None else out, M, E, H, cap, cap // block_m,
+        0 if out is None else out.numel(), n,
+        BLOCK_E=block_e, BLOCK_K=block_k, FILL=FILL_BLOCK, num_warps=NUM_WARPS)
+
+    block_ex = triton.next_power_of_2(E)
+    block_t = min(triton.next_power_of_2(M), max(1, SELECT_TILE // block_ex))
+    block_s = triton.next_power_of_2(top_k)
+    in_regs = block_t >= M and block_t * block_s <= REG_ENTRIES
+    block_c = min(triton.next_power_of_2(n), PAIR_COLS)
+    _route_select_sort_kernel[(1,)](
+        partial, correction_bias, topk_ids, topk_weights, sorted_ids, sorted_weights,
+        block_expert_ids, num_valid, rank, M, float(routed_scaling_factor),
+        E=E, SPLIT_K=split_k, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
+        GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
+        BLOCK_T=block_t, BLOCK_E=block_ex, BLOCK_G=triton.next_power_of_2(n_group),
+        BLOCK_S=block_s, IN_REGS=in_regs,
+        BLOCK_R=max(1, min(triton.next_power_of_2(n), PAIR_TILE // block_c)), BLOCK_C=block_c,
+        num_warps=NUM_WARPS)
+
+    return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
+                     sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,
+                     num_valid=num_valid, out=out, block_m=block_m)
