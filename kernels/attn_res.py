@@ -1,0 +1,202 @@
+"""Fused AttnRes read + the RMSNorm that follows it (ARCHITECTURE.md section 6), one launch.
+
+For every token m, with the candidates V = stack(bank[0..N-1, m], live[m]) in fp32:
+
+    score_j  = sum_h V_jh * rsqrt(mean_h(V_j^2) + eps) * res_norm_w_h * res_proj_w_h
+             = rsqrt(mean_h(V_j^2) + eps) * sum_h V_jh * (res_norm_w_h * res_proj_w_h)
+    p        = softmax_j(score)
+    h        = bf16(sum_j p_j * V_j)
+    h_normed = bf16(h * rsqrt(mean_h(h^2) + eps) * norm_w)
+
+The second form of the score needs one pass over the candidates for both sums (sum of squares and
+dot with the fused weight w = res_norm_w * res_proj_w). One program per token streams the N + 1
+rows once to score them, once more to mix them (that read hits L2), and re-reads its own h (H bf16)
+for the norm. The bank rows are a [BLOCK_NB, BLOCK_H] register tile (padded rows masked: no memory
+traffic, score -inf), the live row a [BLOCK_H] vector beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["attn_res_norm", "MAX_SEALED"]
+
+# Bank rows one program holds as a padded register block. K3 needs 8 (9 candidates with live);
+# 16 leaves room for deeper presets while padded rows cost registers, never bandwidth.
+MAX_SEALED = 16
+# Elements of the [BLOCK_NB, BLOCK_H] fp32 bank tile: 16384 / (8 warps x 32 threads) = 64 values
+# per thread. At K3 (8 rows) that is a 2048-wide chunk, ~36 KB of loads in flight per step, without
+# spilling.
+TILE_ELEMS = 16384
+# Widest H chunk (the norm pass, and the read with <= 2 bank rows): one chunk covers K3's 7168.
+MAX_BLOCK_H = 8192
+NUM_WARPS = 8
+WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still fp32; NaN passes through.
+
+    The following ``.to(tl.bfloat16)`` is then exact. On the GPU this equals the hardware
+    cvt.rn; it is spelled out because the Triton interpreter's fp32 -> bf16 cast truncates
+    (1-ulp bias, 0.4% norm error against torch's rounding).
+    """
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x == x, u.to(tl.float32, bitcast=True), x)
+
+
+@triton.jit
+def _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank):
+    """One H chunk of the candidates in fp32: bank [BLOCK_NB, BLOCK_H] (masked rows 0), live."""
+    b_vb = tl.load(p_bank_rows + o_h[None, :], mask=m_bank[:, None] & m_h[None, :], other=0.0)
+    b_vl = tl.load(p_live_row + o_h, mask=m_h, other=0.0)
+    return b_vb.to(tl.float32), b_vl.to(tl.float32)
+
+
+@triton.jit
+def _attn_res_norm_kernel(
+    p_bank, p_live, p_res_norm_w, p_res_proj_w, p_norm_w, p_h, p_hn,
+    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m,
+    N, H, eps,
+    BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HN: tl.constexpr,
+):
+    i_m = tl.program_id(0).to(tl.int64)
+    o_n = tl.arange(0, BLOCK_NB)
+    m_bank = o_n < N
+    p_bank_rows = p_bank + i_m * stride_bank_m + o_n[:, None].to(tl.int64) * stride_bank_n
+    p_live_row = p_live + i_m * stride_live_m
+    p_h_row = p_h + i_m * stride_out_m
+    p_hn_row = p_hn + i_m * stride_out_m
+
+    # pass 1: per candidate, sum of squares and dot with w = res_norm_w * res_proj_w
+    b_sq_b = tl.zeros([BLOCK_NB], dtype=tl.float32)
+    b_dot_b = tl.zeros([BLOCK_NB], dtype=tl.float32)
+    b_sq_l = 0.0
+    b_dot_l = 0.0
+    for i_h in range(0, H, BLOCK_H):
+        o_h = i_h + tl.arange(0, BLOCK_H)
+        m_h = o_h < H
+        b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
+        b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+               * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
+        b_sq_b += tl.sum(b_vb * b_vb, axis=1)
+        b_dot_b += tl.sum(b_vb * b_w[None, :], axis=1)
+        b_sq_l += tl.sum(b_vl * b_vl, axis=0)
+        b_dot_l += tl.sum(b_vl * b_w, axis=0)
+
+    # softmax over the N bank rows (padded rows -inf) and live
+    b_s_b = tl.where(m_bank, b_dot_b * tl.rsqrt(b_sq_b / H + eps), float("-inf"))
+    b_s_l = b_dot_l * tl.rsqrt(b_sq_l / H + eps)
+    b_max = tl.maximum(tl.max(b_s_b, axis=0), b_s_l)
+    b_e_b = tl.exp(b_s_b - b_max)
+    b_e_l = tl.exp(b_s_l - b_max)
+    b_den = tl.sum(b_e_b, axis=0) + b_e_l
+    b_p_b = b_e_b / b_den
+    b_p_l = b_e_l / b_den
+
+    # pass 2: h = sum_j p_j V_j, stored in bf16; sum of squares of the *rounded* h
+    b_h2 = 0.0
+    for i_h in range(0, H, BLOCK_H):
+        o_h = i_h + tl.arange(0, BLOCK_H)
+        m_h = o_h < H
+        b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
+        b_h = _round_bf16(tl.sum(b_p_b[:, None] * b_vb, axis=0) + b_p_l * b_vl)
+        tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
+        b_h2 += tl.sum(b_h * b_h, axis=0)
+    b_rstd = tl.rsqrt(b_h2 / H + eps)
+
+    # pass 3: RMSNorm of h (re-read: this program's own stores, made visible by the barrier)
+    tl.debug_barrier()
+    for i_h in range(0, H, BLOCK_HN):
+        o_h = i_h + tl.arange(0, BLOCK_HN)
+        m_h = o_h < H
+        b_h = tl.load(p_h_row + o_h, mask=m_h, other=0.0).to(tl.float32)
+        b_w = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+        tl.store(p_hn_row + o_h, _round_bf16(b_h * b_rstd * b_w).to(tl.bfloat16), mask=m_h)
+
+
+def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 1 or w.shape[0] != hidden:
+        raise ValueError(f"{name}: expected shape [H={hidden}], got {tuple(w.shape)}")
+    if w.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"{name}: expected dtype bfloat16 or float32, got {w.dtype}")
+    if w.device != device:
+        raise ValueError(f"{name}: expected device {device} (that of live), got {w.device}")
+    if w.stride(0) != 1:
+        raise ValueError(f"{name}: expected a contiguous vector, got stride {w.stride(0)}")
+
+
+def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch.Tensor,
+                  res_proj_weight: torch.Tensor, norm_weight: torch.Tensor, *,
+                  eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """AttnRes read of the N sealed rows and the live partial sum, then RMSNorm; one launch.
+
+    bank:            [N, M, H] bf16, 0 <= N <= MAX_SEALED sealed block sums;
+                     inner dimension contiguous.
+    live:            [M, H] bf16, the live partial sum (the last candidate); M >= 1.
+    res_norm_weight: [H] bf16 or fp32, the RMSNorm weight applied to every candidate's key.
+    res_proj_weight: [H] bf16 or fp32, the pseudo-query the keys are scored against.
+    norm_weight:     [H] bf16 or fp32, the weight of the RMSNorm that follows the read.
+    eps:             RMSNorm epsilon of both norms (positive).
+
+    Returns ``(h, h_normed)``, both [M, H] bf16 and contiguous: ``h`` the softmax mixture of the
+    raw candidates, ``h_normed = RMSNorm(h) * norm_weight`` computed from the bf16 ``h``.
+    No host synchronization (CUDA-graph capturable).
+    """
+    for name, t in (("bank", bank), ("live", live)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{name}: expected dtype bfloat16, got {t.dtype}")
+    if live.dim() != 2:
+        raise ValueError(f"live: expected shape [M, H], got {tuple(live.shape)}")
+    M, H = live.shape
+    if M < 1 or H < 1:
+        raise ValueError(f"live: expected M >= 1 tokens and H >= 1, got {tuple(live.shape)}")
+    if bank.dim() != 3 or tuple(bank.shape[1:]) != (M, H):
+        raise ValueError(f"bank: expected shape [N, M={M}, H={H}], got {tuple(bank.shape)}")
+    N = bank.shape[0]
+    if N > MAX_SEALED:
+        raise ValueError(f"bank: expected at most MAX_SEALED={MAX_SEALED} sealed rows, got N={N}")
+    device = live.device
+    if bank.device != device:
+        raise ValueError(f"bank: expected device {device} (that of live), got {bank.device}")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("live: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1, "
+                         "see k3lab.device.use_device)")
+    if live.stride(1) != 1:
+        raise ValueError(f"live: expected the hidden (last) dimension contiguous, got strides "
+                         f"{live.stride()}")
+    if N and bank.stride(2) != 1:
+        raise ValueError(f"bank: expected the hidden (last) dimension contiguous, got strides "
+                         f"{bank.stride()}")
+    _check_weight("res_norm_weight", res_norm_weight, H, device)
+    _check_weight("res_proj_weight", res_proj_weight, H, device)
+    _check_weight("norm_weight", norm_weight, H, device)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 < eps < math.inf:
+        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
+
+    h = torch.empty((M, H), dtype=torch.bfloat16, device=device)
+    h_normed = torch.empty((M, H), dtype=torch.bfloat16, device=device)
+    BLOCK_NB = triton.next_power_of_2(max(N, 1))
+    BLOCK_HN = min(triton.next_power_of_2(H), MAX_BLOCK_H)
+    BLOCK_H = min(BLOCK_HN, TILE_ELEMS // BLOCK_NB)
+    # With no sealed rows the bank is never read (all rows masked); pass live so an empty
+    # tensor's pointer never reaches the launcher.
+    bank_arg = bank if N else live
+    _attn_res_norm_kernel[(M,)](
+        bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed,
+        bank.stride(0) if N else 0, bank.stride(1) if N else 0, live.stride(0), h.stride(0),
+        N, H, float(eps),
+        BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, num_warps=NUM_WARPS,
+    )
+    return h, h_normed
