@@ -1,4 +1,5 @@
 """Fused Triton kernels, one file per boundary (imported as ``k3lab.kernels``)."""
 from .attn_res import attn_res_norm  # noqa: F401
+from .kda import KDAConv, KDAOutGate, kda_decode  # noqa: F401
 from .mla import mla_decode  # noqa: F401
 from .route_sort import route_sort  # noqa: F401
