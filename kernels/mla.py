@@ -38,15 +38,18 @@ BLOCK_N = 32
 BLOCK_H = 16
 SPLIT_NUM_WARPS = 4
 SPLIT_NUM_STAGES = 2
-# Combine: latent columns per program (C / 64 programs per head spread the merge over the GPU)
-# and splits merged per step.
-COMBINE_BLOCK_C = 64
-COMBINE_BLOCK_S = 32
+# Combine: a program merges a [BLOCK_S splits, BLOCK_C latent columns] fp32 tile per step, at
+# most COMBINE_TILE elements (32 registers a thread at 4 warps). Up to COMBINE_MAX_BLOCK_S splits
+# are merged in one step (the heuristic's counts on an H200 take a single step); the columns
+# shrink to fit, but not below COMBINE_MIN_BLOCK_C (64-byte row segments).
+COMBINE_TILE = 4096
+COMBINE_MAX_BLOCK_S = 256
+COMBINE_MIN_BLOCK_C = 16
 # Heuristic: aim for this many resident split programs per SM (register and shared-memory use
 # allow about two), but give every split at least MIN_ROWS_PER_SPLIT cache rows so the fixed cost
 # of a split (loading q, writing a [BLOCK_H, C] fp32 partial) stays small next to its reads.
 PROGRAMS_PER_SM = 2
-MIN_ROWS_PER_SPLIT = 256
+MIN_ROWS_PER_SPLIT = 128
 MAX_SPLITS = 1024
 # SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.
 CPU_SM_STANDIN = 8
@@ -290,8 +293,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         num_warps=SPLIT_NUM_WARPS, num_stages=SPLIT_NUM_STAGES,
     )
     if not final:
-        block_c = min(COMBINE_BLOCK_C, c)
-        block_s = min(COMBINE_BLOCK_S, triton.next_power_of_2(num_splits))
+        block_s = min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)
+        block_c = min(c, max(COMBINE_MIN_BLOCK_C, COMBINE_TILE // block_s))
         _mla_decode_combine_kernel[(m, h, triton.cdiv(c, block_c))](
             o_dst, lse_dst, out, lse, num_splits,
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),

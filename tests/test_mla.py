@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from k3lab.kernels import mla_decode
-from k3lab.kernels.mla import BLOCK_N, COMBINE_BLOCK_S, MAX_SPLITS, default_num_splits
+from k3lab.kernels.mla import BLOCK_N, COMBINE_MAX_BLOCK_S, MAX_SPLITS, default_num_splits
 
 from k3lab.boundaries import assert_close, get
 from k3lab.config import preset
@@ -80,7 +80,6 @@ CASES = [
     ("M1-L100-s3", TINY, [100], 130, 3),
     ("M1-L33-s64-more-splits-than-blocks", TINY, [33], None, 64),
     ("M1-L600-auto-multisplit", TINY, [600], None, None),
-    ("M1-L1200-s40-combine-chunks", TINY, [1200], None, 40),  # > COMBINE_BLOCK_S live splits
     ("M1-L95-s1-single-kernel", TINY, [95], None, 1),
     ("M3-mixed-s4", TINY, [97, 1, 64], 100, 4),
     ("M2-mixed-s1", TINY, [31, 65], None, 1),
@@ -97,10 +96,21 @@ def test_matches_reference(device, cfg, lens, max_len, num_splits):
 
 
 def test_cases_cover_the_paths():
-    """M1-L600-auto runs the combine kernel (more than one split); M1-L1200-s40 has live splits
-    in more than one combine chunk."""
+    """M1-L600-auto runs the combine kernel (more than one split)."""
     assert default_num_splits(1, TINY.mla_heads, 600, "cpu") > 1
-    assert -(-1200 // BLOCK_N) > COMBINE_BLOCK_S < 40
+
+
+@pytest.mark.parametrize("loud", ["late", "early"])
+def test_combine_rescales_across_steps(device, loud):
+    """More live splits than the combine merges in one step (one block per split), with the
+    largest scores in the splits of the second step ("late": the running max must rescale what
+    the first step accumulated) or of the first."""
+    n_splits = COMBINE_MAX_BLOCK_S + 8
+    length = n_splits * BLOCK_N - 5
+    q_lat, q_rope, kv, sl = _inputs(TINY, [length], device)
+    rows = slice(length - 8 * BLOCK_N, None) if loud == "late" else slice(0, 8 * BLOCK_N)
+    kv[:, rows] = (kv[:, rows].float() * 2.5).to(kv.dtype)
+    _check(device, q_lat, q_rope, kv, sl, n_splits, TINY.qk_head ** -0.5)
 
 
 def test_rows_past_length_never_read(device):
