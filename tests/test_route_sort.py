@@ -228,6 +228,7 @@ def test_several_tokens_per_expert(device):
 
 def test_launch_count(device):
     """At most two launches (one GEMV, one selection + sort), no ATen op around them."""
+    torch.use_deterministic_algorithms(False)  # no NaN fill kernels behind torch.empty here
     cfg = preset("kimi-k3" if device.type == "cuda" else "tiny")
     boundary = get("route")
     fused = boundary.variant("fused")
