@@ -41,6 +41,7 @@ MOE_OPS = (
     "moe.route_select",                         # sigmoid, bias, (grouped) top-k, renormalize
     "moe.sort",                                 # sort metadata for the expert GEMMs
     "moe.latent_down",                          # x -> latent
+    "moe.expert_align",                         # expert kernels' own alignment of the routing
     "moe.stage1",                               # w13 GEMVs + activation
     "moe.stage2",                               # w2 GEMVs + weighted sum
     "moe.latent_norm", "moe.latent_up",

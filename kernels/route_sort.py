@@ -32,7 +32,7 @@ import triton.language as tl
 
 from k3lab.plan import RoutePlan, plan_capacity
 
-__all__ = ["route_sort", "MAX_TOKENS"]
+__all__ = ["route_sort", "gate_logits", "MAX_TOKENS"]
 
 MAX_TOKENS = 64  # one selection program walks the tokens; beyond a decode batch, use a sort
 RENORM_EPS = tl.constexpr(1e-20)  # the model's epsilon on the weight sum
@@ -263,6 +263,70 @@ def _gemv_blocks(E: int, H: int, on_gpu: bool, block_e: int | None,
     return be, GEMV_BLOCK_K[-1]
 
 
+def _check_gate_inputs(hidden, gate_weight, correction_bias=None):
+    """Validate the router's inputs; returns (M, H, E)."""
+    named = [("hidden", hidden), ("gate_weight", gate_weight)]
+    if correction_bias is not None:
+        named.append(("correction_bias", correction_bias))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor")
+    if hidden.dim() != 2 or hidden.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"hidden: expected [M, H] bf16 or fp32, got {tuple(hidden.shape)} "
+                         f"{hidden.dtype}")
+    M, H = hidden.shape
+    if not 1 <= M <= MAX_TOKENS:
+        raise ValueError(f"hidden: expected 1 <= M <= {MAX_TOKENS} tokens, got M={M}")
+    if gate_weight.dim() != 2 or gate_weight.shape[1] != H or gate_weight.dtype not in (
+            torch.bfloat16, torch.float32):
+        raise ValueError(f"gate_weight: expected [E, {H}] bf16 or fp32, got "
+                         f"{tuple(gate_weight.shape)} {gate_weight.dtype}")
+    E = gate_weight.shape[0]
+    if correction_bias is not None and (correction_bias.shape != (E,)
+                                        or correction_bias.dtype != torch.float32):
+        raise ValueError(f"correction_bias: expected [{E}] fp32, got "
+                         f"{tuple(correction_bias.shape)} {correction_bias.dtype}")
+    dev = hidden.device
+    for name, t in named[1:]:
+        if t.device != dev:
+            raise ValueError(f"{name}: expected device {dev} (that of hidden), got {t.device}")
+    if dev.type == "cpu":
+        import os
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("hidden: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1"
+                             " before importing triton; see k3lab.device.use_device)")
+    elif dev.type != "cuda":
+        raise ValueError(f"hidden: expected a cuda (or interpreted cpu) tensor, got {dev}")
+    return M, H, E
+
+
+def _check_blocks(gemv_block_e, gemv_block_k) -> None:
+    for name, b in (("gemv_block_e", gemv_block_e), ("gemv_block_k", gemv_block_k)):
+        if b is not None and (_check_int(name, b, 1) & (b - 1)):
+            raise ValueError(f"{name}: expected a power of two, got {b}")
+
+
+def gate_logits(hidden: torch.Tensor, gate_weight: torch.Tensor, *,
+                gemv_block_e: int | None = None, gemv_block_k: int | None = None
+                ) -> torch.Tensor:
+    """The router's gate projection alone (the "B1 gate projection" change): FP32 logits
+    fp32 [M, E] = fp32(hidden [M, H]) @ fp32(gate_weight [E, H])^T, by the route boundary's
+    split-K GEMV (launch 1 of :func:`route_sort`, without its plan side job) and a fixed-order
+    sum of the K-split partials (one more launch when H spans several K tiles)."""
+    M, H, E = _check_gate_inputs(hidden, gate_weight)
+    _check_blocks(gemv_block_e, gemv_block_k)
+    dev = hidden.device
+    block_e, block_k = _gemv_blocks(E, H, dev.type == "cuda", gemv_block_e, gemv_block_k)
+    split_k = triton.cdiv(H, block_k)
+    partial = torch.empty(split_k, M, E, dtype=torch.float32, device=dev)
+    _gate_gemv_kernel[(triton.cdiv(E, block_e), split_k)](
+        hidden, gate_weight, partial, partial, partial, partial, partial, M, E, H, 0, 0, 0, 0,
+        BLOCK_E=block_e, BLOCK_K=block_k, FILL=FILL_BLOCK, num_warps=NUM_WARPS)
+    return partial[0] if split_k == 1 else partial.sum(0)
+
+
 def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,
                *, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
                routed_scaling_factor: float = 1.0, block_m: int = 1, out_dim: int | None = None,
@@ -286,37 +350,8 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         [cap], sorted_weights fp32 [cap], block_expert_ids int32 [cap // block_m], num_valid
         int32 [1], out fp32 [M, out_dim] or None; cap = M * top_k + E * (block_m - 1).
     """
-    for name, t in (("hidden", hidden), ("gate_weight", gate_weight),
-                    ("correction_bias", correction_bias)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor")
-    if hidden.dim() != 2 or hidden.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"hidden: expected [M, H] bf16 or fp32, got {tuple(hidden.shape)} "
-                         f"{hidden.dtype}")
-    M, H = hidden.shape
-    if not 1 <= M <= MAX_TOKENS:
-        raise ValueError(f"hidden: expected 1 <= M <= {MAX_TOKENS} tokens, got M={M}")
-    if gate_weight.dim() != 2 or gate_weight.shape[1] != H or gate_weight.dtype not in (
-            torch.bfloat16, torch.float32):
-        raise ValueError(f"gate_weight: expected [E, {H}] bf16 or fp32, got "
-                         f"{tuple(gate_weight.shape)} {gate_weight.dtype}")
-    E = gate_weight.shape[0]
-    if correction_bias.shape != (E,) or correction_bias.dtype != torch.float32:
-        raise ValueError(f"correction_bias: expected [{E}] fp32, got "
-                         f"{tuple(correction_bias.shape)} {correction_bias.dtype}")
+    M, H, E = _check_gate_inputs(hidden, gate_weight, correction_bias)
     dev = hidden.device
-    for name, t in (("gate_weight", gate_weight), ("correction_bias", correction_bias)):
-        if t.device != dev:
-            raise ValueError(f"{name}: expected device {dev} (that of hidden), got {t.device}")
-    if dev.type == "cpu":
-        import os
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("hidden: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1"
-                             " before importing triton; see k3lab.device.use_device)")
-    elif dev.type != "cuda":
-        raise ValueError(f"hidden: expected a cuda (or interpreted cpu) tensor, got {dev}")
     _check_int("n_group", n_group, 1)
     if E % n_group:
         raise ValueError(f"n_group: {n_group} does not divide the expert count E={E}")
@@ -333,9 +368,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
                                                                  (int, float)):
         raise ValueError(f"routed_scaling_factor: expected a float, got "
                          f"{type(routed_scaling_factor).__name__}")
-    for name, b in (("gemv_block_e", gemv_block_e), ("gemv_block_k", gemv_block_k)):
-        if b is not None and (_check_int(name, b, 1) & (b - 1)):
-            raise ValueError(f"{name}: expected a power of two, got {b}")
+    _check_blocks(gemv_block_e, gemv_block_k)
 
     block_e, block_k = _gemv_blocks(E, H, dev.type == "cuda", gemv_block_e, gemv_block_k)
     split_k = triton.cdiv(H, block_k)

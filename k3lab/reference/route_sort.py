@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from k3lab.plan import RoutePlan, plan_capacity
 
-__all__ = ["route_sort_reference", "route_sort_by_sorting", "RENORM_EPS"]
+__all__ = ["route_sort_reference", "route_from_logits_reference", "sort_metadata_reference",
+           "route_sort_by_sorting", "RENORM_EPS"]
 
 RENORM_EPS = 1e-20  # added to the weight sum before renormalizing (model code)
 
@@ -57,11 +58,20 @@ def route_sort_reference(hidden: torch.Tensor, gate_weight: torch.Tensor,
     """Unfused routing of ``hidden`` [M, H] (any float dtype) with ``gate_weight`` [E, H] and
     ``correction_bias`` [E]; returns the :class:`RoutePlan` (see its docstring for the fields).
     """
-    m, e = hidden.shape[0], gate_weight.shape[0]
-    dev = hidden.device
-
-    # --- gate projection and selection (moe.gate_proj, moe.route_select) ---
+    # --- gate projection (moe.gate_proj) ---
     logits = F.linear(hidden.float(), gate_weight.float())                    # [M, E] fp32
+    return route_from_logits_reference(
+        logits, correction_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+        renormalize=renormalize, routed_scaling_factor=routed_scaling_factor, block_m=block_m,
+        out_dim=out_dim)
+
+
+def route_from_logits_reference(logits: torch.Tensor, correction_bias: torch.Tensor, *,
+                                top_k: int, n_group: int = 1, topk_group: int = 1,
+                                renormalize: bool = True, routed_scaling_factor: float = 1.0,
+                                block_m: int = 1, out_dim: int | None = None) -> RoutePlan:
+    """The routing after the gate projection: fp32 ``logits`` [M, E] -> :class:`RoutePlan`."""
+    # --- selection (moe.route_select) ---
     scores = logits.sigmoid()
     biased = scores + correction_bias.float()
     ids = _select_experts(biased, top_k, n_group, topk_group)                 # [M, top_k]
@@ -69,8 +79,17 @@ def route_sort_reference(hidden: torch.Tensor, gate_weight: torch.Tensor,
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + RENORM_EPS)
     weights = weights * routed_scaling_factor
+    return sort_metadata_reference(ids, weights, logits.shape[1], block_m=block_m,
+                                   out_dim=out_dim)
 
-    # --- sort metadata (moe.sort) ---
+
+def sort_metadata_reference(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, *,
+                            block_m: int = 1, out_dim: int | None = None) -> RoutePlan:
+    """The MoE sort metadata (moe.sort) of top-k ``ids`` [M, top_k] (int) and their
+    ``weights`` [M, top_k] fp32 over ``n_experts`` experts, as a :class:`RoutePlan`."""
+    m, top_k = ids.shape
+    e, dev = n_experts, ids.device
+    ids = ids.long()
     n = m * top_k
     cap = plan_capacity(m, top_k, e, block_m)
     flat = ids.reshape(-1)                                                    # [N] entry -> expert
@@ -83,7 +102,7 @@ def route_sort_reference(hidden: torch.Tensor, gate_weight: torch.Tensor,
     sorted_ids = torch.full((cap,), n, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, pos, torch.arange(n, dtype=torch.int32, device=dev))
     sorted_weights = torch.zeros(cap, dtype=torch.float32, device=dev)
-    sorted_weights.scatter_(0, pos, weights.reshape(-1))
+    sorted_weights.scatter_(0, pos, weights.reshape(-1).float())
     num_valid = padded.sum().reshape(1).to(torch.int32)
     tile_end = (padded // block_m).cumsum(dim=0)                              # [E]
     tile = torch.arange(cap // block_m, device=dev)
