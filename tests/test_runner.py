@@ -1,0 +1,232 @@
+"""The runner and the CLI, end to end on the fixture notebooks of tests/notebooks/.
+
+00_echo publishes its parameters (and raises when fail=True), 10_other declares only seed and
+label, 20_broken always raises. Each run starts a real "python3" Jupyter kernel through papermill.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from k3lab import cli, report, runner
+
+FIXTURES = Path(__file__).parent / "notebooks"
+ECHO_DEFAULTS = {"preset": "tiny", "tp": 1, "device": "cpu", "seed": 0, "sizes": [1, 2],
+                 "scale": 0.5, "label": "x", "flag": False, "fail": False}
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture
+def nb_env(monkeypatch):
+    """Point the runner (and the CLI) at the fixture notebooks through $K3LAB_NOTEBOOKS."""
+    monkeypatch.setenv(runner.NOTEBOOKS_ENV, str(FIXTURES))
+    return FIXTURES
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    """One CLI batch over every fixture: tp 2 and CLI-string parameters; 20_broken fails.
+
+    Run from an environment without TRITON_INTERPRET and with MPLBACKEND=Agg, which the runner
+    must set and clear for the kernel (interpreter on CPU, inline plots).
+    """
+    out = tmp_path_factory.mktemp("batch")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        mp.setenv("MPLBACKEND", "Agg")
+        rc = cli.main(["run", "--notebooks", str(FIXTURES), "--tp", "2", "-p", "label=hello",
+                       "-p", "sizes=[3,4]", "-p", "scale=2", "--out", str(out)])
+    return rc, out
+
+
+# ---------------------------------------------------------------- parameters, names
+
+def test_notebook_parameters_reads_the_tagged_cell():
+    assert runner.notebook_parameters(FIXTURES / "00_echo.ipynb") == ECHO_DEFAULTS
+    assert runner.notebook_parameters(FIXTURES / "10_other.ipynb") == {"seed": 0,
+                                                                       "label": "other"}
+
+
+@pytest.mark.parametrize("name", ["00_echo", "echo", "00_echo.ipynb",
+                                  str(FIXTURES / "00_echo.ipynb")])
+def test_resolve_accepts_short_and_full_names(nb_env, name):
+    assert runner.resolve([name]) == [(FIXTURES / "00_echo.ipynb").resolve()]
+
+
+def test_resolve_unknown_name_lists_the_notebooks(nb_env):
+    with pytest.raises(ValueError, match=r"unknown notebook 'nope'.*00_echo, 10_other, 20_broken"):
+        runner.resolve(["nope"])
+    assert [p.stem for p in runner.resolve(None)] == ["00_echo", "10_other", "20_broken"]
+
+
+def test_missing_notebook_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="notebooks folder not found"):
+        runner.notebook_dir(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("key, given, expected", [
+    ("tp", "8", 8), ("tp", 3, 3), ("scale", "2", 2.0), ("scale", 1, 1.0),
+    ("flag", "true", True), ("flag", "0", False), ("sizes", "[1,2,4]", [1, 2, 4]),
+    ("sizes", "1,2,4", [1, 2, 4]), ("sizes", (5,), [5]), ("label", "8", "8"),
+], ids=lambda v: str(v))
+def test_validate_coerces_cli_strings(key, given, expected):
+    got = runner.validate(FIXTURES / "00_echo.ipynb", {key: given})
+    assert got == {key: expected} and type(got[key]) is type(expected)
+
+
+@pytest.mark.parametrize("key, given", [
+    ("tp", "abc"), ("tp", 1.5), ("tp", True), ("flag", "maybe"), ("flag", 1), ("scale", "x"),
+    ("sizes", "[1,"), ("sizes", 3), ("label", 3),
+], ids=lambda v: str(v))
+def test_validate_rejects_bad_types(key, given):
+    with pytest.raises(ValueError, match=rf"00_echo: parameter '{key}': expected"):
+        runner.validate(FIXTURES / "00_echo.ipynb", {key: given})
+
+
+def test_validate_rejects_unknown_key_naming_allowed():
+    with pytest.raises(ValueError, match=r"unknown parameter 'nope'; allowed: seed, label"):
+        runner.validate(FIXTURES / "10_other.ipynb", {"nope": 1})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"params": {"nope": 1}}, r"unknown parameter 'nope' for 00_echo, 10_other.*allowed"),
+    ({"params": {"scale": "x"}}, r"00_echo: parameter 'scale'"),
+    ({"params": {"preset": "tiny"}}, r"use --preset"),
+    ({"preset": "kimi-k9"}, r"preset"),
+    ({"tp": 4}, r"tp"),
+    ({"device": "tpu"}, r"device"),
+], ids=["unknown-key", "bad-type", "option-as-param", "bad-preset", "tp-not-dividing",
+        "bad-device"])
+def test_run_rejects_before_anything_runs(nb_env, tmp_path, kwargs, match):
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=match):
+        runner.run(["00_echo", "10_other"], out_dir=out, progress=False, **kwargs)
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- a batch through the CLI
+
+def test_batch_exit_code_and_files(batch):
+    rc, out = batch
+    assert rc == 1  # 20_broken failed
+    for name in ("00_echo", "10_other"):
+        for suffix in (".ipynb", ".html", ".metrics.json"):
+            assert (out / f"{name}{suffix}").is_file()
+    assert not (out / "20_broken.metrics.json").exists()
+    assert (out / "20_broken.failed.ipynb").is_file() and (out / "20_broken.failed.html").is_file()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_parameters_injected_and_metrics_published(batch):
+    _, out = batch
+    m = _json(out / "00_echo.metrics.json")
+    assert m["status"] == "ok" and m["error"] is None
+    (rec,) = m["records"]
+    assert rec == {**rec, "preset": "tiny", "tp": 2, "device": "cpu", "seed": 0, "sizes": [3, 4],
+                   "scale": 2.0, "label": "hello", "flag": False}
+    assert rec["interpret"] == "1"  # TRITON_INTERPRET=1 for a CPU run
+    assert Path(rec["cwd"]) == runner.repo_root()
+    assert rec["nan"] is None  # JSON-safe
+    assert m["headline"] == {"label": "hello", "tp": 2, "sum_sizes": 7}
+    man = m["manifest"]
+    assert {"git_commit", "git_dirty", "gpu", "driver", "torch", "triton", "python", "date",
+            "parameters"} <= set(man)
+    assert (man["preset"], man["tp"], man["device"]) == ("tiny", 2, "cpu")
+    assert man["date"].endswith("+00:00") and man["torch"] and man["triton"]
+
+
+def test_only_declared_parameters_are_injected(batch):
+    _, out = batch
+    m = _json(out / "10_other.metrics.json")
+    assert m["parameters"] == {"label": "hello"}
+    assert m["records"] == [{"present": ["seed", "label"], "label": "hello"}]
+    assert m["headline"] == {"summary": "other ran"}
+
+
+def test_html_hides_code_and_embeds_plots(batch):
+    _, out = batch
+    page = (out / "00_echo.html").read_text()
+    assert "CODE_ONLY_MARKER" not in page
+    # two plot cells (the figure as the cell's value; with a trailing ';'): each shown once
+    assert page.count('src="data:image/png;base64') == 2
+    assert report.CPU_WARNING in page
+
+
+def test_failed_notebook_reported_with_its_error(batch):
+    _, out = batch
+    failed = _json(out / "20_broken.failed.json")
+    assert failed["status"] == "failed" and failed["error"].startswith("ZeroDivisionError")
+    assert "ZeroDivisionError" in (out / "20_broken.failed.html").read_text()
+
+
+def test_index_lists_every_notebook_with_status(batch):
+    _, out = batch
+    page = (out / "index.html").read_text()
+    for name in ("00_echo", "10_other", "20_broken"):
+        assert f"<b>{name}</b>" in page
+    assert page.count("class='ok'") == 2 and page.count("class='failed'") == 1
+    assert "ZeroDivisionError: division by zero" in page
+    assert "<th>sum_sizes</th><td>7</td>" in page
+    assert "href='00_echo.html'" in page and "href='20_broken.failed.html'" in page
+
+
+def test_failure_keeps_last_good_report_then_recovers(batch, nb_env, tmp_path, capsys):
+    _, batch_out = batch
+    out = tmp_path / "out"
+    shutil.copytree(batch_out, out)
+    good = {s: (out / f"00_echo{s}").read_bytes() for s in (".ipynb", ".html", ".metrics.json")}
+
+    (res,) = runner.run(["echo"], params={"fail": "true"}, out_dir=out)
+    assert not res.ok and res.error.startswith("RuntimeError: fixture failure requested")
+    line = [ln for ln in capsys.readouterr().out.splitlines() if "00_echo" in ln][0]
+    assert "failed" in line and " s " in line
+    for suffix, data in good.items():
+        assert (out / f"00_echo{suffix}").read_bytes() == data, suffix
+    assert (out / "00_echo.failed.ipynb").is_file()
+    page = (out / "index.html").read_text()
+    assert "fixture failure requested" in page and "last good report" in page
+    assert "<b>10_other</b>" in page and "<b>20_broken</b>" in page  # earlier reports kept
+
+    assert cli.main(["run", "echo", "--out", str(out)]) == 0
+    assert not list(out.glob("00_echo.failed.*"))
+    assert _json(out / "00_echo.metrics.json")["records"][0]["label"] == "x"  # defaults again
+    assert (out / "index.html").read_text().count("class='failed'") == 1  # only 20_broken
+
+
+# ---------------------------------------------------------------- CLI errors and list
+
+@pytest.mark.parametrize("args, match", [
+    (["-p", "nope=1"], "unknown parameter 'nope'"),
+    (["-p", "tp=8"], "use --tp"),
+    (["-p", "scale=abc"], "parameter 'scale'"),
+    (["-p", "novalue"], "expected KEY=VALUE"),
+    (["--preset", "kimi-k9"], "preset"),
+    (["--tp", "4"], "tp"),
+    (["missing_nb"], "unknown notebook 'missing_nb'"),
+], ids=["unknown-param", "option-as-param", "bad-value", "no-equals", "bad-preset",
+        "tp-not-dividing", "unknown-notebook"])
+def test_cli_usage_errors_exit_2_and_run_nothing(nb_env, tmp_path, capsys, args, match):
+    out = tmp_path / "out"
+    assert cli.main(["run", "echo", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("k3lab: error:") and match in err and "\n" not in err
+    assert not out.exists()
+
+
+def test_cli_bad_tp_type_is_an_argparse_error(capsys):
+    assert cli.main(["run", "--tp", "two"]) == 2
+    assert "invalid int value" in capsys.readouterr().err
+
+
+def test_cli_list_shows_notebooks_and_defaults(nb_env, capsys):
+    assert cli.main(["list"]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == "00_echo"
+    for expected in ("    sizes  = [1, 2]", "    label  = 'x'", "10_other", "    label = 'other'",
+                     "20_broken", "    device = 'cpu'"):
+        assert expected in text
