@@ -45,7 +45,7 @@ _NOT_LAUNCHES = {
 
 DEFAULT_REPEATS = {"cpu": 3, "cuda": 50}
 DEFAULT_WARMUP = {"cpu": 1, "cuda": 5}
-MAX_COLD_COPIES = 64
+MAX_COLD_COPIES = 512  # small boundaries (AttnRes at B1: ~0.2 MB a call) need hundreds
 
 
 @dataclass
