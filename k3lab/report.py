@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["MIME", "CPU_WARNING", "publish", "metrics_bundle", "read_metrics", "cpu_banner",
-           "manifest", "to_html", "write_index", "atomic_write_text", "readable", "json_safe"]
+           "manifest", "manifest_summary", "to_html", "write_index", "atomic_write_text",
+           "readable", "json_safe"]
 
 MIME = "application/vnd.k3lab.metrics+json"
 CPU_WARNING = ("Timings below were taken on the CPU under the Triton interpreter: "
@@ -233,17 +234,30 @@ def _template_dirs() -> list[str]:
     return list(dict.fromkeys(str(d) for d in dirs if d.is_dir()))
 
 
-def to_html(nb, hide_code: bool = True, title: str | None = None) -> str:
+def to_html(nb, hide_code: bool = True, title: str | None = None,
+            header: str | None = None) -> str:
     """The notebook as one self-contained HTML page (plots inline as base64 PNGs).
 
     hide_code: leave out code inputs and prompts (markdown, outputs and errors stay).
+    header: HTML (already escaped) shown above the first cell; the runner puts the run's
+    parameters and manifest there, since the hidden code no longer shows them.
     """
+    import copy
+
     import nbformat
     from nbconvert import HTMLExporter
 
     if isinstance(nb, str | os.PathLike):
         title = title or Path(nb).stem
         nb = nbformat.read(nb, as_version=4)
+    if header:
+        nb = copy.deepcopy(nb)
+        cell = nbformat.v4.new_markdown_cell(header)
+        if nb.nbformat_minor >= 5:
+            cell["id"] = "k3lab-report-header"
+        else:
+            cell.pop("id", None)  # no cell ids before nbformat 4.5
+        nb.cells.insert(0, cell)
     extra = _template_dirs()
     exporter = HTMLExporter(template_name="lab", exclude_input=hide_code,
                             exclude_input_prompt=hide_code, exclude_output_prompt=hide_code,
@@ -275,7 +289,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
-def _manifest_summary(m: dict | None) -> str:
+def manifest_summary(m: dict | None) -> str:
+    """One line: GPU (or device), driver, preset, tp, torch, triton, git commit."""
     if not m:
         return ""
     parts = [m.get("gpu") or m.get("device"), f"preset {m.get('preset')}" if m.get("preset")
@@ -339,7 +354,7 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
         rows.append(
             f"<tr><td><b>{html.escape(str(e.get('name')))}</b><div>{links}</div></td>"
             f"<td>{state}</td><td>{head_html}</td><td>{when}</td>"
-            f"<td class='small'>{html.escape(_manifest_summary(e.get('manifest')))}</td></tr>")
+            f"<td class='small'>{html.escape(manifest_summary(e.get('manifest')))}</td></tr>")
     page = (
         "<!DOCTYPE html><html><head><meta charset='utf-8'>"
         f"<title>{html.escape(title)}</title><style>{_INDEX_CSS}</style></head><body>"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import html
 import json
 import logging
 import os
@@ -356,6 +357,11 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
     os.close(fd)
     tmp = Path(tmp)
     report.readable(tmp)
+    man = report.manifest({**options, **params})
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items()) or "defaults"
+    header = (f"<div class='k3lab-header'><b>k3lab report {html.escape(name)}</b>: "
+              f"{html.escape(shown)}. Run {html.escape(str(man['date']))} on "
+              f"{html.escape(report.manifest_summary(man))}.</div>")
     t0 = time.perf_counter()
     error = None
     try:
@@ -366,12 +372,12 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
                 log_output=False, extra_arguments=KERNEL_ARGS)
         nb = nbformat.read(tmp, as_version=4)
         metrics = report.read_metrics(nb)
-        page = report.to_html(nb, hide_code=hide_code, title=name)
+        page = report.to_html(nb, hide_code=hide_code, title=name, header=header)
     except Exception as exc:  # a failing notebook is reported, and the batch goes on
         error = _error_text(exc)
     seconds = time.perf_counter() - t0
     info = {"notebook": name, "source": str(src), "seconds": round(seconds, 3),
-            "parameters": params, "manifest": report.manifest({**options, **params})}
+            "parameters": params, "manifest": man}
     try:
         if error is None:
             report.atomic_write_text(out_dir / f"{name}.html", page)
@@ -387,7 +393,8 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         failed_html = None
         if tmp.exists() and tmp.stat().st_size:
             with contextlib.suppress(Exception):  # a half-written notebook may not render
-                page = report.to_html(tmp, hide_code=hide_code, title=f"{name} (failed)")
+                page = report.to_html(tmp, hide_code=hide_code, title=f"{name} (failed)",
+                                      header=header)
                 failed_html = report.atomic_write_text(out_dir / f"{name}.failed.html", page)
             os.replace(tmp, failed_nb)
         else:

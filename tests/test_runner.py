@@ -155,6 +155,8 @@ def test_html_hides_code_and_embeds_plots(batch):
     # two plot cells (the figure as the cell's value; with a trailing ';'): each shown once
     assert page.count('src="data:image/png;base64') == 2
     assert report.CPU_WARNING in page
+    # the hidden code no longer shows the parameters: the header does
+    assert "<b>k3lab report 00_echo</b>: device='cpu', preset='tiny', tp=2, label='hello'" in page
 
 
 def test_failed_notebook_reported_with_its_error(batch):
