@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
-from k3lab.kernels import attn_res_norm
-from k3lab.kernels.attn_res import MAX_SEALED
 
 from k3lab.boundaries import assert_close, get
 from k3lab.config import preset
+from k3lab.kernels import attn_res_norm
+from k3lab.kernels.attn_res import MAX_SEALED
 from k3lab.ops import ATTN_RES_OPS
 from k3lab.reference.attn_res import (
     attn_res_norm_reference,

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from k3lab.kernels import mla_decode
-from k3lab.kernels.mla import BLOCK_N, COMBINE_MAX_BLOCK_S, MAX_SPLITS, default_num_splits
 
 from k3lab.boundaries import assert_close, get
 from k3lab.config import preset
+from k3lab.kernels import mla_decode
+from k3lab.kernels.mla import BLOCK_N, COMBINE_MAX_BLOCK_S, MAX_SPLITS, default_num_splits
 from k3lab.reference.mla import (
     mla_decode_reference,
     mla_decode_unabsorbed,

@@ -5,12 +5,12 @@ CUDA-graph capture, no host sync, at most 2 launches."""
 
 import pytest
 import torch
-from k3lab.kernels import route_sort
-from k3lab.kernels.route_sort import MAX_TOKENS
 
 from k3lab.boundaries import assert_close, get
 from k3lab.boundaries.route import make_inputs
 from k3lab.config import preset
+from k3lab.kernels import route_sort
+from k3lab.kernels.route_sort import MAX_TOKENS
 from k3lab.plan import RoutePlan, plan_capacity
 from k3lab.profile import count_launches
 from k3lab.reference.route_sort import route_sort_by_sorting, route_sort_reference
