@@ -1,0 +1,331 @@
+"""Latent MoE boundary (ARCHITECTURE.md sections 4-5): latent down-projection, the selected
+experts' two stages (SiTU / SiLU MLPs, weighted fp32 sum), latent RMSNorm + up-projection and the
+shared MLP, given the route plan (the route ops belong to the route boundary).
+
+``make_inputs(..., route=True)`` makes every variant route too (``route_sort`` + the block): the
+issue's whole-block figure. Variants:
+- reference: the loop of section 4 in the model's numerics (bf16 GEMM operands, fp32
+  activations, sum and norm): ``latent_moe_from_plan_reference(..., dtype=bfloat16)``;
+- fused: ``k3lab.kernels.moe_block`` (front, stage 1, stage 2 + tail: 3 launches; 5 with routing);
+- grouped: strong eager torch: gather the selected experts' weights (MXFP4 dequantized), two
+  batched matmuls (bmm), fp32 weighted sum, cuBLAS dense projections;
+- torch.compile: of the reference (CUDA only).
+The check compares every variant with the fp32 truth (``dtype=float32``), not with the bf16
+reference, so tolerances are about each variant's own rounding.
+
+Per-stage measurement (notebook): :data:`STAGES`, :func:`stage_inputs`, :func:`stage_fns`,
+:func:`stage_bytes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from k3lab.boundaries import Boundary, Variant, assert_close, compiled
+from k3lab.config import Preset
+from k3lab.reference.moe import (
+    activate,
+    dequantize_mxfp4,
+    latent_moe_from_plan_reference,
+    moe_stage1_reference,
+    moe_stage2_reference,
+    rms_norm_reference,
+)
+from k3lab.reference.route_sort import route_sort_reference
+from k3lab.weights import MXFP4, hidden_states, make_generator, moe_weights
+
+__all__ = ["BOUNDARY", "Weights", "make_inputs", "check", "bytes_moved", "expert_bytes",
+           "grouped_forward", "STAGES", "stage_inputs", "stage_fns", "stage_bytes",
+           "OUT_ATOL", "OUT_RTOL"]
+
+# Output (bf16 [M, H]) vs the fp32 truth. Sources: bf16 rounding of z and a inside the kernels
+# (2^-9 relative each, carried through D- and I-long dot products) and of the output (2^-9
+# relative); measured worst errors are ~0.6% of max|out| at tiny and K3 tp 8 (0.026 at 4.3).
+OUT_ATOL = 0.03
+OUT_RTOL = 0.02
+
+
+class Weights(Mapping):
+    """The MoE weights dict behind a read-only Mapping, which ``clone_inputs`` shares instead of
+    cloning: a K3 tp 1 bf16 expert set (59 GB) must not be copied per variant call."""
+
+    def __init__(self, weights: dict):
+        self._w = dict(weights)
+
+    def __getitem__(self, key):
+        return self._w[key]
+
+    def __iter__(self):
+        return iter(self._w)
+
+    def __len__(self):
+        return len(self._w)
+
+    def __repr__(self):
+        return f"Weights({sorted(self._w)})"
+
+
+def make_inputs(cfg: Preset, device, seed: int, M: int = 1, expert_format: str = "bf16",
+                block_m: int = 1, route: bool = False) -> dict:
+    """x [M, H] bf16; weights (``k3lab.weights.moe_weights``, experts bf16 or MXFP4) wrapped in
+    :class:`Weights`; plan: the reference RoutePlan of x (block_m, zeroed out [M, D]); cfg;
+    route: whether the variants route themselves (then ``plan`` is only the reference's)."""
+    dev = torch.device(device)
+    gen = make_generator(seed, dev)
+    weights = Weights(moe_weights(cfg, gen, expert_format=expert_format))
+    x = hidden_states(cfg, M, gen)
+    plan = route_sort_reference(
+        x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
+        n_group=cfg.n_group, topk_group=cfg.topk_group, renormalize=cfg.renormalize,
+        routed_scaling_factor=cfg.routed_scaling, block_m=block_m, out_dim=cfg.moe_in)
+    return {"x": x, "plan": plan, "weights": weights, "cfg": cfg, "block_m": block_m,
+            "route": bool(route), "expert_format": expert_format}
+
+
+def _plan(inputs: dict, fused: bool):
+    if not inputs["route"]:
+        return inputs["plan"]
+    x, w, cfg = inputs["x"], inputs["weights"], inputs["cfg"]
+    kw = dict(top_k=cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
+              renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
+              block_m=inputs["block_m"], out_dim=cfg.moe_in)
+    if fused:
+        from k3lab.kernels import route_sort
+        return route_sort(x, w["gate_weight"], w["correction_bias"], **kw)
+    return route_sort_reference(x, w["gate_weight"], w["correction_bias"], **kw)
+
+
+def _reference(inputs: dict, dtype=torch.bfloat16) -> torch.Tensor:
+    return latent_moe_from_plan_reference(inputs["x"], _plan(inputs, False), inputs["weights"],
+                                          inputs["cfg"], dtype=dtype)
+
+
+def _fused(inputs: dict) -> torch.Tensor:
+    from k3lab.kernels import moe_block
+    plan = None if inputs["route"] else inputs["plan"]
+    return moe_block(inputs["x"], inputs["weights"], cfg=inputs["cfg"], plan=plan,
+                     block_m=inputs["block_m"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the grouped eager peer
+
+
+def _gather(w, ids: torch.Tensor) -> torch.Tensor:
+    """The selected experts ids [N] of w [E, R, C] as a bf16 [N, R, C] copy."""
+    if isinstance(w, MXFP4):
+        return dequantize_mxfp4(w.packed.index_select(0, ids),
+                                w.scales.index_select(0, ids)).to(torch.bfloat16)
+    return w.index_select(0, ids)
+
+
+def _act(gu: torch.Tensor, cfg: Preset) -> torch.Tensor:
+    i = gu.shape[-1] // 2
+    return activate(gu[..., :i], gu[..., i:], cfg.activation, cfg.situ_beta,
+                    cfg.situ_linear_beta).to(torch.bfloat16)
+
+
+def grouped_stage1(z: torch.Tensor, plan, w13, cfg: Preset) -> torch.Tensor:
+    """a [M * top_k, I] bf16: one bmm over the gathered experts' w13."""
+    top_k = plan.topk_ids.shape[1]
+    ids = plan.topk_ids.reshape(-1).long()
+    zz = z.to(torch.bfloat16).repeat_interleave(top_k, dim=0)                 # [N, D]
+    gu = torch.bmm(_gather(w13, ids), zz.unsqueeze(-1)).squeeze(-1).float()   # [N, 2I]
+    return _act(gu, cfg)
+
+
+def grouped_stage2(a: torch.Tensor, plan, w2) -> torch.Tensor:
+    """y [M, D] fp32: one bmm over the gathered experts' w2, then the weighted sum."""
+    m, top_k = plan.topk_ids.shape
+    ids = plan.topk_ids.reshape(-1).long()
+    o = torch.bmm(_gather(w2, ids), a.to(torch.bfloat16).unsqueeze(-1)).squeeze(-1).float()
+    return (o.view(m, top_k, -1) * plan.topk_weights.unsqueeze(-1)).sum(dim=1)
+
+
+def grouped_front(x: torch.Tensor, weights: dict, cfg: Preset):
+    z = F.linear(x, weights["latent_down"]) if cfg.latent else x
+    sa = _act(F.linear(x, weights["shared_w13"]).float(), cfg) if cfg.shared_intermediate else None
+    return z, sa
+
+
+def grouped_tail(y: torch.Tensor, shared_a, weights: dict, cfg: Preset) -> torch.Tensor:
+    if cfg.latent:
+        n = rms_norm_reference(y, weights["latent_norm"], cfg.rms_eps).to(torch.bfloat16)
+        out = F.linear(n, weights["latent_up"]).float()
+    else:
+        out = y
+    if shared_a is not None:
+        out = out + F.linear(shared_a, weights["shared_w2"]).float()
+    return out.to(torch.bfloat16)
+
+
+def grouped_forward(x: torch.Tensor, plan, weights: dict, cfg: Preset) -> torch.Tensor:
+    """The block in eager torch with batched matmuls over the gathered selected experts."""
+    z, sa = grouped_front(x, weights, cfg)
+    a = grouped_stage1(z, plan, weights["w13"], cfg)
+    y = grouped_stage2(a, plan, weights["w2"])
+    return grouped_tail(y, sa, weights, cfg)
+
+
+def _grouped(inputs: dict) -> torch.Tensor:
+    return grouped_forward(inputs["x"], _plan(inputs, False), inputs["weights"], inputs["cfg"])
+
+
+# ---------------------------------------------------------------------------------------------
+# check and bytes
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, inputs: dict) -> dict:
+    """out [M, H] against the fp32 truth of the same plan, within OUT_ATOL + OUT_RTOL * |truth|
+    (``ref``, the bf16 reference, is itself checked the same way when passed as ``out``)."""
+    truth = _reference(inputs, dtype=torch.float32)
+    return {"out": assert_close("out", out.float(), truth, atol=OUT_ATOL, rtol=OUT_RTOL)}
+
+
+def expert_bytes(w, n_experts: int = 1) -> int:
+    """Bytes of ``n_experts`` experts of w [E, R, C] (bf16, or MXFP4 values + scales)."""
+    if isinstance(w, MXFP4):
+        per = (w.packed.nbytes + w.scales.nbytes) // w.packed.shape[0]
+    else:
+        per = w.nbytes // w.shape[0]
+    return int(per * n_experts)
+
+
+def _unique_experts(plan) -> int:
+    return int(torch.unique(plan.topk_ids).numel())
+
+
+def bytes_moved(inputs: dict) -> int:
+    """Selected (unique) experts' w13 and w2 bytes, dense weights (latent down, norm, up, shared
+    w13 and w2), x read and out written, the plan's ids and weights read; with ``route`` also the
+    router's gate weight and bias. Intermediates (z, a, y) are left out: they are the kernels'
+    own business (a few KB at B1)."""
+    w, plan, x = inputs["weights"], inputs["plan"], inputs["x"]
+    n = _unique_experts(plan)
+    total = expert_bytes(w["w13"], n) + expert_bytes(w["w2"], n)
+    for name in ("latent_down", "latent_norm", "latent_up", "shared_w13", "shared_w2"):
+        if name in w:
+            total += w[name].nbytes
+    total += 2 * x.nbytes + plan.topk_ids.nbytes + plan.topk_weights.nbytes
+    if inputs["route"]:
+        total += w["gate_weight"].nbytes + w["correction_bias"].nbytes
+    return int(total)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-stage measurement
+
+STAGES = ("front", "stage1", "stage2", "tail")
+STAGE_TITLES = {
+    "front": "latent down + shared gate/up (GEMVs of x)",
+    "stage1": "stage 1: selected experts' w13 GEMVs + activation",
+    "stage2": "stage 2: selected experts' w2 GEMVs + weighted fp32 sum",
+    "tail": "tail: RMSNorm + up-projection + shared down + add",
+}
+
+
+def stage_inputs(inputs: dict) -> dict:
+    """inputs plus each stage's own inputs, computed once by the grouped eager path: z, shared_a
+    (front), a (stage 1), y (stage 2)."""
+    w, cfg, plan = inputs["weights"], inputs["cfg"], inputs["plan"]
+    z, sa = grouped_front(inputs["x"], w, cfg)
+    a = grouped_stage1(z, plan, w["w13"], cfg)
+    y = grouped_stage2(a, plan, w["w2"])
+    return {**inputs, "z": z.contiguous(), "shared_a": sa, "a": a.contiguous(), "y": y}
+
+
+def stage_fns(stage: str) -> dict:
+    """{variant name: fn(stage inputs)} for one of STAGES: reference (bf16 model numerics, loop),
+    grouped (eager bmm / cuBLAS) and fused (this boundary's kernel for that stage)."""
+    from k3lab.kernels import latent_down, latent_moe_tail, moe_stage1, moe_stage2
+
+    def act(cfg):
+        return dict(activation=cfg.activation, situ_beta=cfg.situ_beta,
+                    situ_linear_beta=cfg.situ_linear_beta)
+
+    if stage == "front":
+        def fused(i):
+            w = i["weights"]
+            return latent_down(i["x"], w.get("latent_down"), w.get("shared_w13"), **act(i["cfg"]))
+
+        def eager(i):
+            return grouped_front(i["x"], i["weights"], i["cfg"])
+        return {"reference": eager, "grouped": eager, "fused": fused}
+    if stage == "stage1":
+        return {
+            "reference": lambda i: moe_stage1_reference(i["z"], i["plan"], i["weights"]["w13"],
+                                                        dtype=torch.bfloat16, **act(i["cfg"])),
+            "grouped": lambda i: grouped_stage1(i["z"], i["plan"], i["weights"]["w13"], i["cfg"]),
+            "fused": lambda i: moe_stage1(i["z"], i["plan"], i["weights"]["w13"], **act(i["cfg"])),
+        }
+    if stage == "stage2":
+        return {
+            "reference": lambda i: moe_stage2_reference(i["a"], i["plan"], i["weights"]["w2"],
+                                                        dtype=torch.bfloat16),
+            "grouped": lambda i: grouped_stage2(i["a"], i["plan"], i["weights"]["w2"]),
+            "fused": lambda i: moe_stage2(i["a"], i["plan"], i["weights"]["w2"]),
+        }
+    if stage == "tail":
+        def fused(i):
+            w, cfg = i["weights"], i["cfg"]
+            shared = None if i["shared_a"] is None else {"a": i["shared_a"], "w2": w["shared_w2"]}
+            if cfg.latent:
+                return latent_moe_tail(i["y"], w["latent_norm"], w["latent_up"], shared,
+                                       eps=cfg.rms_eps)
+            return latent_moe_tail(i["y"], None, None, shared, eps=cfg.rms_eps)
+
+        def eager(i):
+            return grouped_tail(i["y"], i["shared_a"], i["weights"], i["cfg"])
+        return {"reference": eager, "grouped": eager, "fused": fused}
+    raise ValueError(f"stage: expected one of {STAGES}, got {stage!r}")
+
+
+def stage_bytes(stage: str, inputs: dict) -> int:
+    """Minimum bytes of one stage: its weights (selected experts for stages 1 and 2) plus its
+    activations in and out."""
+    w, plan, cfg, x = inputs["weights"], inputs["plan"], inputs["cfg"], inputs["x"]
+    m, h = x.shape
+    d, i, s = cfg.moe_in, cfg.moe_intermediate, cfg.shared_intermediate
+    k = plan.topk_ids.shape[1]
+    n = _unique_experts(plan)
+    if stage == "front":
+        dense = sum(w[k_].nbytes for k_ in ("latent_down", "shared_w13") if k_ in w)
+        return int(dense + x.nbytes + 2 * m * (d * bool(cfg.latent) + s))
+    if stage == "stage1":
+        return int(expert_bytes(w["w13"], n) + 2 * m * d + 2 * m * k * i)
+    if stage == "stage2":
+        return int(expert_bytes(w["w2"], n) + 2 * m * k * i + 4 * m * d)
+    if stage == "tail":
+        dense = sum(w[k_].nbytes for k_ in ("latent_norm", "latent_up", "shared_w2") if k_ in w)
+        return int(dense + 4 * m * d + 2 * m * s + 2 * m * h)
+    raise ValueError(f"stage: expected one of {STAGES}, got {stage!r}")
+
+
+BOUNDARY = Boundary(
+    name="moe",
+    title="Latent MoE: latent down, stage 1 direct tile, atomic stage 2, fused tail + shared",
+    owns=("moe.latent_down", "moe.stage1", "moe.stage2", "moe.latent_norm", "moe.latent_up",
+          "moe.shared", "moe.shared_add"),
+    make_inputs=make_inputs,
+    variants=(
+        Variant("reference", "reference", _reference,
+                "the loop of ARCHITECTURE.md section 4 in the model's numerics: per selected "
+                "expert index_select (+ MXFP4 dequant), two bf16 GEMVs, fp32 SiTU, fp32 "
+                "weighted sum, fp32 RMSNorm, bf16 up-projection, shared MLP"),
+        Variant("fused", "fused", _fused,
+                "three Triton launches: front (latent down + shared gate/up GEMVs), stage 1 "
+                "direct tile over the plan, stage 2 (fp32 atomics) + tail + shared down in one "
+                "ticket-ordered launch (five with route_sort)"),
+        Variant("grouped", "peer", _grouped,
+                "eager torch: gather the selected experts' weights (MXFP4 dequantized), bmm for "
+                "each stage, fp32 weighted sum, cuBLAS dense projections"),
+        Variant("torch.compile", "peer", compiled(_reference),
+                "torch.compile of the reference", devices=("cuda",)),
+    ),
+    check=check,
+    bytes_moved=bytes_moved,
+    params={"M": 1, "expert_format": "bf16", "block_m": 1, "route": False},
+)

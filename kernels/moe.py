@@ -1,0 +1,834 @@
+"""Latent MoE at batch 1 (ARCHITECTURE.md sections 4-5): four launches after routing.
+
+```
+front : z = x @ W_down^T            (and shared a_s = act(x @ Ws1^T, x @ Ws3^T), same launch)
+stage1: a[t*K+k] = act(z[t] @ W1[e]^T, z[t] @ W3[e]^T)     e = topk_ids[t, k]   ("direct tile")
+stage2: y[t] += w[t,k] * (a[t*K+k] @ W2[e]^T)               fp32 atomics into plan.out
+tail  : out = rsqrt(mean(y^2) + eps) * ((y * g_norm) @ W_up^T) + a_s @ Ws2^T   (or + shared)
+```
+act = SiTU(g, u) = beta*tanh(g/beta)*sigmoid(g)*(lb*tanh(u/lb)) or SiLU(g)*u, in fp32, with
+tanh(x) = 2*sigmoid(2x) - 1. Every product is a GEMV (broadcast multiply + tl.sum, fp32
+accumulation); each program owns one output tile and reads its weight rows exactly once.
+
+Operands are read as (even, odd) element pairs, so bf16 and MXFP4 weights share one code path:
+a bf16 row viewed as int32 gives the even element in the low half-word, an MXFP4 byte gives it in
+the low nibble (E2M1 decoded arithmetically, times the E8M0 scale 2^(s-127) of its group of 32).
+
+Stages 1 and 2 consume the route plan as is (no second top-k or sort): programs walk the
+expert-sorted ``sorted_ids`` in tiles of ``block_m`` entries of one expert, so tokens sharing an
+expert read its weights once per tile. Stage 1 also zeroes ``plan.out`` (stage 2's accumulator)
+so stage 1 + stage 2 can be replayed on one plan. ``deterministic=True`` makes stage 2 sum each
+token's top_k slots in slot order inside one program instead (same single launch, no atomics).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from k3lab.plan import RoutePlan
+from k3lab.weights import MXFP4
+
+__all__ = ["MAX_TOKENS", "latent_down", "moe_stage1", "moe_stage2", "latent_moe_tail",
+           "moe_block"]
+
+# Decode-batch kernels: every GEMV keeps all M tokens of a tile in registers (M x rows x pairs
+# products), so M is bounded; larger batches want a tensor-core grouped GEMM instead.
+MAX_TOKENS = 16
+ACT_CODES = {"situ": 0, "silu": 1}
+MXFP4_GROUP = 32
+# A program should own enough programs' worth of work for HBM to see many loads in flight:
+# about 4 resident programs per SM of a 132-SM H200. Under the interpreter programs run one by
+# one in Python, so fewer, bigger tiles are faster (INTERPRETER_BIG_TILES; tests may turn it off
+# to run the GPU tiling on CPU).
+TARGET_PROGRAMS = 528
+INTERPRETER_TARGET_PROGRAMS = 4
+INTERPRETER_BIG_TILES = True
+# Rows of weights per program: at least 4 (so a program's loads are not all latency), at most 32
+# (beyond that the grid at tp 8 drops under one program per SM).
+MIN_ROWS, MAX_ROWS, INTERPRETER_MAX_ROWS = 4, 32, 128
+# Broadcast products per K step (M x rows x pairs): 4096 = 32 fp32 registers per thread at
+# 4 warps, i.e. the product tile stays in registers; the interpreter vectorizes far larger ones.
+PRODUCT_BUDGET, INTERPRETER_PRODUCT_BUDGET = 4096, 1 << 17
+MIN_PAIRS, MAX_PAIRS = 16, 512
+NUM_WARPS = 4
+ZERO_MIN_BLOCK = 16
+# A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
+# scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
+MAX_SPIN = tl.constexpr(1 << 24)
+
+
+# ---------------------------------------------------------------------------------------------
+# jit helpers
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * _sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _act(b_g, b_u, beta, linear_beta, ACT: tl.constexpr):
+    """fp32 activation of gate and up tiles: SiTU (ACT 0) or SiLU(g) * u (ACT 1)."""
+    b_sg = _sigmoid(b_g)
+    if ACT == 0:
+        b_a = beta * _tanh(b_g / beta) * b_sg * (linear_beta * _tanh(b_u / linear_beta))
+    else:
+        b_a = b_g * b_sg * b_u
+    return b_a
+
+
+@triton.jit
+def _to_bf16(x):
+    """fp32 -> bf16 rounded to nearest even, written out (the Triton interpreter truncates)."""
+    b = x.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+    return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _e2m1(c):
+    """fp32 value of E2M1 codes c (int32, 0..15): bit 3 sign, bits 2-1 exponent e, bit 0 m.
+    e > 0: 2^(e-1) * (1 + m/2) = fp32 bits (126 + e) << 23 | m << 22; e == 0: m * 0.5."""
+    c7 = c & 7
+    bits = tl.where(c7 < 2, c7 * (126 << 23), (c7 << 22) + (126 << 23))
+    bits = bits | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_w_pairs(p_w, p_s, o_row, m_row, o_kp, m_kp, K_PAIRS, FP4: tl.constexpr):
+    """Weight tile [rows, pairs] as (even, odd) fp32 elements.
+
+    bf16: p_w is the weight viewed as int32 [N, K_PAIRS]; FP4: p_w the packed uint8
+    [N, K_PAIRS] and p_s the E8M0 scales uint8 [N, K_PAIRS // 16].
+    """
+    m = m_row[:, None] & m_kp[None, :]
+    if FP4:
+        b_c = tl.load(p_w + o_row[:, None] * K_PAIRS + o_kp[None, :], mask=m, other=0)
+        b_c = b_c.to(tl.int32)
+        b_s = tl.load(p_s + o_row[:, None] * (K_PAIRS // 16) + o_kp[None, :] // 16, mask=m,
+                      other=127)
+        b_scale = (b_s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        b_even = _e2m1(b_c & 15) * b_scale
+        b_odd = _e2m1(b_c >> 4) * b_scale
+    else:
+        b_v = tl.load(p_w + o_row[:, None] * K_PAIRS + o_kp[None, :], mask=m, other=0)
+        b_even = (b_v << 16).to(tl.float32, bitcast=True)
+        b_odd = (b_v & -65536).to(tl.float32, bitcast=True)
+    return b_even, b_odd
+
+
+@triton.jit
+def _load_x_pairs(p_x, o_row, m_row, o_kp, m_kp, K_PAIRS, X_FP32: tl.constexpr):
+    """Input rows [rows, pairs] as (even, odd) fp32: bf16 x viewed as int32 [rows, K_PAIRS], or
+    fp32 x [rows, 2 * K_PAIRS] (stage 2's atomically written sum: read through L2 only)."""
+    m = m_row[:, None] & m_kp[None, :]
+    if X_FP32:
+        p = p_x + o_row[:, None] * (2 * K_PAIRS) + 2 * o_kp[None, :]
+        b_even = tl.load(p, mask=m, other=0.0, cache_modifier=".cg")
+        b_odd = tl.load(p + 1, mask=m, other=0.0, cache_modifier=".cg")
+    else:
+        b_v = tl.load(p_x + o_row[:, None] * K_PAIRS + o_kp[None, :], mask=m, other=0)
+        b_even = (b_v << 16).to(tl.float32, bitcast=True)
+        b_odd = (b_v & -65536).to(tl.float32, bitcast=True)
+    return b_even, b_odd
+
+
+@triton.jit
+def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+          FP4: tl.constexpr, X_FP32: tl.constexpr, HAS_XS: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] (* xs) @ w[o_wrow]^T over K = 2 * K_PAIRS.
+
+    xs (HAS_XS): an fp32 [2 * K_PAIRS] per-column factor on x (the RMSNorm weight)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kp0 in range(0, K_PAIRS, BLOCK_KP):
+        o_kp = kp0 + tl.arange(0, BLOCK_KP)
+        m_kp = o_kp < K_PAIRS
+        b_xe, b_xo = _load_x_pairs(p_x, o_xrow, m_xrow, o_kp, m_kp, K_PAIRS, X_FP32)
+        if HAS_XS:
+            b_xe *= tl.load(p_xs + 2 * o_kp, mask=m_kp, other=0.0).to(tl.float32)[None, :]
+            b_xo *= tl.load(p_xs + 2 * o_kp + 1, mask=m_kp, other=0.0).to(tl.float32)[None, :]
+        b_we, b_wo = _load_w_pairs(p_w, p_s, o_wrow, m_wrow, o_kp, m_kp, K_PAIRS, FP4)
+        if BLOCK_M == 1:
+            acc += tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)[None, :]
+        else:
+            acc += tl.sum(b_we[None, :, :] * b_xe[:, None, :] + b_wo[None, :, :] * b_xo[:, None, :],
+                          axis=2)
+    return acc
+
+
+@triton.jit
+def _gate_up_act(p_x, o_xrow, m_xrow, p_w, p_s, o_n, m_n, N_HALF, K_PAIRS, beta, linear_beta,
+                 ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_KP: tl.constexpr, FP4: tl.constexpr):
+    """act(x @ w[o_n]^T, x @ w[N_HALF + o_n]^T): gate rows then up rows of one [2 * N_HALF, K]
+    weight."""
+    b_g = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n, m_n, K_PAIRS,
+                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False)
+    b_u = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n + N_HALF, m_n, K_PAIRS,
+                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False)
+    return _act(b_g, b_u, beta, linear_beta, ACT)
+
+
+@triton.jit
+def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr):
+    """Entries (token * top_k + slot), their tokens and validity for plan tile i_b."""
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < block_m
+    b_ent = tl.load(p_sorted + i_b * block_m + o_m, mask=m_m, other=n_entries)
+    m_ent = b_ent < n_entries
+    return b_ent, b_ent // top_k, m_ent
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _moe_front_kernel(p_x, p_down, p_z, p_sw13, p_sa, M, H_PAIRS, D, S, n_shared_tiles,
+                      beta, linear_beta, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
+    """Programs [0, n_shared_tiles): shared gate/up + act -> a_s [M, S] bf16; the rest:
+    latent down-projection -> z [M, D] bf16. Both read x [M, H] bf16."""
+    i_p = tl.program_id(0)
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    if i_p < n_shared_tiles:
+        o_n = i_p * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < S
+        b_a = _gate_up_act(p_x, o_m, m_m, p_sw13, p_sw13, o_n, m_n, S, H_PAIRS, beta, linear_beta,
+                           ACT, BLOCK_M, BLOCK_N, BLOCK_KP, False)
+        tl.store(p_sa + o_m[:, None] * S + o_n[None, :], _to_bf16(b_a),
+                 mask=m_m[:, None] & m_n[None, :])
+    else:
+        o_n = (i_p - n_shared_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < D
+        b_z = _gemv(p_x, o_m, m_m, p_x, p_down, p_down, o_n, m_n, H_PAIRS,
+                    BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False)
+        tl.store(p_z + o_m[:, None] * D + o_n[None, :], _to_bf16(b_z),
+                 mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_out, p_sync,
+                       n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta, linear_beta,
+                       ACT: tl.constexpr, FP4: tl.constexpr, ZERO_OUT: tl.constexpr,
+                       ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
+    """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T).
+    Side jobs: zero stage 2's accumulator (a slice per program) and the stage-2 + tail launch's
+    two counters (program 0)."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    if ZERO_OUT:
+        o_o = (i_b * tl.num_programs(1) + i_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store(p_out + o_o, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=o_o < n_zero)
+    if ZERO_SYNC:
+        o_s = tl.arange(0, 2)
+        tl.store(p_sync + o_s, tl.zeros([2], dtype=tl.int32), mask=(i_b + i_n + o_s * 0) == 0)
+    if i_b * block_m < tl.load(p_num_valid):
+        b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
+        i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+        p_we = p_w + i_e * (2 * N_I * D_PAIRS)
+        p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_n = o_n < N_I
+        b_a = _gate_up_act(p_z, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D_PAIRS, beta, linear_beta,
+                           ACT, BLOCK_M, BLOCK_N, BLOCK_KP, FP4)
+        tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], _to_bf16(b_a),
+                 mask=m_ent[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
+                 p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
+                 FP4: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
+    """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
+    w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
+    slot order and stores."""
+    i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < D
+    if DETERMINISTIC:
+        b_y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+        for k in range(0, top_k):
+            i_e = tl.load(p_topk_ids + i_b * top_k + k).to(tl.int64)
+            o_row = tl.zeros([1], dtype=tl.int32) + i_b * top_k + k
+            p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
+            b_p = _gemv(p_a, o_row, o_row < n_entries, p_a, p_w + i_e * (D * I_PAIRS), p_se,
+                        o_n, m_n, I_PAIRS, 1, BLOCK_N, BLOCK_KP, FP4, False, False)
+            b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
+        tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
+    else:
+        if i_b * block_m < tl.load(p_num_valid):
+            b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
+            i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+            p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
+            b_p = _gemv(p_a, b_ent, m_ent, p_a, p_w + i_e * (D * I_PAIRS), p_se, o_n, m_n,
+                        I_PAIRS, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False)
+            o_m = tl.arange(0, BLOCK_M)
+            b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
+            tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
+                          mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
+
+
+@triton.jit
+def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait, M, D, H,
+               S_PAIRS, eps, LATENT: tl.constexpr, SHARED: tl.constexpr, WAIT: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+               BLOCK_SS: tl.constexpr):
+    """Tail program pid (H tile): out = rstd * ((y * g) @ W_up^T) (LATENT) or y, plus the shared
+    output (SHARED 1: add a computed [M, H] tensor; 2: a_s @ Ws2^T computed here). WAIT: the
+    shared GEMV first, then wait until n_wait stage-2 programs have signalled p_done. y is read
+    through L2 only (.cg): it was written by other programs' atomics."""
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < H
+    m_o = m_m[:, None] & m_n[None, :]
+    b_o = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SHARED == 2:
+        b_o += _gemv(p_sa, o_m, m_m, p_sa, p_sw2, p_sw2, o_n, m_n, S_PAIRS,
+                     BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False)
+    if SHARED == 1:
+        b_o += tl.load(p_shared + o_m[:, None] * H + o_n[None, :], mask=m_o, other=0.0).to(
+            tl.float32)
+    if WAIT:
+        n_spin = 0
+        while (tl.atomic_add(p_done, 0, sem="acquire") < n_wait) & (n_spin < MAX_SPIN):
+            n_spin += 1
+        tl.debug_barrier()
+    if LATENT:
+        b_u = _gemv(p_y, o_m, m_m, p_nw, p_up, p_up, o_n, m_n, D // 2,
+                    BLOCK_M, BLOCK_N, BLOCK_KP, False, True, True)
+        b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # every program recomputes sum(y^2): M*D*4 B
+        for d0 in range(0, D, BLOCK_SS):
+            o_d = d0 + tl.arange(0, BLOCK_SS)
+            b_v = tl.load(p_y + o_m[:, None] * D + o_d[None, :],
+                          mask=m_m[:, None] & (o_d < D)[None, :], other=0.0, cache_modifier=".cg")
+            b_ss += tl.sum(b_v * b_v, axis=1)
+        b_o += b_u * (1.0 / tl.sqrt(b_ss / D + eps))[:, None]
+    else:
+        b_o += tl.load(p_y + o_m[:, None] * H + o_n[None, :], mask=m_o, other=0.0,
+                       cache_modifier=".cg")
+    tl.store(p_o + o_m[:, None] * H + o_n[None, :], _to_bf16(b_o), mask=m_o)
+
+
+@triton.jit
+def _moe_stage2_tail_kernel(
+        p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid, p_topk_ids, p_topk_w,
+        p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles, n_stage2,
+        p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync, M, H, S_PAIRS, eps,
+        STAGE2: tl.constexpr, TAIL: tl.constexpr, FP4: tl.constexpr,
+        DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+        BLOCK_KP2: tl.constexpr, LATENT: tl.constexpr, SHARED: tl.constexpr,
+        BLOCK_MT: tl.constexpr, BLOCK_NT: tl.constexpr, BLOCK_KPT: tl.constexpr,
+        BLOCK_SS: tl.constexpr):
+    """Stage 2, the tail, or both in one launch. Both: each program takes a ticket (atomic
+    counter p_sync[0]); tickets [0, n_stage2) run stage-2 tiles and then count themselves done in
+    p_sync[1] (release); later tickets run tail tiles, which wait for all stage-2 tiles
+    (acquire). Tickets follow the order programs actually start, so every stage-2 tile a tail
+    tile waits for is already running: no deadlock whatever the scheduling."""
+    if STAGE2 and TAIL:
+        i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
+        if i_t < n_stage2:
+            _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
+                         p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
+                         n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2)
+            tl.debug_barrier()  # every thread's adds issued before the release below
+            tl.atomic_add(p_sync + 1, 1, sem="release")
+        else:
+            _tail_tile(i_t - n_stage2, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync + 1,
+                       n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, True, BLOCK_MT, BLOCK_NT,
+                       BLOCK_KPT, BLOCK_SS)
+    elif STAGE2:
+        _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
+                     p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
+                     I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2)
+    else:
+        _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
+                   n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
+                   BLOCK_KPT, BLOCK_SS)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side: validation and tiling
+
+
+def _fast_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" and INTERPRETER_BIG_TILES
+
+
+def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_KP) for a GEMV over ``rows`` output rows, launched for
+    ``programs_per_tile`` independent row sets: the most rows per program (a power of two in
+    [MIN_ROWS, MAX_ROWS]) that keeps at least TARGET_PROGRAMS programs, then the most pairs per K
+    step within the product budget."""
+    fast = _fast_interpreter()
+    target = INTERPRETER_TARGET_PROGRAMS if fast else TARGET_PROGRAMS
+    max_rows = INTERPRETER_MAX_ROWS if fast else MAX_ROWS
+    budget = INTERPRETER_PRODUCT_BUDGET if fast else PRODUCT_BUDGET
+    block_n = MIN_ROWS
+    while (block_n * 2 <= min(max_rows, triton.next_power_of_2(rows))
+           and programs_per_tile * triton.cdiv(rows, block_n * 2) >= target):
+        block_n *= 2
+    block_kp = _pow2_floor(budget // (block_m * block_n))
+    block_kp = min(block_kp, budget if fast else MAX_PAIRS, triton.next_power_of_2(k_pairs))
+    return block_n, max(MIN_PAIRS, block_kp)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _check_tensor(name, t, *, dtypes, dim, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{name}: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 "
+                         f"before importing triton; see k3lab.device.use_device)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a cuda (or interpreted cpu) tensor, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def _check_tokens(name, m):
+    if not 1 <= m <= MAX_TOKENS:
+        raise ValueError(f"{name}: expected 1 <= M <= {MAX_TOKENS} tokens, got M={m}")
+
+
+def _check_experts(name, w, device):
+    """(E, N, K, is_fp4) of an expert weight [E, N, K]: bf16 tensor or MXFP4."""
+    if isinstance(w, MXFP4):
+        _check_tensor(f"{name}.packed", w.packed, dtypes=(torch.uint8,), dim=3, device=device)
+        _check_tensor(f"{name}.scales", w.scales, dtypes=(torch.uint8,), dim=3, device=device)
+        e, n, k = w.shape
+        if k % MXFP4_GROUP or tuple(w.scales.shape) != (e, n, k // MXFP4_GROUP):
+            raise ValueError(f"{name}: MXFP4 scales must be [E, N, K/32] = {[e, n, k // 32]} with "
+                             f"K a multiple of 32, got packed {tuple(w.packed.shape)}, scales "
+                             f"{tuple(w.scales.shape)}")
+        return e, n, k, True
+    _check_tensor(name, w, dtypes=(torch.bfloat16,), dim=3, device=device)
+    e, n, k = w.shape
+    if k % 2:
+        raise ValueError(f"{name}: expected an even input dimension K, got {k}")
+    return e, n, k, False
+
+
+def _expert_ptrs(w):
+    """(values, scales) kernel arguments: bf16 viewed as int32 pairs, or MXFP4 packed/scales."""
+    if isinstance(w, MXFP4):
+        return w.packed, w.scales
+    return w.view(torch.int32), w.view(torch.int32)
+
+
+def _pairs(name, t):
+    """bf16 [.., K] (K even) viewed as int32 [.., K/2]."""
+    if t.shape[-1] % 2:
+        raise ValueError(f"{name}: expected an even last dimension, got {tuple(t.shape)}")
+    return t.view(torch.int32)
+
+
+def _check_plan(plan, m, n_experts, device, out_dim=None):
+    """Validate a RoutePlan for M tokens over n_experts; returns (top_k, block_m, n_tiles)."""
+    if not isinstance(plan, RoutePlan):
+        raise ValueError(f"plan: expected a k3lab.plan.RoutePlan, got {type(plan).__name__}")
+    _check_tensor("plan.topk_ids", plan.topk_ids, dtypes=(torch.int32,), dim=2, device=device)
+    _check_tensor("plan.topk_weights", plan.topk_weights, dtypes=(torch.float32,), dim=2,
+                  device=device)
+    if plan.topk_ids.shape[0] != m or plan.topk_weights.shape != plan.topk_ids.shape:
+        raise ValueError(f"plan: topk_ids {tuple(plan.topk_ids.shape)} and topk_weights "
+                         f"{tuple(plan.topk_weights.shape)} must both be [M={m}, top_k]")
+    top_k, block_m = plan.topk_ids.shape[1], plan.block_m
+    if not 1 <= top_k <= n_experts:
+        raise ValueError(f"plan: top_k={top_k} must be in [1, E={n_experts}]")
+    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
+        raise ValueError(f"plan.block_m: expected a positive int, got {block_m!r}")
+    for name in ("sorted_ids", "block_expert_ids", "num_valid"):
+        _check_tensor(f"plan.{name}", getattr(plan, name), dtypes=(torch.int32,), dim=1,
+                      device=device)
+    _check_tensor("plan.sorted_weights", plan.sorted_weights, dtypes=(torch.float32,), dim=1,
+                  device=device)
+    cap = plan.sorted_ids.numel()
+    if (cap < m * top_k or plan.sorted_weights.numel() != cap
+            or plan.block_expert_ids.numel() != cap // block_m or plan.num_valid.numel() != 1):
+        raise ValueError(
+            f"plan: inconsistent sort metadata for M={m}, top_k={top_k}, block_m={block_m}: "
+            f"sorted_ids {cap}, sorted_weights {plan.sorted_weights.numel()}, block_expert_ids "
+            f"{plan.block_expert_ids.numel()} (expected sorted_ids >= M*top_k, sorted_weights "
+            f"alike, block_expert_ids = sorted_ids // block_m)")
+    if plan.out is not None and out_dim is not None:
+        _check_tensor("plan.out", plan.out, dtypes=(torch.float32,), dim=2, device=device)
+        if tuple(plan.out.shape) != (m, out_dim):
+            raise ValueError(f"plan.out: expected [M, D] = [{m}, {out_dim}], got "
+                             f"{tuple(plan.out.shape)}")
+    # every valid tile holds at least one of the M * top_k entries: no more tiles than that
+    return top_k, block_m, min(cap // block_m, m * top_k)
+
+
+def _check_activation(activation):
+    if activation not in ACT_CODES:
+        raise ValueError(f"activation: expected one of {sorted(ACT_CODES)}, got {activation!r}")
+    return ACT_CODES[activation]
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+
+def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
+                shared_w13: torch.Tensor | None = None, *, activation: str = "situ",
+                situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+    """The MoE's front launch: latent down-projection and the shared MLP's gate/up, both GEMVs of
+    x, in one kernel.
+
+    x: bf16 [M, H]; down_weight: bf16 [D, H] or None (no latent); shared_w13: bf16 [2S, H] (gate
+    rows then up rows) or None. Returns (z bf16 [M, D] or None, a_s bf16 [M, S] or None) with
+    a_s = act(x @ Ws1^T, x @ Ws3^T).
+    """
+    _check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
+    m, h = x.shape
+    _check_tokens("x", m)
+    act = _check_activation(activation)
+    x_p = _pairs("x", x)
+    d = s = 0
+    if down_weight is not None:
+        _check_tensor("down_weight", down_weight, dtypes=(torch.bfloat16,), dim=2, device=x.device)
+        if down_weight.shape[1] != h:
+            raise ValueError(f"down_weight: expected [D, H={h}], got {tuple(down_weight.shape)}")
+        d = down_weight.shape[0]
+    if shared_w13 is not None:
+        _check_tensor("shared_w13", shared_w13, dtypes=(torch.bfloat16,), dim=2, device=x.device)
+        if shared_w13.shape[1] != h or shared_w13.shape[0] % 2:
+            raise ValueError(f"shared_w13: expected [2S, H={h}], got {tuple(shared_w13.shape)}")
+        s = shared_w13.shape[0] // 2
+    if not d and not s:
+        return None, None
+    z = torch.empty((m, d), device=x.device, dtype=torch.bfloat16) if d else None
+    a_s = torch.empty((m, s), device=x.device, dtype=torch.bfloat16) if s else None
+    block_m = triton.next_power_of_2(m)
+    block_n, block_kp = _tiles(1, d + 2 * s, h // 2, block_m)
+    n_shared = triton.cdiv(s, block_n)
+    grid = (n_shared + triton.cdiv(d, block_n),)
+    dummy = x_p
+    _moe_front_kernel[grid](
+        x_p, _pairs("down_weight", down_weight) if d else dummy, z if d else dummy,
+        _pairs("shared_w13", shared_w13) if s else dummy, a_s if s else dummy,
+        m, h // 2, d, s, n_shared, float(situ_beta), float(situ_linear_beta),
+        ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp, num_warps=NUM_WARPS)
+    return z, a_s
+
+
+def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync=None):
+    m, d = z.shape
+    top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
+    a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
+    block_mp = triton.next_power_of_2(block_m)
+    block_n, block_kp = _tiles(n_tiles, i, d // 2, block_mp)
+    grid = (n_tiles, triton.cdiv(i, block_n))
+    out = plan.out
+    zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
+                                            triton.cdiv(m * d, grid[0] * grid[1])))
+    w_v, w_s = _expert_ptrs(w13)
+    _moe_stage1_kernel[grid](
+        z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids, plan.num_valid, a,
+        out if out is not None else a, sync if sync is not None else plan.num_valid,
+        m * top_k, block_m, top_k, i, d // 2, m * d, float(situ_beta), float(situ_linear_beta),
+        ACT=act, FP4=isinstance(w13, MXFP4), ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
+        ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
+        num_warps=NUM_WARPS)
+    return a
+
+
+def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ",
+               situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
+    """Stage 1 "direct tile": a[t * top_k + k] = act(z[t] @ W1[e]^T, z[t] @ W3[e]^T),
+    e = plan.topk_ids[t, k], computed along the plan's expert-sorted tiles.
+
+    z: bf16 [M, D], M <= MAX_TOKENS. plan: RoutePlan over E experts (topk_ids int32 [M, top_k],
+    sorted_ids / sorted_weights [cap], block_expert_ids [cap / block_m], num_valid [1]; out fp32
+    [M, D] or None). w13: bf16 [E, 2I, D] (rows [0, I) gate, [I, 2I) up) or MXFP4 (packed uint8
+    [E, 2I, D/2], scales uint8 [E, 2I, D/32]). Returns a: bf16 [M * top_k, I]. Side effect:
+    zeroes plan.out (stage 2's accumulator) when present.
+    """
+    _check_tensor("z", z, dtypes=(torch.bfloat16,), dim=2)
+    m, d = z.shape
+    _check_tokens("z", m)
+    act = _check_activation(activation)
+    e, two_i, k, _ = _check_experts("w13", w13, z.device)
+    if k != d or two_i % 4:
+        raise ValueError(f"w13: expected [E, 2I, D={d}] with I even, got {list(w13.shape)}")
+    _pairs("z", z)
+    _, _, n_tiles = _check_plan(plan, m, e, z.device, out_dim=d)
+    return _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles)
+
+
+def _stage2_args(a, plan, w2, deterministic, n_tiles):
+    """Stage-2 kernel arguments (validated inputs); returns (kwargs, programs, y)."""
+    top_k, block_m = plan.topk_ids.shape[1], plan.block_m
+    m, i = a.shape[0] // top_k, a.shape[1]
+    d = w2.shape[1]
+    y = plan.out
+    if y is None:  # without route_sort's zeroed buffer: a memset (one more launch)
+        y = (torch.empty if deterministic else torch.zeros)((m, d), device=a.device,
+                                                            dtype=torch.float32)
+    block_mp = 1 if deterministic else triton.next_power_of_2(block_m)
+    rows = m if deterministic else n_tiles
+    block_n, block_kp = _tiles(rows, d, i // 2, block_mp)
+    n_d = triton.cdiv(d, block_n)
+    w_v, w_s = _expert_ptrs(w2)
+    kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,
+              p_sorted_w=plan.sorted_weights, p_block_expert=plan.block_expert_ids,
+              p_num_valid=plan.num_valid, p_topk_ids=plan.topk_ids, p_topk_w=plan.topk_weights,
+              p_y=y, n_entries=m * top_k, block_m=block_m, top_k=top_k, D=d, I_PAIRS=i // 2,
+              n_d_tiles=n_d, n_stage2=rows * n_d, FP4=isinstance(w2, MXFP4),
+              DETERMINISTIC=bool(deterministic), BLOCK_M2=block_mp, BLOCK_N2=block_n,
+              BLOCK_KP2=block_kp)
+    return kw, rows * n_d, y
+
+
+def _tail_args(y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps):
+    """Tail kernel arguments (validated inputs); returns (kwargs, programs, out)."""
+    m, d = y.shape
+    latent = up_weight is not None
+    h = up_weight.shape[0] if latent else d
+    out = torch.empty((m, h), device=y.device, dtype=torch.bfloat16)
+    shared = 2 if shared_a is not None else (1 if shared_out is not None else 0)
+    s = shared_a.shape[1] if shared_a is not None else 0
+    block_m = triton.next_power_of_2(m)
+    block_n, block_kp = _tiles(1, h, max(d, s) // 2, block_m)
+    block_ss = min(triton.next_power_of_2(d), max(MIN_PAIRS, PRODUCT_BUDGET // block_m))
+    kw = dict(p_y=y, p_nw=norm_weight if latent else y, p_up=up_weight.view(torch.int32)
+              if latent else y, p_sa=shared_a.view(torch.int32) if shared == 2 else y,
+              p_sw2=shared_w2.view(torch.int32) if shared == 2 else y,
+              p_shared=shared_out if shared == 1 else y, p_o=out, M=m, D=d, H=h, S_PAIRS=s // 2,
+              eps=float(eps), LATENT=latent, SHARED=shared, BLOCK_MT=block_m, BLOCK_NT=block_n,
+              BLOCK_KPT=block_kp, BLOCK_SS=block_ss)
+    return kw, triton.cdiv(h, block_n), out
+
+
+def _launch_stage2_tail(stage2, tail, sync=None):
+    """One launch of the stage-2 + tail kernel: stage2 / tail are (kwargs, programs, result) of
+    _stage2_args / _tail_args or None; both given needs ``sync`` (int32 [2], zeroed)."""
+    kw = {}
+    if stage2 is None:  # dummies for the stage-2 parameters
+        y = tail[0]["p_y"]
+        kw.update(p_a=y, p_w=y, p_ws=y, p_sorted=y, p_sorted_w=y, p_block_expert=y,
+                  p_num_valid=y, p_topk_ids=y, p_topk_w=y, n_entries=1, block_m=1, top_k=1,
+                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0, FP4=False,
+                  DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS)
+    else:
+        kw.update(stage2[0])
+    if tail is None:
+        y = stage2[2]
+        kw.update(p_nw=y, p_up=y, p_sa=y, p_sw2=y, p_shared=y, p_o=y, M=1, H=1, S_PAIRS=0,
+                  eps=0.0, LATENT=False, SHARED=0, BLOCK_MT=1, BLOCK_NT=MIN_ROWS,
+                  BLOCK_KPT=MIN_PAIRS, BLOCK_SS=MIN_PAIRS)
+    else:
+        kw.update(tail[0])
+        kw.pop("p_y")
+        kw["p_y"] = tail[0]["p_y"] if stage2 is None else stage2[2]
+    n = (stage2[1] if stage2 else 0) + (tail[1] if tail else 0)
+    kw["p_sync"] = sync if sync is not None else kw["p_y"]
+    _moe_stage2_tail_kernel[(n,)](STAGE2=stage2 is not None, TAIL=tail is not None,
+                                  num_warps=NUM_WARPS, **kw)
+
+
+def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False
+               ) -> torch.Tensor:
+    """Stage 2: out[t] = sum_k topk_weights[t, k] * (a[t * top_k + k] @ W2[e]^T) in fp32.
+
+    a: bf16 [M * top_k, I] (stage 1's output). plan: as for moe_stage1; its ``out`` fp32 [M, D]
+    must be zeroed (route_sort and moe_stage1 zero it) and is returned; when it is None a zeroed
+    buffer is allocated. w2: bf16 [E, D, I] or MXFP4 (packed [E, D, I/2], scales [E, D, I/32]).
+    Atomic (default): one program per (expert tile of the plan, D tile), fp32 atomic adds; the
+    order of the adds varies between runs. deterministic=True: one program per (token, D tile)
+    adding its top_k slots in slot order (bitwise reproducible; out is overwritten, not added to).
+    Returns fp32 [M, D].
+    """
+    _check_tensor("a", a, dtypes=(torch.bfloat16,), dim=2)
+    e, d, i, _ = _check_experts("w2", w2, a.device)
+    if a.shape[1] != i or i % 2:
+        raise ValueError(f"a: expected [M * top_k, I={i}] (I from w2 [E, D, I], even), got "
+                         f"{tuple(a.shape)}")
+    if not isinstance(plan, RoutePlan):
+        raise ValueError(f"plan: expected a k3lab.plan.RoutePlan, got {type(plan).__name__}")
+    top_k = plan.topk_ids.shape[-1]
+    m = a.shape[0] // max(top_k, 1)
+    if a.shape[0] != m * top_k:
+        raise ValueError(f"a: expected M * top_k rows (top_k={top_k}), got {a.shape[0]}")
+    _check_tokens("a", m)
+    _, _, n_tiles = _check_plan(plan, m, e, a.device, out_dim=d)
+    stage2 = _stage2_args(a, plan, w2, deterministic, n_tiles)
+    _launch_stage2_tail(stage2, None)
+    return stage2[2]
+
+
+def _check_shared_weights(shared: dict, m: int, h: int, device):
+    for key in ("x", "w13", "w2"):
+        if key not in shared:
+            raise ValueError(f"shared: a weights dict needs keys 'x', 'w13', 'w2'; missing {key!r}")
+    _check_tensor("shared['x']", shared["x"], dtypes=(torch.bfloat16,), dim=2, device=device)
+    _check_tensor("shared['w2']", shared["w2"], dtypes=(torch.bfloat16,), dim=2, device=device)
+    if tuple(shared["x"].shape) != (m, h) or shared["w2"].shape[0] != h:
+        raise ValueError(f"shared: expected x [M={m}, H={h}] and w2 [H={h}, S], got x "
+                         f"{tuple(shared['x'].shape)}, w2 {tuple(shared['w2'].shape)}")
+
+
+def latent_moe_tail(y: torch.Tensor, norm_weight: torch.Tensor | None,
+                    up_weight: torch.Tensor | None, shared=None, *, eps: float) -> torch.Tensor:
+    """out = RMSNorm(y) @ W_up^T + shared, bf16 [M, H], RMSNorm and sums in fp32.
+
+    y: fp32 [M, D] (stage 2's output). norm_weight: fp32 or bf16 [D]. up_weight: bf16 [H, D].
+    norm_weight = up_weight = None: no latent (K2-style), out = y + shared with y [M, H].
+    shared: None; a computed tensor [M, H] (bf16 or fp32), added (1 launch in all); or the shared
+    MLP's weights ``{"x": bf16 [M, H], "w13": bf16 [2S, H], "w2": bf16 [H, S], "activation",
+    "situ_beta", "situ_linear_beta"}``: gate/up run in a front launch (:func:`latent_down`), the
+    down GEMV inside the tail's launch (2 launches in all); or ``{"a": bf16 [M, S], "w2": bf16
+    [H, S]}``, the shared MLP's activation already computed (by :func:`latent_down`): its down
+    GEMV runs inside the tail's launch (1 launch).
+    """
+    _check_tensor("y", y, dtypes=(torch.float32,), dim=2)
+    m, d = y.shape
+    _check_tokens("y", m)
+    if (norm_weight is None) != (up_weight is None):
+        raise ValueError("norm_weight: give both norm_weight and up_weight, or neither")
+    h = d
+    if up_weight is not None:
+        _check_tensor("norm_weight", norm_weight, dtypes=(torch.float32, torch.bfloat16), dim=1,
+                      device=y.device)
+        _check_tensor("up_weight", up_weight, dtypes=(torch.bfloat16,), dim=2, device=y.device)
+        if norm_weight.shape[0] != d or up_weight.shape[1] != d or d % 2:
+            raise ValueError(f"up_weight: expected norm_weight [D={d}] and up_weight [H, D={d}] "
+                             f"with D even, got {tuple(norm_weight.shape)}, "
+                             f"{tuple(up_weight.shape)}")
+        h = up_weight.shape[0]
+    shared_out = shared_a = shared_w2 = None
+    if isinstance(shared, torch.Tensor):
+        _check_tensor("shared", shared, dtypes=(torch.bfloat16, torch.float32), dim=2,
+                      device=y.device)
+        if tuple(shared.shape) != (m, h):
+            raise ValueError(f"shared: expected [M, H] = [{m}, {h}], got {tuple(shared.shape)}")
+        shared_out = shared
+    elif isinstance(shared, dict) and "a" in shared:
+        for key in ("a", "w2"):
+            _check_tensor(f"shared['{key}']", shared.get(key), dtypes=(torch.bfloat16,), dim=2,
+                          device=y.device)
+        shared_a, shared_w2 = shared["a"], shared["w2"]
+        if shared_a.shape[0] != m or tuple(shared_w2.shape) != (h, shared_a.shape[1]):
+            raise ValueError(f"shared: expected a [M={m}, S] and w2 [H={h}, S], got a "
+                             f"{tuple(shared_a.shape)}, w2 {tuple(shared_w2.shape)}")
+        _pairs("shared['a']", shared_a)
+    elif isinstance(shared, dict):
+        _check_shared_weights(shared, m, h, y.device)
+        shared_w2 = shared["w2"]
+        if shared_w2.shape[1] * 2 != shared["w13"].shape[0]:
+            raise ValueError(f"shared: w2 must be [H, S] with w13 [2S, H], got w2 "
+                             f"{tuple(shared_w2.shape)}, w13 {tuple(shared['w13'].shape)}")
+        _, shared_a = latent_down(shared["x"], None, shared["w13"],
+                                  activation=shared.get("activation", "situ"),
+                                  situ_beta=shared.get("situ_beta", 4.0),
+                                  situ_linear_beta=shared.get("situ_linear_beta", 25.0))
+        _pairs("shared['w2']", shared_w2)
+    elif shared is not None:
+        raise ValueError(f"shared: expected None, a tensor [M, H] or a weights dict, got "
+                         f"{type(shared).__name__}")
+    if up_weight is None and shared is None:
+        raise ValueError("shared: without a latent (up_weight None) the tail needs a shared term")
+    tail = _tail_args(y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps)
+    _launch_stage2_tail(None, tail)
+    return tail[2]
+
+
+def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
+              block_m: int = 1, deterministic: bool = False) -> torch.Tensor:
+    """The latent MoE block of ARCHITECTURE.md section 4 in 5 launches (3 with a given plan):
+    route_sort (2), front (latent down + shared gate/up), stage 1, stage 2 + tail (+ shared
+    down) in one launch.
+
+    x: bf16 [M, H], M <= MAX_TOKENS. weights: the dict of ``k3lab.weights.moe_weights``
+    (gate_weight, correction_bias; latent_down [D, H], latent_norm [D], latent_up [H, D] when
+    cfg.latent; w13 [E, 2I, D], w2 [E, D, I] bf16 or MXFP4; shared_w13 [2S, H], shared_w2
+    [H, S] when cfg.shared_intermediate). cfg: a k3lab Preset. plan: a RoutePlan for x (skips
+    routing; block_m is then the plan's; its out is re-zeroed by stage 1). Returns bf16 [M, H].
+    """
+    _check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
+    m, h = x.shape
+    _check_tokens("x", m)
+    if h != cfg.hidden:
+        raise ValueError(f"x: expected [M, H={cfg.hidden}] for preset {cfg.name}, got "
+                         f"{tuple(x.shape)}")
+    need = ["w13", "w2"]
+    need += ["latent_down", "latent_norm", "latent_up"] if cfg.latent else []
+    need += ["shared_w13", "shared_w2"] if cfg.shared_intermediate else []
+    need += ["gate_weight", "correction_bias"] if plan is None else []
+    missing = [k for k in need if k not in weights]
+    if missing:
+        raise ValueError(f"weights: missing {missing} for preset {cfg.name}")
+    act = _check_activation(cfg.activation)
+    betas = (cfg.situ_beta, cfg.situ_linear_beta)
+    w13, w2 = weights["w13"], weights["w2"]
+    e, two_i, d, _ = _check_experts("w13", w13, x.device)
+    e2, d2, i2, _ = _check_experts("w2", w2, x.device)
+    if (d, two_i, e2, d2, i2) != (cfg.moe_in, 2 * cfg.moe_intermediate, e, cfg.moe_in,
+                                  cfg.moe_intermediate) or i2 % 2:
+        raise ValueError(f"w13: expected w13 [E, 2I, D] and w2 [E, D, I] with D={cfg.moe_in}, "
+                         f"I={cfg.moe_intermediate} (even), got {list(w13.shape)}, "
+                         f"{list(w2.shape)}")
+    if plan is None:
+        from k3lab.kernels.route_sort import route_sort
+
+        plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
+                          n_group=cfg.n_group, topk_group=cfg.topk_group,
+                          renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
+                          block_m=block_m, out_dim=d)
+    _, _, n_tiles = _check_plan(plan, m, e, x.device, out_dim=d)
+    if plan.out is None:
+        raise ValueError("plan.out: moe_block needs the plan's zeroed fp32 [M, D] buffer "
+                         "(route_sort(..., out_dim=D))")
+    shared_w13 = weights["shared_w13"] if cfg.shared_intermediate else None
+    z, shared_a = latent_down(x, weights["latent_down"] if cfg.latent else None, shared_w13,
+                              activation=cfg.activation, situ_beta=betas[0],
+                              situ_linear_beta=betas[1])
+    sync = torch.empty(2, device=x.device, dtype=torch.int32)
+    a = _launch_stage1(z if cfg.latent else x, plan, w13, act, *betas, n_tiles, sync=sync)
+    stage2 = _stage2_args(a, plan, w2, deterministic, n_tiles)
+    if not cfg.latent and shared_a is None:  # K2-style without shared experts: y is the output
+        _launch_stage2_tail(stage2, None)
+        return stage2[2].to(torch.bfloat16)
+    shared_w2 = weights["shared_w2"] if shared_a is not None else None
+    if shared_w2 is not None:
+        _check_tensor("shared_w2", shared_w2, dtypes=(torch.bfloat16,), dim=2, device=x.device)
+        if tuple(shared_w2.shape) != (h, cfg.shared_intermediate):
+            raise ValueError(f"shared_w2: expected [H, S] = [{h}, {cfg.shared_intermediate}], "
+                             f"got {tuple(shared_w2.shape)}")
+    if cfg.latent:
+        for name, shape in (("latent_norm", (d,)), ("latent_up", (h, d))):
+            _check_tensor(name, weights[name], dtypes=(torch.bfloat16, torch.float32),
+                          dim=len(shape), device=x.device)
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(f"{name}: expected {list(shape)}, got "
+                                 f"{list(weights[name].shape)}")
+        tail = _tail_args(stage2[2], weights["latent_norm"], weights["latent_up"], None,
+                          shared_a, shared_w2, cfg.rms_eps)
+    else:
+        tail = _tail_args(stage2[2], None, None, None, shared_a, shared_w2, cfg.rms_eps)
+    _launch_stage2_tail(stage2, tail, sync)
+    return tail[2]

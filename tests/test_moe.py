@@ -1,0 +1,570 @@
+"""Latent MoE boundary: front (latent down + shared gate/up), stage 1 direct tile, stage 2
+(atomic and deterministic), tail (norm + up + shared) and the composed block against the
+op-by-op fp32 reference (kernels/moe.py vs k3lab/reference/moe.py); the reference against an
+independent dense formulation; bf16 and MXFP4 experts (vs the dequantized reference); SiTU and
+SiLU; M up to 16 with several tokens per expert and block_m 1 and larger; tiny and Kimi-K3 tp 8
+sizes; bad input; GPU: K3 tp 8 and tp 1, atomics vs deterministic, <= 5 launches, CUDA graphs."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from k3lab.boundaries import assert_close, get
+from k3lab.config import preset
+from k3lab.kernels import latent_down, latent_moe_tail, moe_block, moe_stage1, moe_stage2
+from k3lab.kernels import moe as kmoe
+from k3lab.profile import count_launches
+from k3lab.reference import moe as ref
+from k3lab.reference.route_sort import route_sort_reference
+from k3lab.weights import (
+    MXFP4,
+    hidden_states,
+    make_generator,
+    moe_weights,
+    mxfp4_dequantize,
+    mxfp4_quantize,
+    randn,
+)
+
+# Tolerances against the fp32 reference, elementwise |got - want| <= ATOL + RTOL * |want|.
+# bf16 outputs (z, a, out) carry one bf16 rounding: 2^-8 relative at most (half an ulp of an
+# 8-bit significand); ATOL covers fp32 accumulation order and tanh written via exp (~1e-6).
+# MXFP4 and bf16 experts use the same tolerances: the reference dequantizes the same codes exactly.
+Z_ATOL, Z_RTOL = 1e-3, 2 ** -8           # front: z = x @ W_down^T, bf16
+A_ATOL, A_RTOL = 1e-3, 2 ** -8           # stage 1: a, bf16 (same z in both)
+Y_ATOL, Y_RTOL = 2e-5, 1e-5              # stage 2: y fp32 (same a in both): accumulation order only
+# atomic vs deterministic stage 2: the same fp32 partials added in another order; top_k adds of
+# values below ~2 differ by a few ulps of 2 (2.4e-7 each).
+ATOMIC_VS_DETERMINISTIC_ATOL = 4e-6
+TAIL_ATOL, TAIL_RTOL = 1e-3, 2 ** -8     # tail, shared given as a tensor: the output rounding
+# tail with the shared MLP computed by the kernels: the shared activation is also rounded to bf16
+# (2^-8 relative, carried through the S-long down GEMV).
+TAIL_SHARED_ATOL, TAIL_SHARED_RTOL = 0.02, 2 ** -7
+# whole block vs the fp32 reference: z, a and the shared activation are bf16 inside the kernels.
+BLOCK_ATOL, BLOCK_RTOL = 0.03, 0.01
+# reference loop vs the dense all-experts formulation (both fp32)
+DENSE_ATOL = 1e-4
+
+
+def _plan(cfg, x, w, block_m=1, out=True):
+    return route_sort_reference(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
+                                n_group=cfg.n_group, topk_group=cfg.topk_group,
+                                renormalize=cfg.renormalize,
+                                routed_scaling_factor=cfg.routed_scaling, block_m=block_m,
+                                out_dim=cfg.moe_in if out else None)
+
+
+def _setup(device, *, name="tiny", tp=1, M=1, fmt="bf16", seed=0, crowd=False, **changes):
+    """(cfg, weights, x). crowd: a large correction bias on the first top_k experts sends every
+    token to them (M tokens per expert)."""
+    cfg = preset(name, tp)
+    if changes:
+        cfg = dataclasses.replace(cfg, **changes)
+    gen = make_generator(seed, device)
+    w = moe_weights(cfg, gen, expert_format=fmt)
+    if crowd:
+        w["correction_bias"][: cfg.top_k] += 10.0
+    return cfg, w, hidden_states(cfg, M, gen)
+
+
+def _act(cfg):
+    return dict(activation=cfg.activation, situ_beta=cfg.situ_beta,
+                situ_linear_beta=cfg.situ_linear_beta)
+
+
+def _ref_act(g, u, cfg):
+    return ref.activate(g, u, cfg.activation, cfg.situ_beta, cfg.situ_linear_beta)
+
+
+def no_latent(**kw):
+    """tiny without latent: SiLU, routed scaling, grouped routing (4 groups, keep 2)."""
+    return dict(latent=0, activation="silu", routed_scaling=2.827, n_group=4, topk_group=2, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference
+
+
+def test_reference_dequantize_matches_weights():
+    gen = make_generator(3, "cpu")
+    w = randn((5, 7, 96), gen, dtype=torch.float32)
+    w[0, 0, :32] = 0.0  # an all-zero group
+    q = mxfp4_quantize(w)
+    torch.testing.assert_close(ref.dequantize_mxfp4(q.packed, q.scales), mxfp4_dequantize(q),
+                               rtol=0, atol=0)
+
+
+def test_reference_situ_formula():
+    g = torch.linspace(-30, 30, 101)
+    u = torch.linspace(-80, 80, 101)
+    want = 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * 25.0 * torch.tanh(u / 25.0)
+    torch.testing.assert_close(ref.situ(g, u), want)
+    torch.testing.assert_close(ref.activate(g, u, "silu"), g * torch.sigmoid(g) * u)
+    with pytest.raises(ValueError, match="activation"):
+        ref.activate(g, u, "gelu")
+
+
+@pytest.mark.parametrize("changes", [{}, no_latent()], ids=["tiny", "tiny-nolatent-silu"])
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_reference_matches_dense(changes, fmt):
+    """The per-selected-expert loop against every expert run densely, weighted by a scattered
+    [M, E] routing matrix (zero for unselected experts)."""
+    if fmt == "mxfp4" and changes:
+        pytest.skip("hidden 200 is not a multiple of 32: no MXFP4 without a latent")
+    cfg, w, x = _setup("cpu", M=5, fmt=fmt, **changes)
+    plan = _plan(cfg, x, w)
+    got = ref.latent_moe_from_plan_reference(x, plan, w, cfg)
+
+    def full(t):
+        return mxfp4_dequantize(t) if isinstance(t, MXFP4) else t.float()
+
+    z = x.float() @ w["latent_down"].float().T if cfg.latent else x.float()
+    gu = torch.einsum("md,erd->mer", z, full(w["w13"]))
+    i = cfg.moe_intermediate
+    a = _ref_act(gu[..., :i], gu[..., i:], cfg)
+    ye = torch.einsum("mei,edi->med", a, full(w["w2"]))
+    route = torch.zeros(x.shape[0], cfg.n_experts).scatter(1, plan.topk_ids.long(),
+                                                           plan.topk_weights)
+    y = (route[..., None] * ye).sum(1)
+    if cfg.latent:
+        n = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + cfg.rms_eps) * w["latent_norm"]
+        y = n @ w["latent_up"].float().T
+    s = x.float() @ w["shared_w13"].float().T
+    sh = cfg.shared_intermediate
+    want = y + _ref_act(s[:, :sh], s[:, sh:], cfg) @ w["shared_w2"].float().T
+    assert_close("out", got, want, atol=DENSE_ATOL, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# stages at tiny (and with the GPU tiling)
+
+STAGE_CASES = [
+    # id, M, block_m, fmt, crowd, preset changes
+    ("M1-bm1-bf16", 1, 1, "bf16", False, {}),
+    ("M1-bm1-mxfp4", 1, 1, "mxfp4", False, {}),
+    ("M3-bm3-bf16", 3, 3, "bf16", False, {}),
+    ("M16-bm1-mxfp4", 16, 1, "mxfp4", False, {}),
+    ("M16-bm4-bf16-crowd", 16, 4, "bf16", True, {}),
+    ("M13-bm16-mxfp4-crowd", 13, 16, "mxfp4", True, {}),
+    ("M7-bm2-silu", 7, 2, "bf16", False, {"activation": "silu"}),
+    ("M5-bm1-nolatent", 5, 1, "bf16", False, no_latent()),
+]
+
+
+# the GPU tile sizes are slow under the interpreter (many small programs): small cases only
+GPU_TILE_CASES = ("M1-bm1-bf16", "M1-bm1-mxfp4", "M3-bm3-bf16")
+
+
+@pytest.mark.parametrize("case,tiles", [(c, "interp") for c in STAGE_CASES]
+                         + [(c, "gpu") for c in STAGE_CASES if c[0] in GPU_TILE_CASES],
+                         ids=[f"{c[0]}-interp-tiles" for c in STAGE_CASES]
+                         + [f"{c}-gpu-tiles" for c in GPU_TILE_CASES])
+def test_stages(case, tiles, device, monkeypatch):
+    """front, stage 1, stage 2 (atomic and deterministic) each against the reference of the
+    same inputs; ``gpu`` runs the GPU tile sizes under the interpreter."""
+    _, M, block_m, fmt, crowd, changes = case
+    if tiles == "gpu":
+        monkeypatch.setattr(kmoe, "INTERPRETER_BIG_TILES", False)
+    cfg, w, x = _setup(device, M=M, fmt=fmt, crowd=crowd, **changes)
+    plan = _plan(cfg, x, w, block_m)
+    if crowd:
+        assert int(plan.topk_ids.eq(plan.topk_ids[0, 0]).sum()) == M
+    z, sa = latent_down(x, w.get("latent_down"), w["shared_w13"], **_act(cfg))
+    if cfg.latent:
+        assert_close("z", z, ref._mm(x, w["latent_down"], torch.float32), atol=Z_ATOL,
+                     rtol=Z_RTOL)
+    else:
+        assert z is None
+        z = x
+    s = ref._mm(x, w["shared_w13"], torch.float32)
+    want_sa = _ref_act(s[:, :cfg.shared_intermediate], s[:, cfg.shared_intermediate:], cfg)
+    assert_close("shared_a", sa, want_sa, atol=A_ATOL, rtol=A_RTOL)
+
+    plan.out.fill_(float("nan"))  # stage 1 must zero stage 2's accumulator
+    a = moe_stage1(z, plan, w["w13"], **_act(cfg))
+    assert a.shape == (M * cfg.top_k, cfg.moe_intermediate) and a.dtype == torch.bfloat16
+    assert_close("a", a, ref.moe_stage1_reference(z, plan, w["w13"], **_act(cfg)), atol=A_ATOL,
+                 rtol=A_RTOL)
+    y = moe_stage2(a, plan, w["w2"])
+    assert y.data_ptr() == plan.out.data_ptr()
+    y_ref = ref.moe_stage2_reference(a, plan, w["w2"])
+    assert_close("y", y, y_ref, atol=Y_ATOL, rtol=Y_RTOL)
+    y = y.clone()
+    y_det = moe_stage2(a, plan, w["w2"], deterministic=True)
+    assert_close("y_det", y_det, y_ref, atol=Y_ATOL, rtol=Y_RTOL)
+    assert_close("atomic vs deterministic", y, y_det, atol=ATOMIC_VS_DETERMINISTIC_ATOL)
+
+
+def test_stage2_without_plan_buffer(device):
+    cfg, w, x = _setup(device, M=2)
+    plan = _plan(cfg, x, w, out=False)
+    z, _ = latent_down(x, w["latent_down"])
+    a = moe_stage1(z, plan, w["w13"])
+    want = ref.moe_stage2_reference(a, plan, w["w2"])
+    for det in (False, True):
+        assert_close("y", moe_stage2(a, plan, w["w2"], deterministic=det), want, atol=Y_ATOL,
+                     rtol=Y_RTOL)
+
+
+@pytest.mark.parametrize("shared", ["none", "tensor-bf16", "tensor-fp32", "weights", "act"])
+@pytest.mark.parametrize("M", [1, 6])
+def test_tail(shared, M, device):
+    cfg, w, x = _setup(device, M=M)
+    gen = make_generator(7, device)
+    y = randn((M, cfg.moe_in), gen, std=0.3, dtype=torch.float32)
+    weights = {"x": x, "w13": w["shared_w13"], "w2": w["shared_w2"], **_act(cfg)}
+    sh_out = ref.shared_mlp_reference(x, w["shared_w13"], w["shared_w2"], **_act(cfg))
+    arg, want_shared, atol, rtol = {
+        "none": (None, None, TAIL_ATOL, TAIL_RTOL),
+        "tensor-bf16": (sh_out.bfloat16(), sh_out.bfloat16(), TAIL_ATOL, TAIL_RTOL),
+        "tensor-fp32": (sh_out, sh_out, TAIL_ATOL, TAIL_RTOL),
+        "weights": (weights, weights, TAIL_SHARED_ATOL, TAIL_SHARED_RTOL),
+        "act": (None, weights, TAIL_SHARED_ATOL, TAIL_SHARED_RTOL),
+    }[shared]
+    if shared == "act":
+        _, sa = latent_down(x, None, w["shared_w13"], **_act(cfg))
+        arg = {"a": sa, "w2": w["shared_w2"]}
+    out = latent_moe_tail(y, w["latent_norm"], w["latent_up"], arg, eps=cfg.rms_eps)
+    assert out.shape == (M, cfg.hidden) and out.dtype == torch.bfloat16
+    want = ref.latent_moe_tail_reference(y, w["latent_norm"], w["latent_up"], want_shared,
+                                         cfg.rms_eps)
+    assert_close("out", out, want, atol=atol, rtol=rtol)
+
+
+def test_tail_without_latent(device):
+    cfg, w, x = _setup(device, M=3, **no_latent())
+    y = randn((3, cfg.hidden), make_generator(1, device), dtype=torch.float32)
+    shared = {"x": x, "w13": w["shared_w13"], "w2": w["shared_w2"], **_act(cfg)}
+    out = latent_moe_tail(y, None, None, shared, eps=cfg.rms_eps)
+    want = ref.latent_moe_tail_reference(y, None, None, shared, cfg.rms_eps)
+    assert_close("out", out, want, atol=TAIL_SHARED_ATOL, rtol=TAIL_SHARED_RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# the block
+
+BLOCK_CASES = [
+    # id, M, block_m, fmt, deterministic, crowd, preset changes
+    ("M1-bm1-bf16", 1, 1, "bf16", False, False, {}),
+    ("M1-bm1-mxfp4-det", 1, 1, "mxfp4", True, False, {}),
+    ("M16-bm4-mxfp4", 16, 4, "mxfp4", False, False, {}),
+    ("M9-bm8-bf16-crowd", 9, 8, "bf16", False, True, {}),
+    ("M16-bm1-bf16-det", 16, 1, "bf16", True, False, {}),
+    ("M4-bm2-silu-noshared", 4, 2, "bf16", False, False,
+     {"activation": "silu", "shared_intermediate": 0}),
+    ("M6-bm1-nolatent-silu", 6, 1, "bf16", False, False, no_latent()),
+    ("M2-bm1-nolatent-noshared", 2, 1, "bf16", True, False, no_latent(shared_intermediate=0)),
+]
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=[c[0] for c in BLOCK_CASES])
+def test_block(case, device):
+    """moe_block (route_sort + 3 launches) against latent_moe_reference; and with a given plan."""
+    _, M, block_m, fmt, det, crowd, changes = case
+    cfg, w, x = _setup(device, M=M, fmt=fmt, seed=M, crowd=crowd, **changes)
+    want = ref.latent_moe_reference(x, w, cfg, block_m=block_m)
+    got = moe_block(x, w, cfg=cfg, block_m=block_m, deterministic=det)
+    assert got.shape == (M, cfg.hidden) and got.dtype == torch.bfloat16
+    assert_close("out", got, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
+    plan = _plan(cfg, x, w, block_m)
+    plan.out.fill_(float("nan"))
+    again = moe_block(x, w, cfg=cfg, plan=plan, deterministic=det)
+    assert_close("out (given plan)", again, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
+
+
+def test_block_launches(device):
+    """route_sort (2) + front + stage 1 + stage 2 + tail fused: 5 launches, 3 with a plan."""
+    torch.use_deterministic_algorithms(False)  # no NaN-fill kernels behind torch.empty (CUDA)
+    cfg = preset("kimi-k3" if device.type == "cuda" else "tiny", 8 if device.type == "cuda" else 1)
+    boundary = get("moe")
+    fused = boundary.variant("fused")
+    with_route = count_launches(fused.fn, boundary.make_inputs(cfg, device, 0, route=True))
+    assert with_route.count <= 5, with_route.kernels
+    given = count_launches(fused.fn, boundary.make_inputs(cfg, device, 0))
+    assert given.count == 3, given.kernels
+
+
+def test_boundary(device):
+    boundary = get("moe")
+    assert boundary.owns == ("moe.latent_down", "moe.stage1", "moe.stage2", "moe.latent_norm",
+                             "moe.latent_up", "moe.shared", "moe.shared_add")
+    inputs = boundary.make_inputs(preset("tiny"), device, 2, M=3, expert_format="mxfp4",
+                                  block_m=2)
+    out_ref = boundary.reference.fn(inputs)
+    for name in ("reference", "fused", "grouped"):
+        errs = boundary.check(boundary.variant(name).fn(inputs), out_ref, inputs)
+        assert errs["out"] < BLOCK_ATOL
+    bad = boundary.variant("fused").fn(inputs).float()
+    bad[1, 5] += 0.2
+    with pytest.raises(AssertionError, match="out"):
+        boundary.check(bad, out_ref, inputs)
+    w = inputs["weights"]
+    nbytes = boundary.bytes_moved(inputs)
+    assert nbytes > w["latent_down"].nbytes + w["latent_up"].nbytes
+    assert nbytes < w["latent_down"].nbytes * 4 + w["w13"].packed.nbytes + w["w2"].packed.nbytes
+
+
+def test_boundary_stages(device):
+    from k3lab.boundaries.moe import STAGES, stage_bytes, stage_fns, stage_inputs
+
+    boundary = get("moe")
+    inputs = stage_inputs(boundary.make_inputs(preset("tiny"), device, 0, M=2))
+    for stage in STAGES:
+        fns = stage_fns(stage)
+        outs = {k: f(inputs) for k, f in fns.items()}
+        assert stage_bytes(stage, inputs) > 0
+        first = outs["reference"]
+        for name, o in outs.items():
+            for got, want in zip(o if isinstance(o, tuple) else (o,),
+                                 first if isinstance(first, tuple) else (first,), strict=True):
+                assert_close(f"{stage}/{name}", got.float(), want.float(), atol=BLOCK_ATOL,
+                             rtol=BLOCK_RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kimi-K3 tp 8 sizes (D 3584, I 384, E 896, top 16) at M = 1
+
+
+def _sparse_experts(n_experts, rows, cols, ids, fmt, gen):
+    """[E, rows, cols] experts where only ``ids`` hold weights (the rest is never read and never
+    touched, so the 896-expert tensors cost only the selected experts' memory)."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        if fmt == "bf16":
+            w = torch.empty((n_experts, rows, cols), dtype=torch.bfloat16, device=gen.device)
+        else:
+            w = MXFP4(torch.empty((n_experts, rows, cols // 2), dtype=torch.uint8,
+                                  device=gen.device),
+                      torch.empty((n_experts, rows, cols // 32), dtype=torch.uint8,
+                                  device=gen.device))
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    for e in ids:
+        v = randn((rows, cols), gen, std=cols ** -0.5, dtype=torch.float32)
+        if fmt == "bf16":
+            w[e] = v.bfloat16()
+        else:
+            q = mxfp4_quantize(v)
+            w.packed[e], w.scales[e] = q.packed, q.scales
+    return w
+
+
+def _k3_inputs(device, fmt, M=1, seed=0):
+    """K3 tp 8 weights with only the experts x routes to filled."""
+    cfg = preset("kimi-k3", 8)
+    gen = make_generator(seed, device)
+    h, d, i, s, e = cfg.hidden, cfg.moe_in, cfg.moe_intermediate, cfg.shared_intermediate, \
+        cfg.n_experts
+    w = {"gate_weight": randn((e, h), gen, std=2.0 / h ** 0.5),
+         "correction_bias": torch.rand(e, generator=gen, device=device) * 0.1,
+         "latent_down": randn((d, h), gen, std=h ** -0.5),
+         "latent_norm": torch.rand(d, generator=gen, device=device) * 0.4 + 0.8,
+         "latent_up": randn((h, d), gen, std=d ** -0.5),
+         "shared_w13": randn((2 * s, h), gen, std=h ** -0.5),
+         "shared_w2": randn((h, s), gen, std=s ** -0.5)}
+    x = hidden_states(cfg, M, gen)
+    plan = _plan(cfg, x, w)
+    ids = sorted(set(plan.topk_ids.flatten().tolist()))
+    w["w13"] = _sparse_experts(e, 2 * i, d, ids, fmt, gen)
+    w["w2"] = _sparse_experts(e, d, i, ids, fmt, gen)
+    return cfg, w, x, plan
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_k3_tp8_stages(fmt, device):
+    cfg, w, x, plan = _k3_inputs(device, fmt)
+    gen = make_generator(5, device)
+    z = randn((1, cfg.moe_in), gen)
+    a = moe_stage1(z, plan, w["w13"])
+    assert_close("a", a, ref.moe_stage1_reference(z, plan, w["w13"]), atol=A_ATOL, rtol=A_RTOL)
+    y = moe_stage2(a, plan, w["w2"]).clone()
+    y_ref = ref.moe_stage2_reference(a, plan, w["w2"])
+    assert_close("y", y, y_ref, atol=Y_ATOL, rtol=Y_RTOL)
+    y_det = moe_stage2(a, plan, w["w2"], deterministic=True)
+    assert_close("atomic vs deterministic", y, y_det, atol=ATOMIC_VS_DETERMINISTIC_ATOL)
+
+
+def test_k3_tp8_block_mxfp4(device):
+    cfg, w, x, plan = _k3_inputs(device, "mxfp4")
+    got = moe_block(x, w, cfg=cfg, plan=plan)
+    assert_close("out", got, ref.latent_moe_from_plan_reference(x, plan, w, cfg),
+                 atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def _bad_cases():
+    return [
+        # (id, function, change, match)
+        ("z-fp32", "stage1", {"z": lambda c: c["z"].float()}, "z"),
+        ("z-1d", "stage1", {"z": lambda c: c["z"][0]}, "z"),
+        ("z-noncontig", "stage1", {"z": lambda c: torch.cat([c["z"], c["z"]], 1)[:, ::2]}, "z"),
+        ("z-M17", "stage1", {"z": lambda c: c["z"][:1].expand(17, -1).contiguous()}, "z"),
+        ("z-D", "stage1", {"z": lambda c: c["z"][:, :-2].contiguous()}, "w13"),
+        ("plan-type", "stage1", {"plan": lambda c: vars(c["plan"])}, "plan"),
+        ("plan-M", "stage1", {"z": lambda c: c["z"][:1].contiguous()}, "plan"),
+        ("plan-ids-int64", "stage1",
+         {"plan": lambda c: dataclasses.replace(c["plan"], topk_ids=c["plan"].topk_ids.long())},
+         "plan.topk_ids"),
+        ("plan-sorted-short", "stage1",
+         {"plan": lambda c: dataclasses.replace(c["plan"], sorted_ids=c["plan"].sorted_ids[:3])},
+         "plan"),
+        ("plan-out-shape", "stage1",
+         {"plan": lambda c: dataclasses.replace(c["plan"], out=c["plan"].out[:, :-1])},
+         "plan.out"),
+        ("plan-block_m-0", "stage1",
+         {"plan": lambda c: dataclasses.replace(c["plan"], block_m=0)}, "plan.block_m"),
+        ("w13-fp32", "stage1", {"w13": lambda c: c["w"]["w13"].float()}, "w13"),
+        ("w13-rows-odd", "stage1", {"w13": lambda c: c["w"]["w13"][:, :-2].contiguous()},
+         "w13"),
+        ("w13-2d", "stage1", {"w13": lambda c: c["w"]["w13"][0]}, "w13"),
+        ("w13-mxfp4-scales", "stage1",
+         {"w13": lambda c: MXFP4(c["q13"].packed, c["q13"].scales[..., :-1].contiguous())},
+         "w13"),
+        ("w13-mxfp4-packed-int8", "stage1",
+         {"w13": lambda c: MXFP4(c["q13"].packed.view(torch.int8), c["q13"].scales)},
+         "w13.packed"),
+        ("activation", "stage1", {"activation": lambda c: "gelu"}, "activation"),
+        ("a-fp32", "stage2", {"a": lambda c: c["a"].float()}, "a"),
+        ("a-rows", "stage2", {"a": lambda c: c["a"][:-1].contiguous()}, "a"),
+        ("a-I", "stage2", {"a": lambda c: c["a"][:, :-2].contiguous()}, "a"),
+        ("w2-shape", "stage2", {"w2": lambda c: c["w"]["w2"][:, :-1].contiguous()}, "plan.out"),
+        ("w2-E", "stage2", {"w2": lambda c: c["w"]["w2"][:2].contiguous()}, "plan"),
+        ("y-bf16", "tail", {"y": lambda c: c["y"].bfloat16()}, "y"),
+        ("norm-missing", "tail", {"norm_weight": lambda c: None}, "norm_weight"),
+        ("up-D", "tail", {"up_weight": lambda c: c["w"]["latent_up"][:, :-2].contiguous()},
+         "up_weight"),
+        ("shared-shape", "tail", {"shared": lambda c: c["y"]}, "shared"),
+        ("shared-dict-keys", "tail", {"shared": lambda c: {"x": c["x"]}}, "shared"),
+        ("shared-list", "tail", {"shared": lambda c: [c["y"]]}, "shared"),
+        ("down-H", "front", {"down_weight": lambda c: c["w"]["latent_down"][:, :-2].contiguous()},
+         "down_weight"),
+        ("x-int", "front", {"x": lambda c: c["x"].int()}, "x"),
+        ("block-x-H", "block", {"x": lambda c: c["x"][:, :-2].contiguous()}, "x"),
+        ("block-missing", "block",
+         {"weights": lambda c: {k: v for k, v in c["w"].items() if k != "latent_up"}},
+         "weights"),
+        ("block-w2-I", "block",
+         {"weights": lambda c: {**c["w"], "w2": c["w"]["w2"][..., :-2].contiguous()}}, "w13"),
+    ]
+
+
+BAD = _bad_cases()
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+def test_bad_input(case, device):
+    _, fn, change, match = case
+    cfg, w, x = _setup(device, M=2)
+    plan = _plan(cfg, x, w)
+    z, _ = latent_down(x, w["latent_down"])
+    a = moe_stage1(z, plan, w["w13"])
+    c = {"z": z, "plan": plan, "w": w, "x": x, "a": a, "q13": mxfp4_quantize(w["w13"]),
+         "y": torch.zeros(2, cfg.moe_in, device=device)}
+    args = {
+        "stage1": dict(z=z, plan=plan, w13=w["w13"]),
+        "stage2": dict(a=a, plan=plan, w2=w["w2"]),
+        "tail": dict(y=c["y"], norm_weight=w["latent_norm"], up_weight=w["latent_up"],
+                     shared=None, eps=1e-5),
+        "front": dict(x=x, down_weight=w["latent_down"]),
+        "block": dict(x=x, weights=w, cfg=cfg, plan=plan),
+    }[fn]
+    args.update({k: f(c) for k, f in change.items()})
+    launcher = {"stage1": moe_stage1, "stage2": moe_stage2, "tail": latent_moe_tail,
+                "front": latent_down, "block": moe_block}[fn]
+    with pytest.raises(ValueError, match=match):
+        launcher(**args)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_gpu_k3_tp8_block(fmt, M, block_m):
+    cfg = preset("kimi-k3", 8)
+    gen = make_generator(M, "cuda")
+    w = moe_weights(cfg, gen, expert_format=fmt)
+    x = hidden_states(cfg, M, gen)
+    want = ref.latent_moe_reference(x, w, cfg, block_m=block_m)
+    for det in (False, True):
+        got = moe_block(x, w, cfg=cfg, block_m=block_m, deterministic=det)
+        assert_close("out", got, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16])
+def test_gpu_k3_tp1_mxfp4_stages(M):
+    """Full-size experts: w13 offsets pass 2^31 elements (int64 pointer arithmetic)."""
+    cfg = preset("kimi-k3", 1)
+    gen = make_generator(0, "cuda")
+    w = moe_weights(cfg, gen, expert_format="mxfp4")
+    x = hidden_states(cfg, M, gen)
+    w["correction_bias"][-cfg.top_k:] += 10.0  # route to the last experts: the largest offsets
+    plan = _plan(cfg, x, w)
+    z = randn((M, cfg.moe_in), gen)
+    a = moe_stage1(z, plan, w["w13"])
+    assert_close("a", a, ref.moe_stage1_reference(z, plan, w["w13"]), atol=A_ATOL, rtol=A_RTOL)
+    y = moe_stage2(a, plan, w["w2"])
+    assert_close("y", y, ref.moe_stage2_reference(a, plan, w["w2"]), atol=Y_ATOL, rtol=Y_RTOL)
+
+
+@pytest.mark.gpu
+def test_gpu_atomic_vs_deterministic():
+    """Real GPU atomics: within the stated bound of the fixed-order sum; the deterministic path
+    is bitwise reproducible."""
+    cfg, w, x, plan = _k3_inputs("cuda", "bf16", M=16)
+    z = randn((16, cfg.moe_in), make_generator(1, "cuda"))
+    a = moe_stage1(z, plan, w["w13"])
+    det = moe_stage2(a, plan, w["w2"], deterministic=True).clone()
+    assert torch.equal(moe_stage2(a, plan, w["w2"], deterministic=True), det)
+    for _ in range(5):
+        plan.out.zero_()
+        y = moe_stage2(a, plan, w["w2"])
+        assert_close("atomic vs deterministic", y, det, atol=ATOMIC_VS_DETERMINISTIC_ATOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_gpu_cuda_graph(fmt):
+    """moe_block with routing captured once, replayed on new x: right each time (stage 1 zeroes
+    the accumulator and the stage-2/tail counters), no host synchronization."""
+    cfg = preset("kimi-k3", 8)
+    gen = make_generator(0, "cuda")
+    w = moe_weights(cfg, gen, expert_format=fmt)
+    x = hidden_states(cfg, 4, gen)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_block(x, w, cfg=cfg)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe_block(x, w, cfg=cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_block(x, w, cfg=cfg)
+    for seed in (1, 2, 3):
+        x.copy_(hidden_states(cfg, 4, make_generator(seed, "cuda")))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close("out", out, ref.latent_moe_reference(x, w, cfg), atol=BLOCK_ATOL,
+                     rtol=BLOCK_RTOL)
+
+
+@pytest.mark.gpu
+def test_gpu_device_mismatch():
+    cfg, w, x = _setup("cuda", M=2)
+    plan = _plan(cfg, x, w)
+    z, _ = latent_down(x, w["latent_down"])
+    with pytest.raises(ValueError, match="w13"):
+        moe_stage1(z, plan, w["w13"].cpu())
