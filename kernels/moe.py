@@ -146,37 +146,58 @@ def _load_x_pairs(p_x, o_row, m_row, o_kp, m_kp, K_PAIRS, X_FP32: tl.constexpr):
 @triton.jit
 def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-          FP4: tl.constexpr, X_FP32: tl.constexpr, HAS_XS: tl.constexpr):
+          FP4: tl.constexpr, X_FP32: tl.constexpr, HAS_XS: tl.constexpr,
+          TOKEN_LOOP: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] (* xs) @ w[o_wrow]^T over K = 2 * K_PAIRS.
 
-    xs (HAS_XS): an fp32 [2 * K_PAIRS] per-column factor on x (the RMSNorm weight)."""
+    xs (HAS_XS): an fp32 [2 * K_PAIRS] per-column factor on x (the RMSNorm weight).
+    BLOCK_M > 1: TOKEN_LOOP reuses each [BLOCK_N, BLOCK_KP] weight tile for the tokens one at a
+    time (compiled: registers stay at one tile); otherwise one [BLOCK_M, BLOCK_N, BLOCK_KP]
+    broadcast product (interpreter: one vectorized op)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    o_m = tl.arange(0, BLOCK_M)
     for kp0 in range(0, K_PAIRS, BLOCK_KP):
         o_kp = kp0 + tl.arange(0, BLOCK_KP)
         m_kp = o_kp < K_PAIRS
-        b_xe, b_xo = _load_x_pairs(p_x, o_xrow, m_xrow, o_kp, m_kp, K_PAIRS, X_FP32)
-        if HAS_XS:
-            b_xe *= tl.load(p_xs + 2 * o_kp, mask=m_kp, other=0.0).to(tl.float32)[None, :]
-            b_xo *= tl.load(p_xs + 2 * o_kp + 1, mask=m_kp, other=0.0).to(tl.float32)[None, :]
         b_we, b_wo = _load_w_pairs(p_w, p_s, o_wrow, m_wrow, o_kp, m_kp, K_PAIRS, FP4)
-        if BLOCK_M == 1:
-            acc += tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)[None, :]
+        if HAS_XS:
+            b_se = tl.load(p_xs + 2 * o_kp, mask=m_kp, other=0.0).to(tl.float32)[None, :]
+            b_so = tl.load(p_xs + 2 * o_kp + 1, mask=m_kp, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_M == 1 or not TOKEN_LOOP:
+            b_xe, b_xo = _load_x_pairs(p_x, o_xrow, m_xrow, o_kp, m_kp, K_PAIRS, X_FP32)
+            if HAS_XS:
+                b_xe *= b_se
+                b_xo *= b_so
+            if BLOCK_M == 1:
+                acc += tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)[None, :]
+            else:
+                acc += tl.sum(b_we[None, :, :] * b_xe[:, None, :]
+                              + b_wo[None, :, :] * b_xo[:, None, :], axis=2)
         else:
-            acc += tl.sum(b_we[None, :, :] * b_xe[:, None, :] + b_wo[None, :, :] * b_xo[:, None, :],
-                          axis=2)
+            for i_m in tl.static_range(BLOCK_M):
+                m_sel = o_m == i_m
+                o_row = tl.zeros([1], dtype=tl.int32) + tl.sum(tl.where(m_sel, o_xrow, 0), axis=0)
+                m_row = (tl.zeros([1], dtype=tl.int32)
+                         + tl.sum(tl.where(m_sel & m_xrow, 1, 0), axis=0)) > 0
+                b_xe, b_xo = _load_x_pairs(p_x, o_row, m_row, o_kp, m_kp, K_PAIRS, X_FP32)
+                if HAS_XS:
+                    b_xe *= b_se
+                    b_xo *= b_so
+                b_p = tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)
+                acc += tl.where(m_sel[:, None], b_p[None, :], 0.0)
     return acc
 
 
 @triton.jit
 def _gate_up_act(p_x, o_xrow, m_xrow, p_w, p_s, o_n, m_n, N_HALF, K_PAIRS, beta, linear_beta,
                  ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_KP: tl.constexpr, FP4: tl.constexpr):
+                 BLOCK_KP: tl.constexpr, FP4: tl.constexpr, TOKEN_LOOP: tl.constexpr):
     """act(x @ w[o_n]^T, x @ w[N_HALF + o_n]^T): gate rows then up rows of one [2 * N_HALF, K]
     weight."""
     b_g = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n, m_n, K_PAIRS,
-                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False)
+                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
     b_u = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n + N_HALF, m_n, K_PAIRS,
-                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False)
+                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
     return _act(b_g, b_u, beta, linear_beta, ACT)
 
 
@@ -197,7 +218,7 @@ def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr):
 @triton.jit
 def _moe_front_kernel(p_x, p_down, p_z, p_sw13, p_sa, M, H_PAIRS, D, S, n_shared_tiles,
                       beta, linear_beta, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr):
     """Programs [0, n_shared_tiles): shared gate/up + act -> a_s [M, S] bf16; the rest:
     latent down-projection -> z [M, D] bf16. Both read x [M, H] bf16."""
     i_p = tl.program_id(0)
@@ -207,14 +228,14 @@ def _moe_front_kernel(p_x, p_down, p_z, p_sw13, p_sa, M, H_PAIRS, D, S, n_shared
         o_n = i_p * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < S
         b_a = _gate_up_act(p_x, o_m, m_m, p_sw13, p_sw13, o_n, m_n, S, H_PAIRS, beta, linear_beta,
-                           ACT, BLOCK_M, BLOCK_N, BLOCK_KP, False)
+                           ACT, BLOCK_M, BLOCK_N, BLOCK_KP, False, TOKEN_LOOP)
         tl.store(p_sa + o_m[:, None] * S + o_n[None, :], _to_bf16(b_a),
                  mask=m_m[:, None] & m_n[None, :])
     else:
         o_n = (i_p - n_shared_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < D
         b_z = _gemv(p_x, o_m, m_m, p_x, p_down, p_down, o_n, m_n, H_PAIRS,
-                    BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False)
+                    BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False, TOKEN_LOOP)
         tl.store(p_z + o_m[:, None] * D + o_n[None, :], _to_bf16(b_z),
                  mask=m_m[:, None] & m_n[None, :])
 
@@ -224,7 +245,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
                        n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta, linear_beta,
                        ACT: tl.constexpr, FP4: tl.constexpr, ZERO_OUT: tl.constexpr,
                        ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr):
     """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T).
     Side jobs: zero stage 2's accumulator (a slice per program) and the stage-2 + tail launch's
     two counters (program 0)."""
@@ -243,7 +264,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N_I
         b_a = _gate_up_act(p_z, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D_PAIRS, beta, linear_beta,
-                           ACT, BLOCK_M, BLOCK_N, BLOCK_KP, FP4)
+                           ACT, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, TOKEN_LOOP)
         tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], _to_bf16(b_a),
                  mask=m_ent[:, None] & m_n[None, :])
 
@@ -252,7 +273,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
 def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                  p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
                  FP4: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr):
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
     slot order and stores."""
@@ -266,7 +287,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             o_row = tl.zeros([1], dtype=tl.int32) + i_b * top_k + k
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
             b_p = _gemv(p_a, o_row, o_row < n_entries, p_a, p_w + i_e * (D * I_PAIRS), p_se,
-                        o_n, m_n, I_PAIRS, 1, BLOCK_N, BLOCK_KP, FP4, False, False)
+                        o_n, m_n, I_PAIRS, 1, BLOCK_N, BLOCK_KP, FP4, False, False, False)
             b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
         tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
     else:
@@ -275,7 +296,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             i_e = tl.load(p_block_expert + i_b).to(tl.int64)
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
             b_p = _gemv(p_a, b_ent, m_ent, p_a, p_w + i_e * (D * I_PAIRS), p_se, o_n, m_n,
-                        I_PAIRS, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False)
+                        I_PAIRS, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
             o_m = tl.arange(0, BLOCK_M)
             b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
             tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
@@ -286,7 +307,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
 def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait, M, D, H,
                S_PAIRS, eps, LATENT: tl.constexpr, SHARED: tl.constexpr, WAIT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-               BLOCK_SS: tl.constexpr):
+               BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr):
     """Tail program pid (H tile): out = rstd * ((y * g) @ W_up^T) (LATENT) or y, plus the shared
     output (SHARED 1: add a computed [M, H] tensor; 2: a_s @ Ws2^T computed here). WAIT: the
     shared GEMV first, then wait until n_wait stage-2 programs have signalled p_done. y is read
@@ -299,18 +320,18 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
     b_o = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SHARED == 2:
         b_o += _gemv(p_sa, o_m, m_m, p_sa, p_sw2, p_sw2, o_n, m_n, S_PAIRS,
-                     BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False)
+                     BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False, TOKEN_LOOP)
     if SHARED == 1:
         b_o += tl.load(p_shared + o_m[:, None] * H + o_n[None, :], mask=m_o, other=0.0).to(
             tl.float32)
     if WAIT:
-        n_spin = 0
+        n_spin = tl.program_id(0) * 0  # an int32 tensor: a loop-carried counter
         while (tl.atomic_add(p_done, 0, sem="acquire") < n_wait) & (n_spin < MAX_SPIN):
             n_spin += 1
         tl.debug_barrier()
     if LATENT:
         b_u = _gemv(p_y, o_m, m_m, p_nw, p_up, p_up, o_n, m_n, D // 2,
-                    BLOCK_M, BLOCK_N, BLOCK_KP, False, True, True)
+                    BLOCK_M, BLOCK_N, BLOCK_KP, False, True, True, TOKEN_LOOP)
         b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # every program recomputes sum(y^2): M*D*4 B
         for d0 in range(0, D, BLOCK_SS):
             o_d = d0 + tl.arange(0, BLOCK_SS)
@@ -333,7 +354,7 @@ def _moe_stage2_tail_kernel(
         DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
         BLOCK_KP2: tl.constexpr, LATENT: tl.constexpr, SHARED: tl.constexpr,
         BLOCK_MT: tl.constexpr, BLOCK_NT: tl.constexpr, BLOCK_KPT: tl.constexpr,
-        BLOCK_SS: tl.constexpr):
+        BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr):
     """Stage 2, the tail, or both in one launch. Both: each program takes a ticket (atomic
     counter p_sync[0]); tickets [0, n_stage2) run stage-2 tiles and then count themselves done in
     p_sync[1] (release); later tickets run tail tiles, which wait for all stage-2 tiles
@@ -344,21 +365,22 @@ def _moe_stage2_tail_kernel(
         if i_t < n_stage2:
             _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                          p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
-                         n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2)
+                         n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2, TOKEN_LOOP)
             tl.debug_barrier()  # every thread's adds issued before the release below
             tl.atomic_add(p_sync + 1, 1, sem="release")
         else:
             _tail_tile(i_t - n_stage2, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync + 1,
                        n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, True, BLOCK_MT, BLOCK_NT,
-                       BLOCK_KPT, BLOCK_SS)
+                       BLOCK_KPT, BLOCK_SS, TOKEN_LOOP)
     elif STAGE2:
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
-                     I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2)
+                     I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2,
+                     TOKEN_LOOP)
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
-                   BLOCK_KPT, BLOCK_SS)
+                   BLOCK_KPT, BLOCK_SS, TOKEN_LOOP)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,9 +404,14 @@ def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1) ->
     while (block_n * 2 <= min(max_rows, triton.next_power_of_2(rows))
            and programs_per_tile * triton.cdiv(rows, block_n * 2) >= target):
         block_n *= 2
-    block_kp = _pow2_floor(budget // (block_m * block_n))
+    block_kp = _pow2_floor(budget // ((1 if _token_loop() else block_m) * block_n))
     block_kp = min(block_kp, budget if fast else MAX_PAIRS, triton.next_power_of_2(k_pairs))
     return block_n, max(MIN_PAIRS, block_kp)
+
+
+def _token_loop() -> bool:
+    """Compiled kernels loop over the tokens of a tile (see _gemv); the interpreter broadcasts."""
+    return not _fast_interpreter()
 
 
 def _pow2_floor(n: int) -> int:
@@ -532,7 +559,8 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
         x_p, _pairs("down_weight", down_weight) if d else dummy, z if d else dummy,
         _pairs("shared_w13", shared_w13) if s else dummy, a_s if s else dummy,
         m, h // 2, d, s, n_shared, float(situ_beta), float(situ_linear_beta),
-        ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp, num_warps=NUM_WARPS)
+        ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp, TOKEN_LOOP=_token_loop(),
+        num_warps=NUM_WARPS)
     return z, a_s
 
 
@@ -553,7 +581,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
         m * top_k, block_m, top_k, i, d // 2, m * d, float(situ_beta), float(situ_linear_beta),
         ACT=act, FP4=isinstance(w13, MXFP4), ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
         ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
-        num_warps=NUM_WARPS)
+        TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS)
     return a
 
 
@@ -648,7 +676,7 @@ def _launch_stage2_tail(stage2, tail, sync=None):
     n = (stage2[1] if stage2 else 0) + (tail[1] if tail else 0)
     kw["p_sync"] = sync if sync is not None else kw["p_y"]
     _moe_stage2_tail_kernel[(n,)](STAGE2=stage2 is not None, TAIL=tail is not None,
-                                  num_warps=NUM_WARPS, **kw)
+                                  TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS, **kw)
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False

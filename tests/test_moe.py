@@ -144,6 +144,7 @@ STAGE_CASES = [
     ("M1-bm1-bf16", 1, 1, "bf16", False, {}),
     ("M1-bm1-mxfp4", 1, 1, "mxfp4", False, {}),
     ("M3-bm3-bf16", 3, 3, "bf16", False, {}),
+    ("M2-bm2-mxfp4-crowd", 2, 2, "mxfp4", True, {}),
     ("M16-bm1-mxfp4", 16, 1, "mxfp4", False, {}),
     ("M16-bm4-bf16-crowd", 16, 4, "bf16", True, {}),
     ("M13-bm16-mxfp4-crowd", 13, 16, "mxfp4", True, {}),
@@ -152,8 +153,9 @@ STAGE_CASES = [
 ]
 
 
-# the GPU tile sizes are slow under the interpreter (many small programs): small cases only
-GPU_TILE_CASES = ("M1-bm1-bf16", "M1-bm1-mxfp4", "M3-bm3-bf16")
+# the GPU tiling (small tiles, and the token loop of _gemv for M > 1) is slow under the
+# interpreter: small cases only
+GPU_TILE_CASES = ("M1-bm1-bf16", "M1-bm1-mxfp4", "M2-bm2-mxfp4-crowd")
 
 
 @pytest.mark.parametrize("case,tiles", [(c, "interp") for c in STAGE_CASES]
