@@ -258,8 +258,8 @@ def to_html(nb, hide_code: bool = True, title: str | None = None,
         else:
             cell.pop("id", None)  # no cell ids before nbformat 4.5
         nb.cells.insert(0, cell)
-    extra = _template_dirs()
-    exporter = HTMLExporter(template_name="lab", exclude_input=hide_code,
+    extra = [str(Path(__file__).parent / "templates"), *_template_dirs()]
+    exporter = HTMLExporter(template_name="k3lab_report", exclude_input=hide_code,
                             exclude_input_prompt=hide_code, exclude_output_prompt=hide_code,
                             extra_template_basedirs=extra, extra_template_paths=extra)
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title or "k3lab"}})

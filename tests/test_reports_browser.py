@@ -1,0 +1,116 @@
+"""Reports as a reader sees them: index.html and every report it links, opened in headless
+Chromium (Debian's ``chromium``; ``.ci/run`` installs it). A page fails on a console error, a
+request that fails (a CDN the report should not need), a broken link or an image that does not
+decode. A screenshot of each page is saved under the test's temporary folder.
+
+Pages checked: a fresh CPU batch of the fixture notebooks, and the committed H200 reports under
+``executed/h200`` when present.
+"""
+
+import shutil
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import pytest
+
+from k3lab import runner
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = Path(__file__).parent / "notebooks"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed "
+                       "(Debian package 'chromium'; .ci/run installs it)"),
+]
+sync_api = pytest.importorskip("playwright.sync_api",
+                               reason="playwright is not installed (pip install -e '.[dev]')")
+
+
+class _Links(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        href = dict(attrs).get("href")
+        if tag == "a" and href:
+            self.hrefs.append(href)
+
+
+def _local_targets(page: Path) -> list[Path]:
+    parser = _Links()
+    parser.feed(page.read_text(encoding="utf-8"))
+    targets = []
+    for href in parser.hrefs:
+        url = urlparse(href)
+        if url.scheme in ("http", "https", "mailto") or href.startswith("#"):
+            continue
+        targets.append((page.parent / unquote(url.path)).resolve())
+    return targets
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+def _check_page(browser, page_path: Path, shots: Path) -> list[str]:
+    problems: list[str] = []
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.on("console", lambda m: m.type == "error" and problems.append(f"console: {m.text}"))
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+    page.goto(page_path.as_uri(), wait_until="load")
+    broken = page.evaluate(
+        "[...document.images].filter(i => !i.complete || i.naturalWidth === 0)"
+        ".map(i => (i.src || '').slice(0, 80))")
+    problems += [f"broken image: {src}" for src in broken]
+    problems += [f"broken link: {t}" for t in _local_targets(page_path) if not t.exists()]
+    shots.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(shots / f"{page_path.stem}.png"), full_page=True)
+    page.close()
+    return problems
+
+
+def _pages(index: Path) -> list[Path]:
+    return [index] + sorted({t for t in _local_targets(index) if t.suffix == ".html"})
+
+
+@pytest.fixture(scope="module")
+def fresh_reports(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reports")
+    runner.run(["00_echo", "10_other"], out_dir=out, notebook_dir=FIXTURES, progress=False)
+    return out
+
+
+def test_fresh_reports_open_cleanly(browser, fresh_reports, tmp_path):
+    pages = _pages(fresh_reports / "index.html")
+    assert len(pages) == 3  # the index and both reports it links
+    for page in pages:
+        assert _check_page(browser, page, tmp_path / "shots") == [], page.name
+    assert (tmp_path / "shots" / "index.png").stat().st_size > 0
+
+
+H200 = REPO / "executed" / "h200" / "index.html"
+
+
+@pytest.mark.skipif(not H200.exists(), reason="no committed H200 reports (executed/h200)")
+def test_committed_h200_reports_open_cleanly(browser, tmp_path):
+    pages = _pages(H200)
+    assert len(pages) > 1
+    problems = {p.name: _check_page(browser, p, tmp_path / "shots") for p in pages}
+    assert {k: v for k, v in problems.items() if v} == {}
+
+
+def test_checker_catches_a_broken_page(browser, tmp_path):
+    bad = tmp_path / "bad.html"
+    bad.write_text('<html><body><a href="missing.html">x</a><img src="nope.png">'
+                   "<script>console.error('boom')</script></body></html>")
+    problems = _check_page(browser, bad, tmp_path / "shots")
+    kinds = {p.split(":")[0] for p in problems}
+    assert {"console", "broken image", "broken link"} <= kinds
