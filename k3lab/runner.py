@@ -414,7 +414,8 @@ def _load(path: Path) -> dict | None:
 
 
 def update_index(out_dir: str | os.PathLike) -> Path:
-    """Rewrite ``out_dir/index.html`` from every report (and failed run) found there."""
+    """Rewrite ``out_dir/index.html`` and ``out_dir/manifest.json`` (each report's status and
+    manifest: git commit, GPU, driver, torch, triton, date) from every report found there."""
     out_dir = Path(out_dir)
     names = sorted({p.name.removesuffix(suffix) for suffix in (".metrics.json", ".failed.json")
                     for p in out_dir.glob(f"*{suffix}") if not p.name.startswith(".")})
@@ -437,6 +438,9 @@ def update_index(out_dir: str | os.PathLike) -> Path:
             "headline": (good or {}).get("headline"),
             "manifest": latest.get("manifest"),
         })
+    _write_json(out_dir / "manifest.json", {
+        "reports": {e["name"]: {"status": e["status"], "manifest": e["manifest"]}
+                    for e in entries}})
     return report.write_index(out_dir, entries)
 
 
