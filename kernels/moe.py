@@ -1,4 +1,4 @@
-"""Latent MoE at batch 1 (ARCHITECTURE.md sections 4-5): four launches after routing.
+"""Latent MoE at batch 1 (ARCHITECTURE.md sections 4-5): three launches after routing.
 
 ```
 front : z = x @ W_down^T            (and shared a_s = act(x @ Ws1^T, x @ Ws3^T), same launch)
@@ -19,6 +19,13 @@ expert-sorted ``sorted_ids`` in tiles of ``block_m`` entries of one expert, so t
 expert read its weights once per tile. Stage 1 also zeroes ``plan.out`` (stage 2's accumulator)
 so stage 1 + stage 2 can be replayed on one plan. ``deterministic=True`` makes stage 2 sum each
 token's top_k slots in slot order inside one program instead (same single launch, no atomics).
+
+``moe_block`` launches front, stage 1, then stage 2 and the tail as ONE grid: each program takes a
+ticket from an atomic counter; tickets below the stage-2 tile count run stage-2 tiles and then
+count themselves done (release), the rest run tail tiles, which do the shared down GEMV, wait until
+every stage-2 tile is done (acquire) and finish the tail. A ticket is taken by a running program,
+so every tile a tail tile waits for is already running: no deadlock under any scheduling. With
+route_sort's two launches the block is five launches.
 """
 
 from __future__ import annotations
@@ -35,13 +42,13 @@ from k3lab.weights import MXFP4
 __all__ = ["MAX_TOKENS", "latent_down", "moe_stage1", "moe_stage2", "latent_moe_tail",
            "moe_block"]
 
-# Decode-batch kernels: every GEMV keeps all M tokens of a tile in registers (M x rows x pairs
-# products), so M is bounded; larger batches want a tensor-core grouped GEMM instead.
+# Decode-batch kernels: a GEMV tile serves its M tokens one after the other from registers, so the
+# work per weight byte grows with M; beyond a few tokens a tensor-core grouped GEMM wins.
 MAX_TOKENS = 16
 ACT_CODES = {"situ": 0, "silu": 1}
 MXFP4_GROUP = 32
-# A program should own enough programs' worth of work for HBM to see many loads in flight:
-# about 4 resident programs per SM of a 132-SM H200. Under the interpreter programs run one by
+# Enough programs for HBM to see many loads in flight: about 4 resident programs per SM of a
+# 132-SM H200. Under the interpreter programs run one by
 # one in Python, so fewer, bigger tiles are faster (INTERPRETER_BIG_TILES; tests may turn it off
 # to run the GPU tiling on CPU).
 TARGET_PROGRAMS = 528
@@ -325,9 +332,12 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
         b_o += tl.load(p_shared + o_m[:, None] * H + o_n[None, :], mask=m_o, other=0.0).to(
             tl.float32)
     if WAIT:
+        # poll with plain (volatile) loads, which L2 serves side by side, then one acquire RMW:
+        # every stage-2 tile's adds happen before the reads of y below
         n_spin = tl.program_id(0) * 0  # an int32 tensor: a loop-carried counter
-        while (tl.atomic_add(p_done, 0, sem="acquire") < n_wait) & (n_spin < MAX_SPIN):
+        while (tl.load(p_done, volatile=True) < n_wait) & (n_spin < MAX_SPIN):
             n_spin += 1
+        tl.atomic_add(p_done, 0, sem="acquire")
         tl.debug_barrier()
     if LATENT:
         b_u = _gemv(p_y, o_m, m_m, p_nw, p_up, p_up, o_n, m_n, D // 2,

@@ -34,9 +34,10 @@ from k3lab.weights import (
 Z_ATOL, Z_RTOL = 1e-3, 2 ** -8           # front: z = x @ W_down^T, bf16
 A_ATOL, A_RTOL = 1e-3, 2 ** -8           # stage 1: a, bf16 (same z in both)
 Y_ATOL, Y_RTOL = 2e-5, 1e-5              # stage 2: y fp32 (same a in both): accumulation order only
-# atomic vs deterministic stage 2: the same fp32 partials added in another order; top_k adds of
-# values below ~2 differ by a few ulps of 2 (2.4e-7 each).
-ATOMIC_VS_DETERMINISTIC_ATOL = 4e-6
+# atomic vs deterministic stage 2: the same fp32 partials added in another order. With top_k <= 16
+# partial sums below 4 in magnitude the two orders differ by at most (top_k - 1) roundings of at
+# most half an ulp of 4 (2.4e-7) each: 3.6e-6; the bound leaves 2x for partials up to 8.
+ATOMIC_VS_DETERMINISTIC_ATOL = 8e-6
 TAIL_ATOL, TAIL_RTOL = 1e-3, 2 ** -8     # tail, shared given as a tensor: the output rounding
 # tail with the shared MLP computed by the kernels: the shared activation is also rounded to bf16
 # (2^-8 relative, carried through the S-long down GEMV).

@@ -19,6 +19,7 @@ Per-stage measurement (notebook): :data:`STAGES`, :func:`stage_inputs`, :func:`s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -35,10 +36,11 @@ from k3lab.reference.moe import (
     rms_norm_reference,
 )
 from k3lab.reference.route_sort import route_sort_reference
-from k3lab.weights import MXFP4, hidden_states, make_generator, moe_weights
+from k3lab.weights import MXFP4, hidden_states, make_generator, moe_weights, router_weights
 
 __all__ = ["BOUNDARY", "Weights", "make_inputs", "check", "bytes_moved", "expert_bytes",
-           "grouped_forward", "STAGES", "stage_inputs", "stage_fns", "stage_bytes",
+           "grouped_forward", "STAGES", "copies_sharing_experts", "stage_inputs", "stage_fns",
+           "stage_bytes",
            "OUT_ATOL", "OUT_RTOL"]
 
 # Output (bf16 [M, H]) vs the fp32 truth. Sources: bf16 rounding of z and a inside the kernels
@@ -217,6 +219,31 @@ def bytes_moved(inputs: dict) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # per-stage measurement
+
+
+def copies_sharing_experts(inputs: dict, n: int, seed: int = 0) -> list[dict]:
+    """``n`` input sets for cold timing that share the (large) expert tensors: the first is
+    ``inputs``; each other has a new x (so other experts are routed and read) and new dense
+    weights (latent down / norm / up, shared MLP, router), so rotating through them reads cold
+    experts and cold dense weights without ``n`` copies of every expert (59 GB at K3 tp 1)."""
+    cfg, w0 = inputs["cfg"], inputs["weights"]
+    dev = inputs["x"].device
+    out = [inputs]
+    for s in range(1, n):
+        gen = make_generator(seed + 1000 + s, dev)
+        dense = moe_weights(dataclasses.replace(cfg, n_experts=1), gen)  # one dummy expert
+        w = {k: w0[k] if k in ("w13", "w2") else v for k, v in dense.items()}
+        w["gate_weight"] = router_weights(cfg, gen)["gate_weight"]
+        w["correction_bias"] = w0["correction_bias"]
+        x = hidden_states(cfg, inputs["x"].shape[0], gen)
+        plan = route_sort_reference(
+            x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k, n_group=cfg.n_group,
+            topk_group=cfg.topk_group, renormalize=cfg.renormalize,
+            routed_scaling_factor=cfg.routed_scaling, block_m=inputs["block_m"],
+            out_dim=cfg.moe_in)
+        out.append({**inputs, "x": x, "plan": plan, "weights": Weights(w)})
+    return out
+
 
 STAGES = ("front", "stage1", "stage2", "tail")
 STAGE_TITLES = {
