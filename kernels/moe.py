@@ -61,8 +61,18 @@ MIN_ROWS, MAX_ROWS, INTERPRETER_MAX_ROWS = 4, 32, 128
 # 4 warps, i.e. the product tile stays in registers; the interpreter vectorizes far larger ones.
 PRODUCT_BUDGET, INTERPRETER_PRODUCT_BUDGET = 4096, 1 << 17
 MIN_PAIRS, MAX_PAIRS = 16, 512
+# An MXFP4 K step holds words and per-group partial sums (N x pairs / 2 registers) instead of the
+# bf16 path's even and odd fp32 planes (2 N x pairs): 4x the pairs fit, so as many bytes per step.
+FP4_BUDGET_FACTOR = 4
 NUM_WARPS = 4
 ZERO_MIN_BLOCK = 16
+# MXFP4 decode (see _fp4_dot): an E2M1 nibble shifted to bits 28..31 then arithmetic-shifted right
+# by 6 leaves its sign in bit 31 and its 3 magnitude bits in fp32 bits 22..24: masked, that is the
+# fp32 2^-126 * value (e = 0 gives the denormal m * 2^-127). x is pre-scaled by 2^64 so no product
+# is denormal; the group factor 2^(s-127) * 2^126 * 2^-64 = 2^(s-65) has fp32 exponent s + 62.
+FP4_SIGN_MAG = tl.constexpr(0x81C00000 - (1 << 32))  # bits 31 and 22..24 as an int32
+FP4_X_SCALE = tl.constexpr(2.0 ** 64)
+FP4_SCALE_BIAS = tl.constexpr(62)
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -102,35 +112,48 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _e2m1(c):
-    """fp32 value of E2M1 codes c (int32, 0..15): bit 3 sign, bits 2-1 exponent e, bit 0 m.
-    e > 0: 2^(e-1) * (1 + m/2) = fp32 bits (126 + e) << 23 | m << 22; e == 0: m * 0.5."""
-    c7 = c & 7
-    bits = tl.where(c7 < 2, c7 * (126 << 23), (c7 << 22) + (126 << 23))
-    bits = bits | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def _fp4_load(p_w, p_s, o_row, m_row, o_g, m_g, N_GROUPS):
+    """MXFP4 tile of whole groups: words int32 [rows, groups, 4] (8 E2M1 codes each, element
+    8q + j in nibble j of word q) and the groups' fp32 factors 2^(s-65) [rows, groups].
+    p_w: packed codes viewed as int32 [N, N_GROUPS * 4]; p_s: E8M0 scales uint8 [N, N_GROUPS]."""
+    o_q = tl.arange(0, 4)
+    m = m_row[:, None] & m_g[None, :]
+    b_w = tl.load(p_w + o_row[:, None, None] * (N_GROUPS * 4) + o_g[None, :, None] * 4
+                  + o_q[None, None, :], mask=m[:, :, None], other=0)
+    b_s = tl.load(p_s + o_row[:, None] * N_GROUPS + o_g[None, :], mask=m, other=0)
+    b_f = ((b_s.to(tl.int32) + FP4_SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
+    return b_w, b_f
 
 
 @triton.jit
-def _load_w_pairs(p_w, p_s, o_row, m_row, o_kp, m_kp, K_PAIRS, FP4: tl.constexpr):
-    """Weight tile [rows, pairs] as (even, odd) fp32 elements.
+def _fp4_dot(b_w, b_f, p_x, o_row, m_row, o_g, m_g, K_PAIRS, BLOCK_N: tl.constexpr,
+             BLOCK_G: tl.constexpr):
+    """[BLOCK_N] fp32 = w @ x[o_row] over the groups o_g; b_w, b_f from _fp4_load; x bf16 viewed
+    as int32 pairs [rows, K_PAIRS]; o_row, m_row: one token, shape [1]. Per element: shift,
+    arithmetic shift, and (the signed fp32 bits of 2^-126 * value) and one FMA; the E8M0 factor
+    multiplies each group's sum once."""
+    o_q = tl.arange(0, 4)
+    m = m_g[:, None] & m_row
+    b_part = tl.zeros([BLOCK_N, BLOCK_G, 4], dtype=tl.float32)
+    for r in tl.static_range(4):  # pair r of each word: codes 2r (even element) and 2r + 1
+        b_v = tl.load(p_x + o_row * K_PAIRS + o_g[:, None] * 16 + o_q[None, :] * 4 + r, mask=m,
+                      other=0)
+        b_xe = (b_v << 16).to(tl.float32, bitcast=True) * FP4_X_SCALE
+        b_xo = (b_v & -65536).to(tl.float32, bitcast=True) * FP4_X_SCALE
+        b_we = (((b_w << (28 - 8 * r)) >> 6) & FP4_SIGN_MAG).to(tl.float32, bitcast=True)
+        b_wo = (((b_w << (24 - 8 * r)) >> 6) & FP4_SIGN_MAG).to(tl.float32, bitcast=True)
+        b_part += b_we * b_xe[None, :, :] + b_wo * b_xo[None, :, :]
+    return tl.sum(tl.sum(b_part, axis=2) * b_f, axis=1)
 
-    bf16: p_w is the weight viewed as int32 [N, K_PAIRS]; FP4: p_w the packed uint8
-    [N, K_PAIRS] and p_s the E8M0 scales uint8 [N, K_PAIRS // 16].
-    """
+
+@triton.jit
+def _load_w_pairs(p_w, o_row, m_row, o_kp, m_kp, K_PAIRS):
+    """bf16 weight tile [rows, pairs] as (even, odd) fp32 elements; p_w: the weight viewed as
+    int32 [N, K_PAIRS]."""
     m = m_row[:, None] & m_kp[None, :]
-    if FP4:
-        b_c = tl.load(p_w + o_row[:, None] * K_PAIRS + o_kp[None, :], mask=m, other=0)
-        b_c = b_c.to(tl.int32)
-        b_s = tl.load(p_s + o_row[:, None] * (K_PAIRS // 16) + o_kp[None, :] // 16, mask=m,
-                      other=127)
-        b_scale = (b_s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        b_even = _e2m1(b_c & 15) * b_scale
-        b_odd = _e2m1(b_c >> 4) * b_scale
-    else:
-        b_v = tl.load(p_w + o_row[:, None] * K_PAIRS + o_kp[None, :], mask=m, other=0)
-        b_even = (b_v << 16).to(tl.float32, bitcast=True)
-        b_odd = (b_v & -65536).to(tl.float32, bitcast=True)
+    b_v = tl.load(p_w + o_row[:, None] * K_PAIRS + o_kp[None, :], mask=m, other=0)
+    b_even = (b_v << 16).to(tl.float32, bitcast=True)
+    b_odd = (b_v & -65536).to(tl.float32, bitcast=True)
     return b_even, b_odd
 
 
@@ -151,6 +174,15 @@ def _load_x_pairs(p_x, o_row, m_row, o_kp, m_kp, K_PAIRS, X_FP32: tl.constexpr):
 
 
 @triton.jit
+def _token(o_xrow, m_xrow, o_m, i_m):
+    """Row index and validity of token i_m of a tile, as [1] tensors."""
+    m_sel = o_m == i_m
+    o_row = tl.zeros([1], dtype=tl.int32) + tl.sum(tl.where(m_sel, o_xrow, 0), axis=0)
+    m_row = (tl.zeros([1], dtype=tl.int32) + tl.sum(tl.where(m_sel & m_xrow, 1, 0), axis=0)) > 0
+    return o_row, m_row
+
+
+@triton.jit
 def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
           FP4: tl.constexpr, X_FP32: tl.constexpr, HAS_XS: tl.constexpr,
@@ -158,40 +190,52 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
     """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] (* xs) @ w[o_wrow]^T over K = 2 * K_PAIRS.
 
     xs (HAS_XS): an fp32 [2 * K_PAIRS] per-column factor on x (the RMSNorm weight).
-    BLOCK_M > 1: TOKEN_LOOP reuses each [BLOCK_N, BLOCK_KP] weight tile for the tokens one at a
-    time (compiled: registers stay at one tile); otherwise one [BLOCK_M, BLOCK_N, BLOCK_KP]
-    broadcast product (interpreter: one vectorized op)."""
+    FP4: w is MXFP4 (p_w int32 words, p_s scales; see _fp4_load), x bf16, no xs.
+    bf16 w with BLOCK_M > 1: TOKEN_LOOP reuses each [BLOCK_N, BLOCK_KP] weight tile for the tokens
+    one at a time (compiled: registers stay at one tile); otherwise one [BLOCK_M, BLOCK_N,
+    BLOCK_KP] broadcast product (interpreter: one vectorized op)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     o_m = tl.arange(0, BLOCK_M)
     for kp0 in range(0, K_PAIRS, BLOCK_KP):
-        o_kp = kp0 + tl.arange(0, BLOCK_KP)
-        m_kp = o_kp < K_PAIRS
-        b_we, b_wo = _load_w_pairs(p_w, p_s, o_wrow, m_wrow, o_kp, m_kp, K_PAIRS, FP4)
-        if HAS_XS:
-            b_se = tl.load(p_xs + 2 * o_kp, mask=m_kp, other=0.0).to(tl.float32)[None, :]
-            b_so = tl.load(p_xs + 2 * o_kp + 1, mask=m_kp, other=0.0).to(tl.float32)[None, :]
-        if BLOCK_M == 1 or not TOKEN_LOOP:
-            b_xe, b_xo = _load_x_pairs(p_x, o_xrow, m_xrow, o_kp, m_kp, K_PAIRS, X_FP32)
-            if HAS_XS:
-                b_xe *= b_se
-                b_xo *= b_so
+        if FP4:  # whole groups of 32 (16 pairs); always one token at a time
+            o_g = kp0 // 16 + tl.arange(0, BLOCK_KP // 16)
+            m_g = o_g < K_PAIRS // 16
+            b_w, b_f = _fp4_load(p_w, p_s, o_wrow, m_wrow, o_g, m_g, K_PAIRS // 16)
             if BLOCK_M == 1:
-                acc += tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)[None, :]
+                acc += _fp4_dot(b_w, b_f, p_x, o_xrow, m_xrow, o_g, m_g, K_PAIRS, BLOCK_N,
+                                BLOCK_KP // 16)[None, :]
             else:
-                acc += tl.sum(b_we[None, :, :] * b_xe[:, None, :]
-                              + b_wo[None, :, :] * b_xo[:, None, :], axis=2)
+                for i_m in tl.static_range(BLOCK_M):
+                    o_row, m_row = _token(o_xrow, m_xrow, o_m, i_m)
+                    b_p = _fp4_dot(b_w, b_f, p_x, o_row, m_row, o_g, m_g, K_PAIRS, BLOCK_N,
+                                   BLOCK_KP // 16)
+                    acc += tl.where((o_m == i_m)[:, None], b_p[None, :], 0.0)
         else:
-            for i_m in tl.static_range(BLOCK_M):
-                m_sel = o_m == i_m
-                o_row = tl.zeros([1], dtype=tl.int32) + tl.sum(tl.where(m_sel, o_xrow, 0), axis=0)
-                m_row = (tl.zeros([1], dtype=tl.int32)
-                         + tl.sum(tl.where(m_sel & m_xrow, 1, 0), axis=0)) > 0
-                b_xe, b_xo = _load_x_pairs(p_x, o_row, m_row, o_kp, m_kp, K_PAIRS, X_FP32)
+            o_kp = kp0 + tl.arange(0, BLOCK_KP)
+            m_kp = o_kp < K_PAIRS
+            b_we, b_wo = _load_w_pairs(p_w, o_wrow, m_wrow, o_kp, m_kp, K_PAIRS)
+            if HAS_XS:
+                b_se = tl.load(p_xs + 2 * o_kp, mask=m_kp, other=0.0).to(tl.float32)[None, :]
+                b_so = tl.load(p_xs + 2 * o_kp + 1, mask=m_kp, other=0.0).to(tl.float32)[None, :]
+            if BLOCK_M == 1 or not TOKEN_LOOP:
+                b_xe, b_xo = _load_x_pairs(p_x, o_xrow, m_xrow, o_kp, m_kp, K_PAIRS, X_FP32)
                 if HAS_XS:
                     b_xe *= b_se
                     b_xo *= b_so
-                b_p = tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)
-                acc += tl.where(m_sel[:, None], b_p[None, :], 0.0)
+                if BLOCK_M == 1:
+                    acc += tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)[None, :]
+                else:
+                    acc += tl.sum(b_we[None, :, :] * b_xe[:, None, :]
+                                  + b_wo[None, :, :] * b_xo[:, None, :], axis=2)
+            else:
+                for i_m in tl.static_range(BLOCK_M):
+                    o_row, m_row = _token(o_xrow, m_xrow, o_m, i_m)
+                    b_xe, b_xo = _load_x_pairs(p_x, o_row, m_row, o_kp, m_kp, K_PAIRS, X_FP32)
+                    if HAS_XS:
+                        b_xe *= b_se
+                        b_xo *= b_so
+                    b_p = tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)
+                    acc += tl.where((o_m == i_m)[:, None], b_p[None, :], 0.0)
     return acc
 
 
@@ -266,7 +310,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
     if i_b * block_m < tl.load(p_num_valid):
         b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
         i_e = tl.load(p_block_expert + i_b).to(tl.int64)
-        p_we = p_w + i_e * (2 * N_I * D_PAIRS)
+        p_we = p_w + i_e * (2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS))
         p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N_I
@@ -293,7 +337,8 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             i_e = tl.load(p_topk_ids + i_b * top_k + k).to(tl.int64)
             o_row = tl.zeros([1], dtype=tl.int32) + i_b * top_k + k
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
-            b_p = _gemv(p_a, o_row, o_row < n_entries, p_a, p_w + i_e * (D * I_PAIRS), p_se,
+            p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
+            b_p = _gemv(p_a, o_row, o_row < n_entries, p_a, p_we, p_se,
                         o_n, m_n, I_PAIRS, 1, BLOCK_N, BLOCK_KP, FP4, False, False, False)
             b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
         tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
@@ -302,7 +347,8 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
             i_e = tl.load(p_block_expert + i_b).to(tl.int64)
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
-            b_p = _gemv(p_a, b_ent, m_ent, p_a, p_w + i_e * (D * I_PAIRS), p_se, o_n, m_n,
+            p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
+            b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n,
                         I_PAIRS, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
             o_m = tl.arange(0, BLOCK_M)
             b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
@@ -401,21 +447,24 @@ def _fast_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and INTERPRETER_BIG_TILES
 
 
-def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1) -> tuple[int, int]:
+def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1,
+           fp4: bool = False) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_KP) for a GEMV over ``rows`` output rows, launched for
     ``programs_per_tile`` independent row sets: the most rows per program (a power of two in
     [MIN_ROWS, MAX_ROWS]) that keeps at least TARGET_PROGRAMS programs, then the most pairs per K
-    step within the product budget."""
+    step within the product budget (FP4_BUDGET_FACTOR times larger for MXFP4 weights)."""
     fast = _fast_interpreter()
     target = INTERPRETER_TARGET_PROGRAMS if fast else TARGET_PROGRAMS
     max_rows = INTERPRETER_MAX_ROWS if fast else MAX_ROWS
-    budget = INTERPRETER_PRODUCT_BUDGET if fast else PRODUCT_BUDGET
+    budget = INTERPRETER_PRODUCT_BUDGET if fast else PRODUCT_BUDGET * (
+        FP4_BUDGET_FACTOR if fp4 else 1)
     block_n = MIN_ROWS
     while (block_n * 2 <= min(max_rows, triton.next_power_of_2(rows))
            and programs_per_tile * triton.cdiv(rows, block_n * 2) >= target):
         block_n *= 2
     block_kp = _pow2_floor(budget // ((1 if _token_loop() else block_m) * block_n))
-    block_kp = min(block_kp, budget if fast else MAX_PAIRS, triton.next_power_of_2(k_pairs))
+    block_kp = min(block_kp, budget if fast else MAX_PAIRS * (FP4_BUDGET_FACTOR if fp4 else 1),
+                   triton.next_power_of_2(k_pairs))
     return block_n, max(MIN_PAIRS, block_kp)
 
 
@@ -470,9 +519,10 @@ def _check_experts(name, w, device):
 
 
 def _expert_ptrs(w):
-    """(values, scales) kernel arguments: bf16 viewed as int32 pairs, or MXFP4 packed/scales."""
+    """(values, scales) kernel arguments: bf16 viewed as int32 pairs, or MXFP4 packed codes viewed
+    as int32 words (8 codes each) and the uint8 scales."""
     if isinstance(w, MXFP4):
-        return w.packed, w.scales
+        return w.packed.view(torch.int32), w.scales
     return w.view(torch.int32), w.view(torch.int32)
 
 
@@ -579,7 +629,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
     block_mp = triton.next_power_of_2(block_m)
-    block_n, block_kp = _tiles(n_tiles, i, d // 2, block_mp)
+    block_n, block_kp = _tiles(n_tiles, i, d // 2, block_mp, isinstance(w13, MXFP4))
     grid = (n_tiles, triton.cdiv(i, block_n))
     out = plan.out
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
@@ -629,7 +679,7 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles):
                                                             dtype=torch.float32)
     block_mp = 1 if deterministic else triton.next_power_of_2(block_m)
     rows = m if deterministic else n_tiles
-    block_n, block_kp = _tiles(rows, d, i // 2, block_mp)
+    block_n, block_kp = _tiles(rows, d, i // 2, block_mp, isinstance(w2, MXFP4))
     n_d = triton.cdiv(d, block_n)
     w_v, w_s = _expert_ptrs(w2)
     kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,

@@ -375,7 +375,7 @@ def _k3_inputs(device, fmt, M=1, seed=0):
     return cfg, w, x, plan
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["bf16"])  # MXFP4 at K3 size: test_k3_tp8_block_mxfp4
 def test_k3_tp8_stages(fmt, device):
     cfg, w, x, plan = _k3_inputs(device, fmt)
     gen = make_generator(5, device)
