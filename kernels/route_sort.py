@@ -117,8 +117,8 @@ def _select_tokens(p_part, b_bias, p_ids, p_w, t0, M, scaling,
             b_gscore = tl.where(o_g[None, :] == g, (b_top1 + b_top2)[:, None], b_gscore)
         b_keep = tl.zeros([BLOCK_T, BLOCK_G], tl.int32)
         for _ in tl.static_range(TOPK_GROUP):  # arg-max, ties to the lower group
-            b_best = tl.max(b_gscore, axis=1)
-            b_ig = tl.min(tl.where(b_gscore == b_best[:, None], o_g[None, :], BLOCK_G), axis=1)
+            b_gbest = tl.max(b_gscore, axis=1)
+            b_ig = tl.min(tl.where(b_gscore == b_gbest[:, None], o_g[None, :], BLOCK_G), axis=1)
             b_hit = o_g[None, :] == b_ig[:, None]
             b_keep = tl.where(b_hit, 1, b_keep)
             b_gscore = tl.where(b_hit, float("-inf"), b_gscore)

@@ -311,6 +311,21 @@ def test_gpu_k3(tp, M, block_m, gate_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,n_group,topk_group", [
+    ("kimi-k2", 1, 1), ("kimi-linear", 1, 1), ("kimi-k2", 8, 4), ("kimi-k3", 8, 4),
+    ("kimi-linear", 8, 3)], ids=lambda v: str(v))
+@pytest.mark.parametrize("M", [1, 3, 64])
+def test_gpu_expert_counts_and_groups(name, n_group, topk_group, M):
+    """Every preset's expert count, and grouped routing (K3's 896 / 8 = 112 a group: not a
+    power of two) compiled for the GPU."""
+    cfg = preset(name)
+    inp = make_inputs(cfg, "cuda", M, M=M, block_m=16)
+    inp.update(n_group=n_group, topk_group=topk_group)
+    boundary = get("route")
+    compare(boundary.variant("fused").fn(inp), boundary.reference.fn(inp))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 8])
 def test_gpu_cuda_graph_no_sync(M):
     """Captured once, replayed on new hidden states: matches the reference each time; the
