@@ -10,9 +10,11 @@ act = SiTU(g, u) = beta*tanh(g/beta)*sigmoid(g)*(lb*tanh(u/lb)) or SiLU(g)*u, in
 tanh(x) = 2*sigmoid(2x) - 1. Every product is a GEMV (broadcast multiply + tl.sum, fp32
 accumulation); each program owns one output tile and reads its weight rows exactly once.
 
-Operands are read as (even, odd) element pairs, so bf16 and MXFP4 weights share one code path:
-a bf16 row viewed as int32 gives the even element in the low half-word, an MXFP4 byte gives it in
-the low nibble (E2M1 decoded arithmetically, times the E8M0 scale 2^(s-127) of its group of 32).
+bf16 operands are read as int32 (even, odd) element pairs (even element in the low half-word:
+a shift and a mask give both fp32 values). MXFP4 weights are read as int32 words of 8 E2M1 codes
+and decoded in registers with 3 integer ops per element (shift the nibble to the top, arithmetic
+shift right, mask: the signed fp32 bits of 2^-126 * value), one FMA each, and the E8M0 factor
+2^(s-127) applied once per group of 32; the activations stay bf16 pairs.
 
 Stages 1 and 2 consume the route plan as is (no second top-k or sort): programs walk the
 expert-sorted ``sorted_ids`` in tiles of ``block_m`` entries of one expert, so tokens sharing an
