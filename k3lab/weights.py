@@ -157,11 +157,27 @@ def moe_weights(cfg: Preset, gen, *, dtype=torch.bfloat16, expert_format: str = 
         w["latent_up"] = _linear(h, d, gen, dtype)
 
     def experts(rows, cols):
+        # filled ``chunk`` experts at a time into preallocated storage: a K3 tp 1 expert set is
+        # 59 GB in bf16, and one fp32 draw of it would not fit beside it on a 141 GB GPU
         if expert_format == "bf16":
-            return randn((e, rows, cols), gen, std=cols ** -0.5, dtype=dtype)
-        parts = [mxfp4_quantize(randn((min(chunk, e - s), rows, cols), gen, std=cols ** -0.5,
-                                      dtype=torch.float32)) for s in range(0, e, chunk)]
-        return MXFP4(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]))
+            out = torch.empty((e, rows, cols), dtype=dtype, device=gen.device)
+        else:
+            if cols % MXFP4_GROUP:
+                raise ValueError(f"expert_format: MXFP4 needs input sizes that are multiples of "
+                                 f"32, got {cols} (preset {cfg.name}, tp {cfg.tp})")
+            out = MXFP4(torch.empty((e, rows, cols // 2), dtype=torch.uint8, device=gen.device),
+                        torch.empty((e, rows, cols // MXFP4_GROUP), dtype=torch.uint8,
+                                    device=gen.device))
+        for s in range(0, e, chunk):
+            n = min(chunk, e - s)
+            w = randn((n, rows, cols), gen, std=cols ** -0.5, dtype=torch.float32)
+            if expert_format == "bf16":
+                out[s:s + n] = w.to(dtype)
+            else:
+                q = mxfp4_quantize(w)
+                out.packed[s:s + n], out.scales[s:s + n] = q.packed, q.scales
+            del w
+        return out
 
     w["w13"] = experts(2 * i, d)
     w["w2"] = experts(d, i)

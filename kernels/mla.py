@@ -30,14 +30,16 @@ import triton.language as tl
 
 __all__ = ["mla_decode", "default_num_splits", "BLOCK_N", "BLOCK_H", "MAX_SPLITS"]
 
-# Cache rows per inner step. 32 rows x 576 x bf16 = 36 KiB per pipeline stage keeps two stages
-# in shared memory next to the [16, 512] fp32 accumulator (the size vLLM's Triton MLA decode uses).
+# Cache rows per inner step: 32 rows x 576 x bf16 = 36 KiB per pipeline stage (the size vLLM's
+# Triton MLA decode uses). Four stages in flight: on the H200 (K3 tp 8, graph, cold) a sweep of
+# BLOCK_N {32, 64} x warps {4, 8} x stages {2, 3, 4} x splits {132 .. 1024} put 32 / 4 / 4 at one
+# split per SM first at 32k (19.0 us) and within 4% of the best at 128k.
 BLOCK_N = 32
 # Heads per program: every head of a token reads the same cache rows, so a program takes a group
 # of them; 16 is tl.dot's smallest M (K3 at tp 8 has 12 heads: one group, 4 padded rows).
 BLOCK_H = 16
 SPLIT_NUM_WARPS = 4
-SPLIT_NUM_STAGES = 2
+SPLIT_NUM_STAGES = 4
 # Combine: a program merges a [BLOCK_S splits, BLOCK_C latent columns] fp32 tile per step, at
 # most COMBINE_TILE elements (32 registers a thread at 4 warps). Up to COMBINE_MAX_BLOCK_S splits
 # are merged in one step (the heuristic's counts on an H200 take a single step); the columns
@@ -45,10 +47,11 @@ SPLIT_NUM_STAGES = 2
 COMBINE_TILE = 4096
 COMBINE_MAX_BLOCK_S = 256
 COMBINE_MIN_BLOCK_C = 16
-# Heuristic: aim for this many resident split programs per SM (register and shared-memory use
-# allow about two), but give every split at least MIN_ROWS_PER_SPLIT cache rows so the fixed cost
-# of a split (loading q, writing a [BLOCK_H, C] fp32 partial) stays small next to its reads.
-PROGRAMS_PER_SM = 2
+# Heuristic: one split program per SM (the same sweep: at 32k and 128k one per SM beat two, as
+# fewer, longer splits keep their pipelines full and write fewer partials), but every split gets at
+# least MIN_ROWS_PER_SPLIT cache rows so the fixed cost of a split (loading q, writing a
+# [BLOCK_H, C] fp32 partial) stays small next to its reads.
+PROGRAMS_PER_SM = 1
 MIN_ROWS_PER_SPLIT = 128
 MAX_SPLITS = 1024
 # SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.

@@ -261,31 +261,38 @@ BLOCK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fuse_tail", [False, True], ids=["tail", "fused-tail"])
 @pytest.mark.parametrize("case", BLOCK_CASES, ids=[c[0] for c in BLOCK_CASES])
-def test_block(case, device):
-    """moe_block (route_sort + 3 launches) against latent_moe_reference; and with a given plan."""
+def test_block(case, fuse_tail, device):
+    """moe_block (route_sort + 4 launches, 3 with the fused tail) against latent_moe_reference;
+    and with a given plan."""
     _, M, block_m, fmt, det, crowd, changes = case
     cfg, w, x = _setup(device, M=M, fmt=fmt, seed=M, crowd=crowd, **changes)
     want = ref.latent_moe_reference(x, w, cfg, block_m=block_m)
-    got = moe_block(x, w, cfg=cfg, block_m=block_m, deterministic=det)
+    got = moe_block(x, w, cfg=cfg, block_m=block_m, deterministic=det, fuse_tail=fuse_tail)
     assert got.shape == (M, cfg.hidden) and got.dtype == torch.bfloat16
     assert_close("out", got, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
     plan = _plan(cfg, x, w, block_m)
     plan.out.fill_(float("nan"))
-    again = moe_block(x, w, cfg=cfg, plan=plan, deterministic=det)
+    again = moe_block(x, w, cfg=cfg, plan=plan, deterministic=det, fuse_tail=fuse_tail)
     assert_close("out (given plan)", again, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
 
 
 def test_block_launches(device):
-    """route_sort (2) + front + stage 1 + stage 2 + tail fused: 5 launches, 3 with a plan."""
+    """route_sort (2) + front + stage 1 + stage 2 + tail: 6 launches, 4 with a plan; 5 and 3
+    with the tail fused into stage 2."""
     torch.use_deterministic_algorithms(False)  # no NaN-fill kernels behind torch.empty (CUDA)
     cfg = preset("kimi-k3" if device.type == "cuda" else "tiny", 8 if device.type == "cuda" else 1)
     boundary = get("moe")
     fused = boundary.variant("fused")
     with_route = count_launches(fused.fn, boundary.make_inputs(cfg, device, 0, route=True))
-    assert with_route.count <= 5, with_route.kernels
-    given = count_launches(fused.fn, boundary.make_inputs(cfg, device, 0))
-    assert given.count == 3, given.kernels
+    assert with_route.count == 6, with_route.kernels
+    inputs = boundary.make_inputs(cfg, device, 0)
+    given = count_launches(fused.fn, inputs)
+    assert given.count == 4, given.kernels
+    fused_tail = count_launches(
+        lambda i: moe_block(i["x"], i["weights"], cfg=cfg, plan=i["plan"], fuse_tail=True), inputs)
+    assert fused_tail.count == 3, fused_tail.kernels
 
 
 def test_boundary(device):
@@ -491,14 +498,15 @@ def test_bad_input(case, device):
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("M", [1, 4, 16])
 @pytest.mark.parametrize("block_m", [1, 16])
-def test_gpu_k3_tp8_block(fmt, M, block_m):
+@pytest.mark.parametrize("fuse_tail", [False, True], ids=["tail", "fused-tail"])
+def test_gpu_k3_tp8_block(fmt, M, block_m, fuse_tail):
     cfg = preset("kimi-k3", 8)
     gen = make_generator(M, "cuda")
     w = moe_weights(cfg, gen, expert_format=fmt)
     x = hidden_states(cfg, M, gen)
     want = ref.latent_moe_reference(x, w, cfg, block_m=block_m)
     for det in (False, True):
-        got = moe_block(x, w, cfg=cfg, block_m=block_m, deterministic=det)
+        got = moe_block(x, w, cfg=cfg, block_m=block_m, deterministic=det, fuse_tail=fuse_tail)
         assert_close("out", got, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
 
 
