@@ -57,7 +57,8 @@ def make_layer(cfg: Preset, kind: str, device, *, seed: int = 0, m: int = 1, con
     else:
         state["attn"] = mla_weights(cfg, gen)
         state["cache"] = mla_cache(cfg, m, context, max(context - 1, 1), gen)
-        state["position"] = context - 1
+        # a device tensor: a CUDA graph of the layer cannot copy a host int at replay
+        state["position"] = torch.full((m,), context - 1, dtype=torch.int64, device=device)
     return state
 
 
