@@ -284,7 +284,9 @@ def measure_stack(stack: Stack, cfg: Preset, device, *, seed: int = 0, context: 
         for mode in modes:
             t = profile.time_variant(fn, [state], mode=mode, repeats=repeats, cold=False)
             rows.append(dict(stack=label, kind=kind, metric="latency_us", value=t.median_us,
-                             unit="us", mode=mode, note=f"{t.repeats} repeats, one layer"))
+                             unit="us", mode=mode,
+                             note=f"{t.repeats} repeats of one layer state (its weights and "
+                                  f"caches exceed the L2 at real presets)"))
             per_token[mode] = per_token.get(mode, 0.0) + n_layers * t.median_us
         rows.append(dict(stack=label, kind=kind, metric="launches_per_token",
                          value=n_layers * lc.count, unit="launches", mode="",
