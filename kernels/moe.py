@@ -1,4 +1,4 @@
-"""Latent MoE at batch 1 (ARCHITECTURE.md sections 4-5): three launches after routing.
+"""Latent MoE at batch 1 (ARCHITECTURE.md sections 4-5): four launches after routing.
 
 ```
 front : z = x @ W_down^T            (and shared a_s = act(x @ Ws1^T, x @ Ws3^T), same launch)
@@ -22,12 +22,13 @@ expert read its weights once per tile. Stage 1 also zeroes ``plan.out`` (stage 2
 so stage 1 + stage 2 can be replayed on one plan. ``deterministic=True`` makes stage 2 sum each
 token's top_k slots in slot order inside one program instead (same single launch, no atomics).
 
-``moe_block`` launches front, stage 1, then stage 2 and the tail as ONE grid: each program takes a
-ticket from an atomic counter; tickets below the stage-2 tile count run stage-2 tiles and then
-count themselves done (release), the rest run tail tiles, which do the shared down GEMV, wait until
+``moe_block`` launches front, stage 1, stage 2, then the tail (six launches with route_sort's
+two). With ``fuse_tail=True`` stage 2 and the tail share ONE grid: each program takes a ticket
+from an atomic counter; tickets below the stage-2 tile count run stage-2 tiles and then count
+themselves done (release), the rest run tail tiles, which do the shared down GEMV, wait until
 every stage-2 tile is done (acquire) and finish the tail. A ticket is taken by a running program,
-so every tile a tail tile waits for is already running: no deadlock under any scheduling. With
-route_sort's two launches the block is five launches.
+so every tile a tail tile waits for is already running: no deadlock under any scheduling (five
+launches with routing).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 op-by-op fp32 reference (kernels/moe.py vs k3lab/reference/moe.py); the reference against an
 independent dense formulation; bf16 and MXFP4 experts (vs the dequantized reference); SiTU and
 SiLU; M up to 16 with several tokens per expert and block_m 1 and larger; tiny and Kimi-K3 tp 8
-sizes; bad input; GPU: K3 tp 8 and tp 1, atomics vs deterministic, <= 5 launches, CUDA graphs."""
+sizes; bad input; GPU: K3 tp 8 and tp 1, atomics vs deterministic, launch counts, CUDA graphs."""
 
 import dataclasses
 

@@ -6,7 +6,7 @@ shared MLP, given the route plan (the route ops belong to the route boundary).
 issue's whole-block figure. Variants:
 - reference: the loop of section 4 in the model's numerics (bf16 GEMM operands, fp32
   activations, sum and norm): ``latent_moe_from_plan_reference(..., dtype=bfloat16)``;
-- fused: ``k3lab.kernels.moe_block`` (front, stage 1, stage 2 + tail: 3 launches; 5 with routing);
+- fused: ``k3lab.kernels.moe_block`` (front, stage 1, stage 2, tail: 4 launches; 6 with routing);
 - grouped: strong eager torch: gather the selected experts' weights (MXFP4 dequantized), two
   batched matmuls (bmm), fp32 weighted sum, cuBLAS dense projections;
 - torch.compile: of the reference (CUDA only).
@@ -343,9 +343,9 @@ BOUNDARY = Boundary(
                 "expert index_select (+ MXFP4 dequant), two bf16 GEMVs, fp32 SiTU, fp32 "
                 "weighted sum, fp32 RMSNorm, bf16 up-projection, shared MLP"),
         Variant("fused", "fused", _fused,
-                "three Triton launches: front (latent down + shared gate/up GEMVs), stage 1 "
-                "direct tile over the plan, stage 2 (fp32 atomics) + tail + shared down in one "
-                "ticket-ordered launch (five with route_sort)"),
+                "four Triton launches: front (latent down + shared gate/up GEMVs), stage 1 "
+                "direct tile over the plan, stage 2 (fp32 atomics), tail + shared down (six "
+                "with route_sort)"),
         Variant("grouped", "peer", _grouped,
                 "eager torch: gather the selected experts' weights (MXFP4 dequantized), bmm for "
                 "each stage, fp32 weighted sum, cuBLAS dense projections"),
