@@ -29,10 +29,11 @@ __all__ = ["attn_res_norm", "MAX_SEALED"]
 # Bank rows one program holds as a padded register block. K3 needs 8 (9 candidates with live);
 # 16 leaves room for deeper presets while padded rows cost registers, never bandwidth.
 MAX_SEALED = 16
-# Elements of the [BLOCK_NB, BLOCK_H] fp32 bank tile: 16384 / (8 warps x 32 threads) = 64 values
-# per thread. At K3 (8 rows) that is a 2048-wide chunk, ~36 KB of loads in flight per step, without
-# spilling.
-TILE_ELEMS = 16384
+# Elements of the [BLOCK_NB, BLOCK_H] fp32 bank tile: 32768 / (8 warps x 32 threads) = 128 values
+# per thread. At K3 (8 rows) that is a 4096-wide chunk, two steps over H = 7168 with ~72 KB of loads
+# in flight each. On the H200 (K3, B1, graph, cold) this beat 16384 by 25% at 8 sealed rows and tied
+# it at 0 to 1; 4 and 16 warps were slower.
+TILE_ELEMS = 32768
 # Widest H chunk (the norm pass, and the read with <= 2 bank rows): one chunk covers K3's 7168.
 MAX_BLOCK_H = 8192
 NUM_WARPS = 8
