@@ -9,7 +9,8 @@ dispatched, views and allocations excluded) and latencies are wall-clock: neithe
 Cold weights: the 60 MB L2 of an H200 holds a whole router weight, so replaying a boundary on one
 set of inputs times it warm. ``cold_copies`` builds enough input copies (different seeds) that the
 bytes touched by one pass over them exceed twice the L2; eager timing rotates through the copies,
-and the CUDA graph captures one call per copy and divides a replay by their number.
+and the CUDA graph captures passes over the copies (at least MIN_GRAPH_CALLS calls) and divides a
+replay by the calls it holds.
 """
 
 from __future__ import annotations
@@ -281,7 +282,7 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
         samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
         return _summary(samples, **meta)
 
-    # graph: warm up on a side stream (required before capture), capture one call per copy
+    # graph: warm up on a side stream (required before capture), capture passes over the copies
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
