@@ -1,4 +1,4 @@
-"""Fused routing + MoE sort metadata (the route boundary) in two launches.
+"""Fused routing + MoE sort metadata (the route boundary) in one launch.
 
 Math (ARCHITECTURE.md section 3, ``noaux_tc``), per token m of M::
 
@@ -11,17 +11,31 @@ Math (ARCHITECTURE.md section 3, ``noaux_tc``), per token m of M::
 and the sort metadata of ``k3lab.plan.RoutePlan``: entries ``m * top_k + slot`` grouped by
 expert (ascending), each run padded to a multiple of ``block_m`` with the sentinel ``M * top_k``.
 
-Launch 1, ``_gate_gemv_kernel``, grid (E tiles, K splits): each program loads one
-[BLOCK_E, BLOCK_K] tile of W once (FP32 accumulation) and writes, for every token, its partial
-logits into an fp32 scratch [SPLIT_K, M, E] (no memset, no atomics: deterministic). As a side job
-the programs fill the plan's padding (sorted_ids = sentinel, sorted_weights = 0,
-block_expert_ids = -1) and zero ``out``, so launch 2 only writes real entries.
+One launch, ``_route_sort_kernel``, grid (E tiles, K splits):
 
-Launch 2, ``_route_select_sort_kernel``, one program: sums the partials in a fixed order,
-sigmoid, bias, grouped top-k by iterative arg-max on packed (score, expert) int64 keys (one
-reduction per slot; the low word breaks ties toward the lower expert), weights, then the sort
-metadata from pairwise comparisons of the M * top_k entries (rank within the expert, tiles of
-lower experts), so nothing scales with E beyond the selection itself.
+1. every program loads one [GEMV_E, GEMV_K] tile of W once (FP32 accumulation) and writes, for
+   every token, its partial logits into an fp32 scratch [SPLIT_K, M, E] (no memset, no atomics on
+   the data: deterministic); as a side job it fills its share of the plan's padding
+   (sorted_ids = sentinel, sorted_weights = 0, block_expert_ids = -1) and zeroes ``out``;
+2. "the last program finishes": after a CTA barrier each program increments a per-device int32
+   counter once (acq_rel, gpu scope); the program that sees ``num_programs - 1`` (every other
+   program's stores are then visible to it) runs the selection and sort below and resets the
+   counter to 0 for the next call (or CUDA-graph replay); the others just end;
+3. the selection (``_select_sort``): sums the partials in a fixed order (``.cg`` loads: from L2,
+   never a stale L1 line), sigmoid, bias, grouped top-k on packed (score, expert) int64 keys
+   (unique; the low word breaks ties toward the lower expert): from top_k = 8 on by a threshold
+   (``_top_k_threshold``: bucket maxima, the top_k-th largest of them, compaction of the few
+   keys above it through a small scratch, their ranks: a fixed handful of reductions; more
+   than CAP candidates falls back to the arg-max loop), below that by iterative arg-max
+   (``_top_k_loop``, one reduction per slot); weights, then the sort metadata from pairwise
+   comparisons of the M * top_k entries (rank within the expert, tiles of lower experts), so
+   nothing scales with E beyond the selection itself.
+
+The counter is shared by every call on a device: route_sort calls on one device must not run
+concurrently on different streams (a decode step is one stream). It is created (zeroed) by the
+first call on a device, which therefore must not happen inside a CUDA-graph capture.
+
+``gate_logits`` (the standalone gate projection) runs step 1's GEMV alone (``_gate_gemv_kernel``).
 """
 
 from __future__ import annotations
@@ -46,12 +60,32 @@ INTERP_BLOCK_E = 128
 INTERP_BLOCK_K = 2048
 FILL_BLOCK = 1024  # elements per store in the padding / zero fill side job
 SELECT_TILE = 4096  # tokens x padded experts held by the selection program at once
+# (the selection shares the GEMV's kernel, so its registers set every program's; Triton 3.9
+# for sm_90, K3, 4 warps, threshold selection: 128 at M = 1 (the GEMV alone: 96; ptxas keeps
+# the 14 partial loads in flight), 180 at M = 2, 255 from M = 4 with small spills: fewer
+# resident GEMV programs per SM)
+# Threshold selection (_top_k_threshold): a fixed number of reductions instead of top_k
+# arg-max rounds, from top_k = 8 on (K3 M = 1: 5 cross-warp reductions / scans instead of
+# 16 + 3, plus one scratch round trip instead of the re-load of the chosen partials). Buckets:
+# 2 per slot (K3: 32 buckets of 28 experts), so the threshold is tight: random routers give
+# about top_k + 5 candidates (K3: mean 21, max 39 in 50k random tokens); CAP = 4 per slot
+# (K3: 64) leaves a wide margin before the fallback.
+THRESHOLD_MIN_TOP_K = 8
+BUCKETS_PER_SLOT = 2
+CANDIDATES_PER_SLOT = 4
+# Padded experts per bucket, at least: one-expert buckets ([BLOCK_T, BUCKETS, 1] tiles) gave wrong
+# plans on the H200 (E = 20, top-10, grouped; correct under the interpreter, cause not found), so
+# such sizes take the arg-max loop.
+MIN_BUCKET_SIZE = 2
 REG_ENTRIES = 64  # (padded) entries sorted in registers when all tokens fit one block (B1)
 PAIR_TILE = 8192  # entries x entries compared at once by the sort passes
 PAIR_COLS = 1024  # widest column block of the sort passes
-NUM_WARPS = 4
+NUM_WARPS = 4  # every program's: the GEMV tiles and the selection
 KEY_MIN = tl.constexpr(-(2**63))  # below every packed key: marks an expert already taken
 IDX_BITS = tl.constexpr(0x7FFFFFFF)  # low word of a key: IDX_BITS - expert (larger = lower expert)
+
+# One int32 "programs done" counter per device (see the module docstring), zero between calls.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit
@@ -63,10 +97,10 @@ def _fill(p_dst, n, b_value, pid, n_prog, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gate_gemv_kernel(p_x, p_w, p_part, p_sorted_ids, p_sorted_w, p_block_ids, p_out,
-                      M, E, H, n_sorted, n_blocks, n_out, sentinel,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, FILL: tl.constexpr):
-    i_e, i_k = tl.program_id(0), tl.program_id(1)
+def _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile (i_e, i_k) of W read once; for every token, store its partial logits
+    ``p_part[i_k, m, tile]``."""
     o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
     o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
     m_e, m_k = o_e < E, o_k < H
@@ -77,33 +111,38 @@ def _gate_gemv_kernel(p_x, p_w, p_part, p_sorted_ids, p_sorted_w, p_block_ids, p
         b_acc = tl.sum(b_w * b_x[None, :], axis=1)
         tl.store(p_part + (i_k * M + i_m) * E + o_e, b_acc, mask=m_e)
 
-    # side job: the plan's padding and the zeroed stage-2 buffer
-    pid = i_k * tl.num_programs(0) + i_e
-    n_prog = tl.num_programs(0) * tl.num_programs(1)
-    _fill(p_sorted_ids, n_sorted, tl.zeros([FILL], tl.int32) + sentinel, pid, n_prog, FILL)
-    _fill(p_sorted_w, n_sorted, tl.zeros([FILL], tl.float32), pid, n_prog, FILL)
-    _fill(p_block_ids, n_blocks, tl.zeros([FILL], tl.int32) - 1, pid, n_prog, FILL)
-    _fill(p_out, n_out, tl.zeros([FILL], tl.float32), pid, n_prog, FILL)
+
+@triton.jit
+def _gate_gemv_kernel(p_x, p_w, p_part, M, E, H,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """gate_logits: the split-K GEMV alone, grid (E tiles, K splits)."""
+    _gemv_partials(p_x, p_w, p_part, tl.program_id(0), tl.program_id(1), M, E, H,
+                   BLOCK_E, BLOCK_K)
 
 
 @triton.jit
-def _select_tokens(p_part, b_bias, p_ids, p_w, t0, M, scaling,
-                   E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr,
-                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                   RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Route tokens [t0, t0 + BLOCK_T): store their ids and weights; return
-    (ids, weights, entry index, mask), each [BLOCK_T, BLOCK_S]."""
+def _token_keys(p_part, p_bias, o_t, m_t, M,
+                E: tl.constexpr, SPLIT_K: tl.constexpr, N_GROUP: tl.constexpr,
+                TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Tokens o_t [BLOCK_T] (valid where m_t): packed selection keys, int64 [BLOCK_T, BLOCK_E],
+    and unbiased scores s = sigmoid(logit), fp32 [BLOCK_T, BLOCK_E].
+
+    key = (order-preserving int32 image of the biased score sb) << 32 | (IDX_BITS - expert):
+    unique per token, larger key = larger sb, among equal sb the lower expert. Experts outside
+    the kept groups (n_group > 1), padding lanes (expert >= E) and padding tokens get sb = -inf.
+    """
     o_e = tl.arange(0, BLOCK_E)
-    o_s = tl.arange(0, BLOCK_S)
-    o_t = t0 + tl.arange(0, BLOCK_T)
-    m_e, m_t = o_e < E, o_t < M
+    m_e = o_e < E
     m_te = m_t[:, None] & m_e[None, :]
+    b_bias = tl.load(p_bias + o_e[None, :], mask=m_e[None, :], other=0.0)  # [1, BLOCK_E]
     b_logit = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-    for i_k in tl.static_range(SPLIT_K):  # fixed order: the weight gather below repeats it
+    # the partials were written by other programs of this launch: .cg loads (L2, not L1)
+    for i_k in tl.static_range(SPLIT_K):  # fixed order: _gather_scores repeats it
         b_logit += tl.load(p_part + (i_k * M + o_t[:, None]) * E + o_e[None, :], mask=m_te,
-                           other=0.0)
-    b_sb = tl.where(m_te, 1.0 / (1.0 + tl.exp(-b_logit)) + b_bias[None, :], float("-inf"))
+                           other=0.0, cache_modifier=".cg")
+    b_s = 1.0 / (1.0 + tl.exp(-b_logit))
+    b_sb = tl.where(m_te, b_s + b_bias, float("-inf"))
 
     if N_GROUP > 1:
         o_g = tl.arange(0, BLOCK_G)
@@ -128,24 +167,152 @@ def _select_tokens(p_part, b_bias, p_ids, p_w, t0, M, scaling,
             b_keep_e = tl.where((b_grp == g)[None, :], b_kg[:, None], b_keep_e)
         b_sb = tl.where(b_keep_e != 0, b_sb, float("-inf"))
 
-    # packed key: order-preserving int32 image of sb above (IDX_BITS - expert), so one max
-    # reduction per slot finds the best score and, among equals, the lowest expert
     b_bits = b_sb.to(tl.int32, bitcast=True)
     b_bits = b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)
     b_key = (b_bits.to(tl.int64) << 32) | (-o_e[None, :] + IDX_BITS).to(tl.int64)
+    return b_key, b_s
+
+
+@triton.jit
+def _top_k_loop(b_key, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Top-k of keys int64 [BLOCK_T, BLOCK_E] by TOP_K rounds of arg-max (one cross-warp
+    reduction each): expert ids int32 and keys int64, each [BLOCK_T, BLOCK_S] (slots >= TOP_K:
+    0 and KEY_MIN)."""
+    o_s = tl.arange(0, BLOCK_S)
     b_ids = tl.zeros([BLOCK_T, BLOCK_S], tl.int32)
+    b_top = tl.full([BLOCK_T, BLOCK_S], KEY_MIN, tl.int64)
     for i_s in range(TOP_K):
         b_best = tl.max(b_key, axis=1)
         b_idx = (-(b_best & IDX_BITS) + IDX_BITS).to(tl.int32)
         b_ids = tl.where(o_s[None, :] == i_s, b_idx[:, None], b_ids)
+        b_top = tl.where(o_s[None, :] == i_s, b_best[:, None], b_top)
         b_key = tl.where(b_key == b_best[:, None], KEY_MIN, b_key)
+    return b_ids, b_top
 
-    # weights: the unbiased scores of the chosen experts, same partial-sum order
-    m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
+
+@triton.jit
+def _gather_scores(p_part, b_ids, o_t, m_ts, M, E: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Unbiased scores of the experts b_ids [BLOCK_T, BLOCK_S] of tokens o_t, fp32
+    [BLOCK_T, BLOCK_S]: the partials re-loaded and summed in _token_keys' order (same bits)."""
     b_wl = tl.zeros([BLOCK_T, BLOCK_S], tl.float32)
     for i_k in tl.static_range(SPLIT_K):
-        b_wl += tl.load(p_part + (i_k * M + o_t[:, None]) * E + b_ids, mask=m_ts, other=0.0)
-    b_w = tl.where(m_ts, 1.0 / (1.0 + tl.exp(-b_wl)), 0.0)
+        b_wl += tl.load(p_part + (i_k * M + o_t[:, None]) * E + b_ids, mask=m_ts, other=0.0,
+                        cache_modifier=".cg")
+    return 1.0 / (1.0 + tl.exp(-b_wl))
+
+
+@triton.jit
+def _payload(b_s, b_ids):
+    """(s fp32 bits << 32) | expert, int64 (s >= 0: the max of payloads is well defined)."""
+    return (b_s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | b_ids.to(tl.int64)
+
+
+@triton.jit
+def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr):
+    """The candidate rows of tokens o_t [BLOCK_T] (see _top_k_threshold): count int64
+    [BLOCK_T], keys and payloads int64 [BLOCK_T, CAP] (empty slots: KEY_MIN and 0)."""
+    o_c = tl.arange(0, CAP)
+    p_row = p_cand + o_t * (2 * CAP + 1)
+    b_n = tl.load(p_row + 2 * CAP, mask=m_t, other=0, cache_modifier=".cg")
+    m_c = o_c[None, :] < b_n[:, None]
+    b_ck = tl.load(p_row[:, None] + o_c[None, :], mask=m_c, other=KEY_MIN, cache_modifier=".cg")
+    b_cp = tl.load(p_row[:, None] + CAP + o_c[None, :], mask=m_c, other=0, cache_modifier=".cg")
+    return b_n, b_ck, b_cp
+
+
+@triton.jit
+def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
+                     SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr,
+                     CAP: tl.constexpr):
+    """Top-k of keys int64 [BLOCK_T, BLOCK_E] in a fixed number of reductions, not TOP_K.
+
+    1. bucket maxima: bucket b holds the experts e = b (mod BUCKETS), BUCKETS >= TOP_K;
+       the threshold T is the TOP_K-th largest bucket maximum (rank by a pairwise count).
+       Every top-k key is >= T (TOP_K buckets have a key >= T), and usually only a few more.
+       Strided, not runs of consecutive experts (whose maxima would be warp-local, saving one
+       cross-warp reduction): equal scores go to the lower experts, which then spread over
+       the buckets (all-equal scores: exactly TOP_K candidates, not hundreds), and the routing
+       groups (masked whole) are cut across, so the kept experts still fill every bucket;
+    2. the candidates (key >= T) are compacted by an exclusive cumsum into CAP slots of the
+       token's row of the scratch p_cand (int64 [M, 2 * CAP + 1]: keys, payloads
+       (s bits << 32 | expert, s from b_s fp32 [BLOCK_T, BLOCK_E]: no re-load), count), read
+       back after a CTA barrier. A token with more than CAP candidates (crowded buckets) makes
+       the block fall back to the arg-max loop, which rewrites the rows with the exact top-k;
+    3. rank among the candidates by a pairwise count of larger keys; slot i takes the candidate
+       of rank i.
+
+    Returns ids int32 and scores s fp32, each [BLOCK_T, BLOCK_S] (slots >= TOP_K: garbage).
+    """
+    o_e = tl.arange(0, BLOCK_E)
+    # 1. threshold: [BLOCK_T, BLOCK_E // BUCKETS, BUCKETS] -> bucket maxima [BLOCK_T, BUCKETS]
+    b_bmax = tl.max(tl.reshape(b_key, [BLOCK_T, BLOCK_E // BUCKETS, BUCKETS]), axis=1)
+    b_brank = tl.sum((b_bmax[:, None, :] > b_bmax[:, :, None]).to(tl.int32), axis=2)
+    b_thr = tl.max(tl.where(b_brank == TOP_K - 1, b_bmax, KEY_MIN), axis=1)  # [BLOCK_T]
+
+    # 2. compaction; the count is the inclusive cumsum's last column (no extra reduction)
+    m_cand = b_key >= b_thr[:, None]
+    b_incl = tl.cumsum(m_cand.to(tl.int32), axis=1)
+    b_pos = b_incl - m_cand.to(tl.int32)
+    p_row = p_cand + o_t[:, None] * (2 * CAP + 1)
+    m_st = m_cand & (b_pos < CAP) & m_t[:, None]
+    tl.store(p_row + b_pos, b_key, mask=m_st)
+    tl.store(p_row + CAP + b_pos, _payload(b_s, o_e[None, :]), mask=m_st)
+    tl.store(p_row + 2 * CAP + o_e[None, :] * 0, b_incl.to(tl.int64),
+             mask=m_t[:, None] & (o_e[None, :] == BLOCK_E - 1))
+    tl.debug_barrier()  # the rows were written by other threads of this program
+    b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP)
+    if tl.max(b_n, axis=0) > CAP:  # rare: exact but slow
+        o_s = tl.arange(0, BLOCK_S)
+        m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
+        b_ids, b_top = _top_k_loop(b_key, TOP_K, BLOCK_T, BLOCK_S)
+        b_pay = _payload(_gather_scores(p_part, b_ids, o_t, m_ts, M, E, SPLIT_K, BLOCK_T,
+                                        BLOCK_S), b_ids)
+        tl.debug_barrier()  # every thread has read its rows (above) before they are rewritten
+        p_row = p_cand + o_t[:, None] * (2 * CAP + 1)
+        tl.store(p_row + o_s[None, :], b_top, mask=m_ts)
+        tl.store(p_row + CAP + o_s[None, :], b_pay, mask=m_ts)
+        tl.store(p_row + 2 * CAP + o_s[None, :] * 0, tl.zeros_like(b_top) + TOP_K,
+                 mask=m_t[:, None] & (o_s[None, :] == 0))
+        tl.debug_barrier()
+        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP)
+
+    # 3. ranks [BLOCK_T, CAP] (empty slots hold KEY_MIN: never larger), then slot order
+    b_crank = tl.sum((b_ck[:, None, :] > b_ck[:, :, None]).to(tl.int32), axis=2)
+    o_s = tl.arange(0, BLOCK_S)
+    b_pick = tl.max(tl.where(b_crank[:, :, None] == o_s[None, None, :], b_cp[:, :, None], 0),
+                    axis=1)  # [BLOCK_T, BLOCK_S]
+    b_ids = (b_pick & 0xFFFFFFFF).to(tl.int32)
+    b_sel = (b_pick >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return b_ids, b_sel
+
+
+@triton.jit
+def _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling,
+                   E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr,
+                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr,
+                   CAP: tl.constexpr):
+    """Route tokens [t0, t0 + BLOCK_T): store their ids and weights; return
+    (ids, weights, entry index, mask), each [BLOCK_T, BLOCK_S]. BUCKETS > 0: by threshold
+    (_top_k_threshold); BUCKETS = 0: by the arg-max loop."""
+    o_s = tl.arange(0, BLOCK_S)
+    o_t = t0 + tl.arange(0, BLOCK_T)
+    m_t = o_t < M
+    m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
+    b_key, b_s = _token_keys(p_part, p_bias, o_t, m_t, M, E, SPLIT_K, N_GROUP, TOPK_GROUP,
+                             GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G)
+    if BUCKETS > 0:
+        b_ids, b_sel = _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E, SPLIT_K,
+                                        TOP_K, BLOCK_T, BLOCK_E, BLOCK_S, BUCKETS, CAP)
+    else:
+        b_ids = _top_k_loop(b_key, TOP_K, BLOCK_T, BLOCK_S)[0]
+        b_sel = _gather_scores(p_part, b_ids, o_t, m_ts, M, E, SPLIT_K, BLOCK_T, BLOCK_S)
+
+    # weights: the unbiased scores of the chosen experts
+    b_w = tl.where(m_ts, b_sel, 0.0)
     if RENORMALIZE:
         b_w = b_w / (tl.sum(b_w, axis=1)[:, None] + RENORM_EPS)
     b_w = b_w * scaling
@@ -169,38 +336,47 @@ def _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_e, o_n, b_w, b_rank,
 
 
 @triton.jit
-def _route_select_sort_kernel(
-        p_part, p_bias, p_ids, p_w, p_sorted_ids, p_sorted_w, p_block_ids, p_num_valid,
+def _select_sort(
+        p_part, p_bias, p_cand, p_ids, p_w, p_sorted_ids, p_sorted_w, p_block_ids, p_num_valid,
         p_rank, M, scaling,
         E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
         TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
         BM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK_S: tl.constexpr, IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_C: tl.constexpr):
-    b_bias = tl.load(p_bias + tl.arange(0, BLOCK_E), mask=tl.arange(0, BLOCK_E) < E, other=0.0)
-
+        BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr, IN_REGS: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program: selection of all M tokens from the summed partials, then the whole sort
+    metadata (the plan's padding is already in place)."""
     if IN_REGS:
         # all tokens fit one selection block: the sort works on the registers directly
         b_ids, b_w, o_ts, m_ts = _select_tokens(
-            p_part, b_bias, p_ids, p_w, 0, M, scaling, E, SPLIT_K, TOP_K, N_GROUP, TOPK_GROUP,
-            GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S)
+            p_part, p_bias, p_cand, p_ids, p_w, 0, M, scaling, E, SPLIT_K, TOP_K, N_GROUP,
+            TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S, BUCKETS, CAP)
         b_e = tl.reshape(b_ids, [BLOCK_T * BLOCK_S])
         o_n = tl.reshape(o_ts, [BLOCK_T * BLOCK_S])
         m_n = tl.reshape(m_ts, [BLOCK_T * BLOCK_S])
         b_wn = tl.reshape(b_w, [BLOCK_T * BLOCK_S])
-        b_same = (b_e[None, :] == b_e[:, None]) & (o_n[None, :] < o_n[:, None]) & m_n[None, :]
-        b_rank = tl.sum(b_same.to(tl.int32), axis=1)
-        m_open = m_n & (b_rank % BM == 0)
-        b_lower = (b_e[None, :] < b_e[:, None]) & m_open[None, :]
-        b_before = tl.sum(b_lower.to(tl.int32), axis=1)
-        m_open = _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_e, o_n, b_wn, b_rank,
-                                b_before, m_n, BM)
-        tl.store(p_num_valid, tl.sum(m_open.to(tl.int32), axis=0) * BM)
+        if BLOCK_T == 1:  # M = 1: a token's experts are distinct, each opens its own tile
+            b_rank = tl.zeros_like(b_e)
+            b_lower = (b_e[None, :] < b_e[:, None]) & m_n[None, :]
+            b_before = tl.sum(b_lower.to(tl.int32), axis=1)
+            _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_e, o_n, b_wn, b_rank,
+                           b_before, m_n, BM)
+            tl.store(p_num_valid, TOP_K * BM)
+        else:
+            b_same = ((b_e[None, :] == b_e[:, None]) & (o_n[None, :] < o_n[:, None])
+                      & m_n[None, :])
+            b_rank = tl.sum(b_same.to(tl.int32), axis=1)
+            m_open = m_n & (b_rank % BM == 0)
+            b_lower = (b_e[None, :] < b_e[:, None]) & m_open[None, :]
+            b_before = tl.sum(b_lower.to(tl.int32), axis=1)
+            m_open = _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_e, o_n, b_wn,
+                                    b_rank, b_before, m_n, BM)
+            tl.store(p_num_valid, tl.sum(m_open.to(tl.int32), axis=0) * BM)
     else:
         for t0 in range(0, M, BLOCK_T):
-            _select_tokens(p_part, b_bias, p_ids, p_w, t0, M, scaling, E, SPLIT_K, TOP_K,
-                           N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
-                           BLOCK_G, BLOCK_S)
+            _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling, E, SPLIT_K,
+                           TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
+                           BLOCK_G, BLOCK_S, BUCKETS, CAP)
         tl.debug_barrier()  # the passes below read topk_ids written by other threads
 
         # pass 1: rank of each entry within its expert (earlier entries of the same expert)
@@ -240,6 +416,41 @@ def _route_select_sort_kernel(
         tl.store(p_num_valid, tl.sum(b_tiles, axis=0) * BM)
 
 
+@triton.jit
+def _route_sort_kernel(
+        p_x, p_w, p_bias, p_part, p_cand, p_rank, p_count, p_ids, p_topk_w, p_sorted_ids,
+        p_sorted_w, p_block_ids, p_num_valid, p_out, M, H, n_sorted, n_blocks, n_out, scaling,
+        E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        BM: tl.constexpr, GEMV_E: tl.constexpr, GEMV_K: tl.constexpr, FILL: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
+        IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    i_e, i_k = tl.program_id(0), tl.program_id(1)
+    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K)
+
+    # side job: the plan's padding and the zeroed stage-2 buffer (before the counter below, so
+    # the selection's scatter lands after every fill)
+    pid = i_k * tl.num_programs(0) + i_e
+    n_prog = tl.num_programs(0) * tl.num_programs(1)
+    _fill(p_sorted_ids, n_sorted, tl.zeros([FILL], tl.int32) + M * TOP_K, pid, n_prog, FILL)
+    _fill(p_sorted_w, n_sorted, tl.zeros([FILL], tl.float32), pid, n_prog, FILL)
+    _fill(p_block_ids, n_blocks, tl.zeros([FILL], tl.int32) - 1, pid, n_prog, FILL)
+    _fill(p_out, n_out, tl.zeros([FILL], tl.float32), pid, n_prog, FILL)
+
+    # the last program to get here does the selection: the barrier orders this program's
+    # stores (all threads) before its one scalar atomic, whose release publishes them at gpu
+    # scope; the last program's acquire sees every program's partials and fills
+    tl.debug_barrier()
+    n_done = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")
+    if n_done == n_prog - 1:
+        _select_sort(p_part, p_bias, p_cand, p_ids, p_topk_w, p_sorted_ids, p_sorted_w,
+                     p_block_ids, p_num_valid, p_rank, M, scaling, E, SPLIT_K, TOP_K, N_GROUP,
+                     TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BM, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S,
+                     BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C)
+        tl.atomic_xchg(p_count, 0, sem="acq_rel", scope="gpu")  # ready for the next launch
+
+
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
@@ -261,6 +472,33 @@ def _gemv_blocks(E: int, H: int, on_gpu: bool, block_e: int | None,
         if triton.cdiv(E, be) * triton.cdiv(H, bk) >= GEMV_MIN_PROGRAMS:
             return be, bk
     return be, GEMV_BLOCK_K[-1]
+
+
+def _select_tiles(E: int, M: int, top_k: int) -> dict[str, int | bool]:
+    """The selection program's tile constexprs (see _select_sort / _top_k_threshold):
+    BLOCK_T tokens x BLOCK_E (padded) experts at once, BLOCK_S (padded) slots, BUCKETS and
+    CAP of the threshold selection (BUCKETS = 0: the arg-max loop), IN_REGS (all entries sorted
+    in registers) and the memory sort passes' BLOCK_R x BLOCK_C."""
+    n = M * top_k
+    block_ex = triton.next_power_of_2(E)
+    block_t = min(triton.next_power_of_2(M), max(1, SELECT_TILE // block_ex))
+    block_s = triton.next_power_of_2(top_k)
+    buckets = BUCKETS_PER_SLOT * block_s
+    use_threshold = top_k >= THRESHOLD_MIN_TOP_K and buckets * MIN_BUCKET_SIZE <= block_ex
+    block_c = min(triton.next_power_of_2(n), PAIR_COLS)
+    return dict(BLOCK_T=block_t, BLOCK_E=block_ex, BLOCK_S=block_s,
+                BUCKETS=buckets if use_threshold else 0,
+                CAP=min(CANDIDATES_PER_SLOT * block_s, block_ex) if use_threshold else 1,
+                IN_REGS=block_t >= M and block_t * block_s <= REG_ENTRIES,
+                BLOCK_R=max(1, min(triton.next_power_of_2(n), PAIR_TILE // block_c)),
+                BLOCK_C=block_c)
+
+
+def _bucket_of(E: int, M: int, top_k: int) -> torch.Tensor | None:
+    """int64 [E]: the threshold selection's bucket of every expert (see _top_k_threshold), or
+    None when the arg-max loop selects (tests use it to aim at the fast path or the fallback)."""
+    buckets = _select_tiles(E, M, top_k)["BUCKETS"]
+    return torch.arange(E) % buckets if buckets else None
 
 
 def _check_gate_inputs(hidden, gate_weight, correction_bias=None):
@@ -313,8 +551,8 @@ def gate_logits(hidden: torch.Tensor, gate_weight: torch.Tensor, *,
                 ) -> torch.Tensor:
     """The router's gate projection alone (the "B1 gate projection" change): FP32 logits
     fp32 [M, E] = fp32(hidden [M, H]) @ fp32(gate_weight [E, H])^T, by the route boundary's
-    split-K GEMV (launch 1 of :func:`route_sort`, without its plan side job) and a fixed-order
-    sum of the K-split partials (one more launch when H spans several K tiles)."""
+    split-K GEMV (step 1 of :func:`route_sort`, without its plan side job or the selection) and a
+    fixed-order sum of the K-split partials (one more launch when H spans several K tiles)."""
     M, H, E = _check_gate_inputs(hidden, gate_weight)
     _check_blocks(gemv_block_e, gemv_block_k)
     dev = hidden.device
@@ -322,16 +560,40 @@ def gate_logits(hidden: torch.Tensor, gate_weight: torch.Tensor, *,
     split_k = triton.cdiv(H, block_k)
     partial = torch.empty(split_k, M, E, dtype=torch.float32, device=dev)
     _gate_gemv_kernel[(triton.cdiv(E, block_e), split_k)](
-        hidden, gate_weight, partial, partial, partial, partial, partial, M, E, H, 0, 0, 0, 0,
-        BLOCK_E=block_e, BLOCK_K=block_k, FILL=FILL_BLOCK, num_warps=NUM_WARPS)
+        hidden, gate_weight, partial, M, E, H, BLOCK_E=block_e, BLOCK_K=block_k,
+        num_warps=NUM_WARPS)
     return partial[0] if split_k == 1 else partial.sum(0)
+
+
+def _capturing(dev: torch.device) -> bool:
+    """Whether the current stream of ``dev`` is capturing a CUDA graph."""
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _counter(dev: torch.device) -> torch.Tensor:
+    """The device's zeroed completion counter, created by the first call outside a capture."""
+    counter = _COUNTERS.get(dev)
+    if counter is None:
+        if _capturing(dev):
+            raise ValueError(
+                f"hidden: route_sort's completion counter on {dev} does not exist yet and "
+                "cannot be created inside a CUDA-graph capture; call route_sort once on this "
+                "device before capturing")
+        counter = _COUNTERS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return counter
 
 
 def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,
                *, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
                routed_scaling_factor: float = 1.0, block_m: int = 1, out_dim: int | None = None,
                gemv_block_e: int | None = None, gemv_block_k: int | None = None) -> RoutePlan:
-    """Route M tokens and build the MoE sort metadata in two launches (no host sync).
+    """Route M tokens and build the MoE sort metadata in one launch (no host sync).
+
+    The launch's last program to finish its GEMV tile does the selection and the sort; it
+    finds out through a per-device int32 counter that every call on the device shares (see the
+    module docstring). So: calls on one device must not run concurrently on different streams,
+    and the first call on a device creates the counter and must not be inside a CUDA-graph
+    capture (a ValueError says so; warm up first, as any capture does).
 
     Args:
         hidden: [M, H] bf16 or fp32, contiguous, 1 <= M <= MAX_TOKENS.
@@ -370,13 +632,19 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
                          f"{type(routed_scaling_factor).__name__}")
     _check_blocks(gemv_block_e, gemv_block_k)
 
+    counter = _counter(dev)
+
     block_e, block_k = _gemv_blocks(E, H, dev.type == "cuda", gemv_block_e, gemv_block_k)
     split_k = triton.cdiv(H, block_k)
     n = M * top_k
     cap = plan_capacity(M, top_k, E, block_m)
+    tiles = _select_tiles(E, M, top_k)
     f32, i32 = torch.float32, torch.int32
     partial = torch.empty(split_k, M, E, dtype=f32, device=dev)
     rank = torch.empty(n, dtype=i32, device=dev)
+    # the threshold selection's candidate rows (keys, payloads, count), see _top_k_threshold
+    cand = (torch.empty(M, 2 * tiles["CAP"] + 1, dtype=torch.int64, device=dev)
+            if tiles["BUCKETS"] else rank)
     topk_ids = torch.empty(M, top_k, dtype=i32, device=dev)
     topk_weights = torch.empty(M, top_k, dtype=f32, device=dev)
     sorted_ids = torch.empty(cap, dtype=i32, device=dev)
@@ -385,26 +653,15 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     num_valid = torch.empty(1, dtype=i32, device=dev)
     out = None if out_dim is None else torch.empty(M, out_dim, dtype=f32, device=dev)
 
-    _gate_gemv_kernel[(triton.cdiv(E, block_e), split_k)](
-        hidden, gate_weight, partial, sorted_ids, sorted_weights, block_expert_ids,
-        partial if out is None else out, M, E, H, cap, cap // block_m,
-        0 if out is None else out.numel(), n,
-        BLOCK_E=block_e, BLOCK_K=block_k, FILL=FILL_BLOCK, num_warps=NUM_WARPS)
-
-    block_ex = triton.next_power_of_2(E)
-    block_t = min(triton.next_power_of_2(M), max(1, SELECT_TILE // block_ex))
-    block_s = triton.next_power_of_2(top_k)
-    in_regs = block_t >= M and block_t * block_s <= REG_ENTRIES
-    block_c = min(triton.next_power_of_2(n), PAIR_COLS)
-    _route_select_sort_kernel[(1,)](
-        partial, correction_bias, topk_ids, topk_weights, sorted_ids, sorted_weights,
-        block_expert_ids, num_valid, rank, M, float(routed_scaling_factor),
+    _route_sort_kernel[(triton.cdiv(E, block_e), split_k)](
+        hidden, gate_weight, correction_bias, partial, cand, rank, counter, topk_ids,
+        topk_weights, sorted_ids, sorted_weights, block_expert_ids, num_valid,
+        partial if out is None else out, M, H, cap, cap // block_m,
+        0 if out is None else out.numel(), float(routed_scaling_factor),
         E=E, SPLIT_K=split_k, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
         GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
-        BLOCK_T=block_t, BLOCK_E=block_ex, BLOCK_G=triton.next_power_of_2(n_group),
-        BLOCK_S=block_s, IN_REGS=in_regs,
-        BLOCK_R=max(1, min(triton.next_power_of_2(n), PAIR_TILE // block_c)), BLOCK_C=block_c,
-        num_warps=NUM_WARPS)
+        GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK,
+        BLOCK_G=triton.next_power_of_2(n_group), **tiles, num_warps=NUM_WARPS)
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,

@@ -1,7 +1,10 @@
 """Route boundary: the fused route-sort kernel (kernels/route_sort.py) against the op-by-op
 reference, and the reference against an independent sort-based formulation; every RoutePlan
-field; ties; several tokens per expert; grouped routing; padding; bad input; GPU: K3 sizes,
-CUDA-graph capture, no host sync, at most 2 launches."""
+field; ties; several tokens per expert; grouped routing; padding; bad input; one launch; the
+completion counter (reset between calls, the capture guard); GPU: K3 sizes, real atomics,
+CUDA-graph capture and replay, no host sync."""
+
+import importlib
 
 import pytest
 import torch
@@ -15,6 +18,9 @@ from k3lab.plan import RoutePlan, plan_capacity
 from k3lab.profile import count_launches
 from k3lab.reference.route_sort import route_sort_by_sorting, route_sort_reference
 from k3lab.weights import make_generator, randn
+
+# the module (k3lab.kernels.route_sort is also the name of the function)
+route_sort_module = importlib.import_module("k3lab.kernels.route_sort")
 
 # Kernel vs reference, topk_weights and sorted_weights (fp32 out of fp32 logits): the 7168-long
 # dot products are summed in another order (split-K partials) and the kernel's sigmoid is
@@ -227,14 +233,52 @@ def test_several_tokens_per_expert(device):
 
 
 def test_launch_count(device):
-    """At most two launches (one GEMV, one selection + sort), no ATen op around them."""
+    """One launch (GEMV, then selection + sort in the last program), no ATen op around it."""
     torch.use_deterministic_algorithms(False)  # no NaN fill kernels behind torch.empty here
     cfg = preset("kimi-k3" if device.type == "cuda" else "tiny")
     boundary = get("route")
     fused = boundary.variant("fused")
     launches = count_launches(fused.fn, boundary.make_inputs(cfg, device, 0, M=1))
-    assert launches.count <= 2, launches.kernels
-    assert all("gate_gemv" in k or "route_select_sort" in k for k in launches.kernels)
+    assert launches.count == 1, launches.kernels
+    assert "route_sort_kernel" in launches.kernels[0], launches.kernels
+
+
+# cases of different grids (E tiles x K splits), selection paths and plan sizes, back to back
+REPEAT_CASES = ["tiny-M1-E24-top4-bm1", "K3-M1-E896-top16-bm16", "tiny-M17-E24-top4-bm16",
+                "E12-M64-top3-bm5", "K2-M3-E384-top8-g8k4-bm16", "tiny-M1-E24-top4-bm1"]
+
+
+def test_repeated_calls_reset_the_counter(device):
+    """The counter is back at 0 after every call: the same call twice gives identical plans, and
+    a run of calls with different grids each matches the reference (a counter left non-zero
+    would make no program, or the wrong one, run the selection)."""
+    args, kwargs = _case_inputs(CASES[0], device)
+    first = route_sort(*args, **kwargs)
+    counter = route_sort_module._COUNTERS[args[0].device]
+    assert counter.dtype == torch.int32 and counter.tolist() == [0]
+    again = route_sort(*args, **kwargs)
+    for name, t in first.tensors().items():
+        assert torch.equal(t, again.tensors()[name]), name
+    for _ in range(2):
+        for case in (c for name in REPEAT_CASES for c in CASES if c[0] == name):
+            args, kwargs = _case_inputs(case, device)
+            compare(route_sort(*args, **kwargs), route_sort_reference(*args, **kwargs))
+            assert counter.tolist() == [0], case[0]
+
+
+def test_capture_guard(device, monkeypatch):
+    """Inside a CUDA-graph capture the counter cannot be created: a clear error; once it exists
+    (a call before the capture), calls during capture are fine."""
+    args, kwargs = _case_inputs(CASES[0], device)
+    monkeypatch.setattr(route_sort_module, "_COUNTERS", {})
+    monkeypatch.setattr(route_sort_module, "_capturing", lambda dev: True)
+    with pytest.raises(ValueError, match="call route_sort once on this device before capturing"):
+        route_sort(*args, **kwargs)
+    assert not route_sort_module._COUNTERS
+    monkeypatch.setattr(route_sort_module, "_capturing", lambda dev: False)
+    route_sort(*args, **kwargs)  # warm-up: creates the counter
+    monkeypatch.setattr(route_sort_module, "_capturing", lambda dev: True)
+    compare(route_sort(*args, **kwargs), route_sort_reference(*args, **kwargs))
 
 
 def test_boundary_check_catches_errors(device):
@@ -294,6 +338,201 @@ def test_bad_input(which, device):
 
 
 # ---------------------------------------------------------------------------------------------
+# The threshold selection (_top_k_threshold: bucket maxima, threshold, compaction of the
+# candidates, rank among them) and its fallback to the arg-max loop (more than CAP candidates)
+
+
+def _route_kwargs(inp: dict) -> dict:
+    return {k: inp[k] for k in ("top_k", "n_group", "topk_group", "renormalize",
+                                "routed_scaling_factor", "block_m", "out_dim")}
+
+
+def _candidate_counts(args, kwargs) -> tuple[list[int], int]:
+    """The test's own model of the threshold selection: per token the number of candidates
+    (keys >= the top_k-th largest bucket maximum, keys ordered by (score desc, expert asc),
+    experts of dropped routing groups at -inf), and CAP. Tells which path (fast or fallback) a
+    case takes."""
+    hidden, gate, bias = (a.cpu() for a in args)
+    E, M, top_k = gate.shape[0], hidden.shape[0], kwargs["top_k"]
+    n_group, topk_group = kwargs.get("n_group", 1), kwargs.get("topk_group", 1)
+    bucket = route_sort_module._bucket_of(E, M, top_k)
+    assert bucket is not None, "the threshold selection is not used for this case"
+    biased = torch.sigmoid(hidden.float() @ gate.float().t()) + bias.float()
+    if n_group > 1:
+        grouped = biased.view(M, n_group, E // n_group)
+        gscore = grouped.topk(2, dim=-1).values.sum(-1)
+        kept = torch.sort(gscore, dim=1, descending=True, stable=True).indices[:, :topk_group]
+        drop = torch.ones(M, n_group, dtype=torch.bool).scatter_(1, kept, False)
+        biased = biased.masked_fill(drop.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    order = torch.sort(biased, dim=1, descending=True, stable=True).indices  # [M, E]
+    counts = []
+    for row in order.tolist():
+        first = {}  # bucket -> position (in key order) of its maximum
+        for pos, e in enumerate(row):
+            first.setdefault(int(bucket[e]), pos)
+        counts.append(sorted(first.values())[top_k - 1] + 1)
+    return counts, route_sort_module._select_tiles(E, M, top_k)["CAP"]
+
+
+def _check_all(args, kwargs, device):
+    plan, ref, srt = _all(args, kwargs, device)
+    compare(plan, ref)
+    compare(ref, srt, weights_atol=SORTING_WEIGHTS_ATOL, weights_rtol=0.0)
+
+
+@pytest.mark.parametrize("name", ["kimi-k3", "kimi-k2", "kimi-linear", "tiny"])
+def test_threshold_selection_chosen(name):
+    """The real presets' expert counts take the threshold selection (so the preset cases test
+    it); small top_k keeps the arg-max loop."""
+    cfg = preset(name)
+    for m in (1, 4, MAX_TOKENS):
+        tiles = route_sort_module._select_tiles(cfg.n_experts, m, cfg.top_k)
+        if name == "tiny":
+            assert tiles["BUCKETS"] == 0
+        else:
+            assert cfg.top_k <= tiles["BUCKETS"] <= tiles["BLOCK_E"]
+            assert cfg.top_k <= tiles["CAP"] <= tiles["BLOCK_E"]
+
+
+@pytest.mark.parametrize("M", [1, 4, MAX_TOKENS])
+@pytest.mark.parametrize("name", ["kimi-k3", "kimi-k2", "kimi-linear", "tiny"])
+def test_threshold_every_preset(name, M, device, monkeypatch):
+    """Every preset's expert count and top_k, one token (in registers), four (one block),
+    64 (the general path, blocks of tokens): random routers stay on the fast path (no token
+    above CAP candidates) and match the reference. tiny is forced onto the threshold path."""
+    if name == "tiny":
+        monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
+    inp = make_inputs(preset(name), device, M, M=M, block_m=16)
+    args, kwargs = _args(inp), _route_kwargs(inp)
+    counts, cap = _candidate_counts(args, kwargs)
+    assert max(counts) <= cap, counts
+    compare(route_sort(*args, **kwargs), route_sort_reference(*args, **kwargs))
+
+
+def _crowded(name, M, crowded, device, tie=False):
+    """Router inputs whose tokens ``crowded`` have their top scores crowded into three buckets
+    (buckets 1, 2, 3: 3 * E / BUCKETS experts > CAP): gate column 0 is 1 on those
+    experts and 0 elsewhere; a crowded token is 64 * e_0 (score 1 on the crowded experts, 0.5
+    elsewhere), the others keep random states without column 0. tie: zero hidden states and a
+    flat bias instead (every crowded expert 0.75, every other one 0.5)."""
+    cfg = preset(name)
+    inp = make_inputs(cfg, device, 7, M=M, block_m=4)
+    E = cfg.n_experts
+    bucket = route_sort_module._bucket_of(E, M, cfg.top_k)
+    crowd = ((bucket >= 1) & (bucket <= 3)).to(device)
+    gate, hidden, bias = inp["gate_weight"].clone(), inp["hidden"].clone(), inp["correction_bias"]
+    gate[:, 0] = crowd.to(gate.dtype)
+    hidden[:, 0] = 0
+    hidden[crowded] = 0
+    hidden[crowded, 0] = 64
+    if tie:
+        hidden = torch.zeros_like(hidden)
+        bias = torch.where(crowd, 0.25, 0.0)
+    return (hidden, gate, bias), _route_kwargs(inp)
+
+
+@pytest.mark.parametrize("name,M,crowded", [
+    ("kimi-k3", 1, [0]), ("kimi-k3", 4, [2]), ("kimi-k3", MAX_TOKENS, [5, 63]),
+    ("kimi-k2", 3, [0, 1, 2]), ("kimi-linear", 2, [1])],
+    ids=["K3-M1", "K3-M4-one-of-four", "K3-M64-two-blocks", "K2-M3-all", "KL-M2-second"])
+def test_threshold_fallback(name, M, crowded, device):
+    """More than CAP candidates (top scores crowded into few buckets): the block falls back to
+    the arg-max loop, which rewrites the candidate rows with the exact top-k. The other tokens
+    of a block are redone by the loop too; tokens of other blocks keep the fast path."""
+    args, kwargs = _crowded(name, M, crowded, device)
+    counts, cap = _candidate_counts(args, kwargs)
+    assert [t for t in range(M) if counts[t] > cap] == crowded, (counts, cap)
+    _check_all(args, kwargs, device)
+
+
+@pytest.mark.parametrize("M", [1, 4])
+def test_threshold_fallback_ties(M, device):
+    """Crowded and tied: every crowded expert scores exactly 0.75, every other 0.5; the top-k
+    are the lowest-indexed crowded experts, found by the fallback."""
+    args, kwargs = _crowded("kimi-k3", M, list(range(M)), device, tie=True)
+    counts, cap = _candidate_counts(args, kwargs)
+    assert min(counts) > cap, (counts, cap)
+    bucket = route_sort_module._bucket_of(896, M, 16)
+    expect = [e for e in range(896) if 1 <= bucket[e] <= 3][:16]
+    for plan in _all(args, kwargs, device):
+        assert plan.topk_ids.tolist() == [expect] * M
+    _check_all(args, kwargs, device)
+
+
+@pytest.mark.parametrize("levels", [0, 2, 40], ids=["all-equal", "3-levels", "41-ulps"])
+@pytest.mark.parametrize("M", [1, 4])
+def test_threshold_near_ties(levels, M, device):
+    """Zero hidden states (every score exactly 0.5) and biases on a grid of single fp32 ulps:
+    biased score 0.75 + k * 2^-24, k random in [0, levels] (exact: Sterbenz). Exact ties and
+    one-ulp neighbours everywhere, across every bucket; ties go to the lower expert."""
+    cfg = preset("kimi-k3")
+    inp = make_inputs(cfg, device, 11, M=M, block_m=8)
+    gen = torch.Generator().manual_seed(levels)
+    k = torch.randint(0, levels + 1, (cfg.n_experts,), generator=gen)
+    target = 0.75 + k.double() * 2.0 ** -24
+    bias = (target - 0.5).float()
+    assert torch.equal(bias + 0.5, target.float())  # the grid survives fp32
+    args = (torch.zeros_like(inp["hidden"]), inp["gate_weight"], bias.to(device))
+    kwargs = _route_kwargs(inp)
+    counts, cap = _candidate_counts(args, kwargs)
+    assert max(counts) <= cap, counts  # the fast path, not the fallback
+    if levels == 0:  # the lowest experts win, one a bucket: exactly top_k candidates
+        assert counts == [cfg.top_k] * M, counts
+    expect = sorted(range(cfg.n_experts), key=lambda e: (-int(k[e]), e))[:cfg.top_k]
+    for plan in _all(args, kwargs, device):
+        assert plan.topk_ids.tolist() == [expect] * M
+    _check_all(args, kwargs, device)
+
+
+@pytest.mark.parametrize("name,M,n_group,topk_group", [
+    ("kimi-k3", 1, 8, 1), ("kimi-k3", 4, 8, 4), ("kimi-k2", MAX_TOKENS, 8, 4),
+    ("kimi-linear", 1, 4, 2)], ids=["K3-M1-g8k1", "K3-M4-g8k4", "K2-M64-g8k4", "KL-M1-g4k2"])
+def test_threshold_grouped(name, M, n_group, topk_group, device):
+    """Grouped routing masks whole routing groups (-inf) before the threshold selection; the
+    buckets (e % BUCKETS) cut across the routing groups, so the kept experts still fill every
+    bucket (K3 g8k1: only 112 of 896 experts left) and random routers stay on the fast path."""
+    inp = make_inputs(preset(name), device, 3, M=M, block_m=16)
+    inp.update(n_group=n_group, topk_group=topk_group)
+    args, kwargs = _args(inp), _route_kwargs(inp)
+    counts, cap = _candidate_counts(args, kwargs)
+    assert max(counts) <= cap, counts
+    compare(route_sort(*args, **kwargs), route_sort_reference(*args, **kwargs))
+
+
+SMALL_THRESHOLD_CASES = [c for c in CASES if c[0] in (
+    "tiny-M1-E24-top4-bm1", "tiny-M5-E24-top4-bm3-fp32w", "tiny-M3-E24-top7-bm4-norenorm-x2.5",
+    "tiny-M17-E24-top4-bm16", "tiny-M64-E24-top4-bm1", "E12-M64-top3-bm5",
+    "tiny-M3-E24-top1-bm1", "tiny-M13-E24-top4-g4k2-bm16", "E20-M7-top5-g5k3-bm4")]
+
+
+def test_one_expert_buckets_take_the_loop(monkeypatch):
+    """E = 20 at top-10 would give one padded expert per bucket (wrong on the H200): the loop."""
+    monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
+    assert route_sort_module._select_tiles(20, 2, 10)["BUCKETS"] == 0
+    assert route_sort_module._select_tiles(20, 2, 5)["BUCKETS"] > 0
+
+
+@pytest.mark.parametrize("per_slot", [4, 1], ids=["cap4x", "cap1x"])
+@pytest.mark.parametrize("case", SMALL_THRESHOLD_CASES, ids=[c[0] for c in SMALL_THRESHOLD_CASES])
+def test_threshold_small_sizes(case, per_slot, device, monkeypatch):
+    """The threshold path forced onto small, awkward sizes (few experts a bucket, padding,
+    groups, top-1, one-token blocks); cap1x: CAP = padded top_k, so blocks fall back often
+    while others do not."""
+    monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
+    monkeypatch.setattr(route_sort_module, "CANDIDATES_PER_SLOT", per_slot)
+    args, kwargs = _case_inputs(case, device)
+    assert route_sort_module._select_tiles(args[1].shape[0], args[0].shape[0],
+                                           kwargs["top_k"])["BUCKETS"]
+    compare(route_sort(*args, **kwargs), route_sort_reference(*args, **kwargs))
+
+
+def test_threshold_hand_computed(device, monkeypatch):
+    """The hand-computed plan through the threshold path (6 experts, top-2: 4 buckets)."""
+    monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
+    test_hand_computed_plan(device)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU
 
 
@@ -325,16 +564,23 @@ def test_gpu_expert_counts_and_groups(name, n_group, topk_group, M):
     compare(boundary.variant("fused").fn(inp), boundary.reference.fn(inp))
 
 
+def _gpu_call(name, tp, M, block_m, seed=0, **routing):
+    """(args, kwargs) of one route_sort call on CUDA for a preset."""
+    inp = make_inputs(preset(name, tp), "cuda", seed, M=M, block_m=block_m)
+    inp.update(routing)
+    kwargs = {k: inp[k] for k in ("top_k", "n_group", "topk_group", "renormalize",
+                                  "routed_scaling_factor", "block_m", "out_dim")}
+    return _args(inp), kwargs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 8])
 def test_gpu_cuda_graph_no_sync(M):
-    """Captured once, replayed on new hidden states: matches the reference each time; the
-    launcher performs no host synchronization (sync debug mode 'error')."""
+    """Captured once, replayed several times on new hidden states: matches the reference, every
+    field, each replay (the counter resets inside the graph); the launcher performs no host
+    synchronization (sync debug mode 'error')."""
     cfg = preset("kimi-k3", 8)
-    inp = make_inputs(cfg, "cuda", 0, M=M, block_m=16)
-    kwargs = {k: inp[k] for k in ("top_k", "n_group", "topk_group", "renormalize",
-                                  "routed_scaling_factor", "block_m", "out_dim")}
-    args = _args(inp)
+    args, kwargs = _gpu_call("kimi-k3", 8, M, 16)
     torch.cuda.set_sync_debug_mode("error")
     try:
         route_sort(*args, **kwargs)
@@ -348,13 +594,62 @@ def test_gpu_cuda_graph_no_sync(M):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         plan = route_sort(*args, **kwargs)
-    for seed in (1, 2):
+    for seed in range(1, 6):
         fresh = make_inputs(cfg, "cuda", seed, M=M, block_m=16)
         args[0].copy_(fresh["hidden"])
         plan.out.fill_(1.0)  # the replay must zero it again
+        plan.sorted_ids.fill_(-7)  # and rewrite the padding
         graph.replay()
         torch.cuda.synchronize()
         compare(plan, route_sort_reference(*args, **kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_of_several_calls():
+    """One graph holding calls of different grids and plan sizes back to back (as the timing
+    graphs and a decode step do): each call finds the counter at 0; replayed on new inputs."""
+    calls = [_gpu_call("kimi-k3", 8, 1, 16), _gpu_call("kimi-k3", 1, 64, 1, seed=1),
+             _gpu_call("kimi-k2", 1, 3, 16, seed=2, n_group=8, topk_group=4),
+             _gpu_call("kimi-k3", 8, 1, 16, seed=3)]
+    for args, kwargs in calls:
+        route_sort(*args, **kwargs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plans = [route_sort(*args, **kwargs) for args, kwargs in calls]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(4):
+        for args, _ in calls:
+            args[0].copy_(torch.randn(args[0].shape, generator=gen, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for plan, (args, kwargs) in zip(plans, calls, strict=True):
+            compare(plan, route_sort_reference(*args, **kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_back_to_back_calls():
+    """Many eager calls of alternating grids, no synchronization between them: every plan
+    matches the reference afterwards."""
+    calls = [_gpu_call("kimi-k3", 8, 1, 1), _gpu_call("kimi-linear", 1, 64, 16, seed=1),
+             _gpu_call("kimi-k3", 1, 2, 16, seed=2, n_group=8, topk_group=4)]
+    plans = [(route_sort(*args, **kwargs), args, kwargs)
+             for _ in range(20) for args, kwargs in calls]
+    torch.cuda.synchronize()
+    for plan, args, kwargs in plans:
+        compare(plan, route_sort_reference(*args, **kwargs))
+
+
+@pytest.mark.gpu
+def test_gpu_capture_guard(monkeypatch):
+    """A first call inside a real capture (no counter yet on the device) raises clearly."""
+    args, kwargs = _gpu_call("kimi-k3", 8, 1, 16)
+    monkeypatch.setattr(route_sort_module, "_COUNTERS", {})
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="before capturing"), torch.cuda.graph(graph):
+        route_sort(*args, **kwargs)
+    assert not route_sort_module._COUNTERS
 
 
 @pytest.mark.gpu

@@ -103,8 +103,8 @@ BOUNDARY = Boundary(
                 "op-by-op PyTorch: fp32 GEMV, sigmoid, bias, (grouped) stable top-k, gather, "
                 "renormalize, then one-hot counts, cumsum and scatters for the sort metadata"),
         Variant("fused", "fused", _fused,
-                "two Triton launches: split-K gate GEMV (+ padding fill), then one program for "
-                "selection and the whole sort metadata"),
+                "one Triton launch: split-K gate GEMV (+ padding fill); the last program to "
+                "finish (an atomic counter) does the selection and the whole sort metadata"),
         Variant("torch.compile", "peer", compiled(_reference),
                 "torch.compile of the reference", devices=("cuda",)),
     ),
