@@ -1,4 +1,4 @@
-"""Latent MoE at batch 1 (ARCHITECTURE.md sections 4-5): four launches after routing.
+"""Latent MoE at batch 1 (ARCHITECTURE.md sections 4-5): three launches after routing.
 
 ```
 front : z = x @ W_down^T            (and shared a_s = act(x @ Ws1^T, x @ Ws3^T), same launch)
@@ -22,13 +22,15 @@ expert read its weights once per tile. Stage 1 also zeroes ``plan.out`` (stage 2
 so stage 1 + stage 2 can be replayed on one plan. ``deterministic=True`` makes stage 2 sum each
 token's top_k slots in slot order inside one program instead (same single launch, no atomics).
 
-``moe_block`` launches front, stage 1, stage 2, then the tail (six launches with route_sort's
-two). With ``fuse_tail=True`` stage 2 and the tail share ONE grid: each program takes a ticket
-from an atomic counter; tickets below the stage-2 tile count run stage-2 tiles and then count
-themselves done (release), the rest run tail tiles, which do the shared down GEMV, wait until
-every stage-2 tile is done (acquire) and finish the tail. A ticket is taken by a running program,
-so every tile a tail tile waits for is already running: no deadlock under any scheduling (five
-launches with routing).
+``moe_block`` launches front, stage 1, then stage 2 and the tail in ONE grid (``fuse_tail=True``,
+the default; route_sort's launch(es) come before): each program takes a ticket from an atomic
+counter; tickets below the stage-2 tile count run stage-2 tiles and then count themselves done
+(release, after a CTA barrier), the rest run tail tiles, which do the shared down GEMV, wait
+until every stage-2 tile is done (acquire, then a CTA barrier) and finish the tail. A ticket is
+taken by a running program, so every tile a tail tile waits for is already running: no deadlock
+under any scheduling. Stage 1 zeroes the two counters (program 0) and stage 2's accumulator, so
+every call and every CUDA-graph replay starts from zero. ``fuse_tail=False`` launches stage 2 and
+the tail separately (one launch more, no cross-program waiting).
 """
 
 from __future__ import annotations
@@ -57,9 +59,15 @@ MXFP4_GROUP = 32
 TARGET_PROGRAMS = 528
 INTERPRETER_TARGET_PROGRAMS = 4
 INTERPRETER_BIG_TILES = True
-# Rows of weights per program: at least 4 (so a program's loads are not all latency), at most 32
-# (beyond that the grid at tp 8 drops under one program per SM).
-MIN_ROWS, MAX_ROWS, INTERPRETER_MAX_ROWS = 4, 32, 128
+# Rows of weights per program: at least 4 (so a program's loads are not all latency), at most 64
+# for bf16 and 32 for MXFP4. H200, K3 tp 1, stages 1 and 2 (graph, cold): bf16 64-row x 64-pair
+# tiles at 4 warps read the experts at 1.04 / 1.01 of the copy bandwidth, 32-row x 128-pair tiles
+# at 0.47; MXFP4 was best at 32 rows (0.31 / 0.33; 64 rows 0.28 / 0.24). At tp 8 the program
+# target keeps the tiles smaller anyway.
+MIN_ROWS, MAX_ROWS, MAX_ROWS_FP4, INTERPRETER_MAX_ROWS = 4, 64, 32, 128
+# The front (latent down + shared gate/up of x) aims at twice the programs: on the H200 at K3 tp 8
+# it was 1.36x faster than at 528 (and then 1.36x faster than the grouped cuBLAS peer).
+FRONT_TARGET_PROGRAMS = 1056
 # Broadcast products per K step (M x rows x pairs): 4096 = 32 fp32 registers per thread at
 # 4 warps, i.e. the product tile stays in registers; the interpreter vectorizes far larger ones.
 PRODUCT_BUDGET, INTERPRETER_PRODUCT_BUDGET = 4096, 1 << 17
@@ -196,9 +204,12 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
     FP4: w is MXFP4 (p_w int32 words, p_s scales; see _fp4_load), x bf16, no xs.
     bf16 w with BLOCK_M > 1: TOKEN_LOOP reuses each [BLOCK_N, BLOCK_KP] weight tile for the tokens
     one at a time (compiled: registers stay at one tile); otherwise one [BLOCK_M, BLOCK_N,
-    BLOCK_KP] broadcast product (interpreter: one vectorized op)."""
+    BLOCK_KP] broadcast product (interpreter: one vectorized op).
+    The token loops (FP4 with BLOCK_M > 1, TOKEN_LOOP) are runtime loops up to the last valid row
+    of x: a plan tile's padding rows (masked) cost nothing, and the loop body is emitted once."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     o_m = tl.arange(0, BLOCK_M)
+    n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)  # rows >= n_rows are all masked
     for kp0 in range(0, K_PAIRS, BLOCK_KP):
         if FP4:  # whole groups of 32 (16 pairs); always one token at a time
             o_g = kp0 // 16 + tl.arange(0, BLOCK_KP // 16)
@@ -208,7 +219,7 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
                 acc += _fp4_dot(b_w, b_f, p_x, o_xrow, m_xrow, o_g, m_g, K_PAIRS, BLOCK_N,
                                 BLOCK_KP // 16)[None, :]
             else:
-                for i_m in tl.static_range(BLOCK_M):
+                for i_m in range(0, n_rows):
                     o_row, m_row = _token(o_xrow, m_xrow, o_m, i_m)
                     b_p = _fp4_dot(b_w, b_f, p_x, o_row, m_row, o_g, m_g, K_PAIRS, BLOCK_N,
                                    BLOCK_KP // 16)
@@ -231,7 +242,7 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
                     acc += tl.sum(b_we[None, :, :] * b_xe[:, None, :]
                                   + b_wo[None, :, :] * b_xo[:, None, :], axis=2)
             else:
-                for i_m in tl.static_range(BLOCK_M):
+                for i_m in range(0, n_rows):
                     o_row, m_row = _token(o_xrow, m_xrow, o_m, i_m)
                     b_xe, b_xo = _load_x_pairs(p_x, o_row, m_row, o_kp, m_kp, K_PAIRS, X_FP32)
                     if HAS_XS:
@@ -382,12 +393,14 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
             tl.float32)
     if WAIT:
         # poll with plain (volatile) loads, which L2 serves side by side, then one acquire RMW:
-        # every stage-2 tile's adds happen before the reads of y below
+        # every stage-2 tile's adds happen before the reads of y below. The RMW is a max with 0
+        # (the count is >= 0: unchanged), not an add of 0: Triton 3.6 turns an acquire add of 0
+        # into an acquire load and drops it when its value is unused, leaving no acquire at all.
         n_spin = tl.program_id(0) * 0  # an int32 tensor: a loop-carried counter
         while (tl.load(p_done, volatile=True) < n_wait) & (n_spin < MAX_SPIN):
             n_spin += 1
-        tl.atomic_add(p_done, 0, sem="acquire")
-        tl.debug_barrier()
+        tl.atomic_max(p_done, 0, sem="acquire")
+        tl.debug_barrier()  # the acquiring thread's view, then every thread's reads
     if LATENT:
         b_u = _gemv(p_y, o_m, m_m, p_nw, p_up, p_up, o_n, m_n, D // 2,
                     BLOCK_M, BLOCK_N, BLOCK_KP, False, True, True, TOKEN_LOOP)
@@ -451,22 +464,27 @@ def _fast_interpreter() -> bool:
 
 
 def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1,
-           fp4: bool = False) -> tuple[int, int]:
+           fp4: bool = False, target: int | None = None) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_KP) for a GEMV over ``rows`` output rows, launched for
     ``programs_per_tile`` independent row sets: the most rows per program (a power of two in
-    [MIN_ROWS, MAX_ROWS]) that keeps at least TARGET_PROGRAMS programs, then the most pairs per K
-    step within the product budget (FP4_BUDGET_FACTOR times larger for MXFP4 weights)."""
+    [MIN_ROWS, MAX_ROWS or MAX_ROWS_FP4]) that keeps at least ``target`` (default
+    TARGET_PROGRAMS) programs, then the most pairs per K step within the product budget
+    (FP4_BUDGET_FACTOR times larger for MXFP4 weights)."""
     fast = _fast_interpreter()
-    target = INTERPRETER_TARGET_PROGRAMS if fast else TARGET_PROGRAMS
-    max_rows = INTERPRETER_MAX_ROWS if fast else MAX_ROWS
-    budget = INTERPRETER_PRODUCT_BUDGET if fast else PRODUCT_BUDGET * (
-        FP4_BUDGET_FACTOR if fp4 else 1)
+    target = INTERPRETER_TARGET_PROGRAMS if fast else (target or TARGET_PROGRAMS)
+    fp4_factor = FP4_BUDGET_FACTOR if fp4 else 1
+    # interpreter: an MXFP4 tile's arrays are a quarter of a bf16 tile's, so 4x the rows too
+    max_rows = INTERPRETER_MAX_ROWS * fp4_factor if fast else (MAX_ROWS_FP4 if fp4 else MAX_ROWS)
+    budget = (INTERPRETER_PRODUCT_BUDGET if fast else PRODUCT_BUDGET) * fp4_factor
     block_n = MIN_ROWS
     while (block_n * 2 <= min(max_rows, triton.next_power_of_2(rows))
            and programs_per_tile * triton.cdiv(rows, block_n * 2) >= target):
         block_n *= 2
-    block_kp = _pow2_floor(budget // ((1 if _token_loop() else block_m) * block_n))
-    block_kp = min(block_kp, budget if fast else MAX_PAIRS * (FP4_BUDGET_FACTOR if fp4 else 1),
+    # the product tile holds one token at a time when the GEMV loops over tokens (compiled, and
+    # MXFP4 always: see _gemv), else all block_m of them
+    per_step = 1 if _token_loop() or fp4 else block_m
+    block_kp = _pow2_floor(budget // (per_step * block_n))
+    block_kp = min(block_kp, budget if fast else MAX_PAIRS * fp4_factor,
                    triton.next_power_of_2(k_pairs))
     return block_n, max(MIN_PAIRS, block_kp)
 
@@ -614,7 +632,7 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
     z = torch.empty((m, d), device=x.device, dtype=torch.bfloat16) if d else None
     a_s = torch.empty((m, s), device=x.device, dtype=torch.bfloat16) if s else None
     block_m = triton.next_power_of_2(m)
-    block_n, block_kp = _tiles(1, d + 2 * s, h // 2, block_m)
+    block_n, block_kp = _tiles(1, d + 2 * s, h // 2, block_m, target=FRONT_TARGET_PROGRAMS)
     n_shared = triton.cdiv(s, block_n)
     grid = (n_shared + triton.cdiv(d, block_n),)
     dummy = x_p
@@ -715,9 +733,10 @@ def _tail_args(y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps):
     return kw, triton.cdiv(h, block_n), out
 
 
-def _launch_stage2_tail(stage2, tail, sync=None):
-    """One launch of the stage-2 + tail kernel: stage2 / tail are (kwargs, programs, result) of
-    _stage2_args / _tail_args or None; both given needs ``sync`` (int32 [2], zeroed)."""
+def _stage2_tail_kwargs(stage2, tail, sync=None):
+    """(kwargs, programs) of one stage-2 + tail launch: stage2 / tail are (kwargs, programs,
+    result) of _stage2_args / _tail_args or None; both given needs ``sync`` (int32 [2],
+    zeroed)."""
     kw = {}
     if stage2 is None:  # dummies for the stage-2 parameters
         y = tail[0]["p_y"]
@@ -738,8 +757,14 @@ def _launch_stage2_tail(stage2, tail, sync=None):
         kw["p_y"] = tail[0]["p_y"] if stage2 is None else stage2[2]
     n = (stage2[1] if stage2 else 0) + (tail[1] if tail else 0)
     kw["p_sync"] = sync if sync is not None else kw["p_y"]
-    _moe_stage2_tail_kernel[(n,)](STAGE2=stage2 is not None, TAIL=tail is not None,
-                                  TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS, **kw)
+    kw.update(STAGE2=stage2 is not None, TAIL=tail is not None, TOKEN_LOOP=_token_loop())
+    return kw, n
+
+
+def _launch_stage2_tail(stage2, tail, sync=None):
+    """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs)."""
+    kw, n = _stage2_tail_kwargs(stage2, tail, sync)
+    _moe_stage2_tail_kernel[(n,)](num_warps=NUM_WARPS, **kw)
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False
@@ -850,15 +875,14 @@ def latent_moe_tail(y: torch.Tensor, norm_weight: torch.Tensor | None,
 
 def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
               block_m: int = 1, deterministic: bool = False,
-              fuse_tail: bool = False) -> torch.Tensor:
-    """The latent MoE block of ARCHITECTURE.md section 4 in 6 launches (4 with a given plan):
-    route_sort (2), front (latent down + shared gate/up), stage 1, stage 2, tail (+ shared
-    down).
+              fuse_tail: bool = True) -> torch.Tensor:
+    """The latent MoE block of ARCHITECTURE.md section 4: route_sort (unless ``plan`` is given),
+    front (latent down + shared gate/up), stage 1, then stage 2 and the tail (+ shared down) as
+    one ticket-ordered launch: 3 launches given a plan, route_sort's plus 3 with routing.
 
-    fuse_tail=True runs stage 2 and the tail as one ticket-ordered launch (5 launches in all).
-    That path waits across programs inside the kernel. On the H200 its block tests passed at K3
-    tp 8 for M=1 (bf16 and MXFP4) and M=16 (bf16) but the rest of its GPU tests were not run, and
-    the committed reports measure the default, so it stays opt-in until they are.
+    fuse_tail=False launches stage 2 and the tail separately (4 launches given a plan): no
+    waiting across programs inside a kernel (see the module docstring for why the fused launch
+    cannot deadlock and restarts from zeroed counters on every call and graph replay).
 
     x: bf16 [M, H], M <= MAX_TOKENS. weights: the dict of ``k3lab.weights.moe_weights``
     (gate_weight, correction_bias; latent_down [D, H], latent_norm [D], latent_up [H, D] when

@@ -6,7 +6,8 @@ shared MLP, given the route plan (the route ops belong to the route boundary).
 issue's whole-block figure. Variants:
 - reference: the loop of section 4 in the model's numerics (bf16 GEMM operands, fp32
   activations, sum and norm): ``latent_moe_from_plan_reference(..., dtype=bfloat16)``;
-- fused: ``k3lab.kernels.moe_block`` (front, stage 1, stage 2, tail: 4 launches; 6 with routing);
+- fused: ``k3lab.kernels.moe_block`` (front, stage 1, then stage 2 + tail in one ticket-ordered
+  launch: 3 launches given the plan; route_sort's plus 3 with routing);
 - grouped: strong eager torch: gather the selected experts' weights (MXFP4 dequantized), two
   batched matmuls (bmm), fp32 weighted sum, cuBLAS dense projections;
 - torch.compile: of the reference (CUDA only).
@@ -109,7 +110,7 @@ def _fused(inputs: dict) -> torch.Tensor:
     from k3lab.kernels import moe_block
     plan = None if inputs["route"] else inputs["plan"]
     return moe_block(inputs["x"], inputs["weights"], cfg=inputs["cfg"], plan=plan,
-                     block_m=inputs["block_m"])
+                     block_m=inputs["block_m"], fuse_tail=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,9 +344,9 @@ BOUNDARY = Boundary(
                 "expert index_select (+ MXFP4 dequant), two bf16 GEMVs, fp32 SiTU, fp32 "
                 "weighted sum, fp32 RMSNorm, bf16 up-projection, shared MLP"),
         Variant("fused", "fused", _fused,
-                "four Triton launches: front (latent down + shared gate/up GEMVs), stage 1 "
-                "direct tile over the plan, stage 2 (fp32 atomics), tail + shared down (six "
-                "with route_sort)"),
+                "three Triton launches: front (latent down + shared gate/up GEMVs), stage 1 "
+                "direct tile over the plan, then stage 2 (fp32 atomics) and the tail + shared "
+                "down in one ticket-ordered grid (plus route_sort's launch(es) with routing)"),
         Variant("grouped", "peer", _grouped,
                 "eager torch: gather the selected experts' weights (MXFP4 dequantized), bmm for "
                 "each stage, fp32 weighted sum, cuBLAS dense projections"),
