@@ -52,6 +52,7 @@ MAX_COLD_COPIES = 512  # small boundaries (AttnRes at B1: ~0.2 MB a call) need h
 # cold copies) so a boundary's per-call figure is its marginal cost inside a long graph, not a
 # share of one replay's launch.
 MIN_GRAPH_CALLS = 32
+AMORTIZED_CALL_US = 200.0
 
 
 @dataclass
@@ -285,12 +286,17 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
     # graph: warm up on a side stream (required before capture), capture passes over the copies
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    w0, w1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
+        w0.record()
         for inputs in inputs_list:
             fn(inputs)
+        w1.record()
     torch.cuda.current_stream(device).wait_stream(stream)
     torch.cuda.synchronize(device)
-    passes = max(1, -(-min_calls // n))
+    # calls slower than AMORTIZED_CALL_US already dwarf a replay's fixed cost: one pass is enough
+    eager_call_us = w0.elapsed_time(w1) * 1e3 / n
+    passes = max(1, -(-min_calls // n)) if eager_call_us < AMORTIZED_CALL_US else 1
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(passes):

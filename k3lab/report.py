@@ -188,18 +188,18 @@ def _gpu(device: str) -> tuple[str | None, str | None]:
 def manifest(params: dict | None = None) -> dict:
     """What makes a report reproducible: code, machine, library versions, parameters, date.
 
-    Without a git checkout (a copied tree), the commit comes from $K3LAB_GIT_COMMIT and the
-    dirty flag from $K3LAB_GIT_DIRTY when set.
+    $K3LAB_GIT_COMMIT (and $K3LAB_GIT_DIRTY) name the commit of a copied tree and win over the
+    tree's own git metadata, which a copy may carry from an older checkout.
     """
     params = dict(params or {})
-    commit = _cmd(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
+    commit = os.environ.get("K3LAB_GIT_COMMIT")
     if commit:
-        status = _cmd(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
-        dirty = bool(status) if status is not None else None
-    else:
-        commit = os.environ.get("K3LAB_GIT_COMMIT")
         flag = os.environ.get("K3LAB_GIT_DIRTY")
         dirty = None if flag is None else flag.lower() in ("1", "true", "yes")
+    else:
+        commit = _cmd(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
+        status = _cmd(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
+        dirty = bool(status) if commit and status is not None else None
     device = str(params.get("device", "cpu"))
     gpu, driver = _gpu(device)
     return json_safe({
