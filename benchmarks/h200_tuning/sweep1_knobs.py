@@ -1,52 +1,20 @@
-"""H200 diagnostic sweep (scratch, not committed): kernel durations + tuning knobs, graph, cold."""
+"""H200 sweep 1: launch cost, AttnRes, KDA, route, MLA and MoE tuning knobs (graph, cold)."""
 
 import importlib
 import itertools
-import json
-import os
 import sys
 import time
 
 import torch
+from common import bw, dump, gt, kdur, rec
 
 from k3lab import profile
 from k3lab.boundaries import get
 from k3lab.config import preset
 
-OUT = os.environ.get("OUT", "/tmp")
-ROWS = []
 T0 = time.time()
-bw = profile.copy_bandwidth("cuda")
 print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 only = sys.argv[1:] or ["launch", "attn", "kda", "route", "mla", "moe"]
-
-
-def gt(fn, copies, **kw):
-    try:
-        return profile.time_variant(
-            fn, copies, mode="graph", repeats=kw.pop("repeats", 20), **kw
-        ).median_us
-    except Exception as e:
-        print("ERR", repr(e)[:300], flush=True)
-        return float("nan")
-
-
-def kdur(fn, inputs):
-    try:
-        t = profile.timeline(fn, inputs)
-        return {k: round(float(v), 2) for k, v in t.groupby("kernel").dur_us.sum().items()}
-    except Exception as e:
-        return {"err": repr(e)[:200]}
-
-
-def rec(**r):
-    ROWS.append(r)
-    print(json.dumps(r), flush=True)
-
-
-def dump():
-    with open(f"{OUT}/sweep1.json", "w") as fh:
-        json.dump(ROWS, fh)
 
 
 if "launch" in only:
@@ -73,7 +41,7 @@ if "attn" in only:
             rec(k="attn", n=n, nw=nw, te=te, us=f_us, ref=r_us, x=r_us / f_us)
         ar.NUM_WARPS, ar.TILE_ELEMS = 8, 16384
         del copies
-    dump()
+    dump("sweep1.json")
 
 # ---------------- KDA
 if "kda" in only:
@@ -118,7 +86,7 @@ if "kda" in only:
         kda.BLOCK_R, kda.MAX_WARPS = 32, 8
         del copies
         torch.cuda.empty_cache()
-    dump()
+    dump("sweep1.json")
 
 # ---------------- route (current two-launch kernel): breakdown + GEMV tiles
 if "route" in only:
@@ -143,7 +111,7 @@ if "route" in only:
         rec(k="route", be=be, bk=bk, nw=nw, us=us, floor=gbytes / bw * 1e6, dur=kdur(fn, copies[0]))
     rs.NUM_WARPS = 4
     del copies
-    dump()
+    dump("sweep1.json")
 
 # ---------------- MLA
 if "mla" in only:
@@ -182,7 +150,7 @@ if "mla" in only:
         mla.BLOCK_N, mla.SPLIT_NUM_WARPS, mla.SPLIT_NUM_STAGES = 32, 4, 4
         del copies
         torch.cuda.empty_cache()
-    dump()
+    dump("sweep1.json")
 
 # ---------------- MoE stages at tp1 (fewer experts: same bytes per selected expert)
 if "moe" in only:
@@ -223,7 +191,7 @@ if "moe" in only:
             moe.TARGET_PROGRAMS, moe.MAX_ROWS, moe.PRODUCT_BUDGET, moe.NUM_WARPS = 528, 32, 4096, 4
         del copies, base
         torch.cuda.empty_cache()
-        dump()
+        dump("sweep1.json")
         print("elapsed", time.time() - T0, flush=True)
-dump()
+dump("sweep1.json")
 print("done", time.time() - T0)

@@ -1,425 +1,102 @@
-"""Fused KDA (Kimi Delta Attention) decode: one launch per layer (ARCHITECTURE.md section 7).
+"""H200 sweep 3: KDA ablation. Which part of the fused decode kernel costs the time?
 
-Per token m and head h, with S = state[m, h] [d (k), d (v)] fp32:
-
-    f    = f_b[h*d:(h+1)*d] @ f_low[m]                        # the f_b projection (rank R -> d)
-    g    = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h]))
-    beta = sigmoid(b_logits[m, h])
-    q    = q / sqrt(sum(q^2) + 1e-6) * scale ;  k = k / sqrt(sum(k^2) + 1e-6)
-    S    = S * exp(g)[:, None] ;  u = beta * (v - S^T k) ;  S = S + k u^T ;  o = S^T q
-
-One program owns the (token, head, v-tile) slice S[:, v-tile] of the state: the decay acts on the
-k rows and the delta update and output are column-wise, so v-tiles are independent; each program
-recomputes the cheap k-side quantities (f GEMV over R, gate, norms) for its head.
-
-Variants (constexpr flags of the same kernel):
-  FUSE_CONV      q, k, v arrive before the short convolution: one conv step + SiLU per channel in
-                 front, conv caches shifted in place. Every v-tile of a head would read the q/k
-                 caches that one of them rewrites, so this variant keeps a head in one program.
-  FUSE_OUT_GATE  o = RMSNorm_head(o) * w * sigmoid(gate logits) behind; the RMS needs the whole
-                 head's o, so this variant also keeps a head in one program.
+Builds a variant of ``kernels/kda.py`` at run time (no copy of the kernel is kept) with three
+constexpr switches: NO_GEMV skips the f_b projection (gate from dt_bias alone), NO_STATE uses a
+constant state instead of loading it, NO_STORE skips the state store; then times every
+combination at K3 tp 8 and tp 1, cold and hot. The recorded results
+(``results/call3_kda_ablation.json``) ran on ba05db3's kernel (4 warps for 32-wide tiles; the
+kernel now uses 8, see TILE_PER_WARP).
 """
 
-from __future__ import annotations
+import importlib.util
+import itertools
+import sys
+import tempfile
+from pathlib import Path
 
-from dataclasses import dataclass
+from common import dump, gt, rec
 
-import torch
-import triton
-import triton.language as tl
+from k3lab import profile
+from k3lab.boundaries import get
+from k3lab.config import preset
 
-__all__ = ["KDAConv", "KDAOutGate", "kda_decode"]
+PATCHES = (  # (original text of kernels/kda.py, ablation text)
+    (
+        "    FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,\n):",
+        "    FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,\n"
+        "    NO_GEMV: tl.constexpr = False, NO_STATE: tl.constexpr = False,\n"
+        "    NO_STORE: tl.constexpr = False,\n):",
+    ),
+    (
+        "    b_s = tl.load(p_s)\n",
+        "    if NO_STATE:\n        b_s = tl.zeros([D, BV], tl.float32) + 0.5\n"
+        "    else:\n        b_s = tl.load(p_s)\n",
+    ),
+    (
+        "    for r0 in tl.static_range(0, R, BR):",
+        "    for r0 in tl.static_range(0, 0 if NO_GEMV else R, BR):",
+    ),
+    ("    tl.store(p_s, b_s)\n", "    if not NO_STORE:\n        tl.store(p_s, b_s)\n"),
+    (
+        "               block_v: int | None = None) -> torch.Tensor:",
+        "               block_v: int | None = None, **ablate) -> torch.Tensor:",
+    ),
+    (
+        "        num_warps=num_warps,\n    )\n    return o",
+        "        num_warps=num_warps, **ablate,\n    )\n    return o",
+    ),
+)
 
-L2_EPS = 1e-6  # the model's l2norm epsilon (q / sqrt(sum(q^2) + eps))
-MAX_TOKENS = 64  # decode batches; longer runs belong to a chunked prefill kernel
-MIN_PROGRAMS = 256  # about 2 programs per SM of an H200 (132 SMs): enough state bytes in flight
-MAX_BLOCK_V = 64  # widest v-tile, used once M * Hl * (d / 64) >= MIN_PROGRAMS
-MIN_BLOCK_V = 32  # H200 (K3, B1, graph, cold): 16-wide tiles re-read f_b 8x per head and lost
-# 10-15% to 32 at tp 8 and tp 1
-BLOCK_R = 64  # rank chunk of the f_b GEMV (H200 sweep: 32 / 64 / 128 within 5%)
-TILE_PER_WARP = 1024  # state-tile elements per warp (32 fp32 registers per thread)
-MAX_WARPS = 8
+
+def ablated_kda():
+    src = (Path(__file__).resolve().parents[2] / "kernels" / "kda.py").read_text()
+    for old, new in PATCHES:
+        if old not in src:
+            sys.exit(f"kernels/kda.py changed: cannot apply the ablation patch for {old!r}")
+        src = src.replace(old, new)
+    # Triton's jit needs the kernel's source in a real file
+    path = Path(tempfile.mkdtemp()) / "kda_ablated.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("kda_ablated", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod.kda_decode
 
 
-@triton.jit
-def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _conv_silu_step(p_x, p_cache, p_w, o_c, C: tl.constexpr, BC: tl.constexpr):
-    """SiLU of one causal depthwise conv step for channels ``o_c``; shifts the cache in place.
-
-    p_x: current input of channel 0 of the head; p_cache: its cache [channels, C-1] (oldest
-    first); p_w: its taps [channels, C] (last tap = current input). Returns fp32 [len(o_c)].
-    """
-    o_j = tl.arange(0, BC)
-    m_old = o_j[None, :] < C - 1
-    p_win = p_cache + o_c[:, None] * (C - 1) + o_j[None, :]
-    b_old = tl.load(p_win, mask=m_old, other=0.0).to(tl.float32)
-    b_x = tl.load(p_x + o_c).to(tl.float32)
-    b_win = tl.where(o_j[None, :] == C - 1, b_x[:, None], b_old)  # [channels, BC] fp32
-    b_w = tl.load(p_w + o_c[:, None] * C + o_j[None, :], mask=o_j[None, :] < C, other=0.0)
-    b_y = tl.sum(b_win * b_w.to(tl.float32), 1)
-    # new cache = window[1:] in the cache's dtype: window column j goes to cache column j - 1
-    tl.store(
-        p_win - 1, b_win.to(p_cache.dtype.element_ty), mask=(o_j[None, :] >= 1) & (o_j[None, :] < C)
+kda_decode = ablated_kda()
+K = get("kda")
+for tp in (8, 1):
+    cfg = preset("kimi-k3", tp)
+    sbytes = 2 * cfg.kda_heads * 128 * 128 * 4
+    copies = profile.cold_copies(
+        lambda s, cfg=cfg: K.make_inputs(cfg, "cuda", s, M=1), bytes_per_copy=sbytes
     )
-    return b_y * _sigmoid(b_y)
-
-
-@triton.jit
-def _kda_decode_kernel(
-    q,
-    k,
-    v,
-    f_low,
-    f_b,
-    A_log,
-    dt_bias,
-    b_logits,
-    state,
-    o,
-    q_cache,
-    k_cache,
-    v_cache,
-    q_conv,
-    k_conv,
-    v_conv,  # FUSE_CONV only
-    gate_logits,
-    o_norm,  # FUSE_OUT_GATE only
-    lower_bound,
-    scale,
-    eps,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    R: tl.constexpr,
-    BR: tl.constexpr,
-    BV: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    L2EPS: tl.constexpr,
-    FUSE_CONV: tl.constexpr,
-    FUSE_OUT_GATE: tl.constexpr,
-    NO_GEMV: tl.constexpr = False,
-    NO_STATE: tl.constexpr = False,
-    NO_STORE: tl.constexpr = False,
-):
-    i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_mh = (i_m * H + i_h).to(tl.int64)
-    o_k = tl.arange(0, D)
-    o_v = i_v * BV + tl.arange(0, BV)
-
-    # the state slice first: its load is the one that matters, let it fly during the GEMV
-    p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
-    if NO_STATE:  # noqa: SIM108 (kept as the H200 run had it)
-        b_s = tl.zeros([D, BV], tl.float32) + 0.5
-    else:
-        b_s = tl.load(p_s)
-
-    # f_b projection of this head's d channels: f = f_b[h rows] @ f_low[m], fp32 accumulation
-    b_f = tl.zeros([D], dtype=tl.float32)
-    for r0 in tl.static_range(0, 0 if NO_GEMV else R, BR):
-        o_r = r0 + tl.arange(0, BR)
-        m_r = o_r < R
-        b_fl = tl.load(f_low + i_m * R + o_r, mask=m_r, other=0.0).to(tl.float32)
-        p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
-        b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
-        b_f += tl.sum(b_fb * b_fl[None, :], 1)
-    b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    b_bias = tl.load(dt_bias + i_h * D + o_k).to(tl.float32)
-    b_g = lower_bound * _sigmoid(b_A * (b_f + b_bias))
-    b_beta = _sigmoid(tl.load(b_logits + i_mh).to(tl.float32))
-
-    if FUSE_CONV:  # BV == D: this program owns the head's q, k, v channels and conv caches
-        o_cache = i_mh * D * (C - 1)
-        b_q = _conv_silu_step(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
-        b_k = _conv_silu_step(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k, C, BC)
-        b_v = _conv_silu_step(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v, C, BC)
-    else:
-        b_q = tl.load(q + i_mh * D + o_k).to(tl.float32)
-        b_k = tl.load(k + i_mh * D + o_k).to(tl.float32)
-        b_v = tl.load(v + i_mh * D + o_v).to(tl.float32)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
-
-    # decay, delta update and output on this program's [D, BV] slice of the state
-    b_s = b_s * tl.exp(b_g)[:, None]
-    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
-    b_s += b_k[:, None] * b_u[None, :]
-    b_o = tl.sum(b_s * b_q[:, None], 0)
-    if not NO_STORE:
-        tl.store(p_s, b_s)
-
-    if FUSE_OUT_GATE:  # BV == D: per-head RMSNorm times sigmoid(gate)
-        b_rms = tl.sqrt(tl.sum(b_o * b_o, 0) / D + eps)
-        b_w = tl.load(o_norm + o_v).to(tl.float32)
-        b_gate = tl.load(gate_logits + i_mh * D + o_v).to(tl.float32)
-        b_o = b_o / b_rms * b_w * _sigmoid(b_gate)
-    tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
-
-
-@dataclass
-class KDAConv:
-    """The short-convolution step fused in front (``kda_decode(..., conv=KDAConv(...))``).
-
-    q_state, k_state, v_state: conv caches [M, Hl*d, C-1] (the C-1 past inputs, oldest first),
-        all one float dtype, updated in place (shifted by one, the current input appended).
-    q_weight, k_weight, v_weight: depthwise taps [Hl*d, C] (last tap = current token).
-    """
-
-    q_state: torch.Tensor
-    k_state: torch.Tensor
-    v_state: torch.Tensor
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    v_weight: torch.Tensor
-
-
-@dataclass
-class KDAOutGate:
-    """The output RMSNorm times sigmoid gate fused behind (``kda_decode(..., out_gate=...)``).
-
-    logits: gate logits [M, Hl, d] (x @ W_g^T); weight: RMSNorm weight [d]; eps > 0.
-    """
-
-    logits: torch.Tensor
-    weight: torch.Tensor
-    eps: float = 1e-5
-
-
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _check(name: str, t, shape: tuple, dtypes=_FLOATS, device=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor")
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def _block_v(m: int, hl: int, d: int) -> int:
-    """v-tile width: halve from MAX_BLOCK_V until M * Hl * (d / BV) reaches MIN_PROGRAMS."""
-    bv = min(d, MAX_BLOCK_V)
-    while m * hl * (d // bv) < MIN_PROGRAMS and bv > MIN_BLOCK_V:
-        bv //= 2
-    return bv
-
-
-def kda_decode(
-    q,
-    k,
-    v,
-    f_low,
-    f_b,
-    A_log,
-    dt_bias,
-    b_logits,
-    state,
-    *,
-    lower_bound: float = -5.0,
-    scale: float | None = None,
-    conv: KDAConv | None = None,
-    out_gate: KDAOutGate | None = None,
-    block_v: int | None = None,
-    **diag,
-) -> torch.Tensor:
-    """One KDA decode step for M tokens (one per sequence) in one launch; ``state`` in place.
-
-    q, k, v: [M, Hl, d] bf16/fp16/fp32 after the short conv and SiLU (before it with ``conv``);
-        d a power of two (8..256), Hl any, 1 <= M <= 64.
-    f_low: [M, R] float, ``x @ f_a^T``.       f_b: [Hl*d, R] float.
-    A_log: [Hl] fp32.    dt_bias: [Hl*d] fp32.    b_logits: [M, Hl] float (beta before sigmoid).
-    state: [M, Hl, d (k), d (v)] fp32 contiguous, updated in place.
-    lower_bound: the gate's lower bound (log space); scale: q scale, default d ** -0.5.
-    conv: :class:`KDAConv` to fuse the short-conv step + SiLU in front (q, k, v then are the
-        projections ``x @ W^T`` viewed [M, Hl, d]).
-    out_gate: :class:`KDAOutGate` to fuse ``RMSNorm_head(o) * sigmoid(logits)`` behind.
-    block_v: v-tile width override (power of two dividing d); default from the grid size, and d
-        (a head per program) with ``conv`` or ``out_gate``.
-
-    Returns o [M, Hl, d] in v's dtype (the gated output with ``out_gate``).
-    """
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q: expected a [M, Hl, d] tensor, got {getattr(q, 'shape', q)!r}")
-    m, hl, d = q.shape
-    _check("q", q, (m, hl, d))
-    dev = q.device
-    if not 1 <= m <= MAX_TOKENS:
-        raise ValueError(f"q: expected 1 <= M <= {MAX_TOKENS} decode tokens, got M={m}")
-    if hl < 1:
-        raise ValueError("q: expected at least one head")
-    if not _is_pow2(d) or not 8 <= d <= 256:
-        raise ValueError(f"q: head dim must be a power of two in [8, 256], got {d}")
-    _check("k", k, (m, hl, d), device=dev)
-    _check("v", v, (m, hl, d), device=dev)
-    if f_low is None or not isinstance(f_low, torch.Tensor) or f_low.dim() != 2:
-        raise ValueError("f_low: expected a [M, R] tensor")
-    r = f_low.shape[1]
-    if r < 1:
-        raise ValueError("f_low: expected rank R >= 1")
-    _check("f_low", f_low, (m, r), device=dev)
-    _check("f_b", f_b, (hl * d, r), device=dev)
-    _check("A_log", A_log, (hl,), (torch.float32,), dev)
-    _check("dt_bias", dt_bias, (hl * d,), (torch.float32,), dev)
-    _check("b_logits", b_logits, (m, hl), device=dev)
-    _check("state", state, (m, hl, d, d), (torch.float32,), dev)
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-        raise ValueError(f"lower_bound: expected a float, got {lower_bound!r}")
-    if scale is None:
-        scale = d**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
-
-    c = 2
-    q_cache = k_cache = v_cache = q_conv = k_conv = v_conv = q  # placeholders, never read
-    if conv is not None:
-        if not isinstance(conv, KDAConv):
-            raise ValueError(f"conv: expected a KDAConv, got {type(conv).__name__}")
-        w = conv.q_weight
-        if not isinstance(w, torch.Tensor) or w.dim() != 2 or not 2 <= w.shape[1] <= 16:
-            raise ValueError("conv: q_weight must be [Hl*d, C] with 2 <= C <= 16")
-        c = w.shape[1]
-        for n in "qkv":
-            _check(f"conv.{n}_weight", getattr(conv, f"{n}_weight"), (hl * d, c), device=dev)
-            _check(
-                f"conv.{n}_state",
-                getattr(conv, f"{n}_state"),
-                (m, hl * d, c - 1),
-                (conv.q_state.dtype,) if n != "q" else _FLOATS,
-                dev,
-            )
-        q_cache, k_cache, v_cache = conv.q_state, conv.k_state, conv.v_state
-        q_conv, k_conv, v_conv = conv.q_weight, conv.k_weight, conv.v_weight
-    gate_logits = o_norm = q  # placeholders, never read
-    eps = 1e-5
-    if out_gate is not None:
-        if not isinstance(out_gate, KDAOutGate):
-            raise ValueError(f"out_gate: expected a KDAOutGate, got {type(out_gate).__name__}")
-        _check("out_gate.logits", out_gate.logits, (m, hl, d), device=dev)
-        _check("out_gate.weight", out_gate.weight, (d,), device=dev)
-        eps = out_gate.eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"out_gate: eps must be a positive float, got {eps!r}")
-        gate_logits, o_norm = out_gate.logits, out_gate.weight
-
-    whole_head = conv is not None or out_gate is not None
-    if block_v is None:
-        block_v = d if whole_head else _block_v(m, hl, d)
-    if (
-        isinstance(block_v, bool)
-        or not isinstance(block_v, int)
-        or not _is_pow2(block_v)
-        or d % block_v
-    ):
-        raise ValueError(f"block_v: expected a power of two dividing d={d}, got {block_v!r}")
-    if whole_head and block_v != d:
-        raise ValueError(f"block_v: conv / out_gate need a whole head per program (block_v={d})")
-
-    o = torch.empty((m, hl, d), dtype=v.dtype, device=dev)
-    grid = (d // block_v, hl, m)
-    num_warps = max(1, min(MAX_WARPS, d * block_v // TILE_PER_WARP))
-    _kda_decode_kernel[grid](
-        q,
-        k,
-        v,
-        f_low,
-        f_b,
-        A_log,
-        dt_bias,
-        b_logits,
-        state,
-        o,
-        q_cache,
-        k_cache,
-        v_cache,
-        q_conv,
-        k_conv,
-        v_conv,
-        gate_logits,
-        o_norm,
-        float(lower_bound),
-        float(scale),
-        float(eps),
-        H=hl,
-        D=d,
-        R=r,
-        BR=min(BLOCK_R, triton.next_power_of_2(r)),
-        BV=block_v,
-        C=c,
-        BC=triton.next_power_of_2(c),
-        L2EPS=L2_EPS,
-        FUSE_CONV=conv is not None,
-        FUSE_OUT_GATE=out_gate is not None,
-        num_warps=num_warps,
-        **diag,
-    )
-    return o
-
-
-if __name__ == "__main__":
-    import itertools
-    import json
-    import os
-    import sys
-
-    sys.path.insert(0, ".")
-    from k3lab import profile
-    from k3lab.boundaries import get
-    from k3lab.config import preset
-
-    bw = profile.copy_bandwidth("cuda")
-    K = get("kda")
-    rows = []
-    for tp in (8, 1):
-        cfg = preset("kimi-k3", tp)
-        hl = cfg.kda_heads
-        sbytes = 2 * hl * 128 * 128 * 4
-        copies = profile.cold_copies(
-            lambda s: K.make_inputs(cfg, "cuda", s, M=1), bytes_per_copy=sbytes
+    for bv, ng, ns, nst, cold in itertools.product((32, 64), (0, 1), (0, 1), (0, 1), (1, 0)):
+        flags = dict(NO_GEMV=bool(ng), NO_STATE=bool(ns), NO_STORE=bool(nst))
+        fn = lambda i, b=bv, flags=flags: kda_decode(
+            i["q"],
+            i["k"],
+            i["v"],
+            i["f_low"],
+            i["f_b"],
+            i["A_log"],
+            i["dt_bias"],
+            i["b_logits"],
+            i["state"],
+            lower_bound=-5.0,
+            block_v=b,
+            **flags,
         )
-        hot = copies[:1]
-        for bv, ng, ns, nst, cold in itertools.product((32, 64), (0, 1), (0, 1), (0, 1), (1, 0)):
-            fn = lambda i, b=bv, ng=ng, ns=ns, nst=nst: kda_decode(
-                i["q"],
-                i["k"],
-                i["v"],
-                i["f_low"],
-                i["f_b"],
-                i["A_log"],
-                i["dt_bias"],
-                i["b_logits"],
-                i["state"],
-                lower_bound=-5.0,
-                block_v=b,
-                NO_GEMV=bool(ng),
-                NO_STATE=bool(ns),
-                NO_STORE=bool(nst),
-            )
-            us = profile.time_variant(
-                fn, copies if cold else hot, mode="graph", repeats=20
-            ).median_us
-            r = dict(
-                k="kdadiag",
-                tp=tp,
-                bv=bv,
-                no_gemv=ng,
-                no_state=ns,
-                no_store=nst,
-                cold=cold,
-                us=round(us, 2),
-            )
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-    with open(os.environ.get("OUT", "/tmp") + "/kdadiag.json", "w") as fh:
-        json.dump(rows, fh)
+        us = gt(fn, copies if cold else copies[:1])
+        rec(
+            k="kdadiag",
+            tp=tp,
+            bv=bv,
+            no_gemv=ng,
+            no_state=ns,
+            no_store=nst,
+            cold=cold,
+            us=round(us, 2),
+        )
+dump("kdadiag.json")

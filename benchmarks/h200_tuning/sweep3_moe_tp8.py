@@ -1,32 +1,12 @@
+"""H200 sweep 3: MoE stages at K3 tp 8 (warps x program target) against the grouped peer."""
+
 import importlib
 import itertools
-import json
-import os
 
 import torch
+from common import bw, dump, gt, rec
 
-from k3lab import profile
 from k3lab.config import preset
-
-OUT = os.environ.get("OUT", "/tmp")
-ROWS = []
-bw = profile.copy_bandwidth("cuda")
-
-
-def gt(fn, copies, **kw):
-    try:
-        return profile.time_variant(
-            fn, copies, mode="graph", repeats=kw.pop("repeats", 20), **kw
-        ).median_us
-    except Exception as e:
-        print("ERR", repr(e)[:300], flush=True)
-        return float("nan")
-
-
-def rec(**r):
-    ROWS.append(r)
-    print(json.dumps(r), flush=True)
-
 
 moe = importlib.import_module("k3lab.kernels.moe")
 from k3lab.boundaries import moe as MB  # noqa: E402
@@ -56,5 +36,4 @@ for fmt in ("bf16", "mxfp4"):
         moe.NUM_WARPS, moe.TARGET_PROGRAMS = 4, 528
     del copies, base
     torch.cuda.empty_cache()
-with open(f"{OUT}/sweep3.json", "w") as fh:
-    json.dump(ROWS, fh)
+dump("sweep3.json")

@@ -1,41 +1,14 @@
+"""H200 sweep 4: route_sort with the threshold top-k over GEMV tiles; KDA warps x f_b chunk."""
+
 import importlib
 import itertools
-import json
-import os
 
 import torch
+from common import bw, dump, gt, kdur, rec
 
 from k3lab import profile
 from k3lab.boundaries import get
 from k3lab.config import preset
-
-OUT = os.environ.get("OUT", "/tmp")
-ROWS = []
-bw = profile.copy_bandwidth("cuda")
-
-
-def gt(fn, copies, **kw):
-    try:
-        return profile.time_variant(
-            fn, copies, mode="graph", repeats=kw.pop("repeats", 20), **kw
-        ).median_us
-    except Exception as e:
-        print("ERR", repr(e)[:300], flush=True)
-        return float("nan")
-
-
-def kdur(fn, inputs):
-    try:
-        t = profile.timeline(fn, inputs)
-        return {k: round(float(v), 2) for k, v in t.groupby("kernel").dur_us.sum().items()}
-    except Exception as e:
-        return {"err": repr(e)[:200]}
-
-
-def rec(**r):
-    ROWS.append(r)
-    print(json.dumps(r), flush=True)
-
 
 rs = importlib.import_module("k3lab.kernels.route_sort")
 R = get("route")
@@ -105,5 +78,4 @@ for tp in (8, 1):
         )
     kda.BLOCK_R, kda.TILE_PER_WARP, kda.MAX_WARPS = 64, 1024, 8
     del copies
-with open(f"{OUT}/sweep4.json", "w") as fh:
-    json.dump(ROWS, fh)
+dump("sweep4.json")
