@@ -14,7 +14,10 @@ bf16 operands are read as int32 (even, odd) element pairs (even element in the l
 a shift and a mask give both fp32 values). MXFP4 weights are read as int32 words of 8 E2M1 codes
 and decoded in registers with 3 integer ops per element (shift the nibble to the top, arithmetic
 shift right, mask: the signed fp32 bits of 2^-126 * value), one FMA each, and the E8M0 factor
-2^(s-127) applied once per group of 32; the activations stay bf16 pairs.
+2^(s-127) applied once per group of 32; the activations stay bf16 pairs. Two switchable
+alternatives (module constants, read at launch): FP4_DECODE_FP16, a decode of two codes per
+32-bit op into fp16 pairs (about 2 integer ops an element instead of 3), and FP4_DOT, the tensor
+cores through tl.dot_scaled (E2M1 x bf16 with the E8M0 scales, tokens as 16 zero-padded columns).
 
 Stages 1 and 2 consume the route plan as is (no second top-k or sort): programs walk the
 expert-sorted ``sorted_ids`` in tiles of ``block_m`` entries of one expert, so tokens sharing an

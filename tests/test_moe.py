@@ -717,6 +717,15 @@ def test_gpu_k3_tp8_block(fmt, M, block_m, fuse_tail):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(FP4_MODES))
+@pytest.mark.parametrize("M", [1, 16])
+def test_gpu_k3_tp8_block_fp4_modes(M, mode, monkeypatch):
+    """The whole MXFP4 block (fused tail) through the other MXFP4 paths (FP4_MODES)."""
+    monkeypatch.setattr(kmoe, FP4_MODES[mode], True)
+    test_gpu_k3_tp8_block("mxfp4", M, 1, True)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("M", [1, 16])
 @pytest.mark.parametrize("block_m", [1, 4, 16])

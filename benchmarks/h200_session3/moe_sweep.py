@@ -4,6 +4,9 @@ Hypotheses tested (each variant = module constants of k3lab.kernels.moe, set bef
 - default: the in-register MXFP4 decode (3 integer ops an element), 32-row tiles, 4 warps.
 - fma-kstep2: the same decode with half the K step (FP4_BUDGET_FACTOR 2): stage 1's 1792-byte
   rows then split into 7 whole steps instead of 3.5 (no masked half step of ALU work).
+- fp16*: the fp16-pair register decode (FP4_DECODE_FP16: ~1.9 integer ops an element instead of
+  2.9, plus an fp16 -> fp32 conversion), at the default tiles, half the K step, and 64 rows with
+  8 warps.
 - dot-*: MXFP4 through the tensor cores (FP4_DOT: tl.dot_scaled e2m1 x bf16, tokens padded to 16
   columns), the decode moved to Triton's upcast and the loads software-pipelined
   (FP4_DOT_STAGES); rows / bytes per K step / stages / warps / program target varied.
@@ -35,8 +38,8 @@ moe = importlib.import_module("k3lab.kernels.moe")
 T0 = time.time()
 print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 
-KNOBS = ("FP4_DOT", "FP4_DOT_ROWS", "FP4_DOT_BYTES", "FP4_DOT_STAGES", "FP4_DOT_WARPS",
-         "MAX_ROWS_FP4", "FP4_BUDGET_FACTOR", "NUM_WARPS", "TARGET_PROGRAMS")
+KNOBS = ("FP4_DECODE_FP16", "FP4_DOT", "FP4_DOT_ROWS", "FP4_DOT_BYTES", "FP4_DOT_STAGES",
+         "FP4_DOT_WARPS", "MAX_ROWS_FP4", "FP4_BUDGET_FACTOR", "NUM_WARPS", "TARGET_PROGRAMS")
 DEFAULTS = {k: getattr(moe, k) for k in KNOBS}
 
 
@@ -48,14 +51,15 @@ def dot(rows, nbytes, stages, warps, target=528):
 TP1_VARIANTS = {
     "default": {},
     "fma-kstep2": dict(FP4_BUDGET_FACTOR=2),
+    "fp16": dict(FP4_DECODE_FP16=True),
+    "fp16-kstep2": dict(FP4_DECODE_FP16=True, FP4_BUDGET_FACTOR=2),
+    "fp16-r64-w8": dict(FP4_DECODE_FP16=True, MAX_ROWS_FP4=64, NUM_WARPS=8),
     "dot-r64-b128-s4-w4": dot(64, 128, 4, 4),
     "dot-r32-b128-s4-w4": dot(32, 128, 4, 4),
     "dot-r64-b256-s3-w4": dot(64, 256, 3, 4),
-    "dot-r64-b64-s6-w4": dot(64, 64, 6, 4),
-    "dot-r64-b128-s4-w8": dot(64, 128, 4, 8),
     "dot-r128-b128-s3-w8-t264": dot(128, 128, 3, 8, 264),
 }
-TP8_VARIANTS = ("default", "dot-r64-b128-s4-w4", "dot-r32-b128-s4-w4")
+TP8_VARIANTS = ("default", "fp16", "dot-r64-b128-s4-w4", "dot-r32-b128-s4-w4")
 # |got - want| <= ATOL + RTOL * |want| (tests/test_moe.py)
 TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}
 
