@@ -88,7 +88,8 @@ PAIR_TILE = 8192  # entries x entries compared at once by the sort passes
 PAIR_COLS = 1024  # widest column block of the sort passes
 NUM_WARPS = 4  # every program's: the GEMV tiles and the selection
 # Measurement only (the H200 sweep sets it to split the last program's tail; anything below 3
-# leaves the plan incomplete): 0 = no selection (GEMV, side job, counter), 1 = + the partial sum,
+# leaves the plan incomplete): -1 = GEMV and side job alone (no counter), 0 = + the counter (no
+# selection), 1 = + the partial sum,
 # sigmoid, bias and keys, 2 = + top-k and weights (topk_ids / topk_weights), 3 = + the sort
 # metadata (the whole plan, the default).
 TAIL_STAGE = 3
@@ -470,30 +471,31 @@ def _route_sort_kernel(
     # the last program to get here does the selection: the barrier orders this program's
     # stores (all threads) before its one scalar atomic, whose release publishes them at gpu
     # scope; the last program's acquire sees every program's partials and fills
-    tl.debug_barrier()
-    if HIER:
-        # the tile's last program acquired its K splits' partials; its acq_rel on the global
-        # counter passes them on (causality is transitive), so the last tile sees them all
-        p_tile = p_count + 1 + i_e
-        n_tile = tl.atomic_add(p_tile, 1, sem="acq_rel", scope="gpu")
-        n_done = n_tile * 0 - 1
-        if n_tile == tl.num_programs(1) - 1:
-            tl.atomic_xchg(p_tile, 0, sem="relaxed", scope="gpu")  # no later use this launch
+    if TAIL_STAGE >= 0:  # (-1: measurement only, no counter, no selection)
+        tl.debug_barrier()
+        if HIER:
+            # the tile's last program acquired its K splits' partials; its acq_rel on the global
+            # counter passes them on (causality is transitive), so the last tile sees them all
+            p_tile = p_count + 1 + i_e
+            n_tile = tl.atomic_add(p_tile, 1, sem="acq_rel", scope="gpu")
+            n_done = n_tile * 0 - 1
+            if n_tile == tl.num_programs(1) - 1:
+                tl.atomic_xchg(p_tile, 0, sem="relaxed", scope="gpu")  # no later use this launch
+                n_done = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")
+            n_last = tl.num_programs(0) - 1
+        else:
             n_done = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")
-        n_last = tl.num_programs(0) - 1
-    else:
-        n_done = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")
-        n_last = n_prog - 1
-    if n_done == n_last:
-        if TAIL_STAGE > 0:
-            _select_sort(p_part, p_bias, p_cand, p_ids, p_topk_w, p_sorted_ids, p_sorted_w,
-                         p_block_ids, p_num_valid, p_rank, M, scaling, E, SPLIT_K, TOP_K,
-                         N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BM, BLOCK_T, BLOCK_E,
-                         BLOCK_G, BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, TAIL_STAGE)
-        # ready for the next launch: every other program has already incremented (that is how
-        # this one got here) and the next launch starts after this one ends, so the reset needs
-        # no ordering: relaxed (no release fence waiting for the tail's stores)
-        tl.atomic_xchg(p_count, 0, sem="relaxed", scope="gpu")
+            n_last = n_prog - 1
+        if n_done == n_last:
+            if TAIL_STAGE > 0:
+                _select_sort(p_part, p_bias, p_cand, p_ids, p_topk_w, p_sorted_ids, p_sorted_w,
+                             p_block_ids, p_num_valid, p_rank, M, scaling, E, SPLIT_K, TOP_K,
+                             N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BM, BLOCK_T, BLOCK_E,
+                             BLOCK_G, BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, TAIL_STAGE)
+            # ready for the next launch: every other program has already incremented (that is how
+            # this one got here) and the next launch starts after this one ends, so the reset needs
+            # no ordering: relaxed (no release fence waiting for the tail's stores)
+            tl.atomic_xchg(p_count, 0, sem="relaxed", scope="gpu")
 
 
 def _check_int(name: str, value, lo: int, hi: int | None = None) -> int:

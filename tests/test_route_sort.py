@@ -285,7 +285,7 @@ def test_tail_stages(device, monkeypatch):
     case = next(c for c in CASES if c[0] == "K3-M1-E896-top16-bm1")
     args, kwargs = _case_inputs(case, device)
     ref = route_sort_reference(*args, **kwargs)
-    for stage in (0, 1, 2):
+    for stage in (-1, 0, 1, 2):
         monkeypatch.setattr(route_sort_module, "TAIL_STAGE", stage)
         plan = route_sort(*args, **kwargs)
         assert not route_sort_module._COUNTERS[args[0].device].any()

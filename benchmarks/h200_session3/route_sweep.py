@@ -16,11 +16,12 @@ Rows (k=...):
     default 32x1024 nw4 (196 programs, 7 partials; this branch's default),
     16x1024 nw4 (392 programs, 7 partials): programs vs partials,
     nw2 / nw1 tiles: is the tail (cross-warp reductions, barriers) cheaper with fewer warps?
-    hier (two-level counter) at 784 / 196 programs: is one counter address a bottleneck?
+    hier (two-level counter) at 784 / 196 programs (and 784 one-warp programs): is one
+    counter address a bottleneck?
 - ``stage``: TAIL_STAGE ablations (measurement only, plan incomplete, ok = n/a) at the new
-  default (stages 0, 1, 2) and the old one (stage 0): 0 = GEMV + side job + counter,
-  1 = + partial sum, sigmoid, bias, keys, 2 = + top-k and weights; the full row is stage 3.
-  Differences = the tail's parts.
+  default (stages -1, 0, 1, 2) and the old one (-1, 0): -1 = GEMV + side job (no counter),
+  0 = + the completion counter, 1 = + partial sum, sigmoid, bias, keys, 2 = + top-k and
+  weights; the full row is stage 3. Differences = the parts (counter, loads, selection, sort).
 - ``gemv``: the standalone split-K GEMV (gate_logits' _gate_gemv_kernel: no counter, no tail)
   cold and warm kernel durations at the same tiles: the GEMV's own cost.
 - ``tokens``: M = 8 and M = 64 at the old and new default (sanity).
@@ -105,6 +106,7 @@ FULL = [  # (name, block_e, block_k, warps, hier)
     ("32x1024-nw2", 32, 1024, 2, False),
     ("16x1024-nw2", 16, 1024, 2, False),
     ("8x1024-nw1", 8, 1024, 1, False),
+    ("8x1024-nw1-hier", 8, 1024, 1, True),
     ("16x512-hier", 16, 512, 4, True),
     ("32x1024-hier", 32, 1024, 4, True),
 ]
@@ -129,8 +131,8 @@ for tp in (8, 1):
             rec(k="full", tp=tp, v=name, err=repr(e)[:300])
     if tp != 8:
         continue
-    for name, be, bk, stages in (("old-default", 16, 512, (0,)),
-                                 ("default", None, None, (0, 1, 2))):
+    for name, be, bk, stages in (("old-default", 16, 512, (-1, 0)),
+                                 ("default", None, None, (-1, 0, 1, 2))):
         for stage in stages:
             try:
                 setk(TAIL_STAGE=stage)
