@@ -76,6 +76,11 @@ SELECT_TILE = 4096  # tokens x padded experts held by the selection program at o
 # 2 per slot (K3: 32 buckets of 28 experts), so the threshold is tight: random routers give
 # about top_k + 5 candidates (K3: mean 21, max 39 in 50k random tokens); CAP = 4 per slot
 # (K3: 64) leaves a wide margin before the fallback.
+# "threshold" (above) or "bitonic": tl.topk, a bitonic top-k network over the packed keys (no
+# threshold, no candidate scratch round trip, no fallback; sm_90 SASS of the K3 B1 tail, Triton
+# 3.9: ~2500 instructions and 35 barriers on the path vs ~1400 and ~40 plus the scratch round
+# trip for the threshold). H200 sweep decides.
+SELECT = "threshold"
 THRESHOLD_MIN_TOP_K = 8
 BUCKETS_PER_SLOT = 2
 CANDIDATES_PER_SLOT = 4
@@ -316,14 +321,23 @@ def _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling,
                    CAP: tl.constexpr):
     """Route tokens [t0, t0 + BLOCK_T): store their ids and weights; return
     (ids, weights, entry index, mask), each [BLOCK_T, BLOCK_S]. BUCKETS > 0: by threshold
-    (_top_k_threshold); BUCKETS = 0: by the arg-max loop."""
+    (_top_k_threshold); BUCKETS = 0: by the arg-max loop; BUCKETS = -1: by tl.topk."""
     o_s = tl.arange(0, BLOCK_S)
     o_t = t0 + tl.arange(0, BLOCK_T)
     m_t = o_t < M
     m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
     b_key, b_s = _token_keys(p_part, p_bias, o_t, m_t, M, E, SPLIT_K, N_GROUP, TOPK_GROUP,
                              GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G)
-    if BUCKETS > 0:
+    if BUCKETS < 0:  # bitonic: tl.topk of the unique keys (sorted, descending)
+        b_top = tl.topk(b_key, BLOCK_S)
+        b_ids = (-(b_top & IDX_BITS) + IDX_BITS).to(tl.int32)
+        # the chosen scores: a one-hot sum over the experts in registers (exact: one non-zero
+        # term; re-loading the partials at b_ids' layout compiled to one dependent L2 round
+        # trip per K split)
+        o_e = tl.arange(0, BLOCK_E)
+        b_sel = tl.sum(tl.where(o_e[None, None, :] == b_ids[:, :, None], b_s[:, None, :], 0.0),
+                       axis=2)
+    elif BUCKETS > 0:
         b_ids, b_sel = _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E, SPLIT_K,
                                         TOP_K, BLOCK_T, BLOCK_E, BLOCK_S, BUCKETS, CAP)
     else:
@@ -524,18 +538,20 @@ def _gemv_blocks(E: int, H: int, on_gpu: bool, block_e: int | None,
 def _select_tiles(E: int, M: int, top_k: int) -> dict[str, int | bool]:
     """The selection program's tile constexprs (see _select_sort / _top_k_threshold):
     BLOCK_T tokens x BLOCK_E (padded) experts at once, BLOCK_S (padded) slots, BUCKETS and
-    CAP of the threshold selection (BUCKETS = 0: the arg-max loop), IN_REGS (all entries sorted
-    in registers) and the memory sort passes' BLOCK_R x BLOCK_C."""
+    CAP of the threshold selection (BUCKETS = 0: the arg-max loop, -1: tl.topk, see SELECT),
+    IN_REGS (all entries sorted in registers) and the memory sort passes' BLOCK_R x BLOCK_C."""
     n = M * top_k
     block_ex = triton.next_power_of_2(E)
     block_t = min(triton.next_power_of_2(M), max(1, SELECT_TILE // block_ex))
     block_s = triton.next_power_of_2(top_k)
     buckets = BUCKETS_PER_SLOT * block_s
     use_threshold = top_k >= THRESHOLD_MIN_TOP_K and buckets * MIN_BUCKET_SIZE <= block_ex
+    if SELECT == "bitonic" and hasattr(tl, "topk"):
+        buckets, use_threshold = -1, True
     block_c = min(triton.next_power_of_2(n), PAIR_COLS)
     return dict(BLOCK_T=block_t, BLOCK_E=block_ex, BLOCK_S=block_s,
                 BUCKETS=buckets if use_threshold else 0,
-                CAP=min(CANDIDATES_PER_SLOT * block_s, block_ex) if use_threshold else 1,
+                CAP=min(CANDIDATES_PER_SLOT * block_s, block_ex) if buckets > 0 else 1,
                 IN_REGS=block_t >= M and block_t * block_s <= REG_ENTRIES,
                 BLOCK_R=max(1, min(triton.next_power_of_2(n), PAIR_TILE // block_c)),
                 BLOCK_C=block_c)
@@ -545,7 +561,7 @@ def _bucket_of(E: int, M: int, top_k: int) -> torch.Tensor | None:
     """int64 [E]: the threshold selection's bucket of every expert (see _top_k_threshold), or
     None when the arg-max loop selects (tests use it to aim at the fast path or the fallback)."""
     buckets = _select_tiles(E, M, top_k)["BUCKETS"]
-    return torch.arange(E) % buckets if buckets else None
+    return torch.arange(E) % buckets if buckets > 0 else None
 
 
 def _check_gate_inputs(hidden, gate_weight, correction_bias=None):
@@ -692,7 +708,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     rank = torch.empty(n, dtype=i32, device=dev)
     # the threshold selection's candidate rows (keys, payloads, count), see _top_k_threshold
     cand = (torch.empty(M, 2 * tiles["CAP"] + 1, dtype=torch.int64, device=dev)
-            if tiles["BUCKETS"] else rank)
+            if tiles["BUCKETS"] > 0 else rank)
     topk_ids = torch.empty(M, top_k, dtype=i32, device=dev)
     topk_weights = torch.empty(M, top_k, dtype=f32, device=dev)
     sorted_ids = torch.empty(cap, dtype=i32, device=dev)

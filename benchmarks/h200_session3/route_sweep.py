@@ -18,13 +18,15 @@ Rows (k=...):
     nw2 / nw1 tiles: is the tail (cross-warp reductions, barriers) cheaper with fewer warps?
     hier (two-level counter) at 784 / 196 programs (and 784 one-warp programs): is one
     counter address a bottleneck?
+    bitonic (SELECT = "bitonic": tl.topk network, no threshold / scratch round trip / fallback)
+    at the new and old default tiles: fewer barriers and memory round trips, more instructions.
 - ``stage``: TAIL_STAGE ablations (measurement only, plan incomplete, ok = n/a) at the new
   default (stages -1, 0, 1, 2) and the old one (-1, 0): -1 = GEMV + side job (no counter),
   0 = + the completion counter, 1 = + partial sum, sigmoid, bias, keys, 2 = + top-k and
   weights; the full row is stage 3. Differences = the parts (counter, loads, selection, sort).
 - ``gemv``: the standalone split-K GEMV (gate_logits' _gate_gemv_kernel: no counter, no tail)
   cold and warm kernel durations at the same tiles: the GEMV's own cost.
-- ``tokens``: M = 8 and M = 64 at the old and new default (sanity).
+- ``tokens``: M = 8 and M = 64 at the old and new default (and bitonic at M = 8): sanity.
 """
 
 import importlib
@@ -33,6 +35,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump, gt, kdur, rec  # noqa: E402
@@ -46,7 +50,7 @@ T0 = time.time()
 rs = importlib.import_module("k3lab.kernels.route_sort")
 R = get("route")
 DEFAULTS = {"NUM_WARPS": rs.NUM_WARPS, "TAIL_STAGE": rs.TAIL_STAGE,
-            "HIER_COUNTER": rs.HIER_COUNTER}
+            "HIER_COUNTER": rs.HIER_COUNTER, "SELECT": rs.SELECT}
 
 
 def setk(**kw):
@@ -99,7 +103,7 @@ def make_copies(tp, M):
 
 tiny = [torch.zeros(1, device="cuda") for _ in range(64)]
 launch = gt(lambda x: x.add_(1), tiny)
-FULL = [  # (name, block_e, block_k, warps, hier)
+FULL = [  # (name, block_e, block_k, warps, hier or "bitonic")
     ("old-default", 16, 512, 4, False),
     ("default", None, None, None, None),
     ("16x1024", 16, 1024, 4, False),
@@ -109,6 +113,8 @@ FULL = [  # (name, block_e, block_k, warps, hier)
     ("8x1024-nw1-hier", 8, 1024, 1, True),
     ("16x512-hier", 16, 512, 4, True),
     ("32x1024-hier", 32, 1024, 4, True),
+    ("bitonic", None, None, None, "bitonic"),
+    ("bitonic-16x512", 16, 512, 4, "bitonic"),
 ]
 floors = {}
 for tp in (8, 1):
@@ -116,16 +122,22 @@ for tp in (8, 1):
     gate_us = copies[0]["gate_weight"].nbytes / bw * 1e6
     floors[tp] = floor = gate_us + launch
     rec(k="floor", tp=tp, gate_us=round(gate_us, 3), launch_us=round(launch, 3),
-        floor=round(floor, 3), copies=len(copies), bw_TBs=round(bw / 1e12, 3))
-    variants = FULL if tp == 8 else FULL[:2]
+        floor=round(floor, 3), copies=len(copies), bw_TBs=round(bw / 1e12, 3),
+        triton=triton.__version__, has_topk=hasattr(triton.language, "topk"))
+    variants = FULL if tp == 8 else [v for v in FULL if v[0] in ("old-default", "default",
+                                                                 "bitonic")]
     for name, be, bk, nw, hier in variants:
         try:
-            setk(**({} if nw is None else {"NUM_WARPS": nw, "HIER_COUNTER": hier}))
+            if hier == "bitonic":
+                setk(SELECT="bitonic", **({} if nw is None else {"NUM_WARPS": nw}))
+            else:
+                setk(**({} if nw is None else {"NUM_WARPS": nw, "HIER_COUNTER": hier}))
             fn = call(be, bk)
             ok = check(fn, copies)
             us = gt(fn, copies)
             rec(k="full", tp=tp, M=1, v=name, be=be, bk=bk, nw=rs.NUM_WARPS,
-                hier=rs.HIER_COUNTER, us=round(us, 3), ratio=round(us / floor, 3),
+                hier=rs.HIER_COUNTER, select=rs.SELECT, us=round(us, 3),
+                ratio=round(us / floor, 3),
                 cold=kcold(fn, copies, "route_sort"), warm=kdur(fn, copies[0]), ok=ok)
         except Exception as e:  # noqa: BLE001
             rec(k="full", tp=tp, v=name, err=repr(e)[:300])
@@ -151,14 +163,18 @@ for tp in (8, 1):
             warm=kdur(gfn, copies[0]))
     del copies
 
-setk()
 for M in (8, 64):
     copies = make_copies(8, M)
-    for name, be, bk in (("old-default", 16, 512), ("default", None, None)):
-        fn = call(be, bk)
-        us = gt(fn, copies)
-        rec(k="tokens", tp=8, M=M, v=name, us=round(us, 3), cold=kcold(fn, copies, "route_sort"),
-            ok=check(fn, copies))
+    tok = [("old-default", 16, 512, "threshold"), ("default", None, None, "threshold")]
+    for name, be, bk, sel in tok + ([("bitonic", None, None, "bitonic")] if M == 8 else []):
+        try:
+            setk(SELECT=sel)
+            fn = call(be, bk)
+            us = gt(fn, copies)
+            rec(k="tokens", tp=8, M=M, v=name, us=round(us, 3),
+                cold=kcold(fn, copies, "route_sort"), ok=check(fn, copies))
+        except Exception as e:  # noqa: BLE001
+            rec(k="tokens", tp=8, M=M, v=name, err=repr(e)[:300])
     del copies
 rec(k="done", wall_s=round(time.time() - T0, 1), out=os.environ.get("OUT", "/tmp"))
 dump("route_sweep.json")
