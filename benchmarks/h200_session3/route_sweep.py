@@ -19,7 +19,7 @@ Rows (k=...):
     hier (two-level counter) at 784 / 196 programs (and 784 one-warp programs): is one
     counter address a bottleneck?
     bitonic (SELECT = "bitonic": tl.topk network, no threshold / scratch round trip / fallback)
-    at the new and old default tiles: fewer barriers and memory round trips, more instructions.
+    at the default tiles: fewer barriers and memory round trips, more instructions.
 - ``stage``: TAIL_STAGE ablations (measurement only, plan incomplete, ok = n/a) at the new
   default (stages -1, 0, 1, 2) and the old one (-1, 0): -1 = GEMV + side job (no counter),
   0 = + the completion counter, 1 = + partial sum, sigmoid, bias, keys, 2 = + top-k and
@@ -108,13 +108,11 @@ FULL = [  # (name, block_e, block_k, warps, hier or "bitonic")
     ("default", None, None, None, None),
     ("16x1024", 16, 1024, 4, False),
     ("32x1024-nw2", 32, 1024, 2, False),
-    ("16x1024-nw2", 16, 1024, 2, False),
     ("8x1024-nw1", 8, 1024, 1, False),
     ("8x1024-nw1-hier", 8, 1024, 1, True),
     ("16x512-hier", 16, 512, 4, True),
     ("32x1024-hier", 32, 1024, 4, True),
     ("bitonic", None, None, None, "bitonic"),
-    ("bitonic-16x512", 16, 512, 4, "bitonic"),
 ]
 floors = {}
 for tp in (8, 1):
