@@ -19,7 +19,10 @@ Rows (k=...):
     hier (two-level counter) at 784 / 196 programs (and 784 one-warp programs): is one
     counter address a bottleneck?
     bitonic (SELECT = "bitonic": tl.topk network, no threshold / scratch round trip / fallback)
-    at the default tiles: fewer barriers and memory round trips, more instructions.
+    at the default tiles: fewer barriers and memory round trips, more instructions;
+    cap32 (CANDIDATES_PER_SLOT = 2: 32 candidate slots, not 64): a quarter of the pairwise
+    rank (sm_90 SASS: ~250 fewer tail instructions); more tokens take the arg-max fallback
+    (K3 synthetic router, 8192 tokens: 0.2% have > 32 candidates, none > 64).
 - ``stage``: TAIL_STAGE ablations (measurement only, plan incomplete, ok = n/a) at the new
   default (stages -1, 0, 1, 2) and the old one (-1, 0): -1 = GEMV + side job (no counter),
   0 = + the completion counter, 1 = + partial sum, sigmoid, bias, keys, 2 = + top-k and
@@ -50,7 +53,8 @@ T0 = time.time()
 rs = importlib.import_module("k3lab.kernels.route_sort")
 R = get("route")
 DEFAULTS = {"NUM_WARPS": rs.NUM_WARPS, "TAIL_STAGE": rs.TAIL_STAGE,
-            "HIER_COUNTER": rs.HIER_COUNTER, "SELECT": rs.SELECT}
+            "HIER_COUNTER": rs.HIER_COUNTER, "SELECT": rs.SELECT,
+            "CANDIDATES_PER_SLOT": rs.CANDIDATES_PER_SLOT}
 
 
 def setk(**kw):
@@ -113,6 +117,7 @@ FULL = [  # (name, block_e, block_k, warps, hier or "bitonic")
     ("16x512-hier", 16, 512, 4, True),
     ("32x1024-hier", 32, 1024, 4, True),
     ("bitonic", None, None, None, "bitonic"),
+    ("cap32", None, None, None, "cap32"),
 ]
 floors = {}
 for tp in (8, 1):
@@ -128,13 +133,16 @@ for tp in (8, 1):
         try:
             if hier == "bitonic":
                 setk(SELECT="bitonic", **({} if nw is None else {"NUM_WARPS": nw}))
+            elif hier == "cap32":
+                setk(CANDIDATES_PER_SLOT=2)
             else:
                 setk(**({} if nw is None else {"NUM_WARPS": nw, "HIER_COUNTER": hier}))
             fn = call(be, bk)
             ok = check(fn, copies)
             us = gt(fn, copies)
             rec(k="full", tp=tp, M=1, v=name, be=be, bk=bk, nw=rs.NUM_WARPS,
-                hier=rs.HIER_COUNTER, select=rs.SELECT, us=round(us, 3),
+                hier=rs.HIER_COUNTER, select=rs.SELECT,
+                cap=rs._select_tiles(896, 1, 16)["CAP"], us=round(us, 3),
                 ratio=round(us / floor, 3),
                 cold=kcold(fn, copies, "route_sort"), warm=kdur(fn, copies[0]), ok=ok)
         except Exception as e:  # noqa: BLE001
