@@ -41,6 +41,9 @@ TILE_PER_WARP = 512    # state-tile elements per warp (16 fp32 registers per thr
                        # for 32-wide tiles, 10% faster than 4 on the H200 (more threads share the
                        # f_b GEMV, which is most of a program's latency)
 MAX_WARPS = 8
+PIN_STATE = False      # see _gate_proj: start the GEMV's accumulator at 0 * state
+ORDERED_LOADS = False  # volatile state and f_b loads: ptxas keeps them in program order
+PACK_FB = True         # read bf16 f_b / f_low as int32 pairs in the state tile's layout
 
 
 @triton.jit
@@ -70,6 +73,51 @@ def _conv_silu_step(p_x, p_cache, p_w, o_c, C: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
+def _gate_proj(f_low, f_b, i_m, i_h, o_k, b_s, D: tl.constexpr, R: tl.constexpr,
+               BV: tl.constexpr, BR: tl.constexpr, PACKED_FB: tl.constexpr,
+               PIN_STATE: tl.constexpr, ORDERED: tl.constexpr):
+    """f = f_b[h rows] @ f_low[m]: fp32 [D] in the row layout of the [D, BV] state tile.
+
+    PACKED_FB: f_b and f_low are bf16 read as int32 pairs (f_b [Hl*D, R/2], f_low [M, R/2]) in
+    [D, BV] chunks, the state tile's shape and element size, so Triton gives them the state's
+    layout: the row sums land where the decay needs them, no layout conversion, and the chunks
+    accumulate elementwise (one reduction at the end), so every load can be in flight at once.
+    Otherwise [D, BR] chunks of any float dtype, reduced per chunk.
+    """
+    if PACKED_FB:
+        W: tl.constexpr = R // 2
+        if PIN_STATE:  # noqa: SIM108  (0 * S ties the state load to the GEMV: issued first)
+            acc = b_s * 0.0
+        else:
+            acc = tl.zeros([D, BV], dtype=tl.float32)
+        for w0 in tl.static_range(0, W, BV):
+            o_w = w0 + tl.arange(0, BV)
+            p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * W + o_w[None, :]
+            if W % BV == 0:
+                b_fl = tl.load(f_low + i_m * W + o_w)
+                b_fb = tl.load(p_fb, volatile=ORDERED)
+            else:
+                b_fl = tl.load(f_low + i_m * W + o_w, mask=o_w < W, other=0)
+                b_fb = tl.load(p_fb, mask=(o_w < W)[None, :], other=0, volatile=ORDERED)
+            fl_lo = (b_fl << 16).to(tl.float32, bitcast=True)
+            fl_hi = (b_fl & -65536).to(tl.float32, bitcast=True)
+            fb_lo = (b_fb << 16).to(tl.float32, bitcast=True)
+            fb_hi = (b_fb & -65536).to(tl.float32, bitcast=True)
+            acc += fb_lo * fl_lo[None, :] + fb_hi * fl_hi[None, :]
+        b_f = tl.sum(acc, 1)
+    else:
+        b_f = tl.zeros([D], dtype=tl.float32)
+        for r0 in tl.static_range(0, R, BR):
+            o_r = r0 + tl.arange(0, BR)
+            m_r = o_r < R
+            b_fl = tl.load(f_low + i_m * R + o_r, mask=m_r, other=0.0).to(tl.float32)
+            p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
+            b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
+            b_f += tl.sum(b_fb * b_fl[None, :], 1)
+    return b_f
+
+
+@triton.jit
 def _kda_decode_kernel(
     q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
     q_cache, k_cache, v_cache, q_conv, k_conv, v_conv,   # FUSE_CONV only
@@ -77,31 +125,24 @@ def _kda_decode_kernel(
     lower_bound, scale, eps,
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
-    FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
+    FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr, PACKED_FB: tl.constexpr,
+    PIN_STATE: tl.constexpr, ORDERED: tl.constexpr,
 ):
+    LOG2E: tl.constexpr = 1.4426950408889634
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_mh = (i_m * H + i_h).to(tl.int64)
     o_k = tl.arange(0, D)
     o_v = i_v * BV + tl.arange(0, BV)
 
-    # the state slice first: its load is the one that matters, let it fly during the GEMV
+    # every load first, in the order their data is needed: nothing between them waits on one
+    # (a layout conversion's barrier would hold the later loads back behind the earlier ones)
     p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
-    b_s = tl.load(p_s)
-
-    # f_b projection of this head's d channels: f = f_b[h rows] @ f_low[m], fp32 accumulation
-    b_f = tl.zeros([D], dtype=tl.float32)
-    for r0 in tl.static_range(0, R, BR):
-        o_r = r0 + tl.arange(0, BR)
-        m_r = o_r < R
-        b_fl = tl.load(f_low + i_m * R + o_r, mask=m_r, other=0.0).to(tl.float32)
-        p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
-        b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
-        b_f += tl.sum(b_fb * b_fl[None, :], 1)
-    b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-    b_bias = tl.load(dt_bias + i_h * D + o_k).to(tl.float32)
-    b_g = lower_bound * _sigmoid(b_A * (b_f + b_bias))
-    b_beta = _sigmoid(tl.load(b_logits + i_mh).to(tl.float32))
-
+    b_s = tl.load(p_s, volatile=ORDERED)
+    b_f = _gate_proj(f_low, f_b, i_m, i_h, o_k, b_s, D, R, BV, BR, PACKED_FB, PIN_STATE,
+                     ORDERED)
+    b_bias = tl.load(dt_bias + i_h * D + o_k)
+    b_A = tl.load(A_log + i_h)
+    b_b = tl.load(b_logits + i_mh).to(tl.float32)
     if FUSE_CONV:  # BV == D: this program owns the head's q, k, v channels and conv caches
         o_cache = i_mh * D * (C - 1)
         b_q = _conv_silu_step(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
@@ -111,20 +152,29 @@ def _kda_decode_kernel(
         b_q = tl.load(q + i_mh * D + o_k).to(tl.float32)
         b_k = tl.load(k + i_mh * D + o_k).to(tl.float32)
         b_v = tl.load(v + i_mh * D + o_v).to(tl.float32)
+    if FUSE_OUT_GATE:
+        b_w = tl.load(o_norm + o_v).to(tl.float32)
+        b_gate = tl.load(gate_logits + i_mh * D + o_v).to(tl.float32)
+
+    # gate in log2 space: exp(g) = exp2(lower_bound * log2(e) * sigmoid(exp(A) * (f + bias)))
+    b_A2 = tl.exp2(b_A * LOG2E) * LOG2E
+    b_e = tl.exp2((lower_bound * LOG2E) / (1.0 + tl.exp2(-b_A2 * (b_f + b_bias))))
+    b_beta = 1.0 / (1.0 + tl.exp2(-b_b * LOG2E))
     b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
     b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
+    b_kq = tl.sum(b_k * b_q, 0)
 
-    # decay, delta update and output on this program's [D, BV] slice of the state
-    b_s = b_s * tl.exp(b_g)[:, None]
-    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
-    b_s += b_k[:, None] * b_u[None, :]
-    b_o = tl.sum(b_s * b_q[:, None], 0)
-    tl.store(p_s, b_s)
+    # decay, then the two k-axis reductions side by side: with S the decayed slice,
+    # u = beta * (v - S^T k), S' = S + k u^T and o = S'^T q = S^T q + u (k . q)
+    b_s = b_s * b_e[:, None]
+    b_sk = tl.sum(b_s * b_k[:, None], 0)
+    b_sq = tl.sum(b_s * b_q[:, None], 0)
+    b_u = b_beta * (b_v - b_sk)
+    tl.store(p_s, b_s + b_k[:, None] * b_u[None, :])
+    b_o = b_sq + b_u * b_kq
 
     if FUSE_OUT_GATE:  # BV == D: per-head RMSNorm times sigmoid(gate)
         b_rms = tl.sqrt(tl.sum(b_o * b_o, 0) / D + eps)
-        b_w = tl.load(o_norm + o_v).to(tl.float32)
-        b_gate = tl.load(gate_logits + i_mh * D + o_v).to(tl.float32)
         b_o = b_o / b_rms * b_w * _sigmoid(b_gate)
     tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
 
@@ -273,16 +323,23 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     if whole_head and block_v != d:
         raise ValueError(f"block_v: conv / out_gate need a whole head per program (block_v={d})")
 
+    # bf16 f_b / f_low travel as int32 pairs (see _gate_proj); needs an even R and 4-byte
+    # aligned rows, which contiguous tensors with an even R have unless a view shifted them
+    packed = (PACK_FB and f_b.dtype == torch.bfloat16 and f_low.dtype == torch.bfloat16
+              and r % 2 == 0 and f_b.data_ptr() % 4 == 0 and f_low.data_ptr() % 4 == 0)
+    fb_arg, fl_arg = (f_b.view(torch.int32), f_low.view(torch.int32)) if packed else (f_b, f_low)
+
     o = torch.empty((m, hl, d), dtype=v.dtype, device=dev)
     grid = (d // block_v, hl, m)
     num_warps = max(1, min(MAX_WARPS, d * block_v // TILE_PER_WARP))
     _kda_decode_kernel[grid](
-        q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
+        q, k, v, fl_arg, fb_arg, A_log, dt_bias, b_logits, state, o,
         q_cache, k_cache, v_cache, q_conv, k_conv, v_conv, gate_logits, o_norm,
         float(lower_bound), float(scale), float(eps),
         H=hl, D=d, R=r, BR=min(BLOCK_R, triton.next_power_of_2(r)), BV=block_v,
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
-        FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
+        FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None, PACKED_FB=packed,
+        PIN_STATE=PIN_STATE, ORDERED=ORDERED_LOADS,
         num_warps=num_warps,
     )
     return o
