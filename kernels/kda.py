@@ -10,7 +10,8 @@ Per token m and head h, with S = state[m, h] [d (k), d (v)] fp32:
 
 One program owns the (token, head, v-tile) slice S[:, v-tile] of the state: the decay acts on the
 k rows and the delta update and output are column-wise, so v-tiles are independent; each program
-recomputes the cheap k-side quantities (f GEMV over R, gate, norms) for its head.
+recomputes the cheap k-side quantities (f GEMV over R, gate, norms) for its head. With S the
+decayed slice, o = S^T q + u (k . q), so S^T k and S^T q are two independent reductions.
 
 Variants (constexpr flags of the same kernel):
   FUSE_CONV      q, k, v arrive before the short convolution: one conv step + SiLU per channel in
@@ -41,7 +42,7 @@ TILE_PER_WARP = 512    # state-tile elements per warp (16 fp32 registers per thr
                        # for 32-wide tiles, 10% faster than 4 on the H200 (more threads share the
                        # f_b GEMV, which is most of a program's latency)
 MAX_WARPS = 8
-PIN_STATE = False      # see _gate_proj: start the GEMV's accumulator at 0 * state
+SYNC_LOADS = 1         # barriers among the loads (see the kernel): 0, 1 before f_b, 2 also after
 ORDERED_LOADS = False  # volatile state and f_b loads: ptxas keeps them in program order
 PACK_FB = True         # read bf16 f_b / f_low as int32 pairs in the state tile's layout
 
@@ -73,47 +74,17 @@ def _conv_silu_step(p_x, p_cache, p_w, o_c, C: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _gate_proj(f_low, f_b, i_m, i_h, o_k, b_s, D: tl.constexpr, R: tl.constexpr,
-               BV: tl.constexpr, BR: tl.constexpr, PACKED_FB: tl.constexpr,
-               PIN_STATE: tl.constexpr, ORDERED: tl.constexpr):
-    """f = f_b[h rows] @ f_low[m]: fp32 [D] in the row layout of the [D, BV] state tile.
-
-    PACKED_FB: f_b and f_low are bf16 read as int32 pairs (f_b [Hl*D, R/2], f_low [M, R/2]) in
-    [D, BV] chunks, the state tile's shape and element size, so Triton gives them the state's
-    layout: the row sums land where the decay needs them, no layout conversion, and the chunks
-    accumulate elementwise (one reduction at the end), so every load can be in flight at once.
-    Otherwise [D, BR] chunks of any float dtype, reduced per chunk.
-    """
-    if PACKED_FB:
-        W: tl.constexpr = R // 2
-        if PIN_STATE:  # noqa: SIM108  (0 * S ties the state load to the GEMV: issued first)
-            acc = b_s * 0.0
-        else:
-            acc = tl.zeros([D, BV], dtype=tl.float32)
-        for w0 in tl.static_range(0, W, BV):
-            o_w = w0 + tl.arange(0, BV)
-            p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * W + o_w[None, :]
-            if W % BV == 0:
-                b_fl = tl.load(f_low + i_m * W + o_w)
-                b_fb = tl.load(p_fb, volatile=ORDERED)
-            else:
-                b_fl = tl.load(f_low + i_m * W + o_w, mask=o_w < W, other=0)
-                b_fb = tl.load(p_fb, mask=(o_w < W)[None, :], other=0, volatile=ORDERED)
-            fl_lo = (b_fl << 16).to(tl.float32, bitcast=True)
-            fl_hi = (b_fl & -65536).to(tl.float32, bitcast=True)
-            fb_lo = (b_fb << 16).to(tl.float32, bitcast=True)
-            fb_hi = (b_fb & -65536).to(tl.float32, bitcast=True)
-            acc += fb_lo * fl_lo[None, :] + fb_hi * fl_hi[None, :]
-        b_f = tl.sum(acc, 1)
-    else:
-        b_f = tl.zeros([D], dtype=tl.float32)
-        for r0 in tl.static_range(0, R, BR):
-            o_r = r0 + tl.arange(0, BR)
-            m_r = o_r < R
-            b_fl = tl.load(f_low + i_m * R + o_r, mask=m_r, other=0.0).to(tl.float32)
-            p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
-            b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
-            b_f += tl.sum(b_fb * b_fl[None, :], 1)
+def _gate_proj_loop(f_low, f_b, i_m, i_h, o_k, D: tl.constexpr, R: tl.constexpr,
+                    BR: tl.constexpr):
+    """f = f_b[h rows] @ f_low[m] for any float dtype and rank: [D, BR] chunks, fp32 [D]."""
+    b_f = tl.zeros([D], dtype=tl.float32)
+    for r0 in tl.static_range(0, R, BR):
+        o_r = r0 + tl.arange(0, BR)
+        m_r = o_r < R
+        b_fl = tl.load(f_low + i_m * R + o_r, mask=m_r, other=0.0).to(tl.float32)
+        p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
+        b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
+        b_f += tl.sum(b_fb * b_fl[None, :], 1)
     return b_f
 
 
@@ -124,9 +95,9 @@ def _kda_decode_kernel(
     gate_logits, o_norm,                                 # FUSE_OUT_GATE only
     lower_bound, scale, eps,
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
+    BW: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr, PACKED_FB: tl.constexpr,
-    PIN_STATE: tl.constexpr, ORDERED: tl.constexpr,
+    SYNC_LOADS: tl.constexpr, ORDERED: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -134,27 +105,60 @@ def _kda_decode_kernel(
     o_k = tl.arange(0, D)
     o_v = i_v * BV + tl.arange(0, BV)
 
-    # every load first, in the order their data is needed: nothing between them waits on one
-    # (a layout conversion's barrier would hold the later loads back behind the earlier ones)
+    # Every load is issued before any of them is used, so a cold call pays one DRAM round trip,
+    # not two in a row. ptxas sinks loads towards their first use (in the old kernel the state
+    # load went out only after the f_b GEMV had its data), but moves none across a barrier, and
+    # a barrier does not wait for loads in flight: SYNC_LOADS puts one after the state and the
+    # small loads (no use of any of them before it), then f_b's. PACKED_FB: bf16 f_b and f_low
+    # read as int32 pairs (f_b [Hl*D, R/2], f_low [M, R/2]): the head's whole f_b in one [D, BW]
+    # tile (BW = max(BV, R/2 rounded up to a power of two)); with BW == BV it has the state
+    # tile's shape and element size, so Triton gives both one layout and the gate's row sums
+    # land where the decay needs them, with no layout conversion.
     p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
     b_s = tl.load(p_s, volatile=ORDERED)
-    b_f = _gate_proj(f_low, f_b, i_m, i_h, o_k, b_s, D, R, BV, BR, PACKED_FB, PIN_STATE,
-                     ORDERED)
     b_bias = tl.load(dt_bias + i_h * D + o_k)
     b_A = tl.load(A_log + i_h)
-    b_b = tl.load(b_logits + i_mh).to(tl.float32)
+    b_b = tl.load(b_logits + i_mh)
+    if not FUSE_CONV:
+        b_q = tl.load(q + i_mh * D + o_k)
+        b_k = tl.load(k + i_mh * D + o_k)
+        b_v = tl.load(v + i_mh * D + o_v)
+    if FUSE_OUT_GATE:
+        b_w = tl.load(o_norm + o_v)
+        b_gate = tl.load(gate_logits + i_mh * D + o_v)
+    if PACKED_FB:
+        W: tl.constexpr = R // 2
+        o_w = tl.arange(0, BW)
+        if W == BW:
+            b_fl = tl.load(f_low + i_m * W + o_w)
+        else:
+            b_fl = tl.load(f_low + i_m * W + o_w, mask=o_w < W, other=0)
+    if SYNC_LOADS:  # ptxas moves no load across a barrier: all of the above go out first
+        tl.debug_barrier()
+    if PACKED_FB:
+        p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * W + o_w[None, :]
+        if W == BW:
+            b_fb = tl.load(p_fb, volatile=ORDERED)
+        else:
+            b_fb = tl.load(p_fb, mask=(o_w < W)[None, :], other=0, volatile=ORDERED)
+    if SYNC_LOADS >= 2:  # and f_b's loads all go out before the GEMV starts consuming them
+        tl.debug_barrier()
     if FUSE_CONV:  # BV == D: this program owns the head's q, k, v channels and conv caches
         o_cache = i_mh * D * (C - 1)
         b_q = _conv_silu_step(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
         b_k = _conv_silu_step(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k, C, BC)
         b_v = _conv_silu_step(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v, C, BC)
+    b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
+    b_b = b_b.to(tl.float32)
+
+    if PACKED_FB:  # bf16 -> fp32 is a 16-bit shift: element 2j is the low half of word j
+        fb_lo = (b_fb << 16).to(tl.float32, bitcast=True)
+        fb_hi = (b_fb & -65536).to(tl.float32, bitcast=True)
+        fl_lo = (b_fl << 16).to(tl.float32, bitcast=True)
+        fl_hi = (b_fl & -65536).to(tl.float32, bitcast=True)
+        b_f = tl.sum(fb_lo * fl_lo[None, :] + fb_hi * fl_hi[None, :], 1)
     else:
-        b_q = tl.load(q + i_mh * D + o_k).to(tl.float32)
-        b_k = tl.load(k + i_mh * D + o_k).to(tl.float32)
-        b_v = tl.load(v + i_mh * D + o_v).to(tl.float32)
-    if FUSE_OUT_GATE:
-        b_w = tl.load(o_norm + o_v).to(tl.float32)
-        b_gate = tl.load(gate_logits + i_mh * D + o_v).to(tl.float32)
+        b_f = _gate_proj_loop(f_low, f_b, i_m, i_h, o_k, D, R, BR)
 
     # gate in log2 space: exp(g) = exp2(lower_bound * log2(e) * sigmoid(exp(A) * (f + bias)))
     b_A2 = tl.exp2(b_A * LOG2E) * LOG2E
@@ -175,7 +179,7 @@ def _kda_decode_kernel(
 
     if FUSE_OUT_GATE:  # BV == D: per-head RMSNorm times sigmoid(gate)
         b_rms = tl.sqrt(tl.sum(b_o * b_o, 0) / D + eps)
-        b_o = b_o / b_rms * b_w * _sigmoid(b_gate)
+        b_o = b_o / b_rms * b_w.to(tl.float32) * _sigmoid(b_gate.to(tl.float32))
     tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
 
 
@@ -337,9 +341,10 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         q_cache, k_cache, v_cache, q_conv, k_conv, v_conv, gate_logits, o_norm,
         float(lower_bound), float(scale), float(eps),
         H=hl, D=d, R=r, BR=min(BLOCK_R, triton.next_power_of_2(r)), BV=block_v,
+        BW=max(block_v, triton.next_power_of_2(r // 2)),
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None, PACKED_FB=packed,
-        PIN_STATE=PIN_STATE, ORDERED=ORDERED_LOADS,
+        SYNC_LOADS=SYNC_LOADS, ORDERED=ORDERED_LOADS,
         num_warps=num_warps,
     )
     return o

@@ -135,12 +135,12 @@ def test_fused_every_v_tile_width(block_v, device):
 # same math; fp32 f_b / f_low and an odd rank take the unpacked GEMV whatever PACK_FB says
 @pytest.mark.parametrize("knobs,dtype,rank,block_v", [
     ({"PACK_FB": False}, torch.bfloat16, 16, 16),
-    ({"PIN_STATE": True}, torch.bfloat16, 16, 8),
+    ({"SYNC_LOADS": 0}, torch.bfloat16, 16, 8),
     ({"ORDERED_LOADS": True}, torch.bfloat16, 24, 32),
-    ({"PIN_STATE": True, "ORDERED_LOADS": True}, torch.bfloat16, 24, 16),
+    ({"SYNC_LOADS": 2, "ORDERED_LOADS": True}, torch.bfloat16, 24, 16),
     ({}, torch.float32, 16, 16),
     ({}, torch.bfloat16, 13, 32),
-], ids=["unpacked", "pin", "ordered-R24", "pin-ordered-R24", "fp32-f_b", "R13"])
+], ids=["unpacked", "no-sync", "ordered-R24", "sync2-ordered-R24", "fp32-f_b", "R13"])
 def test_fused_tuning_switches(knobs, dtype, rank, block_v, device, monkeypatch):
     import k3lab.kernels.kda as kda_mod
     for name, val in knobs.items():

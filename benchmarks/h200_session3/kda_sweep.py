@@ -4,17 +4,17 @@ Run from the repo root: ``python3 benchmarks/h200_session3/kda_sweep.py`` (write
 $OUT). Kimi-K3, M=1, cold copies, graph replay. Every timed config is checked against the
 reference first (``ok`` in its row) and a failing one is recorded, never fatal.
 
-What the variants test (module constants of kernels/kda.py, set before the call):
+What the variants test (module constants of kernels/kda.py, set before each call):
 - ``old``: the kernel as of ad2f031 (the session's start), loaded from git: the baseline.
-- ``new``: the rewrite's default: every load first, f_b and f_low read as int32 pairs in
-  [d, BV] chunks with the state tile's layout (no layout conversion, one reduction), exp2 with
-  folded constants, the two k-axis reductions (S^T k, S^T q) side by side (o = S^T q + u k.q).
-- ``unpacked``: the same without the int32-pair f_b (PACK_FB=False): what the layout buys.
-- ``ordered``: volatile state and f_b loads (ORDERED_LOADS): ptxas must issue them in program
-  order, state first, instead of sinking the state load behind the f_b GEMV.
-- ``pin``: the GEMV's accumulator starts at 0 * state (PIN_STATE), another way to pull the
-  state load up.
-- block_v (16 / 32 / 64 / 128) and warps per tp: a v-tile per program vs a head per program.
+- ``new``: the rewrite's default: all loads issued before any use (SYNC_LOADS=1: a barrier after
+  the state and small loads, then f_b's; offline SASS of the old kernel shows ptxas sinking the
+  state load behind the f_b GEMV, the ablation's additive 2 us + 1.2 us), f_b and f_low read as
+  int32 pairs in one tile (the state's layout when BV = R/2 = 64), exp2 with folded constants,
+  S^T k and S^T q side by side (o = S^T q + u k.q).
+- ``nosync``: SYNC_LOADS=0 (what the barrier buys); ``sync2``: a second barrier after f_b's
+  loads; ``ordered``: volatile state and f_b loads (ptxas keeps their order; .STRONG.SYS loads).
+- ``unpacked``: bf16 f_b through [D, 64] chunks as before (PACK_FB=False).
+- block_v 16 / 32 / 64 / 128 and warps (MAX_WARPS): v-tiles vs a head per program, per tp.
 """
 
 import importlib.util
@@ -57,7 +57,7 @@ def old_kda():
 
 
 OLD = old_kda()
-DEFAULTS = dict(PACK_FB=kda.PACK_FB, PIN_STATE=kda.PIN_STATE, ORDERED_LOADS=kda.ORDERED_LOADS,
+DEFAULTS = dict(PACK_FB=kda.PACK_FB, SYNC_LOADS=kda.SYNC_LOADS, ORDERED_LOADS=kda.ORDERED_LOADS,
                 MAX_WARPS=kda.MAX_WARPS, TILE_PER_WARP=kda.TILE_PER_WARP)
 
 
@@ -89,18 +89,18 @@ def check(fn, inputs):
 CONFIGS = {
     8: [("fla", lambda: FLA.fn), ("old bv32", lambda: fused_fn(32, OLD)),
         ("new bv32", lambda: fused_fn(32)), ("new bv64", lambda: fused_fn(64)),
-        ("new bv16", lambda: fused_fn(16)),
-        ("unpacked bv32", lambda: fused_fn(32, PACK_FB=False)),
-        ("ordered bv32", lambda: fused_fn(32, ORDERED_LOADS=True)),
+        ("new bv64 16w", lambda: fused_fn(64, MAX_WARPS=16)), ("new bv16", lambda: fused_fn(16)),
+        ("nosync bv32", lambda: fused_fn(32, SYNC_LOADS=0)),
+        ("nosync bv64", lambda: fused_fn(64, SYNC_LOADS=0)),
+        ("sync2 bv32", lambda: fused_fn(32, SYNC_LOADS=2)),
         ("ordered bv64", lambda: fused_fn(64, ORDERED_LOADS=True)),
-        ("pin bv32", lambda: fused_fn(32, PIN_STATE=True)),
-        ("new bv32 4w", lambda: fused_fn(32, MAX_WARPS=4))],
+        ("unpacked bv32", lambda: fused_fn(32, PACK_FB=False))],
     1: [("fla", lambda: FLA.fn), ("old bv32", lambda: fused_fn(32, OLD)),
         ("new bv32", lambda: fused_fn(32)), ("new bv64", lambda: fused_fn(64)),
+        ("new bv64 16w", lambda: fused_fn(64, MAX_WARPS=16)),
         ("new bv128 8w", lambda: fused_fn(128)),
         ("new bv128 16w", lambda: fused_fn(128, MAX_WARPS=16)),
-        ("ordered bv64", lambda: fused_fn(64, ORDERED_LOADS=True)),
-        ("ordered bv128 16w", lambda: fused_fn(128, ORDERED_LOADS=True, MAX_WARPS=16))],
+        ("nosync bv64", lambda: fused_fn(64, SYNC_LOADS=0))],
     2: [("fla", lambda: FLA.fn), ("new bv32", lambda: fused_fn(32)),
         ("new bv64", lambda: fused_fn(64))],
     4: [("fla", lambda: FLA.fn), ("new bv32", lambda: fused_fn(32)),
