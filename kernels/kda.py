@@ -44,6 +44,7 @@ TILE_PER_WARP = 512    # state-tile elements per warp (16 fp32 registers per thr
 MAX_WARPS = 8
 SYNC_LOADS = 1         # barriers among the loads (see the kernel): 0, 1 before f_b, 2 also after
 ORDERED_LOADS = False  # volatile state and f_b loads: ptxas keeps them in program order
+FUSE_REDUCE = False    # norms deferred, sums over joined pairs (see the kernel); H200: sweep
 PACK_FB = True         # read bf16 f_b / f_low as int32 pairs in the state tile's layout
 
 
@@ -97,7 +98,7 @@ def _kda_decode_kernel(
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     BW: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr, PACKED_FB: tl.constexpr,
-    SYNC_LOADS: tl.constexpr, ORDERED: tl.constexpr,
+    SYNC_LOADS: tl.constexpr, ORDERED: tl.constexpr, FUSE_REDUCE: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -164,18 +165,31 @@ def _kda_decode_kernel(
     b_A2 = tl.exp2(b_A * LOG2E) * LOG2E
     b_e = tl.exp2((lower_bound * LOG2E) / (1.0 + tl.exp2(-b_A2 * (b_f + b_bias))))
     b_beta = 1.0 / (1.0 + tl.exp2(-b_b * LOG2E))
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
-    b_kq = tl.sum(b_k * b_q, 0)
-
-    # decay, then the two k-axis reductions side by side: with S the decayed slice,
-    # u = beta * (v - S^T k), S' = S + k u^T and o = S'^T q = S^T q + u (k . q)
     b_s = b_s * b_e[:, None]
-    b_sk = tl.sum(b_s * b_k[:, None], 0)
-    b_sq = tl.sum(b_s * b_q[:, None], 0)
-    b_u = b_beta * (b_v - b_sk)
-    tl.store(p_s, b_s + b_k[:, None] * b_u[None, :])
-    b_o = b_sq + b_u * b_kq
+    if FUSE_REDUCE:
+        # the L2 norms are scalars: reduce with the raw q and k and scale afterwards, so the
+        # k-axis reductions need not wait for them, and each group of sums is one reduction
+        # over a joined pair (one round through shared memory instead of one each)
+        b_qk = tl.join(b_q, b_k)                                        # [D, 2]
+        b_qq, b_kk = tl.split(tl.sum(b_qk * b_qk, 0))
+        b_kq = tl.sum(b_k * b_q, 0)
+        b_sk, b_sq = tl.split(tl.sum(b_s[:, :, None] * tl.join(b_k, b_q)[:, None, :], 0))
+        b_rk = 1.0 / tl.sqrt(b_kk + L2EPS)
+        b_rq = scale / tl.sqrt(b_qq + L2EPS)
+        b_u = b_beta * (b_v - b_sk * b_rk)
+        tl.store(p_s, b_s + (b_k * b_rk)[:, None] * b_u[None, :])
+        b_o = b_sq * b_rq + b_u * (b_kq * b_rk * b_rq)
+    else:
+        # u = beta * (v - S^T k), S' = S + k u^T and o = S'^T q = S^T q + u (k . q), with S the
+        # decayed slice and q, k normalized first
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
+        b_kq = tl.sum(b_k * b_q, 0)
+        b_sk = tl.sum(b_s * b_k[:, None], 0)
+        b_sq = tl.sum(b_s * b_q[:, None], 0)
+        b_u = b_beta * (b_v - b_sk)
+        tl.store(p_s, b_s + b_k[:, None] * b_u[None, :])
+        b_o = b_sq + b_u * b_kq
 
     if FUSE_OUT_GATE:  # BV == D: per-head RMSNorm times sigmoid(gate)
         b_rms = tl.sqrt(tl.sum(b_o * b_o, 0) / D + eps)
@@ -344,7 +358,7 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         BW=max(block_v, triton.next_power_of_2(r // 2)),
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None, PACKED_FB=packed,
-        SYNC_LOADS=SYNC_LOADS, ORDERED=ORDERED_LOADS,
+        SYNC_LOADS=SYNC_LOADS, ORDERED=ORDERED_LOADS, FUSE_REDUCE=FUSE_REDUCE,
         num_warps=num_warps,
     )
     return o

@@ -138,9 +138,12 @@ def test_fused_every_v_tile_width(block_v, device):
     ({"SYNC_LOADS": 0}, torch.bfloat16, 16, 8),
     ({"ORDERED_LOADS": True}, torch.bfloat16, 24, 32),
     ({"SYNC_LOADS": 2, "ORDERED_LOADS": True}, torch.bfloat16, 24, 16),
+    ({"FUSE_REDUCE": True}, torch.bfloat16, 16, 32),
+    ({"FUSE_REDUCE": True, "PACK_FB": False}, torch.bfloat16, 24, 8),
     ({}, torch.float32, 16, 16),
     ({}, torch.bfloat16, 13, 32),
-], ids=["unpacked", "no-sync", "ordered-R24", "sync2-ordered-R24", "fp32-f_b", "R13"])
+], ids=["unpacked", "no-sync", "ordered-R24", "sync2-ordered-R24", "fused-reduce",
+        "fused-reduce-unpacked-R24", "fp32-f_b", "R13"])
 def test_fused_tuning_switches(knobs, dtype, rank, block_v, device, monkeypatch):
     import k3lab.kernels.kda as kda_mod
     for name, val in knobs.items():

@@ -14,6 +14,8 @@ What the variants test (module constants of kernels/kda.py, set before each call
 - ``nosync``: SYNC_LOADS=0 (what the barrier buys); ``sync2``: a second barrier after f_b's
   loads; ``ordered``: volatile state and f_b loads (ptxas keeps their order; .STRONG.SYS loads).
 - ``unpacked``: bf16 f_b through [D, 64] chunks as before (PACK_FB=False).
+- ``fusered``: FUSE_REDUCE: the L2 norms deferred (reduce with raw q, k, scale after), the sums
+  grouped over tl.join pairs (offline SASS: fewer shuffles, not fewer barriers).
 - block_v 16 / 32 / 64 / 128 and warps (MAX_WARPS): v-tiles vs a head per program, per tp.
 """
 
@@ -58,6 +60,7 @@ def old_kda():
 
 OLD = old_kda()
 DEFAULTS = dict(PACK_FB=kda.PACK_FB, SYNC_LOADS=kda.SYNC_LOADS, ORDERED_LOADS=kda.ORDERED_LOADS,
+                FUSE_REDUCE=kda.FUSE_REDUCE,
                 MAX_WARPS=kda.MAX_WARPS, TILE_PER_WARP=kda.TILE_PER_WARP)
 
 
@@ -94,13 +97,15 @@ CONFIGS = {
         ("nosync bv64", lambda: fused_fn(64, SYNC_LOADS=0)),
         ("sync2 bv32", lambda: fused_fn(32, SYNC_LOADS=2)),
         ("ordered bv64", lambda: fused_fn(64, ORDERED_LOADS=True)),
-        ("unpacked bv32", lambda: fused_fn(32, PACK_FB=False))],
+        ("unpacked bv32", lambda: fused_fn(32, PACK_FB=False)),
+        ("fusered bv64", lambda: fused_fn(64, FUSE_REDUCE=True))],
     1: [("fla", lambda: FLA.fn), ("old bv32", lambda: fused_fn(32, OLD)),
         ("new bv32", lambda: fused_fn(32)), ("new bv64", lambda: fused_fn(64)),
         ("new bv64 16w", lambda: fused_fn(64, MAX_WARPS=16)),
         ("new bv128 8w", lambda: fused_fn(128)),
         ("new bv128 16w", lambda: fused_fn(128, MAX_WARPS=16)),
-        ("nosync bv64", lambda: fused_fn(64, SYNC_LOADS=0))],
+        ("nosync bv64", lambda: fused_fn(64, SYNC_LOADS=0)),
+        ("fusered bv64", lambda: fused_fn(64, FUSE_REDUCE=True))],
     2: [("fla", lambda: FLA.fn), ("new bv32", lambda: fused_fn(32)),
         ("new bv64", lambda: fused_fn(64))],
     4: [("fla", lambda: FLA.fn), ("new bv32", lambda: fused_fn(32)),
