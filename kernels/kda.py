@@ -44,13 +44,19 @@ TILE_PER_WARP = 512    # state-tile elements per warp (16 fp32 registers per thr
 MAX_WARPS = 8
 SYNC_LOADS = 1         # barriers among the loads (see the kernel): 0, 1 before f_b, 2 also after
 ORDERED_LOADS = False  # volatile state and f_b loads: ptxas keeps them in program order
-FUSE_REDUCE = False    # norms deferred, sums over joined pairs (see the kernel); H200: sweep
+FUSE_REDUCE = False    # the k-axis sums as one 5-operand reduction (see the kernel); slow in
+                       # the interpreter (about 10x a call), so the CPU tests use it sparingly
 PACK_FB = True         # read bf16 f_b / f_low as int32 pairs in the state tile's layout
 
 
 @triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _add5(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1
 
 
 @triton.jit
@@ -167,17 +173,18 @@ def _kda_decode_kernel(
     b_beta = 1.0 / (1.0 + tl.exp2(-b_b * LOG2E))
     b_s = b_s * b_e[:, None]
     if FUSE_REDUCE:
-        # the L2 norms are scalars: reduce with the raw q and k and scale afterwards, so the
-        # k-axis reductions need not wait for them, and each group of sums is one reduction
-        # over a joined pair (one round through shared memory instead of one each)
-        b_qk = tl.join(b_q, b_k)                                        # [D, 2]
-        b_qq, b_kk = tl.split(tl.sum(b_qk * b_qk, 0))
-        b_kq = tl.sum(b_k * b_q, 0)
-        b_sk, b_sq = tl.split(tl.sum(b_s[:, :, None] * tl.join(b_k, b_q)[:, None, :], 0))
-        b_rk = 1.0 / tl.sqrt(b_kk + L2EPS)
+        # the L2 norms are scalars: reduce with the raw q and k and scale the results, so all
+        # five k-axis sums (S^T k, S^T q, k.k, q.q, k.q) are one reduction over [D, BV] operands
+        # in the state's layout: one round through shared memory instead of five
+        b_kc, b_qc = b_k[:, None], b_q[:, None]
+        zero = tl.zeros([D, BV], dtype=tl.float32)
+        b_sk, b_sq, b_kk, b_qq, b_kq = tl.reduce(
+            (b_s * b_kc, b_s * b_qc, zero + b_kc * b_kc, zero + b_qc * b_qc, zero + b_kc * b_qc),
+            0, _add5)
+        b_rk = 1.0 / tl.sqrt(b_kk + L2EPS)                             # [BV], all equal
         b_rq = scale / tl.sqrt(b_qq + L2EPS)
         b_u = b_beta * (b_v - b_sk * b_rk)
-        tl.store(p_s, b_s + (b_k * b_rk)[:, None] * b_u[None, :])
+        tl.store(p_s, b_s + b_kc * (b_u * b_rk)[None, :])
         b_o = b_sq * b_rq + b_u * (b_kq * b_rk * b_rq)
     else:
         # u = beta * (v - S^T k), S' = S + k u^T and o = S'^T q = S^T q + u (k . q), with S the
