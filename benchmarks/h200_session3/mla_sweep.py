@@ -1,0 +1,162 @@
+"""H200 session 3, MLA decode (issue 6): K3 tp 8, M = 1, graph replay, cold copies.
+
+Hypotheses timed side by side, every row checked against the fp32 reference after its graph
+replays (the fused launch's counter must have been reset by every replay):
+  fused        the combine inside the split launch (FUSE_COMBINE; FUSED_COMBINERS programs)
+               against the two-kernel path: removes the combine launch and its gap;
+  partial      fp16 split partials (PARTIAL_DTYPE): half the bytes written and re-read;
+  heads_on_n   the split kernel's dots transposed (HEADS_ON_N): cache rows on the dot's M side
+               (wgmma-sized from 64 rows), the 16 (12) heads on N;
+  occupancy    more splits than SMs (264, 396) with fewer stages / warps so 2-3 CTAs share an
+               SM, and BLOCK_N 32 / 64 / 128, stages 2-4.
+32k (the hard case) runs the grid; the three fastest split configurations then run at 64k and
+128k with and without the fused combine, beside the defaults and 4 fixed splits at 128k.
+Run from the repo root: python3 benchmarks/h200_session3/mla_sweep.py  (writes $OUT/mla.json)
+"""
+
+import contextlib
+import math
+import sys
+import time
+
+sys.path.insert(0, "benchmarks/h200_tuning")
+
+import torch  # noqa: E402
+from common import bw, dump, gt, kdur, rec  # noqa: E402
+
+import k3lab.kernels.mla as mla  # noqa: E402
+from k3lab import profile  # noqa: E402
+from k3lab.boundaries import mla as MB  # noqa: E402
+from k3lab.config import preset  # noqa: E402
+from k3lab.reference.mla import mla_decode_reference  # noqa: E402
+
+T0 = time.time()
+CFG = preset("kimi-k3", 8)
+SMS = torch.cuda.get_device_properties(0).multi_processor_count
+print(f"copy bw {bw / 1e12:.3f} TB/s, {SMS} SMs", flush=True)
+
+DEFAULTS = {k: getattr(mla, k) for k in (
+    "BLOCK_N", "SPLIT_NUM_WARPS", "SPLIT_NUM_STAGES", "LONG_BLOCK_N", "LONG_NUM_WARPS",
+    "LONG_NUM_STAGES", "HEADS_ON_N", "PARTIAL_DTYPE", "FUSE_COMBINE", "FUSED_COMBINERS")}
+
+
+@contextlib.contextmanager
+def knobs(tile=None, **kw):
+    """Set module constants for one variant; tile = (BLOCK_N, warps, stages) for every L_max."""
+    if tile is not None:
+        bn, nw, ns = tile
+        kw.update(BLOCK_N=bn, SPLIT_NUM_WARPS=nw, SPLIT_NUM_STAGES=ns, LONG_BLOCK_N=bn,
+                  LONG_NUM_WARPS=nw, LONG_NUM_STAGES=ns)
+    try:
+        for k, v in kw.items():
+            setattr(mla, k, v)
+        yield
+    finally:
+        for k, v in DEFAULTS.items():
+            setattr(mla, k, v)
+
+
+def call(splits):
+    return lambda i: mla.mla_decode(i["q_lat"], i["q_rope"], i["kv_cache"], i["seq_lens"],
+                                    sm_scale=i["sm_scale"], num_splits=splits)
+
+
+def correct(fn, inputs, ref):
+    try:
+        out = fn(inputs)
+        torch.cuda.synchronize()
+        MB.check(out, ref, inputs)
+        return True
+    except Exception as e:
+        print("WRONG", repr(e)[:300], flush=True)
+        return False
+
+
+def run(ctx, copies, ref, name, splits=None, tile=None, durations=False, **kw):
+    nbytes = ctx * (CFG.kv_lora + CFG.qk_rope) * 2
+    with knobs(tile, **kw):
+        fn = call(splits)
+        us = gt(fn, copies)
+        ok = correct(fn, copies[0], ref) if math.isfinite(us) else False
+        dur = kdur(fn, copies[0]) if durations and math.isfinite(us) else None
+        eff_tile = tile or mla._split_config(ctx, torch.device("cuda"))
+    heur = mla.default_num_splits(1, CFG.mla_heads, ctx, "cuda")
+    row = dict(k="mla", ctx=ctx, name=name, splits=splits or heur, heuristic=splits is None,
+               tile=list(eff_tile), **{k: str(v) for k, v in kw.items()}, us=us,
+               frac=nbytes / bw * 1e6 / us, floor_us=nbytes / bw * 1e6, ok=ok, dur=dur,
+               t=round(time.time() - T0, 1))
+    rec(**row)
+    return row
+
+
+def inputs_for(ctx):
+    nbytes = ctx * (CFG.kv_lora + CFG.qk_rope) * 2
+    copies = profile.cold_copies(lambda s: MB.make_inputs(CFG, "cuda", s, M=1, context=ctx),
+                                 bytes_per_copy=nbytes)
+    i = copies[0]
+    ref = mla_decode_reference(i["q_lat"], i["q_rope"], i["kv_cache"], i["seq_lens"],
+                               sm_scale=i["sm_scale"])
+    return copies, ref
+
+
+# ---------------- 32k: the grid (19 timed configurations)
+ctx = 32768
+copies, ref = inputs_for(ctx)
+S1, S2, S3 = SMS, 2 * SMS, 3 * SMS
+rows = [run(ctx, copies, ref, "default", durations=True)]
+rows.append(run(ctx, copies, ref, "fused", durations=True, FUSE_COMBINE=True))
+rows.append(run(ctx, copies, ref, "fused-c384", FUSE_COMBINE=True, FUSED_COMBINERS=384))
+rows.append(run(ctx, copies, ref, "fp16-partials", durations=True,
+                PARTIAL_DTYPE=torch.float16))
+rows.append(run(ctx, copies, ref, "fused-fp16", durations=True, FUSE_COMBINE=True,
+                PARTIAL_DTYPE=torch.float16))
+grid = [  # (splits, (BLOCK_N, warps, stages), HEADS_ON_N); smem from a local sm_90 compile
+    (S1, (32, 4, 3), False),  # 93 KB
+    (S1, (32, 4, 2), False),  # 56 KB
+    (S1, (64, 8, 3), False),  # 168 KB (the long-context default)
+    (S1, (64, 4, 2), False),  # 94 KB, two score columns a warp: two mma chains
+    (S2, (32, 4, 2), False),  # 2-3 CTAs an SM
+    (S2, (32, 2, 2), False),
+    (S3, (32, 2, 2), False),
+    (S2, (64, 4, 2), False),
+    (S1, (64, 4, 2), True),  # wgmma, 168 KB (3 stages would need 242 KB)
+    (S1, (64, 8, 2), True),
+    (S1 // 2, (64, 4, 2), True),
+    (S2, (64, 4, 1), True),  # no pipelining, 92 KB: two CTAs an SM overlap each other
+]
+for s, tile, hon in grid:
+    rows.append(run(ctx, copies, ref, "grid", splits=s, tile=tile, durations=True,
+                    HEADS_ON_N=hon))
+best = sorted((r for r in rows if r["name"] == "grid" and r["ok"] and math.isfinite(r["us"])),
+              key=lambda r: r["us"])[:3]
+top = [(r["splits"], tuple(r["tile"]), r["HEADS_ON_N"] == "True") for r in best]
+print("top at 32k:", top, flush=True)
+if top:
+    s, tile, hon = top[0]
+    run(ctx, copies, ref, "best-fused", splits=s, tile=tile, durations=True, HEADS_ON_N=hon,
+        FUSE_COMBINE=True)
+    run(ctx, copies, ref, "best-fused-fp16", splits=s, tile=tile, durations=True,
+        HEADS_ON_N=hon, FUSE_COMBINE=True, PARTIAL_DTYPE=torch.float16)
+del copies, ref
+torch.cuda.empty_cache()
+dump("mla.json")
+
+# ---------------- 64k, 128k: defaults, the 32k top three, fused (7 or 8 each; 34 in all)
+for ctx in (65536, 131072):
+    copies, ref = inputs_for(ctx)
+    run(ctx, copies, ref, "default", durations=True)
+    run(ctx, copies, ref, "fused", durations=True, FUSE_COMBINE=True)
+    for s, tile, hon in top:
+        run(ctx, copies, ref, "top32k", splits=s, tile=tile, durations=True, HEADS_ON_N=hon)
+    if top:
+        s, tile, hon = top[0]
+        run(ctx, copies, ref, "best-fused", splits=s, tile=tile, durations=True,
+            HEADS_ON_N=hon, FUSE_COMBINE=True)
+        run(ctx, copies, ref, "best-fused-fp16", splits=s, tile=tile, HEADS_ON_N=hon,
+            FUSE_COMBINE=True, PARTIAL_DTYPE=torch.float16)
+    if ctx == 131072:
+        run(ctx, copies, ref, "fixed-4-splits", splits=MB.PEER_FIXED_SPLITS, durations=True)
+    del copies, ref
+    torch.cuda.empty_cache()
+    dump("mla.json")
+print(f"done in {time.time() - T0:.0f} s", flush=True)
