@@ -5,11 +5,18 @@ For every token m and head h, over the first ``seq_lens[m]`` rows ``[c_t | kr_t]
     s[h, t]  = (q_lat[h] . c_t + q_rope[h] . kr_t) * sm_scale
     o_lat[h] = sum_t softmax_t(s)[h, t] c_t,        lse[h] = log sum_t exp(s[h, t])
 
-Two kernels. ``_mla_decode_split_kernel``: one program per (token, group of BLOCK_H heads, split);
-all heads of a token share the cache rows, so the program reads each cache tile once for its
-BLOCK_H heads ([BLOCK_H, C] x [C, BLOCK_N] scores, online softmax in base 2) and writes a partial
-o [C] fp32 and its log-sum-exp per head. ``_mla_decode_combine_kernel`` merges the splits. With a
-single split the first kernel writes the final output itself (one launch).
+Split partials, then their combine. ``_split_tile``: one program per (token, group of BLOCK_H
+heads, split); all heads of a token share the cache rows, so the program reads each cache tile
+once for its BLOCK_H heads (online softmax in base 2, the score scale folded with log2 e) and
+writes a partial o [C] (fp32 or PARTIAL_DTYPE) and its log-sum-exp per head. The dots are either
+[BLOCK_H, C] x [C, BLOCK_N] (heads on the MMA's M side: 16-row mma.sync) or, with HEADS_ON_N,
+transposed ([BLOCK_N, C] x [C, BLOCK_H]: the cache tile is M, wgmma-sized from 64 rows, straight
+from shared memory). ``_combine_chunk`` merges the splits for (token, head, column chunk). Two
+launches (``_mla_decode_split_kernel`` then ``_mla_decode_combine_kernel``) or one
+(``fuse_combine`` / FUSE_COMBINE: the split programs and FUSED_COMBINERS combine programs in one
+grid, roles by a ticket taken at start, the combiners wait for every split; a per-device
+counter, reset by the last combiner). With a single split the split kernel writes the final
+output itself (one launch).
 
 The split of the context is computed on the device from ``seq_lens``: a token of length L gets
 ``cdiv(cdiv(L, BLOCK_N), num_splits)`` blocks per split and splits past the end do nothing (their
@@ -397,7 +404,7 @@ def _split_config(max_len: int, dev: torch.device) -> tuple[int, int, int]:
 
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                seq_lens: torch.Tensor, *, sm_scale: float, num_splits: int | None = None,
-               return_lse: bool = False):
+               return_lse: bool = False, fuse_combine: bool | None = None):
     """Absorbed MLA decode attention over the latent cache (split-KV).
 
     q_lat: [M, Hl, C] bf16/fp16 (q_nope absorbed through W_uk; C = kv_lora, 512 for K3).
@@ -411,12 +418,15 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         so one captured CUDA graph serves every length up to L_max.
     Returns o_lat [M, Hl, C] in q_lat's dtype; with ``return_lse`` also lse [M, Hl] fp32 (natural
     log of sum_t exp(score), scores scaled). No host synchronization.
-
-    One launch for a single split; otherwise the split kernel and the combine kernel, or (with
-    the module constant FUSE_COMBINE) one launch doing both, whose per-device counter is created
-    by the first such call on a device: that call must not be inside a CUDA-graph capture.
+    fuse_combine: None takes the module's FUSE_COMBINE. One launch for a single split;
+        otherwise the split kernel then the combine kernel, or (True) one launch doing both,
+        whose per-device counter the first fused call on a device creates: that call must not
+        be inside a CUDA-graph capture (ValueError), and fused calls on one device must not run
+        concurrently on two streams.
     """
     _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits)
+    if fuse_combine is not None and not isinstance(fuse_combine, bool):
+        raise ValueError(f"fuse_combine: expected None or a bool, got {fuse_combine!r}")
     m, h, c = q_lat.shape
     r = q_rope.shape[2]
     dev = q_lat.device
@@ -427,7 +437,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
     out = torch.empty((m, h, c), device=dev, dtype=q_lat.dtype)
     lse = torch.empty((m, h), device=dev, dtype=torch.float32)
     final = num_splits == 1
-    fused = FUSE_COMBINE and not final
+    fused = (FUSE_COMBINE if fuse_combine is None else fuse_combine) and not final
     if final:
         o_dst, lse_dst = out, lse
         so = (out.stride(0), out.stride(1), 0)

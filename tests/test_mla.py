@@ -180,18 +180,19 @@ def test_variants_match_reference(device, monkeypatch, variant, lens, max_len, n
     _check(device, q_lat, q_rope, kv, sl, num_splits, cfg.qk_head ** -0.5)
 
 
-def test_fused_repeated_calls_reset_the_counter(device, monkeypatch):
+def test_fused_repeated_calls_reset_the_counter(device):
     """Every fused launch leaves the per-device counter at zero, so the next call (or graph
-    replay) starts clean: repeated calls give the same result, across split counts too."""
-    _set(monkeypatch, VARIANTS["fused"])
+    replay) starts clean: repeated calls give the same result, across split counts too (the
+    keyword argument, not the module constant, selects the fused launch here)."""
     q_lat, q_rope, kv, sl = _inputs(TINY, [70, 3], device)
     ref = mla_decode_reference(q_lat, q_rope, kv, sl, sm_scale=0.2)
-    first = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=4)
+    first = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=4, fuse_combine=True)
     for ns in (4, 7, 4, 2):
-        o = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=ns)
+        o = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=ns, fuse_combine=True)
         assert_close(f"o_lat(splits={ns})", o, ref, **_tol(device))
         assert torch.equal(mla_mod._SYNC[torch.device(device)].cpu(), torch.zeros(3).int())
-    assert torch.equal(mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=4), first)
+    again = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=4, fuse_combine=True)
+    assert torch.equal(again, first)
 
 
 def test_fused_counter_not_created_in_capture(monkeypatch):
@@ -372,8 +373,9 @@ def test_bad_tensors(device, mutate, param):
     ({"sm_scale": 0.1, "num_splits": MAX_SPLITS + 1}, "num_splits"),
     ({"sm_scale": 0.1, "num_splits": 2.0}, "num_splits"),
     ({"sm_scale": 0.1, "num_splits": True}, "num_splits"),
+    ({"sm_scale": 0.1, "fuse_combine": 1}, "fuse_combine"),
 ], ids=["scale-0", "scale-nan", "scale-neg", "scale-bool", "splits-0", "splits-max", "splits-float",
-        "splits-bool"])
+        "splits-bool", "fuse-int"])
 def test_bad_scalars(device, kwargs, param):
     a = _good(device)
     with pytest.raises(ValueError, match=param):
