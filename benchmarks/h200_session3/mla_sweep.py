@@ -8,14 +8,18 @@ replays (the fused launch's counter must have been reset by every replay):
   heads_on_n   the split kernel's dots transposed (HEADS_ON_N): cache rows on the dot's M side
                (wgmma-sized from 64 rows), the 16 (12) heads on N;
   occupancy    more splits than SMs (264, 396) with fewer stages / warps so 2-3 CTAs share an
-               SM, and BLOCK_N 32 / 64 / 128, stages 2-4.
+               SM; BLOCK_N 32 / 64, warps 2 / 4 / 8, stages 1-3.
 32k (the hard case) runs the grid; the three fastest split configurations then run at 64k and
 128k with and without the fused combine, beside the defaults and 4 fixed splits at 128k.
-Run from the repo root: python3 benchmarks/h200_session3/mla_sweep.py  (writes $OUT/mla.json)
+Run from the repo root: python3 benchmarks/h200_session3/mla_sweep.py [32k | long]. Writes
+$OUT/mla.json (mla_32k.json / mla_long.json when one part runs alone; "long" alone takes its
+top three from MLA_TOP, e.g. MLA_TOP="264,32,4,2,0;132,64,4,2,1" for splits, BLOCK_N, warps,
+stages, HEADS_ON_N; without it only the defaults, fused and 4 fixed splits).
 """
 
 import contextlib
 import math
+import os
 import sys
 import time
 
@@ -99,50 +103,56 @@ def inputs_for(ctx):
     return copies, ref
 
 
-# ---------------- 32k: the grid (19 timed configurations)
-ctx = 32768
-copies, ref = inputs_for(ctx)
-S1, S2, S3 = SMS, 2 * SMS, 3 * SMS
-rows = [run(ctx, copies, ref, "default", durations=True)]
-rows.append(run(ctx, copies, ref, "fused", durations=True, FUSE_COMBINE=True))
-rows.append(run(ctx, copies, ref, "fused-c384", FUSE_COMBINE=True, FUSED_COMBINERS=384))
-rows.append(run(ctx, copies, ref, "fp16-partials", durations=True,
-                PARTIAL_DTYPE=torch.float16))
-rows.append(run(ctx, copies, ref, "fused-fp16", durations=True, FUSE_COMBINE=True,
-                PARTIAL_DTYPE=torch.float16))
-grid = [  # (splits, (BLOCK_N, warps, stages), HEADS_ON_N); smem from a local sm_90 compile
-    (S1, (32, 4, 3), False),  # 93 KB
-    (S1, (32, 4, 2), False),  # 56 KB
-    (S1, (64, 8, 3), False),  # 168 KB (the long-context default)
-    (S1, (64, 4, 2), False),  # 94 KB, two score columns a warp: two mma chains
-    (S2, (32, 4, 2), False),  # 2-3 CTAs an SM
-    (S2, (32, 2, 2), False),
-    (S3, (32, 2, 2), False),
-    (S2, (64, 4, 2), False),
-    (S1, (64, 4, 2), True),  # wgmma, 168 KB (3 stages would need 242 KB)
-    (S1, (64, 8, 2), True),
-    (S1 // 2, (64, 4, 2), True),
-    (S2, (64, 4, 1), True),  # no pipelining, 92 KB: two CTAs an SM overlap each other
-]
-for s, tile, hon in grid:
-    rows.append(run(ctx, copies, ref, "grid", splits=s, tile=tile, durations=True,
-                    HEADS_ON_N=hon))
-best = sorted((r for r in rows if r["name"] == "grid" and r["ok"] and math.isfinite(r["us"])),
-              key=lambda r: r["us"])[:3]
-top = [(r["splits"], tuple(r["tile"]), r["HEADS_ON_N"] == "True") for r in best]
-print("top at 32k:", top, flush=True)
-if top:
-    s, tile, hon = top[0]
-    run(ctx, copies, ref, "best-fused", splits=s, tile=tile, durations=True, HEADS_ON_N=hon,
-        FUSE_COMBINE=True)
-    run(ctx, copies, ref, "best-fused-fp16", splits=s, tile=tile, durations=True,
-        HEADS_ON_N=hon, FUSE_COMBINE=True, PARTIAL_DTYPE=torch.float16)
-del copies, ref
-torch.cuda.empty_cache()
-dump("mla.json")
+PARTS = sys.argv[1:] or ["32k", "long"]
+DUMP = "mla.json" if len(PARTS) == 2 else f"mla_{PARTS[0]}.json"
+top = []
+for spec in filter(None, os.environ.get("MLA_TOP", "").split(";")):
+    s_, bn_, nw_, ns_, hon_ = (int(x) for x in spec.split(","))
+    top.append((s_, (bn_, nw_, ns_), bool(hon_)))
 
-# ---------------- 64k, 128k: defaults, the 32k top three, fused (7 or 8 each; 34 in all)
-for ctx in (65536, 131072):
+# ---------------- 32k: the grid (17 timed configurations)
+if "32k" in PARTS:
+    ctx = 32768
+    copies, ref = inputs_for(ctx)
+    S1, S2, S3 = SMS, 2 * SMS, 3 * SMS
+    rows = [run(ctx, copies, ref, "default", durations=True)]
+    rows.append(run(ctx, copies, ref, "fused", durations=True, FUSE_COMBINE=True))
+    rows.append(run(ctx, copies, ref, "fused-c384", FUSE_COMBINE=True, FUSED_COMBINERS=384))
+    rows.append(run(ctx, copies, ref, "fp16-partials", durations=True,
+                    PARTIAL_DTYPE=torch.float16))
+    rows.append(run(ctx, copies, ref, "fused-fp16", durations=True, FUSE_COMBINE=True,
+                    PARTIAL_DTYPE=torch.float16))
+    grid = [  # (splits, (BLOCK_N, warps, stages), HEADS_ON_N); smem from a local sm_90 compile
+        (S1, (32, 4, 2), False),  # 56 KB
+        (S1, (64, 8, 3), False),  # 168 KB (the long-context default)
+        (S1, (64, 4, 2), False),  # 94 KB, two score columns a warp: two mma chains
+        (S2, (32, 4, 2), False),  # 2-3 CTAs an SM
+        (S2, (32, 2, 2), False),
+        (S3, (32, 2, 2), False),
+        (S1, (64, 4, 2), True),  # wgmma, 168 KB (3 stages would need 242 KB)
+        (S1, (64, 8, 2), True),
+        (S1 // 2, (64, 4, 2), True),
+        (S2, (64, 4, 1), True),  # no pipelining, 92 KB: two CTAs an SM overlap each other
+    ]
+    for s, tile, hon in grid:
+        rows.append(run(ctx, copies, ref, "grid", splits=s, tile=tile, durations=True,
+                        HEADS_ON_N=hon))
+    best = sorted((r for r in rows if r["name"] == "grid" and r["ok"] and math.isfinite(r["us"])),
+                  key=lambda r: r["us"])[:3]
+    top = [(r["splits"], tuple(r["tile"]), r["HEADS_ON_N"] == "True") for r in best]
+    print("top at 32k:", top, flush=True)
+    if top:
+        s, tile, hon = top[0]
+        run(ctx, copies, ref, "best-fused", splits=s, tile=tile, durations=True, HEADS_ON_N=hon,
+            FUSE_COMBINE=True)
+        run(ctx, copies, ref, "best-fused-fp16", splits=s, tile=tile, durations=True,
+            HEADS_ON_N=hon, FUSE_COMBINE=True, PARTIAL_DTYPE=torch.float16)
+    del copies, ref
+    torch.cuda.empty_cache()
+    dump(DUMP)
+
+# ---------------- 64k, 128k: defaults, the 32k top three, fused (7 or 8 each; 32 in all)
+for ctx in (65536, 131072) if "long" in PARTS else ():
     copies, ref = inputs_for(ctx)
     run(ctx, copies, ref, "default", durations=True)
     run(ctx, copies, ref, "fused", durations=True, FUSE_COMBINE=True)
@@ -158,5 +168,5 @@ for ctx in (65536, 131072):
         run(ctx, copies, ref, "fixed-4-splits", splits=MB.PEER_FIXED_SPLITS, durations=True)
     del copies, ref
     torch.cuda.empty_cache()
-    dump("mla.json")
+    dump(DUMP)
 print(f"done in {time.time() - T0:.0f} s", flush=True)
