@@ -68,8 +68,11 @@ MAX_SPLITS = 1024
 # SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.
 CPU_SM_STANDIN = 8
 # Split-kernel dot orientation (see _split_tile): False: heads are the dot's M side (16 rows,
-# mma.sync); True: the cache tile is (BLOCK_N rows: wgmma-sized from 64 on), heads the N side.
+# mma.sync); True: the cache tile is (BLOCK_N rows: wgmma-sized from 64 on), heads the N side,
+# with its own tile at every length: 64 rows, 4 warps, 2 stages take 168 KB of shared memory for
+# K3 on sm_90 (a local compile; 3 stages would need 242 KB, over the 227 KB an SM offers).
 HEADS_ON_N = False
+HON_BLOCK_N, HON_NUM_WARPS, HON_NUM_STAGES = 64, 4, 2
 # Partial outputs of the splits: fp32, or torch.float16 / torch.bfloat16 to halve the bytes the
 # splits write and the combine reads (12 heads x 512 x S x 4 B: 3.2 MB at 132 splits).
 PARTIAL_DTYPE = torch.float32
@@ -80,7 +83,7 @@ PARTIAL_DTYPE = torch.float32
 FUSE_COMBINE = False
 FUSED_COMBINERS = 128
 INTERP_COMBINERS = 2
-MAX_SPIN = tl.constexpr(1 << 24)  # polls before a combiner gives up waiting (never in practice)
+MAX_SPIN = tl.constexpr(1 << 20)  # polls (~1 s) before a combiner gives up waiting (a bug)
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -397,6 +400,8 @@ def _sync(dev: torch.device) -> torch.Tensor:
 
 def _split_config(max_len: int, dev: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the split kernel for this L_max."""
+    if HEADS_ON_N:
+        return HON_BLOCK_N, HON_NUM_WARPS, HON_NUM_STAGES
     if max_len >= LONG_CONTEXT and dev.type == "cuda":
         return LONG_BLOCK_N, LONG_NUM_WARPS, LONG_NUM_STAGES
     return BLOCK_N, SPLIT_NUM_WARPS, SPLIT_NUM_STAGES

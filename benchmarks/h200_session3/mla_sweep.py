@@ -39,9 +39,10 @@ CFG = preset("kimi-k3", 8)
 SMS = torch.cuda.get_device_properties(0).multi_processor_count
 print(f"copy bw {bw / 1e12:.3f} TB/s, {SMS} SMs", flush=True)
 
-DEFAULTS = {k: getattr(mla, k) for k in (
-    "BLOCK_N", "SPLIT_NUM_WARPS", "SPLIT_NUM_STAGES", "LONG_BLOCK_N", "LONG_NUM_WARPS",
-    "LONG_NUM_STAGES", "HEADS_ON_N", "PARTIAL_DTYPE", "FUSE_COMBINE", "FUSED_COMBINERS")}
+KNOBS = ("BLOCK_N", "SPLIT_NUM_WARPS", "SPLIT_NUM_STAGES", "LONG_BLOCK_N", "LONG_NUM_WARPS",
+         "LONG_NUM_STAGES", "HON_BLOCK_N", "HON_NUM_WARPS", "HON_NUM_STAGES", "HEADS_ON_N",
+         "PARTIAL_DTYPE", "FUSE_COMBINE", "FUSED_COMBINERS")
+DEFAULTS = {k: getattr(mla, k) for k in KNOBS}
 
 
 @contextlib.contextmanager
@@ -50,7 +51,8 @@ def knobs(tile=None, **kw):
     if tile is not None:
         bn, nw, ns = tile
         kw.update(BLOCK_N=bn, SPLIT_NUM_WARPS=nw, SPLIT_NUM_STAGES=ns, LONG_BLOCK_N=bn,
-                  LONG_NUM_WARPS=nw, LONG_NUM_STAGES=ns)
+                  LONG_NUM_WARPS=nw, LONG_NUM_STAGES=ns, HON_BLOCK_N=bn, HON_NUM_WARPS=nw,
+                  HON_NUM_STAGES=ns)
     try:
         for k, v in kw.items():
             setattr(mla, k, v)
