@@ -82,6 +82,7 @@ PARTIAL_DTYPE = torch.float32
 # combiners (the last tickets) find every split done; it uses INTERP_COMBINERS of them.
 FUSE_COMBINE = False
 FUSED_COMBINERS = 128
+FUSED_COMBINE_TILE = 4096  # the combine tile (see COMBINE_TILE) of the fused launch's combiners
 INTERP_COMBINERS = 2
 MAX_SPIN = tl.constexpr(1 << 20)  # polls (~1 s) before a combiner gives up waiting (a bug)
 
@@ -454,7 +455,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         sl = (lse_dst.stride(0), lse_dst.stride(1))
     n_groups = triton.cdiv(h, BLOCK_H)
     block_s = min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)
-    block_c = min(c, max(COMBINE_MIN_BLOCK_C, COMBINE_TILE // block_s))
+    tile = FUSED_COMBINE_TILE if fused else COMBINE_TILE
+    block_c = min(c, max(COMBINE_MIN_BLOCK_C, tile // block_s))
     n_chunks = m * h * triton.cdiv(c, block_c)
     n_combiners = min(n_chunks, INTERP_COMBINERS if dev.type == "cpu" else FUSED_COMBINERS)
     if fused:

@@ -154,6 +154,8 @@ VARIANTS = {
     "fused": dict(FUSE_COMBINE=True),
     "fused-heads-on-n": dict(FUSE_COMBINE=True, HEADS_ON_N=True),
     "fused-fp16-partials": dict(FUSE_COMBINE=True, PARTIAL_DTYPE=torch.float16),
+    "fused-wide-tile": dict(FUSE_COMBINE=True, FUSED_COMBINE_TILE=8192, FUSED_COMBINERS=132,
+                            INTERP_COMBINERS=3),
     "heads-on-n": dict(HEADS_ON_N=True),
 }
 FUSED_CASES = [  # (id, lengths, L_max or None, num_splits)

@@ -41,7 +41,7 @@ print(f"copy bw {bw / 1e12:.3f} TB/s, {SMS} SMs", flush=True)
 
 KNOBS = ("BLOCK_N", "SPLIT_NUM_WARPS", "SPLIT_NUM_STAGES", "LONG_BLOCK_N", "LONG_NUM_WARPS",
          "LONG_NUM_STAGES", "HON_BLOCK_N", "HON_NUM_WARPS", "HON_NUM_STAGES", "HEADS_ON_N",
-         "PARTIAL_DTYPE", "FUSE_COMBINE", "FUSED_COMBINERS")
+         "PARTIAL_DTYPE", "FUSE_COMBINE", "FUSED_COMBINERS", "FUSED_COMBINE_TILE")
 DEFAULTS = {k: getattr(mla, k) for k in KNOBS}
 
 
@@ -112,7 +112,7 @@ for spec in filter(None, os.environ.get("MLA_TOP", "").split(";")):
     s_, bn_, nw_, ns_, hon_ = (int(x) for x in spec.split(","))
     top.append((s_, (bn_, nw_, ns_), bool(hon_)))
 
-# ---------------- 32k: the grid (17 timed configurations)
+# ---------------- 32k: the grid (18 timed configurations)
 if "32k" in PARTS:
     ctx = 32768
     copies, ref = inputs_for(ctx)
@@ -120,6 +120,8 @@ if "32k" in PARTS:
     rows = [run(ctx, copies, ref, "default", durations=True)]
     rows.append(run(ctx, copies, ref, "fused", durations=True, FUSE_COMBINE=True))
     rows.append(run(ctx, copies, ref, "fused-c384", FUSE_COMBINE=True, FUSED_COMBINERS=384))
+    rows.append(run(ctx, copies, ref, "fused-c132-tile8k", FUSE_COMBINE=True,
+                    FUSED_COMBINERS=SMS, FUSED_COMBINE_TILE=8192))
     rows.append(run(ctx, copies, ref, "fp16-partials", durations=True,
                     PARTIAL_DTYPE=torch.float16))
     rows.append(run(ctx, copies, ref, "fused-fp16", durations=True, FUSE_COMBINE=True,
@@ -155,7 +157,7 @@ if "32k" in PARTS:
     torch.cuda.empty_cache()
     dump(DUMP)
 
-# ---------------- 64k, 128k: defaults, the 32k top three, fused (7 or 8 each; 32 in all)
+# ---------------- 64k, 128k: defaults, the 32k top three, fused (7 or 8 each; 33 in all)
 for ctx in (65536, 131072) if "long" in PARTS else ():
     copies, ref = inputs_for(ctx)
     run(ctx, copies, ref, "default", durations=True)
