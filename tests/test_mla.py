@@ -192,7 +192,7 @@ def test_fused_repeated_calls_reset_the_counter(device):
     for ns in (4, 7, 4, 2):
         o = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=ns, fuse_combine=True)
         assert_close(f"o_lat(splits={ns})", o, ref, **_tol(device))
-        assert torch.equal(mla_mod._SYNC[torch.device(device)].cpu(), torch.zeros(3).int())
+        assert torch.equal(mla_mod._SYNC[q_lat.device].cpu(), torch.zeros(3).int())
     again = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=4, fuse_combine=True)
     assert torch.equal(again, first)
 
@@ -422,11 +422,13 @@ def test_gpu_no_host_sync():
     q_lat, q_rope, kv, sl = _inputs(K3, [5000], "cuda")
     mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1)  # compile first
     mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16)
+    mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16, fuse_combine=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1)
         mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16, return_lse=True)
+        mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16, fuse_combine=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -464,7 +466,7 @@ def test_gpu_one_graph_every_length(monkeypatch, variant, num_splits):
         assert_close(f"o_lat at {lens}", o, ro, atol=O_LAT_ATOL_GPU, rtol=O_LAT_RTOL_GPU)
         assert_close(f"lse at {lens}", lse, rlse, atol=LSE_ATOL)
         if variant.startswith("fused") and num_splits != 1:
-            assert mla_mod._SYNC[torch.device("cuda")].tolist() == [0, 0, 0]
+            assert mla_mod._SYNC[q_lat.device].tolist() == [0, 0, 0]
 
 
 @pytest.mark.gpu
