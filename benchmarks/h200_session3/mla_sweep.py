@@ -26,7 +26,7 @@ import time
 sys.path.insert(0, "benchmarks/h200_tuning")
 
 import torch  # noqa: E402
-from common import bw, dump, gt, kdur, rec  # noqa: E402
+from common import ROWS, bw, dump, gt, kdur, rec  # noqa: E402
 
 import k3lab.kernels.mla as mla  # noqa: E402
 from k3lab import profile  # noqa: E402
@@ -175,4 +175,22 @@ for ctx in (65536, 131072) if "long" in PARTS else ():
     del copies, ref
     torch.cuda.empty_cache()
     dump(DUMP)
+# ---------------- summary: default and best (correct rows only) per context
+for ctx in sorted({r["ctx"] for r in ROWS}):
+    rs = [r for r in ROWS if r["ctx"] == ctx and r["ok"] and math.isfinite(r["us"])]
+    if not rs:
+        continue
+    best = min(rs, key=lambda r: r["us"])
+    dflt = next((r for r in rs if r["name"] == "default"), None)
+    knobs_of = {k: best[k] for k in KNOBS if k in best}
+    line = (f"{ctx:>6}: best {best['us']:.1f} us ({best['frac']:.2f} of copy bw; floor "
+            f"{best['floor_us']:.1f} us) {best['name']} splits={best['splits']} "
+            f"tile={best['tile']} {knobs_of} dur={best['dur']}")
+    if dflt:
+        line += f"\n        default {dflt['us']:.1f} us ({dflt['frac']:.2f}) dur={dflt['dur']}"
+    four = next((r for r in rs if r["name"] == "fixed-4-splits"), None)
+    if four:
+        ratio = four["us"] / best["us"]
+        line += f"\n        4 fixed splits {four['us']:.1f} us: best is {ratio:.2f}x faster"
+    print(line, flush=True)
 print(f"done in {time.time() - T0:.0f} s", flush=True)
