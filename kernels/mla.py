@@ -5,18 +5,11 @@ For every token m and head h, over the first ``seq_lens[m]`` rows ``[c_t | kr_t]
     s[h, t]  = (q_lat[h] . c_t + q_rope[h] . kr_t) * sm_scale
     o_lat[h] = sum_t softmax_t(s)[h, t] c_t,        lse[h] = log sum_t exp(s[h, t])
 
-Split partials, then their combine. ``_split_tile``: one program per (token, group of BLOCK_H
-heads, split); all heads of a token share the cache rows, so the program reads each cache tile
-once for its BLOCK_H heads (online softmax in base 2, the score scale folded with log2 e) and
-writes a partial o [C] (fp32 or PARTIAL_DTYPE) and its log-sum-exp per head. The dots are either
-[BLOCK_H, C] x [C, BLOCK_N] (heads on the MMA's M side: 16-row mma.sync) or, with HEADS_ON_N,
-transposed ([BLOCK_N, C] x [C, BLOCK_H]: the cache tile is M, wgmma-sized from 64 rows, straight
-from shared memory). ``_combine_chunk`` merges the splits for (token, head, column chunk). Two
-launches (``_mla_decode_split_kernel`` then ``_mla_decode_combine_kernel``) or one
-(``fuse_combine`` / FUSE_COMBINE: the split programs and FUSED_COMBINERS combine programs in one
-grid, roles by a ticket taken at start, the combiners wait for every split; a per-device
-counter, reset by the last combiner). With a single split the split kernel writes the final
-output itself (one launch).
+Two kernels. ``_mla_decode_split_kernel``: one program per (token, group of BLOCK_H heads, split);
+all heads of a token share the cache rows, so the program reads each cache tile once for its
+BLOCK_H heads ([BLOCK_H, C] x [C, BLOCK_N] scores, online softmax in base 2) and writes a partial
+o [C] fp32 and its log-sum-exp per head. ``_mla_decode_combine_kernel`` merges the splits. With a
+single split the first kernel writes the final output itself (one launch).
 
 The split of the context is computed on the device from ``seq_lens``: a token of length L gets
 ``cdiv(cdiv(L, BLOCK_N), num_splits)`` blocks per split and splits past the end do nothing (their
@@ -67,43 +60,23 @@ MIN_ROWS_PER_SPLIT = 128
 MAX_SPLITS = 1024
 # SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.
 CPU_SM_STANDIN = 8
-# Split-kernel dot orientation (see _split_tile): False: heads are the dot's M side (16 rows,
-# mma.sync); True: the cache tile is (BLOCK_N rows: wgmma-sized from 64 on), heads the N side,
-# with its own tile at every length: 64 rows, 4 warps, 2 stages take 168 KB of shared memory for
-# K3 on sm_90 (a local compile; 3 stages would need 242 KB, over the 227 KB an SM offers).
-HEADS_ON_N = False
-HON_BLOCK_N, HON_NUM_WARPS, HON_NUM_STAGES = 64, 4, 2
-# Partial outputs of the splits: fp32, or torch.float16 / torch.bfloat16 to halve the bytes the
-# splits write and the combine reads (12 heads x 512 x S x 4 B: 3.2 MB at 132 splits).
-PARTIAL_DTYPE = torch.float32
-# Fused combine (one launch): the split programs and FUSED_COMBINERS combine programs share a
-# grid, roles by start ticket (see _mla_decode_split_kernel); a per-device int32[3] counter, zero
-# between launches. The interpreter runs programs one after another in grid order, so the
-# combiners (the last tickets) find every split done; it uses INTERP_COMBINERS of them.
-FUSE_COMBINE = False
-FUSED_COMBINERS = 128
-FUSED_COMBINE_TILE = 4096  # the combine tile (see COMBINE_TILE) of the fused launch's combiners
-INTERP_COMBINERS = 2
-MAX_SPIN = tl.constexpr(1 << 20)  # polls (~1 s) before a combiner gives up waiting (a bug)
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _split_tile(q_lat, q_rope, kv, seq_lens, o, lse, i_m, i_hb, i_s,
-                sm_scale_log2, num_splits, H,
-                stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
-                stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
-                C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_FP32: tl.constexpr, FINAL: tl.constexpr, HEADS_ON_N: tl.constexpr):
-    """Split i_s of token i_m for heads [i_hb * BLOCK_H, +BLOCK_H): online softmax over its
-    cache rows, then o / lse stored (see _mla_decode_split_kernel for FINAL).
-
-    HEADS_ON_N: the dots are written transposed, scores [BLOCK_N, BLOCK_H] = C_tile @ q^T and
-    acc [C, BLOCK_H] += C_tile^T @ P^T, so the cache tile is the dot's M side (BLOCK_N >= 64 lets
-    Hopper use wgmma straight from shared memory) and the heads the small N side; otherwise
-    scores [BLOCK_H, BLOCK_N] = q @ C_tile^T and acc [BLOCK_H, C] += P @ C_tile."""
+def _mla_decode_split_kernel(
+    q_lat, q_rope, kv, seq_lens, o, lse,
+    sm_scale_log2, num_splits, H,
+    stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
+    stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
+    C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, FINAL: tl.constexpr,
+):
+    """FINAL: single split; o is the output [M, Hl, C] and lse the natural-log lse [M, Hl].
+    Otherwise o is the fp32 partial [M, Hl, S, C] and lse the base-2 partial lse [M, Hl, S]."""
+    i_m, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_m64 = i_m.to(tl.int64)
     L = tl.load(seq_lens + i_m)
     blocks_per_split = tl.cdiv(tl.cdiv(L, BLOCK_N), num_splits)
@@ -121,15 +94,10 @@ def _split_tile(q_lat, q_rope, kv, seq_lens, o, lse, i_m, i_hb, i_s,
     if DOT_FP32:  # the interpreter's tl.dot is wrong on bf16: compute in fp32 there
         b_ql = b_ql.to(tl.float32)
         b_qr = b_qr.to(tl.float32)
-    if HEADS_ON_N:
-        b_qlt = tl.trans(b_ql)  # [C, BLOCK_H], loop invariant
-        b_qrt = tl.trans(b_qr)
-        b_acc = tl.zeros([C, BLOCK_H], dtype=tl.float32)
-    else:
-        b_acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
     p_kv = kv + i_m64 * stride_kv_m
     for n0 in range(start, end, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
@@ -141,26 +109,15 @@ def _split_tile(q_lat, q_rope, kv, seq_lens, o, lse, i_m, i_hb, i_s,
         if DOT_FP32:
             b_c = b_c.to(tl.float32)
             b_kr = b_kr.to(tl.float32)
-        if HEADS_ON_N:
-            b_s = tl.dot(b_c, b_qlt) + tl.dot(b_kr, b_qrt)  # [BLOCK_N, BLOCK_H]
-            b_s = tl.where(m_n[:, None], b_s * sm_scale_log2, float("-inf"))
-            b_m_new = tl.maximum(b_m, tl.max(b_s, axis=0))
-            b_alpha = tl.exp2(b_m - b_m_new)
-            b_p = tl.exp2(b_s - b_m_new[None, :])
-            b_l = b_l * b_alpha + tl.sum(b_p, axis=0)
-            b_acc = b_acc * b_alpha[None, :] + tl.dot(tl.trans(b_c), b_p.to(b_c.dtype))
-        else:
-            b_s = tl.dot(b_ql, tl.trans(b_c)) + tl.dot(b_qr, tl.trans(b_kr))  # [BLOCK_H, BLOCK_N]
-            b_s = tl.where(m_n[None, :], b_s * sm_scale_log2, float("-inf"))
-            b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-            b_alpha = tl.exp2(b_m - b_m_new)
-            b_p = tl.exp2(b_s - b_m_new[:, None])
-            b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c)
+        b_s = tl.dot(b_ql, tl.trans(b_c)) + tl.dot(b_qr, tl.trans(b_kr))
+        b_s = tl.where(m_n[None, :], b_s * sm_scale_log2, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_alpha = tl.exp2(b_m - b_m_new)
+        b_p = tl.exp2(b_s - b_m_new[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c)
         b_m = b_m_new
 
-    if HEADS_ON_N:
-        b_acc = tl.trans(b_acc)  # [BLOCK_H, C]
     # an empty split (or a zero length) leaves l = 0, acc = 0: o = 0 and lse = -inf
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
     b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
@@ -172,13 +129,15 @@ def _split_tile(q_lat, q_rope, kv, seq_lens, o, lse, i_m, i_hb, i_s,
 
 
 @triton.jit
-def _combine_chunk(o_part, lse_part, o, lse, i_m, i_h, i_c, num_splits,
-                   stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
-                   stride_o_m, stride_o_h, stride_lse_m,
-                   C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Token i_m, head i_h, latent columns [i_c * BLOCK_C, +BLOCK_C): softmax-weighted sum of the
-    splits' partial outputs by their base-2 lse; empty splits (lse -inf, o 0) weigh 0. The
-    partials are read through L2 only (.cg): in the fused launch other programs wrote them."""
+def _mla_decode_combine_kernel(
+    o_part, lse_part, o, lse, num_splits,
+    stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
+    stride_o_m, stride_o_h, stride_lse_m,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (token, head, BLOCK_C latent columns): softmax-weighted sum of the
+    splits' partial outputs by their base-2 lse; empty splits (lse -inf, o 0) weigh 0."""
+    i_m, i_h, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_m64 = i_m.to(tl.int64)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < C
@@ -191,7 +150,7 @@ def _combine_chunk(o_part, lse_part, o, lse, i_m, i_h, i_c, num_splits,
     for s0 in range(0, num_splits, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
         m_s = o_s < num_splits
-        b_lse = tl.load(p_lp + o_s, mask=m_s, other=float("-inf"), cache_modifier=".cg")
+        b_lse = tl.load(p_lp + o_s, mask=m_s, other=float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_lse, axis=0))
         b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no -inf - -inf
         b_alpha = tl.exp2(b_m - b_ref)
@@ -199,8 +158,7 @@ def _combine_chunk(o_part, lse_part, o, lse, i_m, i_h, i_c, num_splits,
         # not masked by the lse: the two loads then fly together (an empty split wrote o = 0
         # and gets weight 0)
         b_op = tl.load(p_op + o_s[:, None] * stride_op_s + o_c[None, :],
-                       mask=m_s[:, None] & m_c[None, :], other=0.0,
-                       cache_modifier=".cg").to(tl.float32)
+                       mask=m_s[:, None] & m_c[None, :], other=0.0)
         b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_op, axis=0)
         b_l = b_l * b_alpha + tl.sum(b_w, axis=0)
         b_m = b_m_new
@@ -208,90 +166,9 @@ def _combine_chunk(o_part, lse_part, o, lse, i_m, i_h, i_c, num_splits,
     b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)
     tl.store(o + i_m64 * stride_o_m + i_h * stride_o_h + o_c, b_o.to(o.dtype.element_ty),
              mask=m_c)
-    b_lse_out = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
-    tl.store(lse + i_m64 * stride_lse_m + i_h + tl.arange(0, 1), b_lse_out * 0.6931471805599453,
-             mask=(tl.arange(0, 1) + i_c) == 0)
-
-
-@triton.jit
-def _mla_decode_split_kernel(
-    q_lat, q_rope, kv, seq_lens, o, lse, out, lse_out, p_sync,
-    sm_scale_log2, num_splits, H, M, n_groups, n_combiners,
-    stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
-    stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
-    stride_out_m, stride_out_h, stride_lse_out_m,
-    C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, FINAL: tl.constexpr, HEADS_ON_N: tl.constexpr,
-    FUSED: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """Split partials, and with FUSED the combine as well.
-
-    Not FUSED: grid (M, head groups, num_splits). FINAL: single split; o is the output
-    [M, Hl, C] and lse the natural-log lse [M, Hl]. Otherwise o is the partial [M, Hl, S, C]
-    (fp32 or PARTIAL_DTYPE) and lse the base-2 partial lse fp32 [M, Hl, S]; out / lse_out unused.
-
-    FUSED: 1-D grid of M * n_groups * num_splits split programs plus n_combiners combine
-    programs. Roles go by a ticket taken at start (p_sync[0]), so they follow the order in which
-    programs actually start: the first tickets run the splits and count themselves done in
-    p_sync[1] (release); the last n_combiners tickets wait for every split (acquire; each split
-    started before them, so none waits on a program that could not get an SM) and merge
-    (token, head, BLOCK_C column) chunks into out [M, Hl, C] / lse_out [M, Hl] by a grid
-    stride. The last combiner to finish (p_sync[2]) zeroes the three counters for the next
-    launch or graph replay."""
-    if FUSED:
-        i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
-        n_split_prog = M * n_groups * num_splits
-        if i_t < n_split_prog:
-            i_s = i_t % num_splits
-            i_hb = (i_t // num_splits) % n_groups
-            i_m = i_t // (num_splits * n_groups)
-            _split_tile(q_lat, q_rope, kv, seq_lens, o, lse, i_m, i_hb, i_s,
-                        sm_scale_log2, num_splits, H,
-                        stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m,
-                        stride_kv_n, stride_o_m, stride_o_h, stride_o_s, stride_lse_m,
-                        stride_lse_h, C, R, BLOCK_H, BLOCK_N, DOT_FP32, False, HEADS_ON_N)
-            tl.debug_barrier()  # every thread's stores issued before the release below
-            tl.atomic_add(p_sync + 1, 1, sem="release", scope="gpu")
-        else:
-            # poll with plain (volatile) loads, then one acquire RMW (a max with 0: Triton 3.6
-            # drops an acquire add of 0 whose value is unused, see kernels/moe.py)
-            n_spin = i_t * 0
-            while (tl.load(p_sync + 1, volatile=True) < n_split_prog) & (n_spin < MAX_SPIN):
-                n_spin += 1
-            tl.atomic_max(p_sync + 1, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()
-            n_cb = tl.cdiv(C, BLOCK_C)
-            for j in range(i_t - n_split_prog, M * H * n_cb, n_combiners):
-                _combine_chunk(o, lse, out, lse_out, j // (H * n_cb), (j // n_cb) % H, j % n_cb,
-                               num_splits, stride_o_m, stride_o_h, stride_o_s, stride_lse_m,
-                               stride_lse_h, stride_out_m, stride_out_h, stride_lse_out_m,
-                               C, BLOCK_C, BLOCK_S)
-            tl.debug_barrier()
-            if tl.atomic_add(p_sync + 2, 1, sem="acq_rel", scope="gpu") == n_combiners - 1:
-                # every ticket is taken and every split and combiner done: reset
-                tl.atomic_xchg(p_sync + 1, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(p_sync + 2, 0, sem="relaxed", scope="gpu")
-                tl.atomic_xchg(p_sync, 0, sem="release", scope="gpu")
-    else:
-        _split_tile(q_lat, q_rope, kv, seq_lens, o, lse, tl.program_id(0), tl.program_id(1),
-                    tl.program_id(2), sm_scale_log2, num_splits, H,
-                    stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
-                    stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
-                    C, R, BLOCK_H, BLOCK_N, DOT_FP32, FINAL, HEADS_ON_N)
-
-
-@triton.jit
-def _mla_decode_combine_kernel(
-    o_part, lse_part, o, lse, num_splits,
-    stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
-    stride_o_m, stride_o_h, stride_lse_m,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """One program per (token, head, BLOCK_C latent columns): see _combine_chunk."""
-    _combine_chunk(o_part, lse_part, o, lse, tl.program_id(0), tl.program_id(1),
-                   tl.program_id(2), num_splits, stride_op_m, stride_op_h, stride_op_s,
-                   stride_lp_m, stride_lp_h, stride_o_m, stride_o_h, stride_lse_m,
-                   C, BLOCK_C, BLOCK_S)
+    if i_c == 0:
+        b_lse_out = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+        tl.store(lse + i_m64 * stride_lse_m + i_h + tl.arange(0, 1), b_lse_out * 0.6931471805599453)
 
 
 @functools.cache
@@ -377,41 +254,10 @@ def _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits):
                          f"got {num_splits!r}")
 
 
-def _capturing(dev: torch.device) -> bool:
-    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-# One int32[3] counter per device for the fused launch (tickets, splits done, combiners done),
-# zero between launches: fused calls on one device must not run concurrently on two streams.
-_SYNC: dict[torch.device, torch.Tensor] = {}
-
-
-def _sync(dev: torch.device) -> torch.Tensor:
-    """The device's zeroed fused-launch counter, created by the first call outside a capture."""
-    sync = _SYNC.get(dev)
-    if sync is None:
-        if _capturing(dev):
-            raise ValueError(
-                f"q_lat: mla_decode's fused-combine counter on {dev} does not exist yet and "
-                "cannot be created inside a CUDA-graph capture; call mla_decode once on this "
-                "device before capturing")
-        sync = _SYNC[dev] = torch.zeros(3, dtype=torch.int32, device=dev)
-    return sync
-
-
-def _split_config(max_len: int, dev: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel for this L_max."""
-    if HEADS_ON_N:
-        return HON_BLOCK_N, HON_NUM_WARPS, HON_NUM_STAGES
-    if max_len >= LONG_CONTEXT and dev.type == "cuda":
-        return LONG_BLOCK_N, LONG_NUM_WARPS, LONG_NUM_STAGES
-    return BLOCK_N, SPLIT_NUM_WARPS, SPLIT_NUM_STAGES
-
-
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                seq_lens: torch.Tensor, *, sm_scale: float, num_splits: int | None = None,
-               return_lse: bool = False, fuse_combine: bool | None = None):
-    """Absorbed MLA decode attention over the latent cache (split-KV).
+               return_lse: bool = False):
+    """Absorbed MLA decode attention over the latent cache (split-KV, two kernels).
 
     q_lat: [M, Hl, C] bf16/fp16 (q_nope absorbed through W_uk; C = kv_lora, 512 for K3).
     q_rope: [M, Hl, R] same dtype (R = qk_rope, 64 for K3).
@@ -424,15 +270,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         so one captured CUDA graph serves every length up to L_max.
     Returns o_lat [M, Hl, C] in q_lat's dtype; with ``return_lse`` also lse [M, Hl] fp32 (natural
     log of sum_t exp(score), scores scaled). No host synchronization.
-    fuse_combine: None takes the module's FUSE_COMBINE. One launch for a single split;
-        otherwise the split kernel then the combine kernel, or (True) one launch doing both,
-        whose per-device counter the first fused call on a device creates: that call must not
-        be inside a CUDA-graph capture (ValueError), and fused calls on one device must not run
-        concurrently on two streams.
     """
     _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits)
-    if fuse_combine is not None and not isinstance(fuse_combine, bool):
-        raise ValueError(f"fuse_combine: expected None or a bool, got {fuse_combine!r}")
     m, h, c = q_lat.shape
     r = q_rope.shape[2]
     dev = q_lat.device
@@ -443,40 +282,30 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
     out = torch.empty((m, h, c), device=dev, dtype=q_lat.dtype)
     lse = torch.empty((m, h), device=dev, dtype=torch.float32)
     final = num_splits == 1
-    fused = (FUSE_COMBINE if fuse_combine is None else fuse_combine) and not final
     if final:
         o_dst, lse_dst = out, lse
         so = (out.stride(0), out.stride(1), 0)
         sl = (lse.stride(0), lse.stride(1))
     else:
-        o_dst = torch.empty((m, h, num_splits, c), device=dev, dtype=PARTIAL_DTYPE)
+        o_dst = torch.empty((m, h, num_splits, c), device=dev, dtype=torch.float32)
         lse_dst = torch.empty((m, h, num_splits), device=dev, dtype=torch.float32)
         so = (o_dst.stride(0), o_dst.stride(1), o_dst.stride(2))
         sl = (lse_dst.stride(0), lse_dst.stride(1))
-    n_groups = triton.cdiv(h, BLOCK_H)
-    block_s = min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)
-    tile = FUSED_COMBINE_TILE if fused else COMBINE_TILE
-    block_c = min(c, max(COMBINE_MIN_BLOCK_C, tile // block_s))
-    n_chunks = m * h * triton.cdiv(c, block_c)
-    n_combiners = min(n_chunks, INTERP_COMBINERS if dev.type == "cpu" else FUSED_COMBINERS)
-    if fused:
-        grid = (m * n_groups * num_splits + n_combiners, 1, 1)
-        sync = _sync(dev)
-    else:
-        grid = (m, n_groups, num_splits)
-        sync = lse  # unused
-    block_n, warps, stages = _split_config(kv_cache.shape[1], dev)
+    grid = (m, triton.cdiv(h, BLOCK_H), num_splits)
+    block_n, warps, stages = BLOCK_N, SPLIT_NUM_WARPS, SPLIT_NUM_STAGES
+    if kv_cache.shape[1] >= LONG_CONTEXT and dev.type == "cuda":
+        block_n, warps, stages = LONG_BLOCK_N, LONG_NUM_WARPS, LONG_NUM_STAGES
     _mla_decode_split_kernel[grid](
-        q_lat, q_rope, kv_cache, seq_lens, o_dst, lse_dst, out, lse, sync,
-        sm_scale * _LOG2E, num_splits, h, m, n_groups, n_combiners,
+        q_lat, q_rope, kv_cache, seq_lens, o_dst, lse_dst,
+        sm_scale * _LOG2E, num_splits, h,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), *so, *sl,
-        out.stride(0), out.stride(1), lse.stride(0),
         C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, DOT_FP32=dot_fp32, FINAL=final,
-        HEADS_ON_N=HEADS_ON_N, FUSED=fused, BLOCK_C=block_c, BLOCK_S=block_s,
         num_warps=warps, num_stages=stages,
     )
-    if not final and not fused:
+    if not final:
+        block_s = min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)
+        block_c = min(c, max(COMBINE_MIN_BLOCK_C, COMBINE_TILE // block_s))
         _mla_decode_combine_kernel[(m, h, triton.cdiv(c, block_c))](
             o_dst, lse_dst, out, lse, num_splits,
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),

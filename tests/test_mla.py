@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-import k3lab.kernels.mla as mla_mod
 from k3lab.boundaries import assert_close, get
 from k3lab.config import preset
 from k3lab.kernels import mla_decode
@@ -144,71 +143,6 @@ def test_zero_length_gives_zero_output(device):
         assert torch.isneginf(lse[1]).all()
         ref = mla_decode_reference(q_lat[:1], q_rope[:1], kv[:1], sl[:1], sm_scale=0.2)
         assert_close("o_lat[0]", o[:1], ref, **_tol(device))
-
-
-# ---------------------------------------------------------------------------------------------
-# variants: the fused combine (one launch, ticketed roles, per-device counter), the transposed
-# dots (HEADS_ON_N), half-size partials
-
-VARIANTS = {
-    "fused": dict(FUSE_COMBINE=True),
-    "fused-heads-on-n": dict(FUSE_COMBINE=True, HEADS_ON_N=True),
-    "fused-fp16-partials": dict(FUSE_COMBINE=True, PARTIAL_DTYPE=torch.float16),
-    "fused-wide-tile": dict(FUSE_COMBINE=True, FUSED_COMBINE_TILE=8192, FUSED_COMBINERS=132,
-                            INTERP_COMBINERS=3),
-    "heads-on-n": dict(HEADS_ON_N=True),
-}
-FUSED_CASES = [  # (id, lengths, L_max or None, num_splits)
-    ("L1-s4", [1], 40, 4),
-    ("L100-s3-partial-block", [100], 130, 3),
-    ("L33-s64-more-splits-than-blocks", [33], None, 64),
-    ("M3-mixed-s5", [97, 1, 64], 100, 5),
-    ("M2-auto", [300, 45], None, None),
-]
-
-
-def _set(monkeypatch, knobs):
-    for k, v in knobs.items():
-        monkeypatch.setattr(mla_mod, k, v)
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("lens,max_len,num_splits", [c[1:] for c in FUSED_CASES],
-                         ids=[c[0] for c in FUSED_CASES])
-def test_variants_match_reference(device, monkeypatch, variant, lens, max_len, num_splits):
-    _set(monkeypatch, VARIANTS[variant])
-    cfg = K3 if variant == "fused-heads-on-n" and len(lens) == 2 else TINY
-    q_lat, q_rope, kv, sl = _inputs(cfg, lens, device, max_len=max_len)
-    _check(device, q_lat, q_rope, kv, sl, num_splits, cfg.qk_head ** -0.5)
-
-
-def test_fused_repeated_calls_reset_the_counter(device):
-    """Every fused launch leaves the per-device counter at zero, so the next call (or graph
-    replay) starts clean: repeated calls give the same result, across split counts too (the
-    keyword argument, not the module constant, selects the fused launch here)."""
-    q_lat, q_rope, kv, sl = _inputs(TINY, [70, 3], device)
-    ref = mla_decode_reference(q_lat, q_rope, kv, sl, sm_scale=0.2)
-    first = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=4, fuse_combine=True)
-    for ns in (4, 7, 4, 2):
-        o = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=ns, fuse_combine=True)
-        assert_close(f"o_lat(splits={ns})", o, ref, **_tol(device))
-        assert torch.equal(mla_mod._SYNC[q_lat.device].cpu(), torch.zeros(3).int())
-    again = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=4, fuse_combine=True)
-    assert torch.equal(again, first)
-
-
-def test_fused_counter_not_created_in_capture(monkeypatch):
-    """The counter is allocated by the first fused call; inside a capture that raises."""
-    _set(monkeypatch, VARIANTS["fused"])
-    monkeypatch.setattr(mla_mod, "_SYNC", {})
-    monkeypatch.setattr(mla_mod, "_capturing", lambda dev: True)
-    q_lat, q_rope, kv, sl = _inputs(TINY, [10], "cpu")
-    with pytest.raises(ValueError, match="q_lat.*capture"):
-        mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=2)
-    monkeypatch.setattr(mla_mod, "_capturing", lambda dev: False)
-    mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=2)  # outside: created
-    monkeypatch.setattr(mla_mod, "_capturing", lambda dev: True)
-    mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=2)  # exists: fine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,9 +309,8 @@ def test_bad_tensors(device, mutate, param):
     ({"sm_scale": 0.1, "num_splits": MAX_SPLITS + 1}, "num_splits"),
     ({"sm_scale": 0.1, "num_splits": 2.0}, "num_splits"),
     ({"sm_scale": 0.1, "num_splits": True}, "num_splits"),
-    ({"sm_scale": 0.1, "fuse_combine": 1}, "fuse_combine"),
 ], ids=["scale-0", "scale-nan", "scale-neg", "scale-bool", "splits-0", "splits-max", "splits-float",
-        "splits-bool", "fuse-int"])
+        "splits-bool"])
 def test_bad_scalars(device, kwargs, param):
     a = _good(device)
     with pytest.raises(ValueError, match=param):
@@ -422,25 +355,20 @@ def test_gpu_no_host_sync():
     q_lat, q_rope, kv, sl = _inputs(K3, [5000], "cuda")
     mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1)  # compile first
     mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16)
-    mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16, fuse_combine=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1)
         mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16, return_lse=True)
-        mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1, num_splits=16, fuse_combine=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["default", *VARIANTS])
 @pytest.mark.parametrize("num_splits", [1, 4, 64, None])
-def test_gpu_one_graph_every_length(monkeypatch, variant, num_splits):
+def test_gpu_one_graph_every_length(num_splits):
     """Capture once at L_max with a fixed split count, then change seq_lens in place and replay:
-    every length (shorter, not a multiple of the block, 1, L_max) must match the reference.
-    Fused: the counter must be back at zero after every replay."""
-    _set(monkeypatch, VARIANTS.get(variant, {}))
+    every length (shorter, not a multiple of the block, 1, L_max) must match the reference."""
     l_max = 16384
     q_lat, q_rope, kv, sl = _inputs(K3, [l_max, l_max], "cuda")
     sm_scale = K3.qk_head ** -0.5
@@ -465,27 +393,3 @@ def test_gpu_one_graph_every_length(monkeypatch, variant, num_splits):
                                         return_lse=True)
         assert_close(f"o_lat at {lens}", o, ro, atol=O_LAT_ATOL_GPU, rtol=O_LAT_RTOL_GPU)
         assert_close(f"lse at {lens}", lse, rlse, atol=LSE_ATOL)
-        if variant.startswith("fused") and num_splits != 1:
-            assert mla_mod._SYNC[q_lat.device].tolist() == [0, 0, 0]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("length,num_splits", [(1, None), (4097, 300), (32768, None),
-                                               (131072, 132), (32768, 264)])
-def test_gpu_k3_variants(monkeypatch, variant, length, num_splits):
-    """Fused / transposed / fp16-partial paths at K3 tp 8 sizes, including more splits than
-    SMs (the fused combiners then wait on splits that started in an earlier wave)."""
-    _set(monkeypatch, VARIANTS[variant])
-    q_lat, q_rope, kv, sl = _inputs(K3, [length], "cuda", max_len=max(length, 256))
-    for _ in range(3):
-        _check("cuda", q_lat, q_rope, kv, sl, num_splits, K3.qk_head ** -0.5)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_gpu_k3_variants_batch(monkeypatch, variant):
-    _set(monkeypatch, VARIANTS[variant])
-    q_lat, q_rope, kv, sl = _inputs(K3, [8192, 1, 3000, 77], "cuda")
-    for ns in (None, 8, 132):
-        _check("cuda", q_lat, q_rope, kv, sl, ns, K3.qk_head ** -0.5)

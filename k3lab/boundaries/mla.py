@@ -61,12 +61,6 @@ def _fused(inputs: dict) -> torch.Tensor:
                       num_splits=inputs.get("num_splits"))
 
 
-def _fused_one_launch(inputs: dict) -> torch.Tensor:
-    from k3lab.kernels import mla_decode
-    return mla_decode(*_args(inputs), sm_scale=inputs["sm_scale"],
-                      num_splits=inputs.get("num_splits"), fuse_combine=True)
-
-
 def _fixed_splits(inputs: dict) -> torch.Tensor:
     from k3lab.kernels import mla_decode
     return mla_decode(*_args(inputs), sm_scale=inputs["sm_scale"], num_splits=PEER_FIXED_SPLITS)
@@ -93,12 +87,8 @@ BOUNDARY = Boundary(
         Variant("reference", "reference", _reference,
                 "absorbed attention in fp32 PyTorch over the masked cache"),
         Variant("fused", "fused", _fused,
-                "split partials + lse combine (two launches, or one where kernels.mla's "
-                "FUSE_COMBINE default says so), split count from the heuristic unless "
-                "num_splits is given"),
-        Variant("fused-1-launch", "fused", _fused_one_launch,
-                "the same with the combine inside the split launch (ticketed split and combine "
-                "programs, one per-device counter)"),
+                "split partials + lse combine (two Triton kernels), split count from the "
+                "heuristic unless num_splits is given"),
         Variant(f"fused-{PEER_FIXED_SPLITS}-splits", "peer", _fixed_splits,
                 f"our kernels at {PEER_FIXED_SPLITS} fixed splits, the count a serving engine "
                 "hard-codes (vLLM Triton MLA decode)"),
