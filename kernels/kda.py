@@ -10,8 +10,7 @@ Per token m and head h, with S = state[m, h] [d (k), d (v)] fp32:
 
 One program owns the (token, head, v-tile) slice S[:, v-tile] of the state: the decay acts on the
 k rows and the delta update and output are column-wise, so v-tiles are independent; each program
-recomputes the cheap k-side quantities (f GEMV over R, gate, norms) for its head. With S the
-decayed slice, o = S^T q + u (k . q), so S^T k and S^T q are two independent reductions.
+recomputes the cheap k-side quantities (f GEMV over R, gate, norms) for its head.
 
 Variants (constexpr flags of the same kernel):
   FUSE_CONV      q, k, v arrive before the short convolution: one conv step + SiLU per channel in
@@ -42,21 +41,11 @@ TILE_PER_WARP = 512    # state-tile elements per warp (16 fp32 registers per thr
                        # for 32-wide tiles, 10% faster than 4 on the H200 (more threads share the
                        # f_b GEMV, which is most of a program's latency)
 MAX_WARPS = 8
-SYNC_LOADS = 1         # barriers among the loads (see the kernel): 0, 1 before f_b, 2 also after
-ORDERED_LOADS = False  # volatile state and f_b loads: ptxas keeps them in program order
-FUSE_REDUCE = False    # the k-axis sums as one 5-operand reduction (see the kernel); slow in
-                       # the interpreter (about 10x a call), so the CPU tests use it sparingly
-PACK_FB = True         # read bf16 f_b / f_low as int32 pairs in the state tile's layout
 
 
 @triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _add5(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
-    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1
 
 
 @triton.jit
@@ -81,9 +70,25 @@ def _conv_silu_step(p_x, p_cache, p_w, o_c, C: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _gate_proj_loop(f_low, f_b, i_m, i_h, o_k, D: tl.constexpr, R: tl.constexpr,
-                    BR: tl.constexpr):
-    """f = f_b[h rows] @ f_low[m] for any float dtype and rank: [D, BR] chunks, fp32 [D]."""
+def _kda_decode_kernel(
+    q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
+    q_cache, k_cache, v_cache, q_conv, k_conv, v_conv,   # FUSE_CONV only
+    gate_logits, o_norm,                                 # FUSE_OUT_GATE only
+    lower_bound, scale, eps,
+    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
+    FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
+):
+    i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_mh = (i_m * H + i_h).to(tl.int64)
+    o_k = tl.arange(0, D)
+    o_v = i_v * BV + tl.arange(0, BV)
+
+    # the state slice first: its load is the one that matters, let it fly during the GEMV
+    p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
+    b_s = tl.load(p_s)
+
+    # f_b projection of this head's d channels: f = f_b[h rows] @ f_low[m], fp32 accumulation
     b_f = tl.zeros([D], dtype=tl.float32)
     for r0 in tl.static_range(0, R, BR):
         o_r = r0 + tl.arange(0, BR)
@@ -92,115 +97,35 @@ def _gate_proj_loop(f_low, f_b, i_m, i_h, o_k, D: tl.constexpr, R: tl.constexpr,
         p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
         b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
         b_f += tl.sum(b_fb * b_fl[None, :], 1)
-    return b_f
+    b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_bias = tl.load(dt_bias + i_h * D + o_k).to(tl.float32)
+    b_g = lower_bound * _sigmoid(b_A * (b_f + b_bias))
+    b_beta = _sigmoid(tl.load(b_logits + i_mh).to(tl.float32))
 
-
-@triton.jit
-def _kda_decode_kernel(
-    q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
-    q_cache, k_cache, v_cache, q_conv, k_conv, v_conv,   # FUSE_CONV only
-    gate_logits, o_norm,                                 # FUSE_OUT_GATE only
-    lower_bound, scale, eps,
-    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    BW: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
-    FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr, PACKED_FB: tl.constexpr,
-    SYNC_LOADS: tl.constexpr, ORDERED: tl.constexpr, FUSE_REDUCE: tl.constexpr,
-):
-    LOG2E: tl.constexpr = 1.4426950408889634
-    i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_mh = (i_m * H + i_h).to(tl.int64)
-    o_k = tl.arange(0, D)
-    o_v = i_v * BV + tl.arange(0, BV)
-
-    # Every load is issued before any of them is used, so a cold call pays one DRAM round trip,
-    # not two in a row. ptxas sinks loads towards their first use (in the old kernel the state
-    # load went out only after the f_b GEMV had its data), but moves none across a barrier, and
-    # a barrier does not wait for loads in flight: SYNC_LOADS puts one after the state and the
-    # small loads (no use of any of them before it), then f_b's. PACKED_FB: bf16 f_b and f_low
-    # read as int32 pairs (f_b [Hl*D, R/2], f_low [M, R/2]): the head's whole f_b in one [D, BW]
-    # tile (BW = max(BV, R/2 rounded up to a power of two)); with BW == BV it has the state
-    # tile's shape and element size, so Triton gives both one layout and the gate's row sums
-    # land where the decay needs them, with no layout conversion.
-    p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
-    b_s = tl.load(p_s, volatile=ORDERED)
-    b_bias = tl.load(dt_bias + i_h * D + o_k)
-    b_A = tl.load(A_log + i_h)
-    b_b = tl.load(b_logits + i_mh)
-    if not FUSE_CONV:
-        b_q = tl.load(q + i_mh * D + o_k)
-        b_k = tl.load(k + i_mh * D + o_k)
-        b_v = tl.load(v + i_mh * D + o_v)
-    if FUSE_OUT_GATE:
-        b_w = tl.load(o_norm + o_v)
-        b_gate = tl.load(gate_logits + i_mh * D + o_v)
-    if PACKED_FB:
-        W: tl.constexpr = R // 2
-        o_w = tl.arange(0, BW)
-        if W == BW:
-            b_fl = tl.load(f_low + i_m * W + o_w)
-        else:
-            b_fl = tl.load(f_low + i_m * W + o_w, mask=o_w < W, other=0)
-    if SYNC_LOADS:  # ptxas moves no load across a barrier: all of the above go out first
-        tl.debug_barrier()
-    if PACKED_FB:
-        p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * W + o_w[None, :]
-        if W == BW:
-            b_fb = tl.load(p_fb, volatile=ORDERED)
-        else:
-            b_fb = tl.load(p_fb, mask=(o_w < W)[None, :], other=0, volatile=ORDERED)
-    if SYNC_LOADS >= 2:  # and f_b's loads all go out before the GEMV starts consuming them
-        tl.debug_barrier()
     if FUSE_CONV:  # BV == D: this program owns the head's q, k, v channels and conv caches
         o_cache = i_mh * D * (C - 1)
         b_q = _conv_silu_step(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
         b_k = _conv_silu_step(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k, C, BC)
         b_v = _conv_silu_step(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v, C, BC)
-    b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
-    b_b = b_b.to(tl.float32)
-
-    if PACKED_FB:  # bf16 -> fp32 is a 16-bit shift: element 2j is the low half of word j
-        fb_lo = (b_fb << 16).to(tl.float32, bitcast=True)
-        fb_hi = (b_fb & -65536).to(tl.float32, bitcast=True)
-        fl_lo = (b_fl << 16).to(tl.float32, bitcast=True)
-        fl_hi = (b_fl & -65536).to(tl.float32, bitcast=True)
-        b_f = tl.sum(fb_lo * fl_lo[None, :] + fb_hi * fl_hi[None, :], 1)
     else:
-        b_f = _gate_proj_loop(f_low, f_b, i_m, i_h, o_k, D, R, BR)
+        b_q = tl.load(q + i_mh * D + o_k).to(tl.float32)
+        b_k = tl.load(k + i_mh * D + o_k).to(tl.float32)
+        b_v = tl.load(v + i_mh * D + o_v).to(tl.float32)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
 
-    # gate in log2 space: exp(g) = exp2(lower_bound * log2(e) * sigmoid(exp(A) * (f + bias)))
-    b_A2 = tl.exp2(b_A * LOG2E) * LOG2E
-    b_e = tl.exp2((lower_bound * LOG2E) / (1.0 + tl.exp2(-b_A2 * (b_f + b_bias))))
-    b_beta = 1.0 / (1.0 + tl.exp2(-b_b * LOG2E))
-    b_s = b_s * b_e[:, None]
-    if FUSE_REDUCE:
-        # the L2 norms are scalars: reduce with the raw q and k and scale the results, so all
-        # five k-axis sums (S^T k, S^T q, k.k, q.q, k.q) are one reduction over [D, BV] operands
-        # in the state's layout: one round through shared memory instead of five
-        b_kc, b_qc = b_k[:, None], b_q[:, None]
-        zero = tl.zeros([D, BV], dtype=tl.float32)
-        b_sk, b_sq, b_kk, b_qq, b_kq = tl.reduce(
-            (b_s * b_kc, b_s * b_qc, zero + b_kc * b_kc, zero + b_qc * b_qc, zero + b_kc * b_qc),
-            0, _add5)
-        b_rk = 1.0 / tl.sqrt(b_kk + L2EPS)                             # [BV], all equal
-        b_rq = scale / tl.sqrt(b_qq + L2EPS)
-        b_u = b_beta * (b_v - b_sk * b_rk)
-        tl.store(p_s, b_s + b_kc * (b_u * b_rk)[None, :])
-        b_o = b_sq * b_rq + b_u * (b_kq * b_rk * b_rq)
-    else:
-        # u = beta * (v - S^T k), S' = S + k u^T and o = S'^T q = S^T q + u (k . q), with S the
-        # decayed slice and q, k normalized first
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
-        b_kq = tl.sum(b_k * b_q, 0)
-        b_sk = tl.sum(b_s * b_k[:, None], 0)
-        b_sq = tl.sum(b_s * b_q[:, None], 0)
-        b_u = b_beta * (b_v - b_sk)
-        tl.store(p_s, b_s + b_k[:, None] * b_u[None, :])
-        b_o = b_sq + b_u * b_kq
+    # decay, delta update and output on this program's [D, BV] slice of the state
+    b_s = b_s * tl.exp(b_g)[:, None]
+    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
+    b_s += b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], 0)
+    tl.store(p_s, b_s)
 
     if FUSE_OUT_GATE:  # BV == D: per-head RMSNorm times sigmoid(gate)
         b_rms = tl.sqrt(tl.sum(b_o * b_o, 0) / D + eps)
-        b_o = b_o / b_rms * b_w.to(tl.float32) * _sigmoid(b_gate.to(tl.float32))
+        b_w = tl.load(o_norm + o_v).to(tl.float32)
+        b_gate = tl.load(gate_logits + i_mh * D + o_v).to(tl.float32)
+        b_o = b_o / b_rms * b_w * _sigmoid(b_gate)
     tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
 
 
@@ -348,24 +273,16 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     if whole_head and block_v != d:
         raise ValueError(f"block_v: conv / out_gate need a whole head per program (block_v={d})")
 
-    # bf16 f_b / f_low travel as int32 pairs (see _gate_proj); needs an even R and 4-byte
-    # aligned rows, which contiguous tensors with an even R have unless a view shifted them
-    packed = (PACK_FB and f_b.dtype == torch.bfloat16 and f_low.dtype == torch.bfloat16
-              and r % 2 == 0 and f_b.data_ptr() % 4 == 0 and f_low.data_ptr() % 4 == 0)
-    fb_arg, fl_arg = (f_b.view(torch.int32), f_low.view(torch.int32)) if packed else (f_b, f_low)
-
     o = torch.empty((m, hl, d), dtype=v.dtype, device=dev)
     grid = (d // block_v, hl, m)
     num_warps = max(1, min(MAX_WARPS, d * block_v // TILE_PER_WARP))
     _kda_decode_kernel[grid](
-        q, k, v, fl_arg, fb_arg, A_log, dt_bias, b_logits, state, o,
+        q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
         q_cache, k_cache, v_cache, q_conv, k_conv, v_conv, gate_logits, o_norm,
         float(lower_bound), float(scale), float(eps),
         H=hl, D=d, R=r, BR=min(BLOCK_R, triton.next_power_of_2(r)), BV=block_v,
-        BW=max(block_v, triton.next_power_of_2(r // 2)),
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
-        FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None, PACKED_FB=packed,
-        SYNC_LOADS=SYNC_LOADS, ORDERED=ORDERED_LOADS, FUSE_REDUCE=FUSE_REDUCE,
+        FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
         num_warps=num_warps,
     )
     return o

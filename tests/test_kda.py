@@ -131,32 +131,6 @@ def test_fused_every_v_tile_width(block_v, device):
     assert_close("state", state, ref["state"], atol=STATE_ATOL, rtol=STATE_RTOL)
 
 
-# the kernel's tuning switches (module constants the H200 sweep flips): every combination is the
-# same math; fp32 f_b / f_low and an odd rank take the unpacked GEMV whatever PACK_FB says
-@pytest.mark.parametrize("knobs,dtype,rank,block_v", [
-    ({"PACK_FB": False}, torch.bfloat16, 16, 16),
-    ({"SYNC_LOADS": 0}, torch.bfloat16, 16, 8),
-    ({"ORDERED_LOADS": True}, torch.bfloat16, 24, 32),
-    ({"SYNC_LOADS": 2, "ORDERED_LOADS": True}, torch.bfloat16, 24, 16),
-    ({"FUSE_REDUCE": True}, torch.bfloat16, 16, 32),
-    ({"FUSE_REDUCE": True, "PACK_FB": False}, torch.bfloat16, 24, 8),
-    ({}, torch.float32, 16, 16),
-    ({}, torch.bfloat16, 13, 32),
-], ids=["unpacked", "no-sync", "ordered-R24", "sync2-ordered-R24", "fused-reduce",
-        "fused-reduce-unpacked-R24", "fp32-f_b", "R13"])
-def test_fused_tuning_switches(knobs, dtype, rank, block_v, device, monkeypatch):
-    import k3lab.kernels.kda as kda_mod
-    for name, val in knobs.items():
-        monkeypatch.setattr(kda_mod, name, val)
-    inp = kda_boundary.make_inputs(tiny(3, kda_f_rank=rank), device, seed=7, M=2)
-    inp["f_b"], inp["f_low"] = inp["f_b"].to(dtype), inp["f_low"].to(dtype)
-    ref = kda_boundary._reference(clone_inputs(inp))
-    state = inp["state"].clone()
-    o = kda_mod.kda_decode(*_args({**inp, "state": state}), block_v=block_v)
-    assert_close("o", o, ref["o"], atol=O_BF16_ATOL, rtol=O_BF16_RTOL)
-    assert_close("state", state, ref["state"], atol=STATE_ATOL, rtol=STATE_RTOL)
-
-
 def test_fused_state_in_place_and_inputs_untouched(device):
     kda_decode, _, _ = _kernels()
     inp = kda_boundary.make_inputs(tiny(), device, seed=5, M=2)
