@@ -14,10 +14,7 @@ bf16 operands are read as int32 (even, odd) element pairs (even element in the l
 a shift and a mask give both fp32 values). MXFP4 weights are read as int32 words of 8 E2M1 codes
 and decoded in registers with 3 integer ops per element (shift the nibble to the top, arithmetic
 shift right, mask: the signed fp32 bits of 2^-126 * value), one FMA each, and the E8M0 factor
-2^(s-127) applied once per group of 32; the activations stay bf16 pairs. Two switchable
-alternatives (module constants, read at launch): FP4_DECODE_FP16, a decode of two codes per
-32-bit op into fp16 pairs (about 2 integer ops an element instead of 3), and FP4_DOT, the tensor
-cores through tl.dot_scaled (E2M1 x bf16 with the E8M0 scales, tokens as 16 zero-padded columns).
+2^(s-127) applied once per group of 32; the activations stay bf16 pairs.
 
 Stages 1 and 2 consume the route plan as is (no second top-k or sort): programs walk the
 expert-sorted ``sorted_ids`` in tiles of ``block_m`` entries of one expert, so tokens sharing an
@@ -87,25 +84,6 @@ ZERO_MIN_BLOCK = 16
 FP4_SIGN_MAG = tl.constexpr(0x81C00000 - (1 << 32))  # bits 31 and 22..24 as an int32
 FP4_X_SCALE = tl.constexpr(2.0 ** 64)
 FP4_SCALE_BIAS = tl.constexpr(62)
-# FP4_DECODE_FP16 (mode 3 of _fp4_mode): fewer integer ops. Nibbles j and j + 4 of a word lie 16
-# bits apart, so one shift and one mask place both magnitudes (e1 e0 m) at bits 9..11 and 25..27
-# and a second shift and mask both signs at bits 15 and 31: two fp16 whose values are exactly
-# 2^-14 * the E2M1 values (e = 0 lands on the fp16 subnormals 0 and 2^-15), then converted to fp32
-# (2 shifts + 2 logic ops per 2 elements instead of 6). No product is denormal, so x is not
-# pre-scaled; the group factor 2^(s-127) * 2^14 has fp32 exponent s + 14.
-FP4_DECODE_FP16 = False
-FP16_MAG = tl.constexpr(0x0E000E00)
-FP16_SIGN = tl.constexpr(0x80008000 - (1 << 32))
-FP16_SCALE_BIAS = tl.constexpr(14)
-# MXFP4 through the tensor cores instead (FP4_DOT): each K step is one tl.dot_scaled of the
-# [rows, K step] E2M1 tile (E8M0 scales) with the tile's tokens as a bf16 [K step, 16] operand
-# (zero-padded columns; M <= MAX_TOKENS = 16), out^T = W @ x^T. Triton upcasts E2M1 to bf16 and
-# runs the MMA; the loads feed a dot, so the software pipeliner keeps FP4_DOT_STAGES K steps in
-# flight. Tiles: up to FP4_DOT_ROWS rows (at least 16, the MMA's M) and FP4_DOT_BYTES packed
-# bytes of each row per step.
-FP4_DOT = False
-FP4_DOT_ROWS, FP4_DOT_BYTES, FP4_DOT_STAGES, FP4_DOT_WARPS = 64, 128, 4, 4
-DOT_COLS = tl.constexpr(16)
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -145,100 +123,38 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _fp4_load(p_w, p_s, o_row, m_row, o_g, m_g, N_GROUPS, FP4: tl.constexpr):
+def _fp4_load(p_w, p_s, o_row, m_row, o_g, m_g, N_GROUPS):
     """MXFP4 tile of whole groups: words int32 [rows, groups, 4] (8 E2M1 codes each, element
-    8q + j in nibble j of word q) and the groups' fp32 factors [rows, groups]: 2^(s-65) (FP4 1)
-    or 2^(s-113) (FP4 3, the fp16 decode). p_w: packed codes viewed as int32 [N, N_GROUPS * 4];
-    p_s: E8M0 scales uint8 [N, N_GROUPS]."""
+    8q + j in nibble j of word q) and the groups' fp32 factors 2^(s-65) [rows, groups].
+    p_w: packed codes viewed as int32 [N, N_GROUPS * 4]; p_s: E8M0 scales uint8 [N, N_GROUPS]."""
     o_q = tl.arange(0, 4)
     m = m_row[:, None] & m_g[None, :]
     b_w = tl.load(p_w + o_row[:, None, None] * (N_GROUPS * 4) + o_g[None, :, None] * 4
                   + o_q[None, None, :], mask=m[:, :, None], other=0)
     b_s = tl.load(p_s + o_row[:, None] * N_GROUPS + o_g[None, :], mask=m, other=0)
-    bias = FP16_SCALE_BIAS if FP4 == 3 else FP4_SCALE_BIAS
-    b_f = ((b_s.to(tl.int32) + bias) << 23).to(tl.float32, bitcast=True)
+    b_f = ((b_s.to(tl.int32) + FP4_SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
     return b_w, b_f
 
 
 @triton.jit
-def _fp16_pair(b_w, J: tl.constexpr):
-    """Nibbles J and J + 4 (J < 4) of the words b_w as fp32 2^-14 * E2M1 value (see
-    FP4_DECODE_FP16): (low, high)."""
-    if J < 3:
-        b_mag = (b_w << (9 - 4 * J)) & FP16_MAG
-        b_sign = (b_w << (12 - 4 * J)) & FP16_SIGN
-    else:
-        b_mag = (b_w >> 3) & FP16_MAG
-        b_sign = b_w & FP16_SIGN
-    b_h = b_mag | b_sign
-    b_lo = b_h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    b_hi = (b_h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return b_lo, b_hi
-
-
-@triton.jit
 def _fp4_dot(b_w, b_f, p_x, o_row, m_row, o_g, m_g, K_PAIRS, BLOCK_N: tl.constexpr,
-             BLOCK_G: tl.constexpr, FP4: tl.constexpr):
+             BLOCK_G: tl.constexpr):
     """[BLOCK_N] fp32 = w @ x[o_row] over the groups o_g; b_w, b_f from _fp4_load; x bf16 viewed
-    as int32 pairs [rows, K_PAIRS]; o_row, m_row: one token, shape [1]. FP4 1, per element:
-    shift, arithmetic shift, and (the signed fp32 bits of 2^-126 * value) and one FMA; FP4 3:
-    the fp16 pair decode (_fp16_pair). The E8M0 factor multiplies each group's sum once."""
+    as int32 pairs [rows, K_PAIRS]; o_row, m_row: one token, shape [1]. Per element: shift,
+    arithmetic shift, and (the signed fp32 bits of 2^-126 * value) and one FMA; the E8M0 factor
+    multiplies each group's sum once."""
     o_q = tl.arange(0, 4)
     m = m_g[:, None] & m_row
     b_part = tl.zeros([BLOCK_N, BLOCK_G, 4], dtype=tl.float32)
-    if FP4 == 3:
-        for rp in tl.static_range(2):  # x pairs rp and rp + 2: elements 2rp, 2rp+1, +4, +5
-            p = p_x + o_row * K_PAIRS + o_g[:, None] * 16 + o_q[None, :] * 4 + rp
-            b_v0 = tl.load(p, mask=m, other=0)
-            b_v1 = tl.load(p + 2, mask=m, other=0)
-            b_lo, b_hi = _fp16_pair(b_w, 2 * rp)  # even elements
-            b_x0 = (b_v0 << 16).to(tl.float32, bitcast=True)
-            b_x1 = (b_v1 << 16).to(tl.float32, bitcast=True)
-            b_part += b_lo * b_x0[None, :, :] + b_hi * b_x1[None, :, :]
-            b_lo, b_hi = _fp16_pair(b_w, 2 * rp + 1)  # odd elements
-            b_x0 = (b_v0 & -65536).to(tl.float32, bitcast=True)
-            b_x1 = (b_v1 & -65536).to(tl.float32, bitcast=True)
-            b_part += b_lo * b_x0[None, :, :] + b_hi * b_x1[None, :, :]
-    else:
-        for r in tl.static_range(4):  # pair r of each word: codes 2r (even element) and 2r + 1
-            b_v = tl.load(p_x + o_row * K_PAIRS + o_g[:, None] * 16 + o_q[None, :] * 4 + r,
-                          mask=m, other=0)
-            b_xe = (b_v << 16).to(tl.float32, bitcast=True) * FP4_X_SCALE
-            b_xo = (b_v & -65536).to(tl.float32, bitcast=True) * FP4_X_SCALE
-            b_we = (((b_w << (28 - 8 * r)) >> 6) & FP4_SIGN_MAG).to(tl.float32, bitcast=True)
-            b_wo = (((b_w << (24 - 8 * r)) >> 6) & FP4_SIGN_MAG).to(tl.float32, bitcast=True)
-            b_part += b_we * b_xe[None, :, :] + b_wo * b_xo[None, :, :]
+    for r in tl.static_range(4):  # pair r of each word: codes 2r (even element) and 2r + 1
+        b_v = tl.load(p_x + o_row * K_PAIRS + o_g[:, None] * 16 + o_q[None, :] * 4 + r, mask=m,
+                      other=0)
+        b_xe = (b_v << 16).to(tl.float32, bitcast=True) * FP4_X_SCALE
+        b_xo = (b_v & -65536).to(tl.float32, bitcast=True) * FP4_X_SCALE
+        b_we = (((b_w << (28 - 8 * r)) >> 6) & FP4_SIGN_MAG).to(tl.float32, bitcast=True)
+        b_wo = (((b_w << (24 - 8 * r)) >> 6) & FP4_SIGN_MAG).to(tl.float32, bitcast=True)
+        b_part += b_we * b_xe[None, :, :] + b_wo * b_xo[None, :, :]
     return tl.sum(tl.sum(b_part, axis=2) * b_f, axis=1)
-
-
-@triton.jit
-def _fp4_gemv_dot(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] @ w[o_wrow]^T with tl.dot_scaled (see FP4_DOT).
-    p_x: bf16 x viewed as int32 pairs [rows, K_PAIRS]; p_w: packed codes (any pointer type) of
-    [N, K_PAIRS] bytes; p_s: E8M0 scales uint8 [N, K_PAIRS // 16]; BLOCK_KB bytes (2 * BLOCK_KB
-    elements, whole groups) per step."""
-    p_xb = p_x.to(tl.pointer_type(tl.bfloat16))
-    p_wb = p_w.to(tl.pointer_type(tl.uint8))
-    o_m = tl.arange(0, BLOCK_M)
-    o_c = tl.arange(0, DOT_COLS)
-    m_sel = o_m[:, None] == o_c[None, :]  # [BLOCK_M, 16]: token m in column m
-    o_crow = tl.sum(tl.where(m_sel, o_xrow[:, None], 0), axis=0)
-    m_crow = tl.sum(tl.where(m_sel & m_xrow[:, None], 1, 0), axis=0) > 0
-    acc_t = tl.zeros([BLOCK_N, DOT_COLS], dtype=tl.float32)
-    for kb0 in range(0, K_PAIRS, BLOCK_KB):
-        o_kb = kb0 + tl.arange(0, BLOCK_KB)
-        o_g = kb0 // 16 + tl.arange(0, BLOCK_KB // 16)
-        o_k = 2 * kb0 + tl.arange(0, 2 * BLOCK_KB)
-        b_w = tl.load(p_wb + o_wrow[:, None] * K_PAIRS + o_kb[None, :],
-                      mask=m_wrow[:, None] & (o_kb < K_PAIRS)[None, :], other=0)
-        b_s = tl.load(p_s + o_wrow[:, None] * (K_PAIRS // 16) + o_g[None, :],
-                      mask=m_wrow[:, None] & (o_g < K_PAIRS // 16)[None, :], other=0)
-        b_x = tl.load(p_xb + o_crow[None, :] * (2 * K_PAIRS) + o_k[:, None],
-                      mask=m_crow[None, :] & (o_k < 2 * K_PAIRS)[:, None], other=0.0)
-        acc_t = tl.dot_scaled(b_w, b_s, "e2m1", b_x, None, "bf16", acc_t)
-    # column m of acc_t is token m's [BLOCK_N] result
-    return tl.sum(tl.where(m_sel[:, None, :], acc_t[None, :, :], 0.0), axis=2)
 
 
 @triton.jit
@@ -285,63 +201,55 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
     """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] (* xs) @ w[o_wrow]^T over K = 2 * K_PAIRS.
 
     xs (HAS_XS): an fp32 [2 * K_PAIRS] per-column factor on x (the RMSNorm weight).
-    FP4 (1 or 3, the two register decodes, see _fp4_mode): w is MXFP4 (p_w int32 words, p_s
-    scales; see _fp4_load), x bf16, no xs; FP4 == 2: through the tensor cores (_fp4_gemv_dot,
-    BLOCK_KP then counts packed bytes per step).
+    FP4: w is MXFP4 (p_w int32 words, p_s scales; see _fp4_load), x bf16, no xs.
     bf16 w with BLOCK_M > 1: TOKEN_LOOP reuses each [BLOCK_N, BLOCK_KP] weight tile for the tokens
     one at a time (compiled: registers stay at one tile); otherwise one [BLOCK_M, BLOCK_N,
     BLOCK_KP] broadcast product (interpreter: one vectorized op).
     The token loops (FP4 with BLOCK_M > 1, TOKEN_LOOP) are runtime loops up to the last valid row
     of x: a plan tile's padding rows (masked) cost nothing, and the loop body is emitted once."""
-    if FP4 == 2:  # tensor cores: BLOCK_KP is the step in packed bytes
-        acc = _fp4_gemv_dot(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, BLOCK_M,
-                            BLOCK_N, BLOCK_KP)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        o_m = tl.arange(0, BLOCK_M)
-        n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)  # rows >= n_rows are all masked
-        for kp0 in range(0, K_PAIRS, BLOCK_KP):
-            if FP4:  # whole groups of 32 (16 pairs); always one token at a time
-                o_g = kp0 // 16 + tl.arange(0, BLOCK_KP // 16)
-                m_g = o_g < K_PAIRS // 16
-                b_w, b_f = _fp4_load(p_w, p_s, o_wrow, m_wrow, o_g, m_g, K_PAIRS // 16, FP4)
-                if BLOCK_M == 1:
-                    acc += _fp4_dot(b_w, b_f, p_x, o_xrow, m_xrow, o_g, m_g, K_PAIRS, BLOCK_N,
-                                    BLOCK_KP // 16, FP4)[None, :]
-                else:
-                    for i_m in range(0, n_rows):
-                        o_row, m_row = _token(o_xrow, m_xrow, o_m, i_m)
-                        b_p = _fp4_dot(b_w, b_f, p_x, o_row, m_row, o_g, m_g, K_PAIRS, BLOCK_N,
-                                       BLOCK_KP // 16, FP4)
-                        acc += tl.where((o_m == i_m)[:, None], b_p[None, :], 0.0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    o_m = tl.arange(0, BLOCK_M)
+    n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)  # rows >= n_rows are all masked
+    for kp0 in range(0, K_PAIRS, BLOCK_KP):
+        if FP4:  # whole groups of 32 (16 pairs); always one token at a time
+            o_g = kp0 // 16 + tl.arange(0, BLOCK_KP // 16)
+            m_g = o_g < K_PAIRS // 16
+            b_w, b_f = _fp4_load(p_w, p_s, o_wrow, m_wrow, o_g, m_g, K_PAIRS // 16)
+            if BLOCK_M == 1:
+                acc += _fp4_dot(b_w, b_f, p_x, o_xrow, m_xrow, o_g, m_g, K_PAIRS, BLOCK_N,
+                                BLOCK_KP // 16)[None, :]
             else:
-                o_kp = kp0 + tl.arange(0, BLOCK_KP)
-                m_kp = o_kp < K_PAIRS
-                b_we, b_wo = _load_w_pairs(p_w, o_wrow, m_wrow, o_kp, m_kp, K_PAIRS)
+                for i_m in range(0, n_rows):
+                    o_row, m_row = _token(o_xrow, m_xrow, o_m, i_m)
+                    b_p = _fp4_dot(b_w, b_f, p_x, o_row, m_row, o_g, m_g, K_PAIRS, BLOCK_N,
+                                   BLOCK_KP // 16)
+                    acc += tl.where((o_m == i_m)[:, None], b_p[None, :], 0.0)
+        else:
+            o_kp = kp0 + tl.arange(0, BLOCK_KP)
+            m_kp = o_kp < K_PAIRS
+            b_we, b_wo = _load_w_pairs(p_w, o_wrow, m_wrow, o_kp, m_kp, K_PAIRS)
+            if HAS_XS:
+                b_se = tl.load(p_xs + 2 * o_kp, mask=m_kp, other=0.0).to(tl.float32)[None, :]
+                b_so = tl.load(p_xs + 2 * o_kp + 1, mask=m_kp, other=0.0).to(tl.float32)[None, :]
+            if BLOCK_M == 1 or not TOKEN_LOOP:
+                b_xe, b_xo = _load_x_pairs(p_x, o_xrow, m_xrow, o_kp, m_kp, K_PAIRS, X_FP32)
                 if HAS_XS:
-                    b_se = tl.load(p_xs + 2 * o_kp, mask=m_kp, other=0.0).to(tl.float32)[None, :]
-                    b_so = tl.load(p_xs + 2 * o_kp + 1, mask=m_kp,
-                                   other=0.0).to(tl.float32)[None, :]
-                if BLOCK_M == 1 or not TOKEN_LOOP:
-                    b_xe, b_xo = _load_x_pairs(p_x, o_xrow, m_xrow, o_kp, m_kp, K_PAIRS, X_FP32)
+                    b_xe *= b_se
+                    b_xo *= b_so
+                if BLOCK_M == 1:
+                    acc += tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)[None, :]
+                else:
+                    acc += tl.sum(b_we[None, :, :] * b_xe[:, None, :]
+                                  + b_wo[None, :, :] * b_xo[:, None, :], axis=2)
+            else:
+                for i_m in range(0, n_rows):
+                    o_row, m_row = _token(o_xrow, m_xrow, o_m, i_m)
+                    b_xe, b_xo = _load_x_pairs(p_x, o_row, m_row, o_kp, m_kp, K_PAIRS, X_FP32)
                     if HAS_XS:
                         b_xe *= b_se
                         b_xo *= b_so
-                    if BLOCK_M == 1:
-                        acc += tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)[None, :]
-                    else:
-                        acc += tl.sum(b_we[None, :, :] * b_xe[:, None, :]
-                                      + b_wo[None, :, :] * b_xo[:, None, :], axis=2)
-                else:
-                    for i_m in range(0, n_rows):
-                        o_row, m_row = _token(o_xrow, m_xrow, o_m, i_m)
-                        b_xe, b_xo = _load_x_pairs(p_x, o_row, m_row, o_kp, m_kp, K_PAIRS,
-                                                   X_FP32)
-                        if HAS_XS:
-                            b_xe *= b_se
-                            b_xo *= b_so
-                        b_p = tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)
-                        acc += tl.where((o_m == i_m)[:, None], b_p[None, :], 0.0)
+                    b_p = tl.sum(b_we * b_xe + b_wo * b_xo, axis=1)
+                    acc += tl.where((o_m == i_m)[:, None], b_p[None, :], 0.0)
     return acc
 
 
@@ -581,39 +489,6 @@ def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1,
     return block_n, max(MIN_PAIRS, block_kp)
 
 
-def _fp4_mode(w) -> int:
-    """The FP4 constexpr of the kernels: 0 bf16 weights; MXFP4 1 decoded in registers to fp32
-    bits, 2 through the tensor cores (FP4_DOT), 3 decoded in fp16 pairs (FP4_DECODE_FP16)."""
-    if not isinstance(w, MXFP4):
-        return 0
-    return 2 if FP4_DOT else (3 if FP4_DECODE_FP16 else 1)
-
-
-def _expert_tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int, mode: int
-                  ) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_KP) of an expert GEMV in FP4 mode ``mode`` (see _fp4_mode); mode 2: at
-    least 16 rows (the MMA's M), at most FP4_DOT_ROWS while at least the target programs, and
-    FP4_DOT_BYTES packed bytes a step (the interpreter: everything in one step)."""
-    if mode != 2:
-        return _tiles(programs_per_tile, rows, k_pairs, block_m, mode != 0)
-    fast = _fast_interpreter()
-    target = INTERPRETER_TARGET_PROGRAMS if fast else TARGET_PROGRAMS
-    max_rows = INTERPRETER_MAX_ROWS * FP4_BUDGET_FACTOR if fast else FP4_DOT_ROWS
-    block_n = 16
-    while (block_n * 2 <= min(max_rows, max(16, triton.next_power_of_2(rows)))
-           and programs_per_tile * triton.cdiv(rows, block_n * 2) >= target):
-        block_n *= 2
-    block_kb = triton.next_power_of_2(k_pairs) if fast else FP4_DOT_BYTES
-    return block_n, max(16, min(block_kb, triton.next_power_of_2(k_pairs)))
-
-
-def _launch_opts(mode: int) -> dict:
-    """num_warps (and num_stages for the tensor-core MXFP4 path) of an expert launch."""
-    if mode == 2:
-        return dict(num_warps=FP4_DOT_WARPS, num_stages=FP4_DOT_STAGES)
-    return dict(num_warps=NUM_WARPS)
-
-
 def _token_loop() -> bool:
     """Compiled kernels loop over the tokens of a tile (see _gemv); the interpreter broadcasts."""
     return not _fast_interpreter()
@@ -775,8 +650,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
     block_mp = triton.next_power_of_2(block_m)
-    mode = _fp4_mode(w13)
-    block_n, block_kp = _expert_tiles(n_tiles, i, d // 2, block_mp, mode)
+    block_n, block_kp = _tiles(n_tiles, i, d // 2, block_mp, isinstance(w13, MXFP4))
     grid = (n_tiles, triton.cdiv(i, block_n))
     out = plan.out
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
@@ -786,9 +660,9 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
         z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids, plan.num_valid, a,
         out if out is not None else a, sync if sync is not None else plan.num_valid,
         m * top_k, block_m, top_k, i, d // 2, m * d, float(situ_beta), float(situ_linear_beta),
-        ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
+        ACT=act, FP4=isinstance(w13, MXFP4), ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
         ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
-        TOKEN_LOOP=_token_loop(), **_launch_opts(mode))
+        TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS)
     return a
 
 
@@ -826,15 +700,14 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles):
                                                             dtype=torch.float32)
     block_mp = 1 if deterministic else triton.next_power_of_2(block_m)
     rows = m if deterministic else n_tiles
-    mode = _fp4_mode(w2)
-    block_n, block_kp = _expert_tiles(rows, d, i // 2, block_mp, mode)
+    block_n, block_kp = _tiles(rows, d, i // 2, block_mp, isinstance(w2, MXFP4))
     n_d = triton.cdiv(d, block_n)
     w_v, w_s = _expert_ptrs(w2)
     kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,
               p_sorted_w=plan.sorted_weights, p_block_expert=plan.block_expert_ids,
               p_num_valid=plan.num_valid, p_topk_ids=plan.topk_ids, p_topk_w=plan.topk_weights,
               p_y=y, n_entries=m * top_k, block_m=block_m, top_k=top_k, D=d, I_PAIRS=i // 2,
-              n_d_tiles=n_d, n_stage2=rows * n_d, FP4=mode,
+              n_d_tiles=n_d, n_stage2=rows * n_d, FP4=isinstance(w2, MXFP4),
               DETERMINISTIC=bool(deterministic), BLOCK_M2=block_mp, BLOCK_N2=block_n,
               BLOCK_KP2=block_kp)
     return kw, rows * n_d, y
@@ -891,7 +764,7 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
 def _launch_stage2_tail(stage2, tail, sync=None):
     """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs)."""
     kw, n = _stage2_tail_kwargs(stage2, tail, sync)
-    _moe_stage2_tail_kernel[(n,)](**_launch_opts(kw["FP4"]), **kw)
+    _moe_stage2_tail_kernel[(n,)](num_warps=NUM_WARPS, **kw)
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False

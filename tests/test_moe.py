@@ -25,7 +25,6 @@ from k3lab.kernels import (
     route_sort,
 )
 from k3lab.kernels import moe as kmoe
-from k3lab.plan import RoutePlan
 from k3lab.profile import count_launches
 from k3lab.reference import moe as ref
 from k3lab.reference.route_sort import route_sort_reference
@@ -226,54 +225,6 @@ def test_stages(case, tiles, device, monkeypatch):
     y_det = moe_stage2(a, plan, w["w2"], deterministic=True)
     assert_close("y_det", y_det, y_ref, atol=Y_ATOL, rtol=Y_RTOL)
     assert_close("atomic vs deterministic", y, y_det, atol=ATOMIC_VS_DETERMINISTIC_ATOL)
-
-
-# the other MXFP4 paths (kmoe.FP4_DOT: tensor cores; kmoe.FP4_DECODE_FP16: the fp16 pair decode):
-# the same checks on the MXFP4 cases
-FP4_MODES = {"dot": "FP4_DOT", "fp16": "FP4_DECODE_FP16"}
-FP4_MODE_CASES = ("M1-bm1-mxfp4", "M3-bm4-mxfp4-crowd", "M13-bm16-mxfp4-crowd")
-
-
-@pytest.mark.parametrize("mode", list(FP4_MODES))
-@pytest.mark.parametrize("case,tiles",
-                         [(c, "interp") for c in STAGE_CASES if c[0] in FP4_MODE_CASES]
-                         + [(c, "gpu") for c in STAGE_CASES if c[0] in FP4_MODE_CASES[:1]],
-                         ids=[f"{c}-interp-tiles" for c in FP4_MODE_CASES]
-                         + [f"{c}-gpu-tiles" for c in FP4_MODE_CASES[:1]])
-def test_stages_fp4_modes(case, tiles, mode, device, monkeypatch):
-    monkeypatch.setattr(kmoe, FP4_MODES[mode], True)
-    test_stages(case, tiles, device, monkeypatch)
-
-
-@pytest.mark.parametrize("mode", ["default", *FP4_MODES])
-def test_mxfp4_decode_exact(mode, device, monkeypatch):
-    """Every E2M1 code at every position of a group, under E8M0 scales from 2^-20 to 2^10, read
-    back exactly through stage 2: token t (top_k 1, weight 1) carries the one-hot a = e_k, so
-    y[t] is column k of the dequantized expert."""
-    if mode != "default":
-        monkeypatch.setattr(kmoe, FP4_MODES[mode], True)
-    n, k = 128, 32
-    o_n = torch.arange(n)[:, None]
-    o_p = torch.arange(k // 2)[None, :]
-    lo, hi = (o_n + 2 * o_p) % 16, (o_n + 2 * o_p + 1) % 16
-    packed = (lo | (hi << 4)).to(torch.uint8)[None].contiguous().to(device)
-    exps = torch.tensor([-20, -7, -1, 0, 1, 3, 6, 10])
-    scales = (127 + exps[torch.arange(n) % 8]).to(torch.uint8)[None, :, None].contiguous()
-    w2 = MXFP4(packed, scales.to(device))
-    want = mxfp4_dequantize(w2)[0].float()  # [n, k]
-    m = kmoe.MAX_TOKENS
-    for k0 in range(0, k, m):
-        a = torch.zeros((m, k), dtype=torch.bfloat16, device=device)
-        a[torch.arange(m), k0 + torch.arange(m)] = 1.0
-        ids = torch.zeros((m, 1), dtype=torch.int32, device=device)
-        plan = RoutePlan(topk_ids=ids, topk_weights=torch.ones((m, 1), device=device),
-                         sorted_ids=torch.arange(m, dtype=torch.int32, device=device),
-                         sorted_weights=torch.ones(m, device=device),
-                         block_expert_ids=torch.zeros(m, dtype=torch.int32, device=device),
-                         num_valid=torch.tensor([m], dtype=torch.int32, device=device),
-                         out=torch.zeros((m, n), device=device), block_m=1)
-        y = moe_stage2(a, plan, w2)
-        torch.testing.assert_close(y, want[:, k0:k0 + m].T, atol=0, rtol=0)
 
 
 def test_stage2_without_plan_buffer(device):
@@ -717,15 +668,6 @@ def test_gpu_k3_tp8_block(fmt, M, block_m, fuse_tail):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", list(FP4_MODES))
-@pytest.mark.parametrize("M", [1, 16])
-def test_gpu_k3_tp8_block_fp4_modes(M, mode, monkeypatch):
-    """The whole MXFP4 block (fused tail) through the other MXFP4 paths (FP4_MODES)."""
-    monkeypatch.setattr(kmoe, FP4_MODES[mode], True)
-    test_gpu_k3_tp8_block("mxfp4", M, 1, True)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("M", [1, 16])
 @pytest.mark.parametrize("block_m", [1, 4, 16])
@@ -774,24 +716,6 @@ def test_gpu_k3_tp1_mxfp4_stages(M):
     assert_close("a", a, ref.moe_stage1_reference(z, plan, w["w13"]), atol=A_ATOL, rtol=A_RTOL)
     y = moe_stage2(a, plan, w["w2"])
     assert_close("y", y, ref.moe_stage2_reference(a, plan, w["w2"]), atol=Y_ATOL, rtol=Y_RTOL)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", list(FP4_MODES))
-@pytest.mark.parametrize("M", [1, 16])
-def test_gpu_k3_tp1_mxfp4_stages_modes(M, mode, monkeypatch):
-    """As test_gpu_k3_tp1_mxfp4_stages, through the other MXFP4 paths (FP4_MODES)."""
-    monkeypatch.setattr(kmoe, FP4_MODES[mode], True)
-    test_gpu_k3_tp1_mxfp4_stages(M)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("mode", list(FP4_MODES))
-@pytest.mark.parametrize("M,block_m", [(1, 1), (4, 4), (16, 1), (16, 16)])
-def test_gpu_k3_tp8_stages_fp4_modes(M, block_m, mode, monkeypatch):
-    """As test_gpu_k3_tp8_stages_block_m for MXFP4, through the other MXFP4 paths (FP4_MODES)."""
-    monkeypatch.setattr(kmoe, FP4_MODES[mode], True)
-    test_gpu_k3_tp8_stages_block_m("mxfp4", M, block_m)
 
 
 @pytest.mark.gpu
