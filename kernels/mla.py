@@ -7,8 +7,7 @@ For every token m and head h, over the first ``seq_lens[m]`` rows ``[c_t | kr_t]
 
 Two kernels. ``_mla_decode_split_kernel``: one program per (token, group of BLOCK_H heads, split);
 all heads of a token share the cache rows, so the program reads each cache tile once for its
-BLOCK_H heads ([BLOCK_H, C] x [C, BLOCK_N] scores as a batch of SCORE_CHUNKS column chunks,
-online softmax in base 2) and writes a partial
+BLOCK_H heads ([BLOCK_H, C] x [C, BLOCK_N] scores, online softmax in base 2) and writes a partial
 o [C] fp32 and its log-sum-exp per head. ``_mla_decode_combine_kernel`` merges the splits. With a
 single split the first kernel writes the final output itself (one launch).
 
@@ -43,10 +42,6 @@ LONG_BLOCK_N, LONG_NUM_WARPS, LONG_NUM_STAGES = 64, 8, 3
 # Heads per program: every head of a token reads the same cache rows, so a program takes a group
 # of them; 16 is tl.dot's smallest M (K3 at tp 8 has 12 heads: one group, 4 padded rows).
 BLOCK_H = 16
-# The score product q_lat . c over C = 512 as SCORE_CHUNKS independent chains (a batched 3-D dot
-# over column chunks of at least 16 columns): with one chain, each warp's tensor-core
-# accumulation is C / 16 dependent steps per tile. Chosen by benchmarks/h200_session3/mla2_sweep.
-SCORE_CHUNKS = 4
 SPLIT_NUM_WARPS = 4
 SPLIT_NUM_STAGES = 4
 # Combine: a program merges a [BLOCK_S splits, BLOCK_C latent columns] fp32 tile per step, at
@@ -77,7 +72,7 @@ def _mla_decode_split_kernel(
     stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
     stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
     C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNKS: tl.constexpr, DOT_FP32: tl.constexpr, FINAL: tl.constexpr,
+    DOT_FP32: tl.constexpr, FINAL: tl.constexpr,
 ):
     """FINAL: single split; o is the output [M, Hl, C] and lse the natural-log lse [M, Hl].
     Otherwise o is the fp32 partial [M, Hl, S, C] and lse the base-2 partial lse [M, Hl, S]."""
@@ -90,17 +85,11 @@ def _mla_decode_split_kernel(
 
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
+    o_c = tl.arange(0, C)
     o_r = tl.arange(0, R)
-    # The latent columns as CHUNKS chunks of CK: q_lat [CHUNKS, BLOCK_H, CK], a cache tile
-    # [CHUNKS, BLOCK_N, CK]. The chunks are the batch of a 3-D tl.dot, so the score product is
-    # CHUNKS independent accumulation chains of CK / 16 steps instead of one chain of C / 16;
-    # the chunk scores are summed after.
-    CK: tl.constexpr = C // CHUNKS
-    o_j = tl.arange(0, CHUNKS)[:, None, None]
-    o_k = tl.arange(0, CK)[None, None, :]
-    p_ql = (q_lat + i_m64 * stride_ql_m + o_h[None, :, None] * stride_ql_h + o_j * CK + o_k)
+    p_ql = q_lat + i_m64 * stride_ql_m + o_h[:, None] * stride_ql_h + o_c[None, :]
     p_qr = q_rope + i_m64 * stride_qr_m + o_h[:, None] * stride_qr_h + o_r[None, :]
-    b_ql = tl.load(p_ql, mask=m_h[None, :, None], other=0.0)
+    b_ql = tl.load(p_ql, mask=m_h[:, None], other=0.0)
     b_qr = tl.load(p_qr, mask=m_h[:, None], other=0.0)
     if DOT_FP32:  # the interpreter's tl.dot is wrong on bf16: compute in fp32 there
         b_ql = b_ql.to(tl.float32)
@@ -108,37 +97,34 @@ def _mla_decode_split_kernel(
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    b_acc = tl.zeros([CHUNKS, BLOCK_H, CK], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
     p_kv = kv + i_m64 * stride_kv_m
     for n0 in range(start, end, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < end
-        b_c = tl.load(p_kv + o_n[None, :, None] * stride_kv_n + o_j * CK + o_k,
-                      mask=m_n[None, :, None], other=0.0)
+        b_c = tl.load(p_kv + o_n[:, None] * stride_kv_n + o_c[None, :], mask=m_n[:, None],
+                      other=0.0)
         b_kr = tl.load(p_kv + o_n[:, None] * stride_kv_n + C + o_r[None, :], mask=m_n[:, None],
                        other=0.0)
         if DOT_FP32:
             b_c = b_c.to(tl.float32)
             b_kr = b_kr.to(tl.float32)
-        b_s = tl.sum(tl.dot(b_ql, tl.permute(b_c, (0, 2, 1))), axis=0)
-        b_s += tl.dot(b_qr, tl.trans(b_kr))
+        b_s = tl.dot(b_ql, tl.trans(b_c)) + tl.dot(b_qr, tl.trans(b_kr))
         b_s = tl.where(m_n[None, :], b_s * sm_scale_log2, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
         b_alpha = tl.exp2(b_m - b_m_new)
         b_p = tl.exp2(b_s - b_m_new[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_p3 = tl.broadcast_to(b_p.to(b_c.dtype)[None, :, :], (CHUNKS, BLOCK_H, BLOCK_N))
-        b_acc = b_acc * b_alpha[None, :, None] + tl.dot(b_p3, b_c)
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c)
         b_m = b_m_new
 
     # an empty split (or a zero length) leaves l = 0, acc = 0: o = 0 and lse = -inf
-    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[None, :, None]
+    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
     b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
     if FINAL:
         b_lse = b_lse * 0.6931471805599453  # base 2 -> natural log
-    p_o = (o + i_m64 * stride_o_m + i_s * stride_o_s + o_h[None, :, None] * stride_o_h
-           + o_j * CK + o_k)
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_h[None, :, None])
+    p_o = o + i_m64 * stride_o_m + i_s * stride_o_s + o_h[:, None] * stride_o_h + o_c[None, :]
+    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_h[:, None])
     tl.store(lse + i_m64 * stride_lse_m + o_h * stride_lse_h + i_s, b_lse, mask=m_h)
 
 
@@ -314,8 +300,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         sm_scale * _LOG2E, num_splits, h,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), *so, *sl,
-        C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, CHUNKS=max(1, min(SCORE_CHUNKS, c // 16)),
-        DOT_FP32=dot_fp32, FINAL=final,
+        C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, DOT_FP32=dot_fp32, FINAL=final,
         num_warps=warps, num_stages=stages,
     )
     if not final:

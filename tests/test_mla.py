@@ -95,19 +95,6 @@ def test_matches_reference(device, cfg, lens, max_len, num_splits):
     _check(device, q_lat, q_rope, kv, sl, num_splits, cfg.qk_head ** -0.5)
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 8])
-@pytest.mark.parametrize("cfg,lens,num_splits", [(TINY, [37, 1], 3), (K3, [70], 2)],
-                         ids=["tiny-M2-s3", "K3tp8-L70-s2"])
-def test_score_chunks(device, monkeypatch, chunks, cfg, lens, num_splits):
-    """The score product's column chunks (batched 3-D dot) do not change the result; chunks
-    above C / 16 are capped (tiny: C = 64, at most 4)."""
-    import k3lab.kernels.mla as mla_module
-
-    monkeypatch.setattr(mla_module, "SCORE_CHUNKS", chunks)
-    q_lat, q_rope, kv, sl = _inputs(cfg, lens, device)
-    _check(device, q_lat, q_rope, kv, sl, num_splits, cfg.qk_head ** -0.5)
-
-
 def test_cases_cover_the_paths():
     """M1-L600-auto runs the combine kernel (more than one split)."""
     assert default_num_splits(1, TINY.mla_heads, 600, "cpu") > 1
