@@ -451,14 +451,16 @@ def test_threshold_selection_chosen(name):
 @pytest.mark.parametrize("name", ["kimi-k3", "kimi-k2", "kimi-linear", "tiny"])
 def test_threshold_every_preset(name, M, device, monkeypatch):
     """Every preset's expert count and top_k, one token (in registers), four (one block),
-    64 (the general path, blocks of tokens): random routers stay on the fast path (no token
-    above CAP candidates) and match the reference. tiny is forced onto the threshold path."""
+    64 (the general path, blocks of tokens): random routers stay on the fast path (at least 3
+    in 4 tokens within CAP candidates: at 2 per slot about 0.2-0.9% of a preset's random tokens
+    are above it, and their block takes the exact fallback) and match the reference. tiny is
+    forced onto the threshold path."""
     if name == "tiny":
         monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
     inp = make_inputs(preset(name), device, M, M=M, block_m=16)
     args, kwargs = _args(inp), _route_kwargs(inp)
     counts, cap = _candidate_counts(args, kwargs)
-    assert max(counts) <= cap, counts
+    assert 4 * sum(c <= cap for c in counts) >= 3 * M, (counts, cap)
     compare(route_sort(*args, **kwargs), route_sort_reference(*args, **kwargs))
 
 
