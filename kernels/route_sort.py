@@ -74,8 +74,13 @@ SELECT_TILE = 4096  # tokens x padded experts held by the selection program at o
 # arg-max rounds, from top_k = 8 on (K3 M = 1: 5 cross-warp reductions / scans instead of
 # 16 + 3, plus one scratch round trip instead of the re-load of the chosen partials). Buckets:
 # 2 per slot (K3: 32 buckets of 28 experts), so the threshold is tight: random routers give
-# about top_k + 5 candidates (K3: mean 21, max 39 in 50k random tokens); CAP = 4 per slot
-# (K3: 64) leaves a wide margin before the fallback.
+# about top_k + 5 candidates (K3: mean 21, max 39 in 50k random tokens). CAP = 2 per slot (K3:
+# 32 candidate slots): the pairwise rank is [CAP, CAP] per token, so a smaller CAP shortens the
+# tail; H200 session 3, call 2 (benchmarks/h200_session3/route_sweep.py, row "cap32", K3 tp 8
+# B1, graph replay, cold): 10.23 us vs 10.87 us at 4 per slot, every plan field matching the
+# reference. The price is the exact arg-max fallback for a selection block holding a token with
+# more than CAP candidates (make_inputs routers, 2048 tokens each: K3 0.2%, K2 0.6%, Kimi-Linear
+# 0.9% of tokens; none at 4 per slot), so larger batches (M = 64) meet it more often.
 # "threshold" (above) or "bitonic": tl.topk, a bitonic top-k network over the packed keys (no
 # threshold, no candidate scratch round trip, no fallback; sm_90 SASS of the K3 B1 tail, Triton
 # 3.9: ~2500 instructions and 35 barriers on the path vs ~1400 and ~40 plus the scratch round
@@ -83,7 +88,7 @@ SELECT_TILE = 4096  # tokens x padded experts held by the selection program at o
 SELECT = "threshold"
 THRESHOLD_MIN_TOP_K = 8
 BUCKETS_PER_SLOT = 2
-CANDIDATES_PER_SLOT = 4
+CANDIDATES_PER_SLOT = 2
 # Padded experts per bucket, at least: one-expert buckets ([BLOCK_T, BUCKETS, 1] tiles) gave wrong
 # plans on the H200 (E = 20, top-10, grouped; correct under the interpreter, cause not found), so
 # such sizes take the arg-max loop.

@@ -20,9 +20,11 @@ Rows (k=...):
     counter address a bottleneck?
     bitonic (SELECT = "bitonic": tl.topk network, no threshold / scratch round trip / fallback)
     at the default tiles: fewer barriers and memory round trips, more instructions;
-    cap32 (CANDIDATES_PER_SLOT = 2: 32 candidate slots, not 64): a quarter of the pairwise
-    rank (sm_90 SASS: ~250 fewer tail instructions); more tokens take the arg-max fallback
-    (K3 synthetic router, 8192 tokens: 0.2% have > 32 candidates, none > 64).
+    cap64 (CANDIDATES_PER_SLOT = 4: 64 candidate slots, the default before call 2; the default
+    is now 2, 32 slots: a quarter of the pairwise rank, sm_90 SASS ~250 fewer tail
+    instructions; call 2's cap32 row timed 10.23 us vs 10.87 us at 64); more tokens take the
+    arg-max fallback at 32 (K3 synthetic router, 8192 tokens: 0.2% have > 32 candidates,
+    none > 64).
 - ``stage``: TAIL_STAGE ablations (measurement only, plan incomplete, ok = n/a) at the new
   default (stages -1, 0, 1, 2) and the old one (-1, 0): -1 = GEMV + side job (no counter),
   0 = + the completion counter, 1 = + partial sum, sigmoid, bias, keys, 2 = + top-k and
@@ -117,7 +119,7 @@ FULL = [  # (name, block_e, block_k, warps, hier or "bitonic")
     ("16x512-hier", 16, 512, 4, True),
     ("32x1024-hier", 32, 1024, 4, True),
     ("bitonic", None, None, None, "bitonic"),
-    ("cap32", None, None, None, "cap32"),
+    ("cap64", None, None, None, "cap64"),
 ]
 floors = {}
 for tp in (8, 1):
@@ -133,8 +135,8 @@ for tp in (8, 1):
         try:
             if hier == "bitonic":
                 setk(SELECT="bitonic", **({} if nw is None else {"NUM_WARPS": nw}))
-            elif hier == "cap32":
-                setk(CANDIDATES_PER_SLOT=2)
+            elif hier == "cap64":
+                setk(CANDIDATES_PER_SLOT=4)
             else:
                 setk(**({} if nw is None else {"NUM_WARPS": nw, "HIER_COUNTER": hier}))
             fn = call(be, bk)
