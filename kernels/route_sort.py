@@ -93,6 +93,11 @@ CANDIDATES_PER_SLOT = 2
 # plans on the H200 (E = 20, top-10, grouped; correct under the interpreter, cause not found), so
 # such sizes take the arg-max loop.
 MIN_BUCKET_SIZE = 2
+# Padded expert count below which the arg-max loop selects: Triton 3.6 fails to compile the
+# threshold selection for one token over 64 or fewer (padded) experts (sm_90, pass
+# RemoveLayoutConversions: "operand does not dominate this use"; reproduced offline with triton
+# 3.6.0's compiler for E = 32, 64 at M = 1; 128 and up, and M >= 2, compile).
+THRESHOLD_MIN_EXPERTS = 128
 REG_ENTRIES = 64  # (padded) entries sorted in registers when all tokens fit one block (B1)
 PAIR_TILE = 8192  # entries x entries compared at once by the sort passes
 PAIR_COLS = 1024  # widest column block of the sort passes
@@ -550,7 +555,8 @@ def _select_tiles(E: int, M: int, top_k: int) -> dict[str, int | bool]:
     block_t = min(triton.next_power_of_2(M), max(1, SELECT_TILE // block_ex))
     block_s = triton.next_power_of_2(top_k)
     buckets = BUCKETS_PER_SLOT * block_s
-    use_threshold = top_k >= THRESHOLD_MIN_TOP_K and buckets * MIN_BUCKET_SIZE <= block_ex
+    use_threshold = (top_k >= THRESHOLD_MIN_TOP_K and buckets * MIN_BUCKET_SIZE <= block_ex
+                     and block_ex >= THRESHOLD_MIN_EXPERTS)
     if SELECT == "bitonic" and hasattr(tl, "topk"):
         buckets, use_threshold = -1, True
     block_c = min(triton.next_power_of_2(n), PAIR_COLS)

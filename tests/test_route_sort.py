@@ -447,6 +447,15 @@ def test_threshold_selection_chosen(name):
             assert cfg.top_k <= tiles["CAP"] <= tiles["BLOCK_E"]
 
 
+@pytest.mark.parametrize("E,top_k", [(32, 8), (64, 8), (64, 16)])
+def test_small_expert_counts_take_the_loop(E, top_k):
+    """64 or fewer (padded) experts select with the arg-max loop: Triton 3.6's sm_90 compile of
+    the threshold selection fails there at M = 1 (see THRESHOLD_MIN_EXPERTS)."""
+    for m in (1, 2, MAX_TOKENS):
+        assert route_sort_module._select_tiles(E, m, top_k)["BUCKETS"] == 0
+    assert route_sort_module._select_tiles(128, 1, top_k)["BUCKETS"] > 0
+
+
 @pytest.mark.parametrize("M", [1, 4, MAX_TOKENS])
 @pytest.mark.parametrize("name", ["kimi-k3", "kimi-k2", "kimi-linear", "tiny"])
 def test_threshold_every_preset(name, M, device, monkeypatch):
@@ -457,6 +466,7 @@ def test_threshold_every_preset(name, M, device, monkeypatch):
     forced onto the threshold path."""
     if name == "tiny":
         monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
+        monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_EXPERTS", 1)
     inp = make_inputs(preset(name), device, M, M=M, block_m=16)
     args, kwargs = _args(inp), _route_kwargs(inp)
     counts, cap = _candidate_counts(args, kwargs)
@@ -563,6 +573,7 @@ SMALL_THRESHOLD_CASES = [c for c in CASES if c[0] in (
 def test_one_expert_buckets_take_the_loop(monkeypatch):
     """E = 20 at top-10 would give one padded expert per bucket (wrong on the H200): the loop."""
     monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
+    monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_EXPERTS", 1)
     assert route_sort_module._select_tiles(20, 2, 10)["BUCKETS"] == 0
     assert route_sort_module._select_tiles(20, 2, 5)["BUCKETS"] > 0
 
@@ -574,6 +585,7 @@ def test_threshold_small_sizes(case, per_slot, device, monkeypatch):
     groups, top-1, one-token blocks); cap1x: CAP = padded top_k, so blocks fall back often
     while others do not."""
     monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
+    monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_EXPERTS", 1)
     monkeypatch.setattr(route_sort_module, "CANDIDATES_PER_SLOT", per_slot)
     args, kwargs = _case_inputs(case, device)
     assert route_sort_module._select_tiles(args[1].shape[0], args[0].shape[0],
@@ -584,6 +596,7 @@ def test_threshold_small_sizes(case, per_slot, device, monkeypatch):
 def test_threshold_hand_computed(device, monkeypatch):
     """The hand-computed plan through the threshold path (6 experts, top-2: 4 buckets)."""
     monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
+    monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_EXPERTS", 1)
     test_hand_computed_plan(device)
 
 
