@@ -325,8 +325,8 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
     """Write ``out_dir/index.html``: one row per report with its status and headline figures.
 
     entries: dicts with name, status ("ok"/"failed"), error, date, seconds, html (relative link
-    to the report), failed_html (link to the failed run's page), last_good_date, headline (dict)
-    and manifest (dict). Everything is HTML-escaped.
+    to the report), failed_html (link to the failed run's page), last_good_date, headline (dict),
+    manifest (dict) and erratum (text or None). Everything is HTML-escaped.
     """
     rows = []
     for e in entries:
@@ -338,6 +338,8 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
         state = f"<span class='{'ok' if status == 'ok' else 'failed'}'>{html.escape(status)}</span>"
         if e.get("error"):
             state += f"<div class='err'>{html.escape(str(e['error']))}</div>"
+        if e.get("erratum"):
+            state += f"<div class='err'>erratum: {html.escape(str(e['erratum']))}</div>"
         if status != "ok" and e.get("last_good_date"):
             state += (f"<div class='small'>last good report: "
                       f"{html.escape(str(e['last_good_date']))}</div>")

@@ -415,7 +415,11 @@ def _load(path: Path) -> dict | None:
 
 def update_index(out_dir: str | os.PathLike) -> Path:
     """Rewrite ``out_dir/index.html`` and ``out_dir/manifest.json`` (each report's status and
-    manifest: git commit, GPU, driver, torch, triton, date) from every report found there."""
+    manifest: git commit, GPU, driver, torch, triton, date) from every report found there.
+
+    A committed ``<name>.erratum.txt`` beside a report (a person's note of a mistake found in it
+    after it ran, e.g. a bar check that left out a requirement) is shown with it; the measured
+    report itself is never edited."""
     out_dir = Path(out_dir)
     names = sorted({p.name.removesuffix(suffix) for suffix in (".metrics.json", ".failed.json")
                     for p in out_dir.glob(f"*{suffix}") if not p.name.startswith(".")})
@@ -424,7 +428,9 @@ def update_index(out_dir: str | os.PathLike) -> Path:
         good = _load(out_dir / f"{name}.metrics.json")
         failed = _load(out_dir / f"{name}.failed.json")
         latest = failed or good or {}
+        erratum = out_dir / f"{name}.erratum.txt"
         entries.append({
+            "erratum": erratum.read_text().strip() if erratum.exists() else None,
             "name": name,
             "status": "failed" if failed else "ok",
             "error": failed.get("error") if failed else None,
@@ -439,7 +445,8 @@ def update_index(out_dir: str | os.PathLike) -> Path:
             "manifest": latest.get("manifest"),
         })
     _write_json(out_dir / "manifest.json", {
-        "reports": {e["name"]: {"status": e["status"], "manifest": e["manifest"]}
+        "reports": {e["name"]: {"status": e["status"], "manifest": e["manifest"],
+                                **({"erratum": e["erratum"]} if e["erratum"] else {})}
                     for e in entries}})
     return report.write_index(out_dir, entries)
 

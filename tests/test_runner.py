@@ -236,3 +236,20 @@ def test_cli_list_shows_notebooks_and_defaults(nb_env, capsys):
     for expected in ("    sizes  = [1, 2]", "    label  = 'x'", "10_other", "    label = 'other'",
                      "20_broken", "    device = 'cpu'"):
         assert expected in text
+
+
+def test_erratum_shown_beside_report_untouched(batch, tmp_path):
+    """A person's <name>.erratum.txt is shown in the index and manifest; the report's own
+    files stay byte for byte as the run wrote them."""
+    _, batch_out = batch
+    out = tmp_path / "out"
+    shutil.copytree(batch_out, out)
+    before = (out / "00_echo.metrics.json").read_bytes()
+    (out / "00_echo.erratum.txt").write_text("the <bar> check left out a row\n")
+    runner.update_index(out)
+    page = (out / "index.html").read_text()
+    assert "erratum: the &lt;bar&gt; check left out a row" in page
+    manifest = _json(out / "manifest.json")["reports"]
+    assert manifest["00_echo"]["erratum"] == "the <bar> check left out a row"
+    assert "erratum" not in manifest["10_other"]
+    assert (out / "00_echo.metrics.json").read_bytes() == before
