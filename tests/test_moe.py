@@ -25,6 +25,7 @@ from k3lab.kernels import (
     route_sort,
 )
 from k3lab.kernels import moe as kmoe
+from k3lab.plan import RoutePlan
 from k3lab.profile import count_launches
 from k3lab.reference import moe as ref
 from k3lab.reference.route_sort import route_sort_reference
@@ -225,6 +226,34 @@ def test_stages(case, tiles, device, monkeypatch):
     y_det = moe_stage2(a, plan, w["w2"], deterministic=True)
     assert_close("y_det", y_det, y_ref, atol=Y_ATOL, rtol=Y_RTOL)
     assert_close("atomic vs deterministic", y, y_det, atol=ATOMIC_VS_DETERMINISTIC_ATOL)
+
+
+def test_mxfp4_decode_exact(device):
+    """Every E2M1 code at every position of a group, under E8M0 scales from 2^-20 to 2^10, read
+    back exactly through stage 2: token t (top_k 1, weight 1) carries the one-hot a = e_k, so
+    y[t] is column k of the dequantized expert."""
+    n, k = 128, 32
+    o_n = torch.arange(n)[:, None]
+    o_p = torch.arange(k // 2)[None, :]
+    lo, hi = (o_n + 2 * o_p) % 16, (o_n + 2 * o_p + 1) % 16
+    packed = (lo | (hi << 4)).to(torch.uint8)[None].contiguous().to(device)
+    exps = torch.tensor([-20, -7, -1, 0, 1, 3, 6, 10])
+    scales = (127 + exps[torch.arange(n) % 8]).to(torch.uint8)[None, :, None].contiguous()
+    w2 = MXFP4(packed, scales.to(device))
+    want = mxfp4_dequantize(w2)[0].float()  # [n, k]
+    m = kmoe.MAX_TOKENS
+    for k0 in range(0, k, m):
+        a = torch.zeros((m, k), dtype=torch.bfloat16, device=device)
+        a[torch.arange(m), k0 + torch.arange(m)] = 1.0
+        ids = torch.zeros((m, 1), dtype=torch.int32, device=device)
+        plan = RoutePlan(topk_ids=ids, topk_weights=torch.ones((m, 1), device=device),
+                         sorted_ids=torch.arange(m, dtype=torch.int32, device=device),
+                         sorted_weights=torch.ones(m, device=device),
+                         block_expert_ids=torch.zeros(m, dtype=torch.int32, device=device),
+                         num_valid=torch.tensor([m], dtype=torch.int32, device=device),
+                         out=torch.zeros((m, n), device=device), block_m=1)
+        y = moe_stage2(a, plan, w2)
+        torch.testing.assert_close(y, want[:, k0:k0 + m].T, atol=0, rtol=0)
 
 
 def test_stage2_without_plan_buffer(device):
