@@ -21,8 +21,7 @@ One launch, ``_route_sort_kernel``, grid (E tiles, K splits):
    counter once (acq_rel, gpu scope); the program that sees ``num_programs - 1`` (every other
    program's stores are then visible to it) runs the selection and sort below and resets the
    counter to 0 for the next call (or CUDA-graph replay; relaxed: the next launch starts after
-   this one ends); the others just end. With ``HIER_COUNTER`` the count has two levels: per E
-   tile (its K splits), then the tiles' last programs on the global counter;
+   this one ends); the others just end;
 3. the selection (``_select_sort``): sums the partials in a fixed order (``.cg`` loads: from L2,
    never a stale L1 line), sigmoid, bias, grouped top-k on packed (score, expert) int64 keys
    (unique; the low word breaks ties toward the lower expert): from top_k = 8 on by a threshold
@@ -81,11 +80,6 @@ SELECT_TILE = 4096  # tokens x padded experts held by the selection program at o
 # reference. The price is the exact arg-max fallback for a selection block holding a token with
 # more than CAP candidates (make_inputs routers, 2048 tokens each: K3 0.2%, K2 0.6%, Kimi-Linear
 # 0.9% of tokens; none at 4 per slot), so larger batches (M = 64) meet it more often.
-# "threshold" (above) or "bitonic": tl.topk, a bitonic top-k network over the packed keys (no
-# threshold, no candidate scratch round trip, no fallback; sm_90 SASS of the K3 B1 tail, Triton
-# 3.9: ~2500 instructions and 35 barriers on the path vs ~1400 and ~40 plus the scratch round
-# trip for the threshold). H200 sweep decides.
-SELECT = "threshold"
 THRESHOLD_MIN_TOP_K = 8
 BUCKETS_PER_SLOT = 2
 CANDIDATES_PER_SLOT = 2
@@ -111,15 +105,10 @@ TAIL_STAGE = 3
 KEY_MIN = tl.constexpr(-(2**63))  # below every packed key: marks an expert already taken
 IDX_BITS = tl.constexpr(0x7FFFFFFF)  # low word of a key: IDX_BITS - expert (larger = lower expert)
 
-# Completion counters per device (see the module docstring), int32 [1 + COUNTER_TILES], zero
-# between calls: [0] counts programs (or, with HIER_COUNTER, finished E tiles); [1 + i_e] counts
-# the finished K splits of E tile i_e (HIER_COUNTER only).
+# One int32 "programs done" counter per device (see the module docstring), zero between calls.
+# (Session 3's H200 sweep also timed a two-level counter and tl.topk for the selection: both
+# slower, removed; benchmarks/h200_session3/README.md.)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-COUNTER_TILES = 1024
-# Two-level completion: each program bumps its E tile's counter; the tile's last program bumps
-# the global one. At most SPLIT_K (or E-tile count) atomics meet on one address instead of every
-# program's, for one more dependent atomic on the path to the selection. H200 sweep decides.
-HIER_COUNTER = False
 
 
 @triton.jit
@@ -331,23 +320,14 @@ def _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling,
                    CAP: tl.constexpr):
     """Route tokens [t0, t0 + BLOCK_T): store their ids and weights; return
     (ids, weights, entry index, mask), each [BLOCK_T, BLOCK_S]. BUCKETS > 0: by threshold
-    (_top_k_threshold); BUCKETS = 0: by the arg-max loop; BUCKETS = -1: by tl.topk."""
+    (_top_k_threshold); BUCKETS = 0: by the arg-max loop."""
     o_s = tl.arange(0, BLOCK_S)
     o_t = t0 + tl.arange(0, BLOCK_T)
     m_t = o_t < M
     m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
     b_key, b_s = _token_keys(p_part, p_bias, o_t, m_t, M, E, SPLIT_K, N_GROUP, TOPK_GROUP,
                              GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G)
-    if BUCKETS < 0:  # bitonic: tl.topk of the unique keys (sorted, descending)
-        b_top = tl.topk(b_key, BLOCK_S)
-        b_ids = (-(b_top & IDX_BITS) + IDX_BITS).to(tl.int32)
-        # the chosen scores: a one-hot sum over the experts in registers (exact: one non-zero
-        # term; re-loading the partials at b_ids' layout compiled to one dependent L2 round
-        # trip per K split)
-        o_e = tl.arange(0, BLOCK_E)
-        b_sel = tl.sum(tl.where(o_e[None, None, :] == b_ids[:, :, None], b_s[:, None, :], 0.0),
-                       axis=2)
-    elif BUCKETS > 0:
+    if BUCKETS > 0:
         b_ids, b_sel = _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E, SPLIT_K,
                                         TOP_K, BLOCK_T, BLOCK_E, BLOCK_S, BUCKETS, CAP)
     else:
@@ -479,7 +459,7 @@ def _route_sort_kernel(
         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
         IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-        TAIL_STAGE: tl.constexpr, HIER: tl.constexpr):
+        TAIL_STAGE: tl.constexpr):
     i_e, i_k = tl.program_id(0), tl.program_id(1)
     _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K)
 
@@ -497,20 +477,7 @@ def _route_sort_kernel(
     # scope; the last program's acquire sees every program's partials and fills
     if TAIL_STAGE >= 0:  # (-1: measurement only, no counter, no selection)
         tl.debug_barrier()
-        if HIER:
-            # the tile's last program acquired its K splits' partials; its acq_rel on the global
-            # counter passes them on (causality is transitive), so the last tile sees them all
-            p_tile = p_count + 1 + i_e
-            n_tile = tl.atomic_add(p_tile, 1, sem="acq_rel", scope="gpu")
-            n_done = n_tile * 0 - 1
-            if n_tile == tl.num_programs(1) - 1:
-                tl.atomic_xchg(p_tile, 0, sem="relaxed", scope="gpu")  # no later use this launch
-                n_done = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")
-            n_last = tl.num_programs(0) - 1
-        else:
-            n_done = tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu")
-            n_last = n_prog - 1
-        if n_done == n_last:
+        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
             if TAIL_STAGE > 0:
                 _select_sort(p_part, p_bias, p_cand, p_ids, p_topk_w, p_sorted_ids, p_sorted_w,
                              p_block_ids, p_num_valid, p_rank, M, scaling, E, SPLIT_K, TOP_K,
@@ -548,8 +515,8 @@ def _gemv_blocks(E: int, H: int, on_gpu: bool, block_e: int | None,
 def _select_tiles(E: int, M: int, top_k: int) -> dict[str, int | bool]:
     """The selection program's tile constexprs (see _select_sort / _top_k_threshold):
     BLOCK_T tokens x BLOCK_E (padded) experts at once, BLOCK_S (padded) slots, BUCKETS and
-    CAP of the threshold selection (BUCKETS = 0: the arg-max loop, -1: tl.topk, see SELECT),
-    IN_REGS (all entries sorted in registers) and the memory sort passes' BLOCK_R x BLOCK_C."""
+    CAP of the threshold selection (BUCKETS = 0: the arg-max loop), IN_REGS (all entries sorted
+    in registers) and the memory sort passes' BLOCK_R x BLOCK_C."""
     n = M * top_k
     block_ex = triton.next_power_of_2(E)
     block_t = min(triton.next_power_of_2(M), max(1, SELECT_TILE // block_ex))
@@ -557,12 +524,10 @@ def _select_tiles(E: int, M: int, top_k: int) -> dict[str, int | bool]:
     buckets = BUCKETS_PER_SLOT * block_s
     use_threshold = (top_k >= THRESHOLD_MIN_TOP_K and buckets * MIN_BUCKET_SIZE <= block_ex
                      and block_ex >= THRESHOLD_MIN_EXPERTS)
-    if SELECT == "bitonic" and hasattr(tl, "topk"):
-        buckets, use_threshold = -1, True
     block_c = min(triton.next_power_of_2(n), PAIR_COLS)
     return dict(BLOCK_T=block_t, BLOCK_E=block_ex, BLOCK_S=block_s,
                 BUCKETS=buckets if use_threshold else 0,
-                CAP=min(CANDIDATES_PER_SLOT * block_s, block_ex) if buckets > 0 else 1,
+                CAP=min(CANDIDATES_PER_SLOT * block_s, block_ex) if use_threshold else 1,
                 IN_REGS=block_t >= M and block_t * block_s <= REG_ENTRIES,
                 BLOCK_R=max(1, min(triton.next_power_of_2(n), PAIR_TILE // block_c)),
                 BLOCK_C=block_c)
@@ -572,7 +537,7 @@ def _bucket_of(E: int, M: int, top_k: int) -> torch.Tensor | None:
     """int64 [E]: the threshold selection's bucket of every expert (see _top_k_threshold), or
     None when the arg-max loop selects (tests use it to aim at the fast path or the fallback)."""
     buckets = _select_tiles(E, M, top_k)["BUCKETS"]
-    return torch.arange(E) % buckets if buckets > 0 else None
+    return torch.arange(E) % buckets if buckets else None
 
 
 def _check_gate_inputs(hidden, gate_weight, correction_bias=None):
@@ -653,8 +618,7 @@ def _counter(dev: torch.device) -> torch.Tensor:
                 f"hidden: route_sort's completion counter on {dev} does not exist yet and "
                 "cannot be created inside a CUDA-graph capture; call route_sort once on this "
                 "device before capturing")
-        counter = _COUNTERS[dev] = torch.zeros(1 + COUNTER_TILES, dtype=torch.int32,
-                                               device=dev)
+        counter = _COUNTERS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
     return counter
 
 
@@ -719,7 +683,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     rank = torch.empty(n, dtype=i32, device=dev)
     # the threshold selection's candidate rows (keys, payloads, count), see _top_k_threshold
     cand = (torch.empty(M, 2 * tiles["CAP"] + 1, dtype=torch.int64, device=dev)
-            if tiles["BUCKETS"] > 0 else rank)
+            if tiles["BUCKETS"] else rank)
     topk_ids = torch.empty(M, top_k, dtype=i32, device=dev)
     topk_weights = torch.empty(M, top_k, dtype=f32, device=dev)
     sorted_ids = torch.empty(cap, dtype=i32, device=dev)
@@ -728,8 +692,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     num_valid = torch.empty(1, dtype=i32, device=dev)
     out = None if out_dim is None else torch.empty(M, out_dim, dtype=f32, device=dev)
 
-    n_e_tiles = triton.cdiv(E, block_e)
-    _route_sort_kernel[(n_e_tiles, split_k)](
+    _route_sort_kernel[(triton.cdiv(E, block_e), split_k)](
         hidden, gate_weight, correction_bias, partial, cand, rank, counter, topk_ids,
         topk_weights, sorted_ids, sorted_weights, block_expert_ids, num_valid,
         partial if out is None else out, M, H, cap, cap // block_m,
@@ -738,7 +701,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
         GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK,
         BLOCK_G=triton.next_power_of_2(n_group), **tiles, TAIL_STAGE=TAIL_STAGE,
-        HIER=HIER_COUNTER and n_e_tiles <= COUNTER_TILES and split_k > 1, num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS)
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,

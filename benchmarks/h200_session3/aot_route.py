@@ -39,8 +39,7 @@ def compile_case(E, H, M, top_k, block_m=16, n_group=1, topk_group=1):
     """The sm_90 kernel of one route_sort call on CPU stand-in tensors (launch captured)."""
     kernel = rs._route_sort_kernel
     rs._route_sort_kernel = _Capture()
-    rs._COUNTERS.setdefault(torch.device("cpu"),
-                            torch.zeros(1 + rs.COUNTER_TILES, dtype=torch.int32))
+    rs._COUNTERS.setdefault(torch.device("cpu"), torch.zeros(1, dtype=torch.int32))
     try:
         rs.route_sort(torch.randn(M, H).bfloat16(), torch.randn(E, H).bfloat16(), torch.rand(E),
                       top_k=top_k, n_group=n_group, topk_group=topk_group, block_m=block_m,

@@ -16,10 +16,6 @@ Rows (k=...):
     default 32x1024 nw4 (196 programs, 7 partials; this branch's default),
     16x1024 nw4 (392 programs, 7 partials): programs vs partials,
     nw2 / nw1 tiles: is the tail (cross-warp reductions, barriers) cheaper with fewer warps?
-    hier (two-level counter) at 784 / 196 programs (and 784 one-warp programs): is one
-    counter address a bottleneck?
-    bitonic (SELECT = "bitonic": tl.topk network, no threshold / scratch round trip / fallback)
-    at the default tiles: fewer barriers and memory round trips, more instructions;
     cap64 (CANDIDATES_PER_SLOT = 4: 64 candidate slots, the default before call 2; the default
     is now 2, 32 slots: a quarter of the pairwise rank, sm_90 SASS ~250 fewer tail
     instructions; call 2's cap32 row timed 10.23 us vs 10.87 us at 64); more tokens take the
@@ -31,7 +27,11 @@ Rows (k=...):
   weights; the full row is stage 3. Differences = the parts (counter, loads, selection, sort).
 - ``gemv``: the standalone split-K GEMV (gate_logits' _gate_gemv_kernel: no counter, no tail)
   cold and warm kernel durations at the same tiles: the GEMV's own cost.
-- ``tokens``: M = 8 and M = 64 at the old and new default (and bitonic at M = 8): sanity.
+- ``tokens``: M = 8 and M = 64 at the old and new default: sanity.
+
+Call 2 (tree 8867e4d) also timed a two-level completion counter (``hier`` rows) and ``tl.topk``
+for the selection (``bitonic`` rows); both were slower and are no longer in the kernel (see
+results/route_sweep.json and the README).
 """
 
 import importlib
@@ -41,7 +41,6 @@ import time
 
 import torch
 import triton
-import triton.language
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump, gt, kdur, rec  # noqa: E402
@@ -55,7 +54,6 @@ T0 = time.time()
 rs = importlib.import_module("k3lab.kernels.route_sort")
 R = get("route")
 DEFAULTS = {"NUM_WARPS": rs.NUM_WARPS, "TAIL_STAGE": rs.TAIL_STAGE,
-            "HIER_COUNTER": rs.HIER_COUNTER, "SELECT": rs.SELECT,
             "CANDIDATES_PER_SLOT": rs.CANDIDATES_PER_SLOT}
 
 
@@ -109,17 +107,13 @@ def make_copies(tp, M):
 
 tiny = [torch.zeros(1, device="cuda") for _ in range(64)]
 launch = gt(lambda x: x.add_(1), tiny)
-FULL = [  # (name, block_e, block_k, warps, hier or "bitonic")
-    ("old-default", 16, 512, 4, False),
+FULL = [  # (name, block_e, block_k, warps, candidates per slot)
+    ("old-default", 16, 512, 4, None),
     ("default", None, None, None, None),
-    ("16x1024", 16, 1024, 4, False),
-    ("32x1024-nw2", 32, 1024, 2, False),
-    ("8x1024-nw1", 8, 1024, 1, False),
-    ("8x1024-nw1-hier", 8, 1024, 1, True),
-    ("16x512-hier", 16, 512, 4, True),
-    ("32x1024-hier", 32, 1024, 4, True),
-    ("bitonic", None, None, None, "bitonic"),
-    ("cap64", None, None, None, "cap64"),
+    ("16x1024", 16, 1024, 4, None),
+    ("32x1024-nw2", 32, 1024, 2, None),
+    ("8x1024-nw1", 8, 1024, 1, None),
+    ("cap64", None, None, None, 4),
 ]
 floors = {}
 for tp in (8, 1):
@@ -128,22 +122,16 @@ for tp in (8, 1):
     floors[tp] = floor = gate_us + launch
     rec(k="floor", tp=tp, gate_us=round(gate_us, 3), launch_us=round(launch, 3),
         floor=round(floor, 3), copies=len(copies), bw_TBs=round(bw / 1e12, 3),
-        triton=triton.__version__, has_topk=hasattr(triton.language, "topk"))
-    variants = FULL if tp == 8 else [v for v in FULL if v[0] in ("old-default", "default",
-                                                                 "bitonic")]
-    for name, be, bk, nw, hier in variants:
+        triton=triton.__version__)
+    variants = FULL if tp == 8 else [v for v in FULL if v[0] in ("old-default", "default")]
+    for name, be, bk, nw, per_slot in variants:
         try:
-            if hier == "bitonic":
-                setk(SELECT="bitonic", **({} if nw is None else {"NUM_WARPS": nw}))
-            elif hier == "cap64":
-                setk(CANDIDATES_PER_SLOT=4)
-            else:
-                setk(**({} if nw is None else {"NUM_WARPS": nw, "HIER_COUNTER": hier}))
+            setk(**({} if nw is None else {"NUM_WARPS": nw}),
+                 **({} if per_slot is None else {"CANDIDATES_PER_SLOT": per_slot}))
             fn = call(be, bk)
             ok = check(fn, copies)
             us = gt(fn, copies)
             rec(k="full", tp=tp, M=1, v=name, be=be, bk=bk, nw=rs.NUM_WARPS,
-                hier=rs.HIER_COUNTER, select=rs.SELECT,
                 cap=rs._select_tiles(896, 1, 16)["CAP"], us=round(us, 3),
                 ratio=round(us / floor, 3),
                 cold=kcold(fn, copies, "route_sort"), warm=kdur(fn, copies[0]), ok=ok)
@@ -173,10 +161,9 @@ for tp in (8, 1):
 
 for M in (8, 64):
     copies = make_copies(8, M)
-    tok = [("old-default", 16, 512, "threshold"), ("default", None, None, "threshold")]
-    for name, be, bk, sel in tok + ([("bitonic", None, None, "bitonic")] if M == 8 else []):
+    for name, be, bk in (("old-default", 16, 512), ("default", None, None)):
         try:
-            setk(SELECT=sel)
+            setk()
             fn = call(be, bk)
             us = gt(fn, copies)
             rec(k="tokens", tp=8, M=M, v=name, us=round(us, 3),
