@@ -12,6 +12,9 @@ What each variant tests (benchmarks/next/MLA_ANALYSIS.md has the SASS behind it)
   memory once per 64 rows a warp instead of once per 32 (LDSM 432 instead of 576 a 64-row step
   for the CTA); 64 / 4 / 3 alone (control) was 19.99 us at 32k in session 3 (default 19.05).
 - chunks4+defer at 64 / 8 / 3 (the long-context tile at every length).
+- combine-s{128,64,32}-c{32,64,128} (32k only): the combine kernel with 128 / 64 / 32 splits a
+  step and 32 / 64 / 128 columns a program (192 / 96 / 48 programs instead of 384 programs of
+  256 padded splits x 16 columns): how much of the 2.8 us combine is its shape.
 Run from the repo root: python3 benchmarks/next/mla_sweep.py. Writes $OUT/mla_next.json.
 """
 
@@ -33,7 +36,7 @@ from k3lab.reference.mla import mla_decode_reference  # noqa: E402
 
 T0 = time.time()
 CFG = preset("kimi-k3", 8)
-KNOBS = ("SCORE_CHUNKS", "DEFER_ROW_SUM", "BLOCK_N", "SPLIT_NUM_WARPS",
+KNOBS = ("SCORE_CHUNKS", "DEFER_ROW_SUM", "COMBINE_MAX_BLOCK_S", "BLOCK_N", "SPLIT_NUM_WARPS",
          "SPLIT_NUM_STAGES", "LONG_BLOCK_N", "LONG_NUM_WARPS", "LONG_NUM_STAGES")
 DEFAULTS = {k: getattr(mla, k) for k in KNOBS}
 
@@ -46,6 +49,14 @@ VARIANTS = [
     ("64/4/3", {}, (64, 4, 3)),
     ("chunks4+defer", dict(SCORE_CHUNKS=4, DEFER_ROW_SUM=True), (64, 4, 3)),
     ("chunks4+defer", dict(SCORE_CHUNKS=4, DEFER_ROW_SUM=True), (64, 8, 3)),
+]
+# The combine's fixed cost (2.8 us of the 19.2 at 32k, where the bar leaves ~3 us for all fixed
+# costs): fewer, wider programs than the default one step of 256 padded splits x 16 columns
+# (384 programs); existing module constants, 32k only.
+COMBINE_VARIANTS = [
+    ("combine-s128-c32", dict(COMBINE_MAX_BLOCK_S=128), None),
+    ("combine-s64-c64", dict(COMBINE_MAX_BLOCK_S=64), None),
+    ("combine-s32-c128", dict(COMBINE_MAX_BLOCK_S=32), None),
 ]
 
 
@@ -88,7 +99,9 @@ def run(ctx, copies, ref, name, values, tile):
         ok = correct(copies[0], ref)
         us = gt(call, copies) if ok else float("nan")
         ok = ok and math.isfinite(us) and correct(copies[0], ref)
-        dur = kdur(call, copies[0]) if ok else None
+        # per-kernel durations of one call on a copy the last correctness call did not touch
+        # (32k is 37.7 MB: copies[0] may still sit in the 50 MB L2)
+        dur = kdur(call, copies[-1]) if ok else None
     rec(k="mla_next", ctx=ctx, name=name, tile=list(used), **{k: v for k, v in values.items()},
         splits=mla.default_num_splits(1, CFG.mla_heads, ctx, "cuda"), us=us,
         frac=nbytes / bw * 1e6 / us, floor_us=nbytes / bw * 1e6, ok=ok, dur=dur,
@@ -102,7 +115,7 @@ for ctx in (32768, 65536, 131072):
     i = copies[0]
     ref = mla_decode_reference(i["q_lat"], i["q_rope"], i["kv_cache"], i["seq_lens"],
                                sm_scale=i["sm_scale"])
-    for name, values, tile in VARIANTS:
+    for name, values, tile in VARIANTS + (COMBINE_VARIANTS if ctx == 32768 else []):
         try:
             run(ctx, copies, ref, name, values, tile)
         except Exception as e:  # record and go on
