@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["mla_decode", "default_num_splits", "BLOCK_N", "BLOCK_H", "MAX_SPLITS"]
+__all__ = ["mla_decode", "default_num_splits", "BLOCK_N", "BLOCK_H", "MAX_SPLITS",
+           "SCORE_CHUNKS", "DEFER_ROW_SUM"]
 
 # Cache rows per inner step: 32 rows x 576 x bf16 = 36 KiB per pipeline stage (the size vLLM's
 # Triton MLA decode uses). Four stages in flight: on the H200 (K3 tp 8, graph, cold) a sweep of
@@ -58,11 +59,67 @@ COMBINE_MIN_BLOCK_C = 16
 PROGRAMS_PER_SM = 1
 MIN_ROWS_PER_SPLIT = 128
 MAX_SPLITS = 1024
+# Opt-in variants (benchmarks/next/MLA_ANALYSIS.md; default off until an H200 sweep says
+# otherwise). SCORE_CHUNKS: the latent is cut into this many column chunks, each with its own
+# 2-D tensor-core product for the scores (independent accumulator chains of C / SCORE_CHUNKS / 16
+# steps instead of one chain of C / 16 + R / 16) and its own P @ C accumulator; clamped so a
+# chunk keeps at least 16 columns. DEFER_ROW_SUM: the softmax denominator is accumulated per
+# element ([BLOCK_H, BLOCK_N], rescaled like the output) and reduced over the rows once after
+# the loop, which takes one cross-warp reduction (two barriers) out of every tile.
+SCORE_CHUNKS = 1
+DEFER_ROW_SUM = False
 # SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.
 CPU_SM_STANDIN = 8
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _load_rows(p_rows, m_n, o_col, DOT_FP32: tl.constexpr):
+    """[BLOCK_N, COLS] tile: rows p_rows [BLOCK_N, 1] (masked by m_n [BLOCK_N]) at columns o_col."""
+    b = tl.load(p_rows + o_col[None, :], mask=m_n[:, None], other=0.0)
+    if DOT_FP32:  # the interpreter's tl.dot is wrong on bf16: compute in fp32 there
+        b = b.to(tl.float32)
+    return b
+
+
+@triton.jit
+def _load_q(p_q, m_h, o_col, DOT_FP32: tl.constexpr):
+    """[BLOCK_H, COLS] query tile: head rows p_q [BLOCK_H, 1] (masked by m_h) at columns o_col."""
+    b = tl.load(p_q + o_col[None, :], mask=m_h[:, None], other=0.0)
+    if DOT_FP32:
+        b = b.to(tl.float32)
+    return b
+
+
+@triton.jit
+def _tile_scores(p_n, m_n, o_w, o_r, b_q0, b_q1, b_q2, b_q3, b_qr, sm_scale_log2,
+                 C: tl.constexpr, CW: tl.constexpr, CHUNKS: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
+    """Base-2 scores [BLOCK_H, BLOCK_N] of the cache rows p_n [BLOCK_N, 1] (masked rows -inf)
+    and the latent chunks [BLOCK_N, CW] read for them (c1..c3 repeat c0 where CHUNKS is less)."""
+    b_c0 = _load_rows(p_n, m_n, o_w, DOT_FP32)
+    b_kr = _load_rows(p_n, m_n, C + o_r, DOT_FP32)
+    b_c1 = b_c0
+    b_c2 = b_c0
+    b_c3 = b_c0
+    if CHUNKS == 1:
+        # one chain: Triton folds the sum into the second product's accumulator
+        b_s = (tl.dot(b_q0, tl.trans(b_c0)) + tl.dot(b_qr, tl.trans(b_kr))) * sm_scale_log2
+    else:
+        b_c1 = _load_rows(p_n, m_n, CW + o_w, DOT_FP32)
+        # each product scaled before the sum: no product becomes another's accumulator
+        b_s = (tl.dot(b_qr, tl.trans(b_kr)) * sm_scale_log2
+               + tl.dot(b_q0, tl.trans(b_c0)) * sm_scale_log2)
+        b_s += tl.dot(b_q1, tl.trans(b_c1)) * sm_scale_log2
+        if CHUNKS > 2:
+            b_c2 = _load_rows(p_n, m_n, 2 * CW + o_w, DOT_FP32)
+            b_c3 = _load_rows(p_n, m_n, 3 * CW + o_w, DOT_FP32)
+            b_s += (tl.dot(b_q2, tl.trans(b_c2)) * sm_scale_log2
+                    + tl.dot(b_q3, tl.trans(b_c3)) * sm_scale_log2)
+    b_s = tl.where(m_n[None, :], b_s, float("-inf"))
+    return b_s, b_c0, b_c1, b_c2, b_c3
 
 
 @triton.jit
@@ -72,10 +129,15 @@ def _mla_decode_split_kernel(
     stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
     stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
     C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, FINAL: tl.constexpr,
+    CHUNKS: tl.constexpr, DEFER_SUM: tl.constexpr, DOT_FP32: tl.constexpr,
+    FINAL: tl.constexpr,
 ):
     """FINAL: single split; o is the output [M, Hl, C] and lse the natural-log lse [M, Hl].
-    Otherwise o is the fp32 partial [M, Hl, S, C] and lse the base-2 partial lse [M, Hl, S]."""
+    Otherwise o is the fp32 partial [M, Hl, S, C] and lse the base-2 partial lse [M, Hl, S].
+    CHUNKS in {1, 2, 4}: the latent columns in that many chunks of CW = C / CHUNKS, each with its
+    own score product and its own [BLOCK_H, CW] output accumulator. DEFER_SUM: the denominator
+    kept per element ([BLOCK_H, BLOCK_N]), reduced over the rows once after the loop."""
+    CW: tl.constexpr = C // CHUNKS
     i_m, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_m64 = i_m.to(tl.int64)
     L = tl.load(seq_lens + i_m)
@@ -85,46 +147,64 @@ def _mla_decode_split_kernel(
 
     o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
-    o_c = tl.arange(0, C)
+    o_w = tl.arange(0, CW)
     o_r = tl.arange(0, R)
-    p_ql = q_lat + i_m64 * stride_ql_m + o_h[:, None] * stride_ql_h + o_c[None, :]
-    p_qr = q_rope + i_m64 * stride_qr_m + o_h[:, None] * stride_qr_h + o_r[None, :]
-    b_ql = tl.load(p_ql, mask=m_h[:, None], other=0.0)
-    b_qr = tl.load(p_qr, mask=m_h[:, None], other=0.0)
-    if DOT_FP32:  # the interpreter's tl.dot is wrong on bf16: compute in fp32 there
-        b_ql = b_ql.to(tl.float32)
-        b_qr = b_qr.to(tl.float32)
+    p_ql = q_lat + i_m64 * stride_ql_m + o_h[:, None] * stride_ql_h
+    b_qr = _load_q(q_rope + i_m64 * stride_qr_m + o_h[:, None] * stride_qr_h, m_h, o_r, DOT_FP32)
+    b_q0 = _load_q(p_ql, m_h, o_w, DOT_FP32)
+    b_q1 = b_q0
+    b_q2 = b_q0
+    b_q3 = b_q0
+    if CHUNKS > 1:
+        b_q1 = _load_q(p_ql, m_h, CW + o_w, DOT_FP32)
+    if CHUNKS > 2:
+        b_q2 = _load_q(p_ql, m_h, 2 * CW + o_w, DOT_FP32)
+        b_q3 = _load_q(p_ql, m_h, 3 * CW + o_w, DOT_FP32)
 
     b_m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    b_acc = tl.zeros([BLOCK_H, C], dtype=tl.float32)
+    b_l2 = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    b_acc0 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    b_acc1 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    b_acc2 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
+    b_acc3 = tl.zeros([BLOCK_H, CW], dtype=tl.float32)
     p_kv = kv + i_m64 * stride_kv_m
     for n0 in range(start, end, BLOCK_N):
         o_n = n0 + tl.arange(0, BLOCK_N)
         m_n = o_n < end
-        b_c = tl.load(p_kv + o_n[:, None] * stride_kv_n + o_c[None, :], mask=m_n[:, None],
-                      other=0.0)
-        b_kr = tl.load(p_kv + o_n[:, None] * stride_kv_n + C + o_r[None, :], mask=m_n[:, None],
-                       other=0.0)
-        if DOT_FP32:
-            b_c = b_c.to(tl.float32)
-            b_kr = b_kr.to(tl.float32)
-        b_s = tl.dot(b_ql, tl.trans(b_c)) + tl.dot(b_qr, tl.trans(b_kr))
-        b_s = tl.where(m_n[None, :], b_s * sm_scale_log2, float("-inf"))
+        b_s, b_c0, b_c1, b_c2, b_c3 = _tile_scores(
+            p_kv + o_n[:, None] * stride_kv_n, m_n, o_w, o_r, b_q0, b_q1, b_q2, b_q3, b_qr,
+            sm_scale_log2, C, CW, CHUNKS, DOT_FP32)
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
         b_alpha = tl.exp2(b_m - b_m_new)
         b_p = tl.exp2(b_s - b_m_new[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_c.dtype), b_c)
+        if DEFER_SUM:
+            b_l2 = b_l2 * b_alpha[:, None] + b_p
+        else:
+            b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_pc = b_p.to(b_c0.dtype)
+        b_acc0 = b_acc0 * b_alpha[:, None] + tl.dot(b_pc, b_c0)
+        if CHUNKS > 1:
+            b_acc1 = b_acc1 * b_alpha[:, None] + tl.dot(b_pc, b_c1)
+        if CHUNKS > 2:
+            b_acc2 = b_acc2 * b_alpha[:, None] + tl.dot(b_pc, b_c2)
+            b_acc3 = b_acc3 * b_alpha[:, None] + tl.dot(b_pc, b_c3)
         b_m = b_m_new
 
+    if DEFER_SUM:
+        b_l = tl.sum(b_l2, axis=1)
     # an empty split (or a zero length) leaves l = 0, acc = 0: o = 0 and lse = -inf
-    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None]
+    b_den = tl.where(b_l > 0, b_l, 1.0)[:, None]
     b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
     if FINAL:
         b_lse = b_lse * 0.6931471805599453  # base 2 -> natural log
-    p_o = o + i_m64 * stride_o_m + i_s * stride_o_s + o_h[:, None] * stride_o_h + o_c[None, :]
-    tl.store(p_o, b_o.to(o.dtype.element_ty), mask=m_h[:, None])
+    p_o = o + i_m64 * stride_o_m + i_s * stride_o_s + o_h[:, None] * stride_o_h + o_w[None, :]
+    tl.store(p_o, (b_acc0 / b_den).to(o.dtype.element_ty), mask=m_h[:, None])
+    if CHUNKS > 1:
+        tl.store(p_o + CW, (b_acc1 / b_den).to(o.dtype.element_ty), mask=m_h[:, None])
+    if CHUNKS > 2:
+        tl.store(p_o + 2 * CW, (b_acc2 / b_den).to(o.dtype.element_ty), mask=m_h[:, None])
+        tl.store(p_o + 3 * CW, (b_acc3 / b_den).to(o.dtype.element_ty), mask=m_h[:, None])
     tl.store(lse + i_m64 * stride_lse_m + o_h * stride_lse_h + i_s, b_lse, mask=m_h)
 
 
@@ -192,6 +272,23 @@ def default_num_splits(batch: int, heads: int, max_len: int,
     by_occupancy = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
     by_length = max_len // MIN_ROWS_PER_SPLIT
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def _split_config(max_len: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the split kernel for a cache of L_max rows."""
+    if on_gpu and max_len >= LONG_CONTEXT:
+        return LONG_BLOCK_N, LONG_NUM_WARPS, LONG_NUM_STAGES
+    return BLOCK_N, SPLIT_NUM_WARPS, SPLIT_NUM_STAGES
+
+
+def _score_chunks(c: int) -> int:
+    """SCORE_CHUNKS (1, 2 or 4), lowered until a chunk has at least 16 latent columns."""
+    if SCORE_CHUNKS not in (1, 2, 4):
+        raise ValueError(f"SCORE_CHUNKS: expected 1, 2 or 4, got {SCORE_CHUNKS!r}")
+    chunks = SCORE_CHUNKS
+    while chunks > 1 and c // chunks < 16:
+        chunks //= 2
+    return chunks
 
 
 def _is_pow2_at_least_16(n: int) -> bool:
@@ -292,15 +389,14 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         so = (o_dst.stride(0), o_dst.stride(1), o_dst.stride(2))
         sl = (lse_dst.stride(0), lse_dst.stride(1))
     grid = (m, triton.cdiv(h, BLOCK_H), num_splits)
-    block_n, warps, stages = BLOCK_N, SPLIT_NUM_WARPS, SPLIT_NUM_STAGES
-    if kv_cache.shape[1] >= LONG_CONTEXT and dev.type == "cuda":
-        block_n, warps, stages = LONG_BLOCK_N, LONG_NUM_WARPS, LONG_NUM_STAGES
+    block_n, warps, stages = _split_config(kv_cache.shape[1], dev.type == "cuda")
     _mla_decode_split_kernel[grid](
         q_lat, q_rope, kv_cache, seq_lens, o_dst, lse_dst,
         sm_scale * _LOG2E, num_splits, h,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), *so, *sl,
-        C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, DOT_FP32=dot_fp32, FINAL=final,
+        C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, CHUNKS=_score_chunks(c),
+        DEFER_SUM=bool(DEFER_ROW_SUM), DOT_FP32=dot_fp32, FINAL=final,
         num_warps=warps, num_stages=stages,
     )
     if not final:

@@ -132,6 +132,33 @@ def test_split_count_does_not_change_result(device):
         assert_close(f"o_lat(splits={ns}) vs 1 split", o, outs[1], **_tol(device))
 
 
+# Opt-in split-kernel variants (kernels/mla.py SCORE_CHUNKS, DEFER_ROW_SUM): (chunks, defer)
+VARIANTS = [(2, False), (4, False), (1, True), (4, True)]
+
+
+@pytest.mark.parametrize("chunks,defer", VARIANTS, ids=[f"c{c}-d{int(d)}" for c, d in VARIANTS])
+def test_variants_match_reference(device, monkeypatch, chunks, defer):
+    """Column-chunked score products and the deferred row sum: same results, on one split (the
+    final output written directly), several splits, empty splits, and K3's 512 + 64 sizes."""
+    import k3lab.kernels.mla as mla_mod
+    monkeypatch.setattr(mla_mod, "SCORE_CHUNKS", chunks)
+    monkeypatch.setattr(mla_mod, "DEFER_ROW_SUM", defer)
+    for cfg, lens, max_len, ns in ((TINY, [97, 1, 64], 100, 4), (TINY, [95], None, 1),
+                                   (TINY, [33], None, 64), (K3, [300, 45], None, 5)):
+        q_lat, q_rope, kv, sl = _inputs(cfg, lens, device, max_len=max_len)
+        _check(device, q_lat, q_rope, kv, sl, ns, cfg.qk_head ** -0.5)
+
+
+def test_score_chunks_clamped_and_checked(monkeypatch):
+    import k3lab.kernels.mla as mla_mod
+    monkeypatch.setattr(mla_mod, "SCORE_CHUNKS", 4)
+    assert mla_mod._score_chunks(512) == 4 and mla_mod._score_chunks(32) == 2
+    assert mla_mod._score_chunks(16) == 1
+    monkeypatch.setattr(mla_mod, "SCORE_CHUNKS", 3)
+    with pytest.raises(ValueError, match="SCORE_CHUNKS"):
+        mla_mod._score_chunks(512)
+
+
 def test_zero_length_gives_zero_output(device):
     """Outside the contract (lengths >= 1) but what a padded graph batch relies on: a zero
     length yields o = 0 and lse = -inf instead of NaN."""
@@ -347,6 +374,18 @@ def test_gpu_k3_sizes(length, num_splits):
 @pytest.mark.parametrize("num_splits", [None, 8, 132])
 def test_gpu_k3_batch_mixed_lengths(num_splits):
     q_lat, q_rope, kv, sl = _inputs(K3, [8192, 1, 3000, 77], "cuda")
+    _check("cuda", q_lat, q_rope, kv, sl, num_splits, K3.qk_head ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks,defer", VARIANTS, ids=[f"c{c}-d{int(d)}" for c, d in VARIANTS])
+@pytest.mark.parametrize("length", [33, 4097, 65536])
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_gpu_k3_variants(monkeypatch, chunks, defer, length, num_splits):
+    import k3lab.kernels.mla as mla_mod
+    monkeypatch.setattr(mla_mod, "SCORE_CHUNKS", chunks)
+    monkeypatch.setattr(mla_mod, "DEFER_ROW_SUM", defer)
+    q_lat, q_rope, kv, sl = _inputs(K3, [length], "cuda", max_len=max(length, BLOCK_N * 3))
     _check("cuda", q_lat, q_rope, kv, sl, num_splits, K3.qk_head ** -0.5)
 
 
