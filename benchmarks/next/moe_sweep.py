@@ -131,7 +131,7 @@ for args in ((1, "mxfp4", list(TP1_VARIANTS), 3), (1, "bf16", ["default"], 3),
         run(*args)
     except Exception:
         traceback.print_exc()
-try:  # M = 16 tokens at tp 1 (the token loop): the default and the K-lane default
+try:  # M = 16 tokens at tp 1 (block_m 1: one plan entry a tile): default vs K-lane default
     run(1, "mxfp4", ["default", "klane-r32-w64"], 3, M=16)
 except Exception:
     traceback.print_exc()
