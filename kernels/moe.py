@@ -82,6 +82,21 @@ ZERO_MIN_BLOCK = 16
 # fp32 2^-126 * value (e = 0 gives the denormal m * 2^-127). x is pre-scaled by 2^64 so no product
 # is denormal; the group factor 2^(s-127) * 2^126 * 2^-64 = 2^(s-65) has fp32 exponent s + 62.
 FP4_SIGN_MAG = tl.constexpr(0x81C00000 - (1 << 32))  # bits 31 and 22..24 as an int32
+# MXFP4 tile layouts (module switches, read at launch; benchmarks/next/MOE_MXFP4_ANALYSIS.md):
+# FP4_LAYOUT 0 (default): [rows, groups, 4 words] tiles; Triton gives them lanes along the rows
+#   (a warp's 16-byte loads hit 32 rows), x is re-broadcast through shared memory for every pair
+#   index (20 barriers a K step) and every K step ends in a cross-warp reduction.
+# FP4_LAYOUT 1 ("K lanes"): [rows, FP4_KLANE_WORDS words] tiles, a row's words contiguous across
+#   the lanes (16-byte loads, a warp reads 256-512 contiguous bytes of a row), x [words] per pair
+#   index (fewer elements than threads: Triton loads it in the tile's layout, no shared memory),
+#   products accumulated by FFMA chains per (row, group) over all K steps, the E8M0 factor per
+#   group and step, and one cross-lane reduction per tile at the end (M = 1).
+FP4_LAYOUT = 0
+FP4_KLANE_WORDS = 64
+FP4_KLANE_ROWS = 32
+# FP4_KLANE_PREFETCH (layout 1): register double buffering, each K step's loads issued before
+# the previous step's arithmetic (Triton does not pipeline loads that feed no dot).
+FP4_KLANE_PREFETCH = False
 FP4_X_SCALE = tl.constexpr(2.0 ** 64)
 FP4_SCALE_BIAS = tl.constexpr(62)
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
@@ -158,6 +173,90 @@ def _fp4_dot(b_w, b_f, p_x, o_row, m_row, o_g, m_g, K_PAIRS, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _fp4_code(b_w, J: tl.constexpr):
+    """E2M1 code J (0..7, element 8q + J of word q) of int32 words as fp32 2^-126 * value: shift
+    the nibble to bits 28..31, arithmetic shift right by 6, mask sign and magnitude (3 integer
+    ops; 2 for J = 7, whose shift is 0)."""
+    return (((b_w << (28 - 4 * J)) >> 6) & FP4_SIGN_MAG).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_klane_part(b_w, p_x, o_row, m_row, o_w, m_w, K_PAIRS, BLOCK_N: tl.constexpr,
+                    BLOCK_W: tl.constexpr):
+    """[BLOCK_N, BLOCK_W // 4] fp32: per row and group of the K step, 2^-62 * sum over the
+    group's 32 elements of w * x (the E8M0 factor not applied). b_w: int32 words [BLOCK_N,
+    BLOCK_W] (word q holds elements 8q..8q+7); x bf16 viewed as int32 pairs [rows, K_PAIRS],
+    o_row / m_row one token, shape [1]; o_w / m_w the step's word indices [BLOCK_W]."""
+    b_part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    for r in tl.static_range(4):  # pair r of each word: codes 2r (even element) and 2r + 1
+        b_v = tl.load(p_x + o_row * K_PAIRS + o_w * 4 + r, mask=m_w & m_row, other=0)
+        b_xe = (b_v << 16).to(tl.float32, bitcast=True) * FP4_X_SCALE
+        b_xo = (b_v & -65536).to(tl.float32, bitcast=True) * FP4_X_SCALE
+        b_part += _fp4_code(b_w, 2 * r) * b_xe[None, :]  # two FFMA chains, no FMUL + FADD
+        b_part += _fp4_code(b_w, 2 * r + 1) * b_xo[None, :]
+    return tl.sum(tl.reshape(b_part, [BLOCK_N, BLOCK_W // 4, 4]), axis=2)
+
+
+@triton.jit
+def _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS, BLOCK_W: tl.constexpr):
+    """K-lane tile at word kw0: words int32 [rows, BLOCK_W] and E8M0 bytes as int32 [rows,
+    BLOCK_W // 4] (0 past the row's end). The scale bytes come out in the partial sums'
+    layout (no shared-memory conversion in Triton 3.6's sm_90 TTGIR)."""
+    o_w = kw0 + tl.arange(0, BLOCK_W)
+    o_g = kw0 // 4 + tl.arange(0, BLOCK_W // 4)
+    b_w = tl.load(p_w + o_wrow[:, None] * N_WORDS + o_w[None, :],
+                  mask=m_wrow[:, None] & (o_w < N_WORDS)[None, :], other=0)
+    b_s = tl.load(p_s + o_wrow[:, None] * N_GROUPS + o_g[None, :],
+                  mask=m_wrow[:, None] & (o_g < N_GROUPS)[None, :], other=0).to(tl.int32)
+    return b_w, b_s
+
+
+@triton.jit
+def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                    PREFETCH: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] @ w[o_wrow]^T for MXFP4 w in K-lane tiles (see
+    FP4_LAYOUT): p_w packed codes viewed as int32 words [N, K_PAIRS // 4], p_s E8M0 scales uint8
+    [N, K_PAIRS // 16], x bf16 viewed as int32 pairs [rows, K_PAIRS]; BLOCK_W words (4 per group)
+    a K step. M = 1: per (row, group) fp32 sums over all steps, reduced once at the end;
+    M > 1: the weight tile is reused for the tokens one at a time (runtime loop). PREFETCH:
+    register double buffering, step k + 1's loads issued before step k's arithmetic."""
+    N_WORDS = K_PAIRS // 4
+    N_GROUPS = K_PAIRS // 16
+    o_m = tl.arange(0, BLOCK_M)
+    n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_W // 4], dtype=tl.float32)
+    if PREFETCH:  # step 0's tile; each step then loads the next one before its arithmetic
+        b_w_nx, b_s_nx = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, 0, N_WORDS, N_GROUPS,
+                                         BLOCK_W)
+    for kw0 in range(0, N_WORDS, BLOCK_W):
+        o_w = kw0 + tl.arange(0, BLOCK_W)
+        m_w = o_w < N_WORDS
+        if PREFETCH:
+            b_w, b_s = b_w_nx, b_s_nx
+            # past the last step every lane is masked: no memory traffic
+            b_w_nx, b_s_nx = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0 + BLOCK_W, N_WORDS,
+                                             N_GROUPS, BLOCK_W)
+        else:
+            b_w, b_s = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS,
+                                       BLOCK_W)
+        b_f = ((b_s + FP4_SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
+        if BLOCK_M == 1:
+            acc_g += _fp4_klane_part(b_w, p_x, o_xrow, m_xrow, o_w, m_w, K_PAIRS, BLOCK_N,
+                                     BLOCK_W) * b_f
+        else:
+            for i_m in range(0, n_rows):
+                o_row, m_row = _token(o_xrow, m_xrow, o_m, i_m)
+                b_p = tl.sum(_fp4_klane_part(b_w, p_x, o_row, m_row, o_w, m_w, K_PAIRS, BLOCK_N,
+                                             BLOCK_W) * b_f, axis=1)
+                acc += tl.where((o_m == i_m)[:, None], b_p[None, :], 0.0)
+    if BLOCK_M == 1:
+        acc += tl.sum(acc_g, axis=1)[None, :]
+    return acc
+
+
+@triton.jit
 def _load_w_pairs(p_w, o_row, m_row, o_kp, m_kp, K_PAIRS):
     """bf16 weight tile [rows, pairs] as (even, odd) fp32 elements; p_w: the weight viewed as
     int32 [N, K_PAIRS]."""
@@ -201,12 +300,17 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
     """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] (* xs) @ w[o_wrow]^T over K = 2 * K_PAIRS.
 
     xs (HAS_XS): an fp32 [2 * K_PAIRS] per-column factor on x (the RMSNorm weight).
-    FP4: w is MXFP4 (p_w int32 words, p_s scales; see _fp4_load), x bf16, no xs.
+    FP4 (an int, see _fp4_mode): w is MXFP4 (p_w int32 words, p_s scales; see _fp4_load), x
+    bf16, no xs; FP4 >= 2: K-lane tiles (_fp4_gemv_klane, BLOCK_KP // 4 words a step; 3 with
+    the next step's loads issued first).
     bf16 w with BLOCK_M > 1: TOKEN_LOOP reuses each [BLOCK_N, BLOCK_KP] weight tile for the tokens
     one at a time (compiled: registers stay at one tile); otherwise one [BLOCK_M, BLOCK_N,
     BLOCK_KP] broadcast product (interpreter: one vectorized op).
     The token loops (FP4 with BLOCK_M > 1, TOKEN_LOOP) are runtime loops up to the last valid row
     of x: a plan tile's padding rows (masked) cost nothing, and the loop body is emitted once."""
+    if FP4 >= 2:  # K-lane MXFP4 tiles (FP4_LAYOUT 1; 3 with FP4_KLANE_PREFETCH)
+        return _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, BLOCK_M,
+                               BLOCK_N, BLOCK_KP // 4, FP4 == 3)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     o_m = tl.arange(0, BLOCK_M)
     n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)  # rows >= n_rows are all masked
@@ -464,7 +568,8 @@ def _fast_interpreter() -> bool:
 
 
 def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1,
-           fp4: bool = False, target: int | None = None) -> tuple[int, int]:
+           fp4: bool = False, target: int | None = None,
+           max_rows_fp4: int | None = None) -> tuple[int, int]:
     """(BLOCK_N, BLOCK_KP) for a GEMV over ``rows`` output rows, launched for
     ``programs_per_tile`` independent row sets: the most rows per program (a power of two in
     [MIN_ROWS, MAX_ROWS or MAX_ROWS_FP4]) that keeps at least ``target`` (default
@@ -474,7 +579,8 @@ def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1,
     target = INTERPRETER_TARGET_PROGRAMS if fast else (target or TARGET_PROGRAMS)
     fp4_factor = FP4_BUDGET_FACTOR if fp4 else 1
     # interpreter: an MXFP4 tile's arrays are a quarter of a bf16 tile's, so 4x the rows too
-    max_rows = INTERPRETER_MAX_ROWS * fp4_factor if fast else (MAX_ROWS_FP4 if fp4 else MAX_ROWS)
+    max_rows = INTERPRETER_MAX_ROWS * fp4_factor if fast else (
+        (max_rows_fp4 or MAX_ROWS_FP4) if fp4 else MAX_ROWS)
     budget = (INTERPRETER_PRODUCT_BUDGET if fast else PRODUCT_BUDGET) * fp4_factor
     block_n = MIN_ROWS
     while (block_n * 2 <= min(max_rows, triton.next_power_of_2(rows))
@@ -487,6 +593,30 @@ def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1,
     block_kp = min(block_kp, budget if fast else MAX_PAIRS * fp4_factor,
                    triton.next_power_of_2(k_pairs))
     return block_n, max(MIN_PAIRS, block_kp)
+
+
+def _fp4_mode(w) -> int:
+    """The FP4 constexpr of the expert kernels: 0 bf16 weights; MXFP4 1 the group tiles
+    (FP4_LAYOUT 0), 2 the K-lane tiles (FP4_LAYOUT 1), 3 the same with FP4_KLANE_PREFETCH."""
+    if not isinstance(w, MXFP4):
+        return 0
+    if FP4_LAYOUT != 1:
+        return 1
+    return 3 if FP4_KLANE_PREFETCH else 2
+
+
+def _expert_tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int, mode: int
+                  ) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_KP) of an expert GEMV in FP4 mode ``mode`` (see _fp4_mode). K-lane tiles:
+    rows as _tiles picks them (at most FP4_KLANE_ROWS), FP4_KLANE_WORDS words (4 pairs each) a K
+    step, at most the row; the interpreter takes whole rows."""
+    if mode < 2:
+        return _tiles(programs_per_tile, rows, k_pairs, block_m, mode != 0)
+    block_n, _ = _tiles(programs_per_tile, rows, k_pairs, block_m, True,
+                        max_rows_fp4=FP4_KLANE_ROWS)
+    words = triton.next_power_of_2(k_pairs // 4)
+    block_w = words if _fast_interpreter() else min(FP4_KLANE_WORDS, words)
+    return block_n, 4 * max(4, block_w)
 
 
 def _token_loop() -> bool:
@@ -650,7 +780,8 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
     block_mp = triton.next_power_of_2(block_m)
-    block_n, block_kp = _tiles(n_tiles, i, d // 2, block_mp, isinstance(w13, MXFP4))
+    mode = _fp4_mode(w13)
+    block_n, block_kp = _expert_tiles(n_tiles, i, d // 2, block_mp, mode)
     grid = (n_tiles, triton.cdiv(i, block_n))
     out = plan.out
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
@@ -660,7 +791,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
         z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids, plan.num_valid, a,
         out if out is not None else a, sync if sync is not None else plan.num_valid,
         m * top_k, block_m, top_k, i, d // 2, m * d, float(situ_beta), float(situ_linear_beta),
-        ACT=act, FP4=isinstance(w13, MXFP4), ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
+        ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
         ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
         TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS)
     return a
@@ -700,14 +831,15 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles):
                                                             dtype=torch.float32)
     block_mp = 1 if deterministic else triton.next_power_of_2(block_m)
     rows = m if deterministic else n_tiles
-    block_n, block_kp = _tiles(rows, d, i // 2, block_mp, isinstance(w2, MXFP4))
+    mode = _fp4_mode(w2)
+    block_n, block_kp = _expert_tiles(rows, d, i // 2, block_mp, mode)
     n_d = triton.cdiv(d, block_n)
     w_v, w_s = _expert_ptrs(w2)
     kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,
               p_sorted_w=plan.sorted_weights, p_block_expert=plan.block_expert_ids,
               p_num_valid=plan.num_valid, p_topk_ids=plan.topk_ids, p_topk_w=plan.topk_weights,
               p_y=y, n_entries=m * top_k, block_m=block_m, top_k=top_k, D=d, I_PAIRS=i // 2,
-              n_d_tiles=n_d, n_stage2=rows * n_d, FP4=isinstance(w2, MXFP4),
+              n_d_tiles=n_d, n_stage2=rows * n_d, FP4=mode,
               DETERMINISTIC=bool(deterministic), BLOCK_M2=block_mp, BLOCK_N2=block_n,
               BLOCK_KP2=block_kp)
     return kw, rows * n_d, y
@@ -742,7 +874,7 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
         y = tail[0]["p_y"]
         kw.update(p_a=y, p_w=y, p_ws=y, p_sorted=y, p_sorted_w=y, p_block_expert=y,
                   p_num_valid=y, p_topk_ids=y, p_topk_w=y, n_entries=1, block_m=1, top_k=1,
-                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0, FP4=False,
+                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0, FP4=0,
                   DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS)
     else:
         kw.update(stage2[0])

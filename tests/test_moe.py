@@ -228,17 +228,34 @@ def test_stages(case, tiles, device, monkeypatch):
     assert_close("atomic vs deterministic", y, y_det, atol=ATOMIC_VS_DETERMINISTIC_ATOL)
 
 
-def test_mxfp4_decode_exact(device):
+# MXFP4 tile layouts (kmoe.FP4_LAYOUT, FP4_KLANE_PREFETCH) x tiling (interpreter's big tiles, or
+# the GPU tiles with their K steps): the default layout and the opt-in K-lane layout
+FP4_LAYOUTS = [(0, False, "interp"), (1, False, "interp"), (1, False, "gpu"), (1, True, "gpu")]
+
+
+@pytest.mark.parametrize("layout,prefetch,tiles", FP4_LAYOUTS,
+                         ids=[f"layout{a}{'-prefetch' if b else ''}-{c}-tiles"
+                              for a, b, c in FP4_LAYOUTS])
+def test_mxfp4_decode_exact(layout, prefetch, tiles, device, monkeypatch):
     """Every E2M1 code at every position of a group, under E8M0 scales from 2^-20 to 2^10, read
     back exactly through stage 2: token t (top_k 1, weight 1) carries the one-hot a = e_k, so
-    y[t] is column k of the dequantized expert."""
-    n, k = 128, 32
+    y[t] is column k of the dequantized expert. K = 64 (two groups, so the K-lane layout's
+    per-group factors are told apart)."""
+    monkeypatch.setattr(kmoe, "FP4_LAYOUT", layout)
+    monkeypatch.setattr(kmoe, "FP4_KLANE_PREFETCH", prefetch)
+    if tiles == "gpu":
+        monkeypatch.setattr(kmoe, "INTERPRETER_BIG_TILES", False)
+        monkeypatch.setattr(kmoe, "FP4_KLANE_WORDS", 4)  # one group a K step: two steps
+        monkeypatch.setattr(kmoe, "TARGET_PROGRAMS", 1)  # 32-row tiles: fewer programs on CPU
+    n, k = 128, 64
     o_n = torch.arange(n)[:, None]
     o_p = torch.arange(k // 2)[None, :]
     lo, hi = (o_n + 2 * o_p) % 16, (o_n + 2 * o_p + 1) % 16
     packed = (lo | (hi << 4)).to(torch.uint8)[None].contiguous().to(device)
     exps = torch.tensor([-20, -7, -1, 0, 1, 3, 6, 10])
-    scales = (127 + exps[torch.arange(n) % 8]).to(torch.uint8)[None, :, None].contiguous()
+    o_g = torch.arange(k // 32)[None, :]
+    scales = (127 + exps[(torch.arange(n)[:, None] + 3 * o_g) % 8]).to(torch.uint8)[None]
+    scales = scales.contiguous()
     w2 = MXFP4(packed, scales.to(device))
     want = mxfp4_dequantize(w2)[0].float()  # [n, k]
     m = kmoe.MAX_TOKENS
@@ -254,6 +271,34 @@ def test_mxfp4_decode_exact(device):
                          out=torch.zeros((m, n), device=device), block_m=1)
         y = moe_stage2(a, plan, w2)
         torch.testing.assert_close(y, want[:, k0:k0 + m].T, atol=0, rtol=0)
+
+
+KLANE_CASES = [(c, p) for c in STAGE_CASES if c[0] in ("M1-bm1-mxfp4", "M3-bm4-mxfp4-crowd")
+               for p in (False, True)]
+
+
+@pytest.mark.parametrize("case,prefetch", KLANE_CASES,
+                         ids=[c[0] + ("-prefetch" if p else "") for c, p in KLANE_CASES])
+def test_stages_klane_layout(case, prefetch, device, monkeypatch):
+    """The opt-in K-lane MXFP4 layout (FP4_LAYOUT 1, with and without FP4_KLANE_PREFETCH) at the
+    GPU tiles (K steps of 8 words, the token loop for M > 1): stage 1 and both stage-2 modes
+    against the reference."""
+    _, M, block_m, fmt, crowd, changes = case
+    monkeypatch.setattr(kmoe, "FP4_LAYOUT", 1)
+    monkeypatch.setattr(kmoe, "FP4_KLANE_PREFETCH", prefetch)
+    monkeypatch.setattr(kmoe, "INTERPRETER_BIG_TILES", False)
+    monkeypatch.setattr(kmoe, "FP4_KLANE_WORDS", 8)
+    monkeypatch.setattr(kmoe, "TARGET_PROGRAMS", 1)  # 32-row tiles: fewer programs on CPU
+    cfg, w, x = _setup(device, M=M, fmt=fmt, crowd=crowd, **changes)
+    plan = _plan(cfg, x, w, block_m)
+    z = randn((M, cfg.moe_in), make_generator(1, device))
+    a = moe_stage1(z, plan, w["w13"], **_act(cfg))
+    assert_close("a", a, ref.moe_stage1_reference(z, plan, w["w13"], **_act(cfg)), atol=A_ATOL,
+                 rtol=A_RTOL)
+    y_ref = ref.moe_stage2_reference(a, plan, w["w2"])
+    assert_close("y", moe_stage2(a, plan, w["w2"]), y_ref, atol=Y_ATOL, rtol=Y_RTOL)
+    assert_close("y_det", moe_stage2(a, plan, w["w2"], deterministic=True), y_ref, atol=Y_ATOL,
+                 rtol=Y_RTOL)
 
 
 def test_stage2_without_plan_buffer(device):
@@ -731,9 +776,13 @@ def test_gpu_k3_tp8_fused_tail_bitwise(fmt, M):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", [0, 1, 2], ids=["default", "klane", "klane-prefetch"])
 @pytest.mark.parametrize("M", [1, 16])
-def test_gpu_k3_tp1_mxfp4_stages(M):
-    """Full-size experts: w13 offsets pass 2^31 elements (int64 pointer arithmetic)."""
+def test_gpu_k3_tp1_mxfp4_stages(M, layout, monkeypatch):
+    """Full-size experts: w13 offsets pass 2^31 elements (int64 pointer arithmetic); the MXFP4
+    tile layouts (FP4_LAYOUT 0, 1, and 1 with FP4_KLANE_PREFETCH)."""
+    monkeypatch.setattr(kmoe, "FP4_LAYOUT", min(layout, 1))
+    monkeypatch.setattr(kmoe, "FP4_KLANE_PREFETCH", layout == 2)
     cfg = preset("kimi-k3", 1)
     gen = make_generator(0, "cuda")
     w = moe_weights(cfg, gen, expert_format="mxfp4")
