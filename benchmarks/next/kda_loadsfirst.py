@@ -1,0 +1,373 @@
+"""Session-3 loads-first KDA kernel (4dccc69), verbatim, for benchmarks/next/kda_sweep.py.
+
+Fused KDA (Kimi Delta Attention) decode: one launch per layer (ARCHITECTURE.md section 7).
+
+Per token m and head h, with S = state[m, h] [d (k), d (v)] fp32:
+
+    f    = f_b[h*d:(h+1)*d] @ f_low[m]                        # the f_b projection (rank R -> d)
+    g    = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h]))
+    beta = sigmoid(b_logits[m, h])
+    q    = q / sqrt(sum(q^2) + 1e-6) * scale ;  k = k / sqrt(sum(k^2) + 1e-6)
+    S    = S * exp(g)[:, None] ;  u = beta * (v - S^T k) ;  S = S + k u^T ;  o = S^T q
+
+One program owns the (token, head, v-tile) slice S[:, v-tile] of the state: the decay acts on the
+k rows and the delta update and output are column-wise, so v-tiles are independent; each program
+recomputes the cheap k-side quantities (f GEMV over R, gate, norms) for its head. With S the
+decayed slice, o = S^T q + u (k . q), so S^T k and S^T q are two independent reductions.
+
+Variants (constexpr flags of the same kernel):
+  FUSE_CONV      q, k, v arrive before the short convolution: one conv step + SiLU per channel in
+                 front, conv caches shifted in place. Every v-tile of a head would read the q/k
+                 caches that one of them rewrites, so this variant keeps a head in one program.
+  FUSE_OUT_GATE  o = RMSNorm_head(o) * w * sigmoid(gate logits) behind; the RMS needs the whole
+                 head's o, so this variant also keeps a head in one program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["KDAConv", "KDAOutGate", "kda_decode"]
+
+L2_EPS = 1e-6          # the model's l2norm epsilon (q / sqrt(sum(q^2) + eps))
+MAX_TOKENS = 64        # decode batches; longer runs belong to a chunked prefill kernel
+MIN_PROGRAMS = 256     # about 2 programs per SM of an H200 (132 SMs): enough state bytes in flight
+MAX_BLOCK_V = 64       # widest v-tile, used once M * Hl * (d / 64) >= MIN_PROGRAMS
+MIN_BLOCK_V = 32       # H200 (K3, B1, graph, cold): 16-wide tiles re-read f_b 8x per head and lost
+                       # 10-15% to 32 at tp 8 and tp 1
+BLOCK_R = 64           # rank chunk of the f_b GEMV (H200 sweep: 32 / 64 / 128 within 5%)
+TILE_PER_WARP = 512    # state-tile elements per warp (16 fp32 registers per thread): 8 warps
+                       # for 32-wide tiles, 10% faster than 4 on the H200 (more threads share the
+                       # f_b GEMV, which is most of a program's latency)
+MAX_WARPS = 8
+SYNC_LOADS = 1         # barriers among the loads (see the kernel): 0, 1 before f_b, 2 also after
+ORDERED_LOADS = False  # volatile state and f_b loads: ptxas keeps them in program order
+FUSE_REDUCE = False    # the k-axis sums as one 5-operand reduction (see the kernel); slow in
+                       # the interpreter (about 10x a call), so the CPU tests use it sparingly
+PACK_FB = True         # read bf16 f_b / f_low as int32 pairs in the state tile's layout
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _add5(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1
+
+
+@triton.jit
+def _conv_silu_step(p_x, p_cache, p_w, o_c, C: tl.constexpr, BC: tl.constexpr):
+    """SiLU of one causal depthwise conv step for channels ``o_c``; shifts the cache in place.
+
+    p_x: current input of channel 0 of the head; p_cache: its cache [channels, C-1] (oldest
+    first); p_w: its taps [channels, C] (last tap = current input). Returns fp32 [len(o_c)].
+    """
+    o_j = tl.arange(0, BC)
+    m_old = o_j[None, :] < C - 1
+    p_win = p_cache + o_c[:, None] * (C - 1) + o_j[None, :]
+    b_old = tl.load(p_win, mask=m_old, other=0.0).to(tl.float32)
+    b_x = tl.load(p_x + o_c).to(tl.float32)
+    b_win = tl.where(o_j[None, :] == C - 1, b_x[:, None], b_old)    # [channels, BC] fp32
+    b_w = tl.load(p_w + o_c[:, None] * C + o_j[None, :], mask=o_j[None, :] < C, other=0.0)
+    b_y = tl.sum(b_win * b_w.to(tl.float32), 1)
+    # new cache = window[1:] in the cache's dtype: window column j goes to cache column j - 1
+    tl.store(p_win - 1, b_win.to(p_cache.dtype.element_ty),
+             mask=(o_j[None, :] >= 1) & (o_j[None, :] < C))
+    return b_y * _sigmoid(b_y)
+
+
+@triton.jit
+def _gate_proj_loop(f_low, f_b, i_m, i_h, o_k, D: tl.constexpr, R: tl.constexpr,
+                    BR: tl.constexpr):
+    """f = f_b[h rows] @ f_low[m] for any float dtype and rank: [D, BR] chunks, fp32 [D]."""
+    b_f = tl.zeros([D], dtype=tl.float32)
+    for r0 in tl.static_range(0, R, BR):
+        o_r = r0 + tl.arange(0, BR)
+        m_r = o_r < R
+        b_fl = tl.load(f_low + i_m * R + o_r, mask=m_r, other=0.0).to(tl.float32)
+        p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
+        b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
+        b_f += tl.sum(b_fb * b_fl[None, :], 1)
+    return b_f
+
+
+@triton.jit
+def _kda_decode_kernel(
+    q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
+    q_cache, k_cache, v_cache, q_conv, k_conv, v_conv,   # FUSE_CONV only
+    gate_logits, o_norm,                                 # FUSE_OUT_GATE only
+    lower_bound, scale, eps,
+    H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+    BW: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
+    FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr, PACKED_FB: tl.constexpr,
+    SYNC_LOADS: tl.constexpr, ORDERED: tl.constexpr, FUSE_REDUCE: tl.constexpr,
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_mh = (i_m * H + i_h).to(tl.int64)
+    o_k = tl.arange(0, D)
+    o_v = i_v * BV + tl.arange(0, BV)
+
+    # Every load is issued before any of them is used, so a cold call pays one DRAM round trip,
+    # not two in a row. ptxas sinks loads towards their first use (in the old kernel the state
+    # load went out only after the f_b GEMV had its data), but moves none across a barrier, and
+    # a barrier does not wait for loads in flight: SYNC_LOADS puts one after the state and the
+    # small loads (no use of any of them before it), then f_b's. PACKED_FB: bf16 f_b and f_low
+    # read as int32 pairs (f_b [Hl*D, R/2], f_low [M, R/2]): the head's whole f_b in one [D, BW]
+    # tile (BW = max(BV, R/2 rounded up to a power of two)); with BW == BV it has the state
+    # tile's shape and element size, so Triton gives both one layout and the gate's row sums
+    # land where the decay needs them, with no layout conversion.
+    p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
+    b_s = tl.load(p_s, volatile=ORDERED)
+    b_bias = tl.load(dt_bias + i_h * D + o_k)
+    b_A = tl.load(A_log + i_h)
+    b_b = tl.load(b_logits + i_mh)
+    if not FUSE_CONV:
+        b_q = tl.load(q + i_mh * D + o_k)
+        b_k = tl.load(k + i_mh * D + o_k)
+        b_v = tl.load(v + i_mh * D + o_v)
+    if FUSE_OUT_GATE:
+        b_w = tl.load(o_norm + o_v)
+        b_gate = tl.load(gate_logits + i_mh * D + o_v)
+    if PACKED_FB:
+        W: tl.constexpr = R // 2
+        o_w = tl.arange(0, BW)
+        if W == BW:
+            b_fl = tl.load(f_low + i_m * W + o_w)
+        else:
+            b_fl = tl.load(f_low + i_m * W + o_w, mask=o_w < W, other=0)
+    if SYNC_LOADS:  # ptxas moves no load across a barrier: all of the above go out first
+        tl.debug_barrier()
+    if PACKED_FB:
+        p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * W + o_w[None, :]
+        if W == BW:
+            b_fb = tl.load(p_fb, volatile=ORDERED)
+        else:
+            b_fb = tl.load(p_fb, mask=(o_w < W)[None, :], other=0, volatile=ORDERED)
+    if SYNC_LOADS >= 2:  # and f_b's loads all go out before the GEMV starts consuming them
+        tl.debug_barrier()
+    if FUSE_CONV:  # BV == D: this program owns the head's q, k, v channels and conv caches
+        o_cache = i_mh * D * (C - 1)
+        b_q = _conv_silu_step(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
+        b_k = _conv_silu_step(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k, C, BC)
+        b_v = _conv_silu_step(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v, C, BC)
+    b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
+    b_b = b_b.to(tl.float32)
+
+    if PACKED_FB:  # bf16 -> fp32 is a 16-bit shift: element 2j is the low half of word j
+        fb_lo = (b_fb << 16).to(tl.float32, bitcast=True)
+        fb_hi = (b_fb & -65536).to(tl.float32, bitcast=True)
+        fl_lo = (b_fl << 16).to(tl.float32, bitcast=True)
+        fl_hi = (b_fl & -65536).to(tl.float32, bitcast=True)
+        b_f = tl.sum(fb_lo * fl_lo[None, :] + fb_hi * fl_hi[None, :], 1)
+    else:
+        b_f = _gate_proj_loop(f_low, f_b, i_m, i_h, o_k, D, R, BR)
+
+    # gate in log2 space: exp(g) = exp2(lower_bound * log2(e) * sigmoid(exp(A) * (f + bias)))
+    b_A2 = tl.exp2(b_A * LOG2E) * LOG2E
+    b_e = tl.exp2((lower_bound * LOG2E) / (1.0 + tl.exp2(-b_A2 * (b_f + b_bias))))
+    b_beta = 1.0 / (1.0 + tl.exp2(-b_b * LOG2E))
+    b_s = b_s * b_e[:, None]
+    if FUSE_REDUCE:
+        # the L2 norms are scalars: reduce with the raw q and k and scale the results, so all
+        # five k-axis sums (S^T k, S^T q, k.k, q.q, k.q) are one reduction over [D, BV] operands
+        # in the state's layout: one round through shared memory instead of five
+        b_kc, b_qc = b_k[:, None], b_q[:, None]
+        zero = tl.zeros([D, BV], dtype=tl.float32)
+        b_sk, b_sq, b_kk, b_qq, b_kq = tl.reduce(
+            (b_s * b_kc, b_s * b_qc, zero + b_kc * b_kc, zero + b_qc * b_qc, zero + b_kc * b_qc),
+            0, _add5)
+        b_rk = 1.0 / tl.sqrt(b_kk + L2EPS)                             # [BV], all equal
+        b_rq = scale / tl.sqrt(b_qq + L2EPS)
+        b_u = b_beta * (b_v - b_sk * b_rk)
+        tl.store(p_s, b_s + b_kc * (b_u * b_rk)[None, :])
+        b_o = b_sq * b_rq + b_u * (b_kq * b_rk * b_rq)
+    else:
+        # u = beta * (v - S^T k), S' = S + k u^T and o = S'^T q = S^T q + u (k . q), with S the
+        # decayed slice and q, k normalized first
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
+        b_kq = tl.sum(b_k * b_q, 0)
+        b_sk = tl.sum(b_s * b_k[:, None], 0)
+        b_sq = tl.sum(b_s * b_q[:, None], 0)
+        b_u = b_beta * (b_v - b_sk)
+        tl.store(p_s, b_s + b_k[:, None] * b_u[None, :])
+        b_o = b_sq + b_u * b_kq
+
+    if FUSE_OUT_GATE:  # BV == D: per-head RMSNorm times sigmoid(gate)
+        b_rms = tl.sqrt(tl.sum(b_o * b_o, 0) / D + eps)
+        b_o = b_o / b_rms * b_w.to(tl.float32) * _sigmoid(b_gate.to(tl.float32))
+    tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
+
+
+@dataclass
+class KDAConv:
+    """The short-convolution step fused in front (``kda_decode(..., conv=KDAConv(...))``).
+
+    q_state, k_state, v_state: conv caches [M, Hl*d, C-1] (the C-1 past inputs, oldest first),
+        all one float dtype, updated in place (shifted by one, the current input appended).
+    q_weight, k_weight, v_weight: depthwise taps [Hl*d, C] (last tap = current token).
+    """
+
+    q_state: torch.Tensor
+    k_state: torch.Tensor
+    v_state: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    v_weight: torch.Tensor
+
+
+@dataclass
+class KDAOutGate:
+    """The output RMSNorm times sigmoid gate fused behind (``kda_decode(..., out_gate=...)``).
+
+    logits: gate logits [M, Hl, d] (x @ W_g^T); weight: RMSNorm weight [d]; eps > 0.
+    """
+
+    logits: torch.Tensor
+    weight: torch.Tensor
+    eps: float = 1e-5
+
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(name: str, t, shape: tuple, dtypes=_FLOATS, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _block_v(m: int, hl: int, d: int) -> int:
+    """v-tile width: halve from MAX_BLOCK_V until M * Hl * (d / BV) reaches MIN_PROGRAMS."""
+    bv = min(d, MAX_BLOCK_V)
+    while m * hl * (d // bv) < MIN_PROGRAMS and bv > MIN_BLOCK_V:
+        bv //= 2
+    return bv
+
+
+def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
+               lower_bound: float = -5.0, scale: float | None = None,
+               conv: KDAConv | None = None, out_gate: KDAOutGate | None = None,
+               block_v: int | None = None) -> torch.Tensor:
+    """One KDA decode step for M tokens (one per sequence) in one launch; ``state`` in place.
+
+    q, k, v: [M, Hl, d] bf16/fp16/fp32 after the short conv and SiLU (before it with ``conv``);
+        d a power of two (8..256), Hl any, 1 <= M <= 64.
+    f_low: [M, R] float, ``x @ f_a^T``.       f_b: [Hl*d, R] float.
+    A_log: [Hl] fp32.    dt_bias: [Hl*d] fp32.    b_logits: [M, Hl] float (beta before sigmoid).
+    state: [M, Hl, d (k), d (v)] fp32 contiguous, updated in place.
+    lower_bound: the gate's lower bound (log space); scale: q scale, default d ** -0.5.
+    conv: :class:`KDAConv` to fuse the short-conv step + SiLU in front (q, k, v then are the
+        projections ``x @ W^T`` viewed [M, Hl, d]).
+    out_gate: :class:`KDAOutGate` to fuse ``RMSNorm_head(o) * sigmoid(logits)`` behind.
+    block_v: v-tile width override (power of two dividing d); default from the grid size, and d
+        (a head per program) with ``conv`` or ``out_gate``.
+
+    Returns o [M, Hl, d] in v's dtype (the gated output with ``out_gate``).
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q: expected a [M, Hl, d] tensor, got {getattr(q, 'shape', q)!r}")
+    m, hl, d = q.shape
+    _check("q", q, (m, hl, d))
+    dev = q.device
+    if not 1 <= m <= MAX_TOKENS:
+        raise ValueError(f"q: expected 1 <= M <= {MAX_TOKENS} decode tokens, got M={m}")
+    if hl < 1:
+        raise ValueError("q: expected at least one head")
+    if not _is_pow2(d) or not 8 <= d <= 256:
+        raise ValueError(f"q: head dim must be a power of two in [8, 256], got {d}")
+    _check("k", k, (m, hl, d), device=dev)
+    _check("v", v, (m, hl, d), device=dev)
+    if f_low is None or not isinstance(f_low, torch.Tensor) or f_low.dim() != 2:
+        raise ValueError("f_low: expected a [M, R] tensor")
+    r = f_low.shape[1]
+    if r < 1:
+        raise ValueError("f_low: expected rank R >= 1")
+    _check("f_low", f_low, (m, r), device=dev)
+    _check("f_b", f_b, (hl * d, r), device=dev)
+    _check("A_log", A_log, (hl,), (torch.float32,), dev)
+    _check("dt_bias", dt_bias, (hl * d,), (torch.float32,), dev)
+    _check("b_logits", b_logits, (m, hl), device=dev)
+    _check("state", state, (m, hl, d, d), (torch.float32,), dev)
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        raise ValueError(f"lower_bound: expected a float, got {lower_bound!r}")
+    if scale is None:
+        scale = d ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
+
+    c = 2
+    q_cache = k_cache = v_cache = q_conv = k_conv = v_conv = q  # placeholders, never read
+    if conv is not None:
+        if not isinstance(conv, KDAConv):
+            raise ValueError(f"conv: expected a KDAConv, got {type(conv).__name__}")
+        w = conv.q_weight
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or not 2 <= w.shape[1] <= 16:
+            raise ValueError("conv: q_weight must be [Hl*d, C] with 2 <= C <= 16")
+        c = w.shape[1]
+        for n in "qkv":
+            _check(f"conv.{n}_weight", getattr(conv, f"{n}_weight"), (hl * d, c), device=dev)
+            _check(f"conv.{n}_state", getattr(conv, f"{n}_state"), (m, hl * d, c - 1),
+                   (conv.q_state.dtype,) if n != "q" else _FLOATS, dev)
+        q_cache, k_cache, v_cache = conv.q_state, conv.k_state, conv.v_state
+        q_conv, k_conv, v_conv = conv.q_weight, conv.k_weight, conv.v_weight
+    gate_logits = o_norm = q  # placeholders, never read
+    eps = 1e-5
+    if out_gate is not None:
+        if not isinstance(out_gate, KDAOutGate):
+            raise ValueError(f"out_gate: expected a KDAOutGate, got {type(out_gate).__name__}")
+        _check("out_gate.logits", out_gate.logits, (m, hl, d), device=dev)
+        _check("out_gate.weight", out_gate.weight, (d,), device=dev)
+        eps = out_gate.eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"out_gate: eps must be a positive float, got {eps!r}")
+        gate_logits, o_norm = out_gate.logits, out_gate.weight
+
+    whole_head = conv is not None or out_gate is not None
+    if block_v is None:
+        block_v = d if whole_head else _block_v(m, hl, d)
+    if (isinstance(block_v, bool) or not isinstance(block_v, int) or not _is_pow2(block_v)
+            or d % block_v):
+        raise ValueError(f"block_v: expected a power of two dividing d={d}, got {block_v!r}")
+    if whole_head and block_v != d:
+        raise ValueError(f"block_v: conv / out_gate need a whole head per program (block_v={d})")
+
+    # bf16 f_b / f_low travel as int32 pairs (see _gate_proj); needs an even R and 4-byte
+    # aligned rows, which contiguous tensors with an even R have unless a view shifted them
+    packed = (PACK_FB and f_b.dtype == torch.bfloat16 and f_low.dtype == torch.bfloat16
+              and r % 2 == 0 and f_b.data_ptr() % 4 == 0 and f_low.data_ptr() % 4 == 0)
+    fb_arg, fl_arg = (f_b.view(torch.int32), f_low.view(torch.int32)) if packed else (f_b, f_low)
+
+    o = torch.empty((m, hl, d), dtype=v.dtype, device=dev)
+    grid = (d // block_v, hl, m)
+    num_warps = max(1, min(MAX_WARPS, d * block_v // TILE_PER_WARP))
+    _kda_decode_kernel[grid](
+        q, k, v, fl_arg, fb_arg, A_log, dt_bias, b_logits, state, o,
+        q_cache, k_cache, v_cache, q_conv, k_conv, v_conv, gate_logits, o_norm,
+        float(lower_bound), float(scale), float(eps),
+        H=hl, D=d, R=r, BR=min(BLOCK_R, triton.next_power_of_2(r)), BV=block_v,
+        BW=max(block_v, triton.next_power_of_2(r // 2)),
+        C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
+        FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None, PACKED_FB=packed,
+        SYNC_LOADS=SYNC_LOADS, ORDERED=ORDERED_LOADS, FUSE_REDUCE=FUSE_REDUCE,
+        num_warps=num_warps,
+    )
+    return o
