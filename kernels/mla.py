@@ -31,20 +31,17 @@ import triton.language as tl
 __all__ = ["mla_decode", "default_num_splits", "BLOCK_N", "BLOCK_H", "MAX_SPLITS",
            "SCORE_CHUNKS", "DEFER_ROW_SUM"]
 
-# Cache rows per inner step: 32 rows x 576 x bf16 = 36 KiB per pipeline stage (the size vLLM's
-# Triton MLA decode uses). Four stages in flight: on the H200 (K3 tp 8, graph, cold) a sweep of
-# BLOCK_N {32, 64} x warps {4, 8} x stages {2, 3, 4} x splits {132 .. 1024} put 32 / 4 / 4 at one
-# split per SM first at 32k (19.0 us) and within 4% of the best at 128k.
-BLOCK_N = 32
-# Long contexts (L_max >= LONG_CONTEXT): 64-row tiles, 8 warps, 3 stages; on the same H200 sweep
-# (graph, cold, 132 splits) 2-3% faster than the above at 64k and 128k, 1.7% slower at 32k.
-LONG_CONTEXT = 65536
-LONG_BLOCK_N, LONG_NUM_WARPS, LONG_NUM_STAGES = 64, 8, 3
+# Cache rows per inner step, warps and pipeline stages: 64 rows x 576 x bf16 = 72 KiB a stage,
+# 4 warps, 3 stages, at every length. H200 session 4 (benchmarks/next/mla_sweep.py; K3 tp 8, B1,
+# graph, cold, 132 splits, with the score chunks and deferred row sum below): 17.49 / 27.76 /
+# 44.89 us at 32k / 64k / 128k, against 19.16 / 28.56 / 46.38 us for the previous defaults
+# (32 / 4 / 4 below 64k, 64 / 8 / 3 from 64k) in the same run.
+BLOCK_N = 64
+SPLIT_NUM_WARPS = 4
+SPLIT_NUM_STAGES = 3
 # Heads per program: every head of a token reads the same cache rows, so a program takes a group
 # of them; 16 is tl.dot's smallest M (K3 at tp 8 has 12 heads: one group, 4 padded rows).
 BLOCK_H = 16
-SPLIT_NUM_WARPS = 4
-SPLIT_NUM_STAGES = 4
 # Combine: a program merges a [BLOCK_S splits, BLOCK_C latent columns] fp32 tile per step, at
 # most COMBINE_TILE elements (32 registers a thread at 4 warps). Up to COMBINE_MAX_BLOCK_S splits
 # are merged in one step (the heuristic's counts on an H200 take a single step); the columns
@@ -59,15 +56,16 @@ COMBINE_MIN_BLOCK_C = 16
 PROGRAMS_PER_SM = 1
 MIN_ROWS_PER_SPLIT = 128
 MAX_SPLITS = 1024
-# Opt-in variants (benchmarks/next/MLA_ANALYSIS.md; default off until an H200 sweep says
-# otherwise). SCORE_CHUNKS: the latent is cut into this many column chunks, each with its own
-# 2-D tensor-core product for the scores (independent accumulator chains of C / SCORE_CHUNKS / 16
-# steps instead of one chain of C / 16 + R / 16) and its own P @ C accumulator; clamped so a
-# chunk keeps at least 16 columns. DEFER_ROW_SUM: the softmax denominator is accumulated per
-# element ([BLOCK_H, BLOCK_N], rescaled like the output) and reduced over the rows once after
-# the loop, which takes one cross-warp reduction (two barriers) out of every tile.
-SCORE_CHUNKS = 1
-DEFER_ROW_SUM = False
+# Split-kernel variants (benchmarks/next/MLA_ANALYSIS.md), both on since session 4's H200 sweep
+# (64 / 4 / 3 tiles, 32k: 17.49 us with both, 20.97 us with neither). SCORE_CHUNKS: the latent
+# is cut into this many column chunks, each with its own 2-D tensor-core product for the scores
+# (independent accumulator chains of C / SCORE_CHUNKS / 16 steps instead of one chain of
+# C / 16 + R / 16) and its own P @ C accumulator; clamped so a chunk keeps at least 16 columns.
+# DEFER_ROW_SUM: the softmax denominator is accumulated per element ([BLOCK_H, BLOCK_N],
+# rescaled like the output) and reduced over the rows once after the loop, which takes one
+# cross-warp reduction (two barriers) out of every tile.
+SCORE_CHUNKS = 4
+DEFER_ROW_SUM = True
 # SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.
 CPU_SM_STANDIN = 8
 
@@ -275,9 +273,8 @@ def default_num_splits(batch: int, heads: int, max_len: int,
 
 
 def _split_config(max_len: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel for a cache of L_max rows."""
-    if on_gpu and max_len >= LONG_CONTEXT:
-        return LONG_BLOCK_N, LONG_NUM_WARPS, LONG_NUM_STAGES
+    """(BLOCK_N, num_warps, num_stages) of the split kernel for a cache of L_max rows (one
+    configuration at every length since session 4; the arguments stay for the sweeps)."""
     return BLOCK_N, SPLIT_NUM_WARPS, SPLIT_NUM_STAGES
 
 

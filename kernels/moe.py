@@ -83,17 +83,21 @@ ZERO_MIN_BLOCK = 16
 # is denormal; the group factor 2^(s-127) * 2^126 * 2^-64 = 2^(s-65) has fp32 exponent s + 62.
 FP4_SIGN_MAG = tl.constexpr(0x81C00000 - (1 << 32))  # bits 31 and 22..24 as an int32
 # MXFP4 tile layouts (module switches, read at launch; benchmarks/next/MOE_MXFP4_ANALYSIS.md):
-# FP4_LAYOUT 0 (default): [rows, groups, 4 words] tiles; Triton gives them lanes along the rows
+# FP4_LAYOUT 0: [rows, groups, 4 words] tiles; Triton gives them lanes along the rows
 #   (a warp's 16-byte loads hit 32 rows), x is re-broadcast through shared memory for every pair
 #   index (20 barriers a K step) and every K step ends in a cross-warp reduction.
-# FP4_LAYOUT 1 ("K lanes"): [rows, FP4_KLANE_WORDS words] tiles, a row's words contiguous across
+# FP4_LAYOUT 1 (default): [rows, FP4_KLANE_WORDS words] tiles, a row's words contiguous across
 #   the lanes (16-byte loads, a warp reads 256-512 contiguous bytes of a row), x [words] per pair
 #   index (fewer elements than threads: Triton loads it in the tile's layout, no shared memory),
 #   products accumulated by FFMA chains per (row, group) over all K steps, the E8M0 factor per
 #   group and step, and one cross-lane reduction per tile at the end (M = 1).
-FP4_LAYOUT = 0
+#   H200 (session 4, benchmarks/next/moe_sweep.py; K3 tp 1, B1, graph, cold; fraction of copy
+#   bandwidth on the expert bytes, stage 1 / stage 2): layout 0 0.309 / 0.331; layout 1 at
+#   64 rows x 64 words 0.515 / 0.531 (the best of eight K-lane shapes); tp 8 stage 2 14.6 ->
+#   10.4 us, stage 1 unchanged (26.8 / 26.9 us).
+FP4_LAYOUT = 1
 FP4_KLANE_WORDS = 64
-FP4_KLANE_ROWS = 32
+FP4_KLANE_ROWS = 64
 # FP4_KLANE_PREFETCH (layout 1): register double buffering, each K step's loads issued before
 # the previous step's arithmetic (Triton does not pipeline loads that feed no dot).
 FP4_KLANE_PREFETCH = False
