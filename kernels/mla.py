@@ -85,8 +85,8 @@ SPLIT_PDL = False
 # 128 of the 132 at 32k-128k on an H200) instead of all num_splits (the fused combine always does).
 COMBINE_USED_ONLY = False
 # FUSE_COMBINE: one launch. Every split program, after writing its partial, arrives at a grid
-# barrier (a per-device int32 [count, generation] pair: the last arrival resets the count and
-# bumps the generation, the others poll the generation) and then merges its share of the
+# barrier (a per-device int32 [count 0, count 1, generation]: one atomic a program, the others
+# poll the count; see _grid_barrier) and then merges its share of the
 # [M, Hl, C] outputs: items of one head's columns (a power of two, about one item a program), at
 # most FUSED_COMBINE_TILE fp32 partial elements a step. Only when every program fits on the GPU
 # at once (M * head groups * splits <= SMs x FUSED_PROGRAMS_PER_SM: the split kernel's shared
@@ -295,17 +295,20 @@ def _splits_used(seq_lens, i_m, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _combine_items(o_part, lse_part, o, lse, seq_lens, pid, n_progs, n_items, n_cblocks,
-                   num_splits, H, stride_op_m, stride_op_h, stride_op_s, stride_lp_m,
-                   stride_lp_h, stride_o_m, stride_o_h, stride_lse_m,
+def _combine_items(o_part, lse_part, o, lse, seq_lens, m_first, n_used_first, pid, n_progs,
+                   n_items, n_cblocks, num_splits, H, stride_op_m, stride_op_h, stride_op_s,
+                   stride_lp_m, stride_lp_h, stride_o_m, stride_o_h, stride_lse_m,
                    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
     """Combine items pid, pid + n_progs, ... of the n_items = M * H * n_cblocks (token, head,
-    column block) items, each over the splits that hold rows."""
+    column block) items, each over the splits that hold rows (n_used_first for token m_first,
+    read before the grid barrier)."""
     for j in range(pid, n_items, n_progs):
         j_m = j // (H * n_cblocks)
-        _combine_tile(o_part, lse_part, o, lse, j_m, (j // n_cblocks) % H, j % n_cblocks,
-                      _splits_used(seq_lens, j_m, num_splits, BLOCK_N),
+        n_used = n_used_first
+        if j_m != m_first:
+            n_used = _splits_used(seq_lens, j_m, num_splits, BLOCK_N)
+        _combine_tile(o_part, lse_part, o, lse, j_m, (j // n_cblocks) % H, j % n_cblocks, n_used,
                       stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
                       stride_o_m, stride_o_h, stride_lse_m, C, BLOCK_C, BLOCK_S, CACHE)
 
@@ -313,17 +316,22 @@ def _combine_items(o_part, lse_part, o, lse, seq_lens, pid, n_progs, n_items, n_
 @triton.jit
 def _grid_barrier(sync, gen, n_progs):
     """Every one of the grid's n_progs programs (all resident) waits until all have arrived.
-    sync: int32 [count, generation]; gen: the generation read at the program's start. The last
-    arrival zeroes the count for the next launch and bumps the generation (release)."""
-    arrived = tl.atomic_add(sync, 1, sem="acq_rel", scope="gpu")
+    sync: int32 [count 0, count 1, generation]; gen: the generation the program read at its
+    start. A launch counts its arrivals in count[gen % 2] and waits until that reaches n_progs
+    (the waiters see the last arrival itself: one atomic round trip, no second hop). The last
+    arrival zeroes the other count (the previous launch's: every program of that launch stopped
+    reading it before that launch ended) and bumps the generation, so the next launch counts in
+    a zeroed count."""
+    p_cnt = sync + (gen & 1)
+    arrived = tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu")
     if arrived == n_progs - 1:
-        tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(sync + 1, 1, sem="release", scope="gpu")
+        tl.atomic_xchg(sync + (1 - (gen & 1)), 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(sync + 2, 1, sem="release", scope="gpu")
     else:
-        cur = tl.atomic_add(sync + 1, 0, sem="acquire", scope="gpu")
+        cur = tl.atomic_add(p_cnt, 0, sem="acquire", scope="gpu")
         polls = 0
-        while (cur == gen) & (polls < MAX_SPIN):  # a bound: a bug gives wrong output, no hang
-            cur = tl.atomic_add(sync + 1, 0, sem="acquire", scope="gpu")
+        while (cur < n_progs) & (polls < MAX_SPIN):  # a bound: a bug gives wrong output, no hang
+            cur = tl.atomic_add(p_cnt, 0, sem="acquire", scope="gpu")
             polls += 1
 
 
@@ -348,7 +356,7 @@ def _mla_decode_split_kernel(
     kept per element ([BLOCK_H, BLOCK_N]), reduced over the rows once after the loop.
     PDL_WAIT: first wait for the preceding grid (griddepcontrol.wait; launched with launch_pdl).
     PDL_TRIGGER: then let the dependent grid launch (griddepcontrol.launch_dependents).
-    FUSE: 0 partials only; 3 partials, grid barrier on sync (int32 [2]), then this program's
+    FUSE: 0 partials only; 3 partials, grid barrier on sync (int32 [3]), then this program's
     share of the n_items = M * Hl * n_cblocks combine items (BLOCK_C columns of one head, merged
     BLOCK_S splits a step) into o_fin [M, Hl, C] and lse_fin [M, Hl]; 1 / 2 are the two halves
     of 3 without the barrier (the interpreter, which runs programs one after the other, launches
@@ -360,7 +368,7 @@ def _mla_decode_split_kernel(
         gdc_launch_dependents()
     gen = 0
     if FUSE == 3:  # before the arrival, which cannot be followed by a bump before ours
-        gen = tl.atomic_add(sync + 1, 0, sem="relaxed", scope="gpu")
+        gen = tl.atomic_add(sync + 2, 0, sem="relaxed", scope="gpu")
     if FUSE != 2:
         _split_partial(
             q_lat, q_rope, kv, seq_lens, o, lse, i_m, i_hb, i_s,
@@ -372,15 +380,19 @@ def _mla_decode_split_kernel(
         n_groups = tl.num_programs(1)
         n_progs = tl.num_programs(0) * n_groups * num_splits
         pid = (i_m * n_groups + i_hb) * num_splits + i_s
+        m_first = tl.minimum(pid // (H * n_cblocks), tl.num_programs(0) - 1)
+        n_used_first = _splits_used(seq_lens, m_first, num_splits, BLOCK_N)
         if FUSE == 3:
             _grid_barrier(sync, gen, n_progs)
             # the partials of other SMs: read from L2, never from this SM's L1
-            _combine_items(o, lse, o_fin, lse_fin, seq_lens, pid, n_progs, n_items, n_cblocks,
+            _combine_items(o, lse, o_fin, lse_fin, seq_lens, m_first, n_used_first, pid,
+                           n_progs, n_items, n_cblocks,
                            num_splits, H, stride_o_m, stride_o_h, stride_o_s, stride_lse_m,
                            stride_lse_h, stride_of_m, stride_of_h, stride_lf_m,
                            C, BLOCK_C, BLOCK_S, BLOCK_N, ".cg")
         else:
-            _combine_items(o, lse, o_fin, lse_fin, seq_lens, pid, n_progs, n_items, n_cblocks,
+            _combine_items(o, lse, o_fin, lse_fin, seq_lens, m_first, n_used_first, pid,
+                           n_progs, n_items, n_cblocks,
                            num_splits, H, stride_o_m, stride_o_h, stride_o_s, stride_lse_m,
                            stride_lse_h, stride_of_m, stride_of_h, stride_lf_m,
                            C, BLOCK_C, BLOCK_S, BLOCK_N, "")
@@ -438,13 +450,13 @@ def _capturing(dev: torch.device) -> bool:
     return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-# One int32 [count, generation] grid-barrier pair per device for FUSE_COMBINE; the count is zero
-# between launches: fused calls on one device must not run concurrently on two streams.
+# One int32 [count 0, count 1, generation] grid barrier per device for FUSE_COMBINE (see
+# _grid_barrier): fused calls on one device must not run concurrently on two streams.
 _SYNC: dict[torch.device, torch.Tensor] = {}
 
 
 def _sync(dev: torch.device) -> torch.Tensor:
-    """The device's fused-launch barrier pair, created by the first call outside a capture."""
+    """The device's fused-launch barrier, created by the first call outside a capture."""
     key = torch.device(dev.type, dev.index if dev.index is not None
                        else torch.cuda.current_device())
     sync = _SYNC.get(key)
@@ -454,7 +466,7 @@ def _sync(dev: torch.device) -> torch.Tensor:
                 f"q_lat: mla_decode's FUSE_COMBINE barrier on {key} does not exist yet and "
                 "cannot be created inside a CUDA-graph capture; call mla_decode once on this "
                 "device before capturing")
-        sync = _SYNC[key] = torch.zeros(2, dtype=torch.int32, device=key)
+        sync = _SYNC[key] = torch.zeros(3, dtype=torch.int32, device=key)
     return sync
 
 
@@ -591,7 +603,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
     else:
         block_s = min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)
         block_c = min(c, max(COMBINE_MIN_BLOCK_C, COMBINE_TILE // block_s))
-        sync = seq_lens  # unused (int32 like the barrier pair: one specialization)
+        sync = seq_lens  # unused (int32 like the barrier: one specialization)
     n_cblocks = triton.cdiv(c, block_c)
     block_n, warps, stages = _split_config(kv_cache.shape[1], on_gpu)
     args = (q_lat, q_rope, kv_cache, seq_lens, o_dst, lse_dst, out, lse, sync,
