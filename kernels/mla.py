@@ -414,13 +414,18 @@ def _mla_decode_combine_kernel(
     n_splits = num_splits
     if USED_ONLY:
         n_splits = _splits_used(seq_lens, i_m, num_splits, BLOCK_N)
-    if PDL_WAIT:
-        gdc_wait()
     if PDL_TRIGGER:
         gdc_launch_dependents()
-    _combine_tile(o_part, lse_part, o, lse, i_m, i_h, i_c, n_splits,
-                  stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
-                  stride_o_m, stride_o_h, stride_lse_m, C, BLOCK_C, BLOCK_S, "")
+    if PDL_WAIT:
+        gdc_wait()
+        # started before the split grid ended: the partials from L2, never from this SM's L1
+        _combine_tile(o_part, lse_part, o, lse, i_m, i_h, i_c, n_splits,
+                      stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
+                      stride_o_m, stride_o_h, stride_lse_m, C, BLOCK_C, BLOCK_S, ".cg")
+    else:
+        _combine_tile(o_part, lse_part, o, lse, i_m, i_h, i_c, n_splits,
+                      stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
+                      stride_o_m, stride_o_h, stride_lse_m, C, BLOCK_C, BLOCK_S, "")
 
 
 @functools.cache
