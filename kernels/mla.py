@@ -567,6 +567,9 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         so one captured CUDA graph serves every length up to L_max.
     Returns o_lat [M, Hl, C] in q_lat's dtype; with ``return_lse`` also lse [M, Hl] fp32 (natural
     log of sum_t exp(score), scores scaled). No host synchronization.
+    The module switches COMBINE_PDL, SPLIT_PDL, COMBINE_USED_ONLY and FUSE_COMBINE (CUDA: one
+    launch with a grid barrier; its barrier buffer is made by the first call on a device, which
+    must not be inside a CUDA-graph capture) change how the splits are merged, not the result.
     """
     _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits)
     m, h, c = q_lat.shape
