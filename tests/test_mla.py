@@ -149,6 +149,47 @@ def test_variants_match_reference(device, monkeypatch, chunks, defer):
         _check(device, q_lat, q_rope, kv, sl, ns, cfg.qk_head ** -0.5)
 
 
+# Opt-in combine variants (kernels/mla.py COMBINE_PDL, SPLIT_PDL, COMBINE_USED_ONLY,
+# FUSE_COMBINE, FUSED_COOPERATIVE, FUSED_PROGRAMS_PER_SM): (id, module settings). On the CPU the
+# PDL switches are off (CUDA only) and FUSE_COMBINE runs its two halves as two launches (no grid
+# barrier in the interpreter): the CPU test takes the two that change the arithmetic's path.
+COMBINE_VARIANTS = [
+    ("pdl", dict(COMBINE_PDL=True)),
+    ("used", dict(COMBINE_USED_ONLY=True)),
+    ("pdl-used", dict(COMBINE_PDL=True, COMBINE_USED_ONLY=True)),
+    ("fused", dict(FUSE_COMBINE=True)),
+    ("fused-nocoop", dict(FUSE_COMBINE=True, FUSED_COOPERATIVE=False)),
+    ("pdl2", dict(COMBINE_PDL=True, SPLIT_PDL=True)),
+    ("fused-splitpdl", dict(FUSE_COMBINE=True, FUSED_COOPERATIVE=False, SPLIT_PDL=True)),
+    ("fused-2sm", dict(FUSE_COMBINE=True, FUSED_PROGRAMS_PER_SM=2, BLOCK_N=32,
+                       SPLIT_NUM_STAGES=3, PROGRAMS_PER_SM=2)),
+]
+CPU_COMBINE_VARIANTS = [v for v in COMBINE_VARIANTS if v[0] in ("used", "fused")]
+
+
+def _set(monkeypatch, settings):
+    import k3lab.kernels.mla as mla_mod
+    for k, v in settings.items():
+        monkeypatch.setattr(mla_mod, k, v)
+
+
+@pytest.mark.parametrize("settings", [v[1] for v in CPU_COMBINE_VARIANTS],
+                         ids=[v[0] for v in CPU_COMBINE_VARIANTS])
+def test_combine_variants_match_reference(device, monkeypatch, settings):
+    """Combine variants: several tokens and splits, splits past the end, more combine items
+    than programs (the fused path's loop), K3 sizes, and a zero length (o = 0, lse = -inf)."""
+    _set(monkeypatch, settings)
+    for cfg, lens, max_len, ns in ((TINY, [97, 1, 64], 100, 4), (TINY, [33], None, 64),
+                                   (TINY, [95], None, 2), (K3, [300, 45], None, 5)):
+        q_lat, q_rope, kv, sl = _inputs(cfg, lens, device, max_len=max_len)
+        _check(device, q_lat, q_rope, kv, sl, ns, cfg.qk_head ** -0.5)
+    q_lat, q_rope, kv, sl = _inputs(TINY, [20, 20], device)
+    sl[1] = 0
+    o, lse = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=3, return_lse=True)
+    assert torch.all(o[1] == 0) and torch.all(lse[1] == float("-inf"))
+    assert torch.isfinite(o[0].float()).all() and torch.isfinite(lse[0]).all()
+
+
 def test_score_chunks_clamped_and_checked(monkeypatch):
     import k3lab.kernels.mla as mla_mod
     monkeypatch.setattr(mla_mod, "SCORE_CHUNKS", 4)
@@ -390,6 +431,27 @@ def test_gpu_k3_variants(monkeypatch, chunks, defer, length, num_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("settings", [v[1] for v in COMBINE_VARIANTS],
+                         ids=[v[0] for v in COMBINE_VARIANTS])
+@pytest.mark.parametrize("length", [33, 65536])
+@pytest.mark.parametrize("num_splits", [None, 64])
+def test_gpu_k3_combine_variants(monkeypatch, settings, length, num_splits):
+    _set(monkeypatch, settings)
+    q_lat, q_rope, kv, sl = _inputs(K3, [length], "cuda", max_len=max(length, BLOCK_N * 3))
+    _check("cuda", q_lat, q_rope, kv, sl, num_splits, K3.qk_head ** -0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("settings", [v[1] for v in COMBINE_VARIANTS],
+                         ids=[v[0] for v in COMBINE_VARIANTS])
+def test_gpu_combine_variants_in_graph(monkeypatch, settings):
+    """One graph captured with the variant, replayed at several lengths (the fused barrier must
+    reset itself between replays; PDL and cooperative launches must capture)."""
+    _set(monkeypatch, settings)
+    _graph_every_length(None, [[8192, 8192], [1, 33], [4097, 100], [8192, 2048]] * 2, 8192)
+
+
+@pytest.mark.gpu
 def test_gpu_no_host_sync():
     q_lat, q_rope, kv, sl = _inputs(K3, [5000], "cuda")
     mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.1)  # compile first
@@ -409,6 +471,11 @@ def test_gpu_one_graph_every_length(num_splits):
     """Capture once at L_max with a fixed split count, then change seq_lens in place and replay:
     every length (shorter, not a multiple of the block, 1, L_max) must match the reference."""
     l_max = 16384
+    _graph_every_length(num_splits, ([l_max, l_max], [1, 33], [4097, 100], [31, l_max],
+                                     [l_max - 1, 2048]), l_max)
+
+
+def _graph_every_length(num_splits, lengths, l_max):
     q_lat, q_rope, kv, sl = _inputs(K3, [l_max, l_max], "cuda")
     sm_scale = K3.qk_head ** -0.5
 
@@ -424,7 +491,7 @@ def test_gpu_one_graph_every_length(num_splits):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o, lse = step()
-    for lens in ([l_max, l_max], [1, 33], [4097, 100], [31, l_max], [l_max - 1, 2048]):
+    for lens in lengths:
         sl.copy_(torch.tensor(lens, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()

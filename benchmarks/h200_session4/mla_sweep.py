@@ -1,0 +1,134 @@
+"""H200 session 4, MLA decode (issue 6): the combine's fixed cost. K3 tp 8 (12 heads), M = 1,
+32k / 64k / 128k, heuristic splits (132 on an H200), graph replay with cold copies (per-call
+marginal cost in a graph of >= 32 calls), per-kernel durations of one call, every row checked
+against the fp32 reference (pass/fail recorded, never raised). Writes $OUT/mla4.json after every
+row (a cut run keeps what it measured).
+
+Session 4 call 1 (benchmarks/h200_session4/results/mla_next.json), default: 32k 17.49 us =
+split 12.38 + combine 2.72 + ~2.4 us between and around the two graph nodes; the 0.75 bar is
+11.87 us at 32k. Variants (kernels/mla.py switches, all off by default):
+- default: today's two kernels.
+- pdl: COMBINE_PDL. Programmatic dependent launch: the combine grid launches while the split
+  grid runs (launch_dependents at the split programs' start) and waits (griddepcontrol.wait) for
+  its completion. Tests how much of the ~2.4 us gap + the combine's start is launch latency.
+  NB: with PDL the combine's kernel duration includes its wait for the split grid; read `us`.
+- pdl-used: + COMBINE_USED_ONLY (merge the 128 splits that hold rows, not 132 of 256 padded).
+- fused-nocoop / fused: FUSE_COMBINE. One launch: every split program writes its partial, meets
+  the others at a grid barrier (int32 count + generation, one atomic each, spin on the
+  generation) and merges ~1/132 of the output (one head x 64 columns x 128 splits, one load
+  round). Tests whether the combine can hide inside the split kernel's tail (session 3's fused
+  version added combiner programs = a second wave and took a ticket before any load: 24.2 us).
+  fused: cooperative launch (driver-guaranteed co-residency); fused-nocoop: plain launch (one
+  program an SM by shared memory) - the cooperative attribute's own cost, and the fallback if
+  a cooperative launch does not capture into a graph.
+- pdl2 / fused-splitpdl: + SPLIT_PDL: the call's first kernel is launched with launch_pdl
+  and waits (griddepcontrol.wait) at its start; the call's last kernel triggers its dependents
+  at its start. In this graph the kernel before a call is the previous call's last kernel, so
+  the gain shown is an upper bound for a decode step, where it depends on the preceding kernel
+  (the same wiring there). fused-splitpdl without the cooperative attribute (not known to
+  combine with programmatic serialization).
+- fused-2sm: fused at 32-row tiles / 4 warps / 3 stages (93 KiB shared: two programs an SM),
+  PROGRAMS_PER_SM = 2 (256 splits at 32k): twice the programs in flight to overlap one's
+  barriers / reductions with the other's; cooperative.
+- 2sm (32k only): the same tiles and splits with the two kernels (control for fused-2sm).
+Run from the repo root: python3 benchmarks/h200_session4/mla_sweep.py  (~30-40 s expected).
+"""
+
+import contextlib
+import math
+import sys
+import time
+
+sys.path.insert(0, "benchmarks/h200_tuning")
+
+import torch  # noqa: E402
+from common import bw, dump, gt, kdur, rec  # noqa: E402
+
+import k3lab.kernels.mla as mla  # noqa: E402
+from k3lab import profile  # noqa: E402
+from k3lab.boundaries import mla as MB  # noqa: E402
+from k3lab.config import preset  # noqa: E402
+from k3lab.reference.mla import mla_decode_reference  # noqa: E402
+
+T0 = time.time()
+CFG = preset("kimi-k3", 8)
+TWO_SM = dict(BLOCK_N=32, SPLIT_NUM_WARPS=4, SPLIT_NUM_STAGES=3, PROGRAMS_PER_SM=2)
+# (name, knobs, contexts or None = all)
+VARIANTS = [  # the cooperative launches last: if one breaks a capture, the rest are measured
+    ("default", {}, None),
+    ("pdl", dict(COMBINE_PDL=True), None),
+    ("pdl-used", dict(COMBINE_PDL=True, COMBINE_USED_ONLY=True), None),
+    ("pdl2", dict(COMBINE_PDL=True, SPLIT_PDL=True), None),
+    ("fused-nocoop", dict(FUSE_COMBINE=True, FUSED_COOPERATIVE=False), None),
+    ("fused-splitpdl", dict(FUSE_COMBINE=True, FUSED_COOPERATIVE=False, SPLIT_PDL=True), None),
+    ("2sm", dict(TWO_SM), (32768,)),
+    ("fused", dict(FUSE_COMBINE=True), None),
+    ("fused-2sm", dict(FUSE_COMBINE=True, FUSED_PROGRAMS_PER_SM=2, **TWO_SM), None),
+]
+KNOBS = sorted({k for _, v, _ in VARIANTS for k in v})
+DEFAULTS = {k: getattr(mla, k) for k in KNOBS}
+
+
+@contextlib.contextmanager
+def knobs(values):
+    try:
+        for k, v in values.items():
+            setattr(mla, k, v)
+        yield
+    finally:
+        for k, v in DEFAULTS.items():
+            setattr(mla, k, v)
+
+
+def call(i):
+    return mla.mla_decode(i["q_lat"], i["q_rope"], i["kv_cache"], i["seq_lens"],
+                          sm_scale=i["sm_scale"])
+
+
+def correct(inputs, ref):
+    try:
+        out = call(inputs)
+        torch.cuda.synchronize()
+        MB.check(out, ref, inputs)
+        return True
+    except Exception as e:
+        print("WRONG", repr(e)[:300], flush=True)
+        return False
+
+
+def run(ctx, copies, ref, name, values):
+    nbytes = ctx * (CFG.kv_lora + CFG.qk_rope) * 2
+    with knobs(values):
+        splits = mla.default_num_splits(1, CFG.mla_heads, ctx, "cuda")
+        ok = correct(copies[0], ref)
+        us = gt(call, copies) if ok else float("nan")
+        ok = ok and math.isfinite(us) and correct(copies[-1], ref)
+        # one call (on a copy the first check did not touch where there are several: 32k = 37.7
+        # MB fits in L2)
+        dur = kdur(call, copies[-1]) if ok else None
+    rec(k="mla4", ctx=ctx, name=name, **values, splits=splits, us=us,
+        frac=nbytes / bw * 1e6 / us, floor_us=nbytes / bw * 1e6, bar_us=nbytes / bw * 1e6 / 0.75,
+        ok=ok, dur=dur, t=round(time.time() - T0, 1))
+
+
+for ctx in (32768, 65536, 131072):
+    nbytes = ctx * (CFG.kv_lora + CFG.qk_rope) * 2
+    copies = profile.cold_copies(lambda s, c=ctx: MB.make_inputs(CFG, "cuda", s, M=1, context=c),
+                                 bytes_per_copy=nbytes)
+    i = copies[0]
+    ref = mla_decode_reference(i["q_lat"], i["q_rope"], i["kv_cache"], i["seq_lens"],
+                               sm_scale=i["sm_scale"])
+    for name, values, only in VARIANTS:
+        if only is not None and ctx not in only:
+            continue
+        if time.time() - T0 > 65:
+            rec(k="mla4", ctx=ctx, name=name, err="skipped: 65 s budget")
+            continue
+        try:
+            run(ctx, copies, ref, name, values)
+        except Exception as e:  # record and go on
+            rec(k="mla4", ctx=ctx, name=name, err=repr(e)[:300])
+        dump("mla4.json")
+    del copies, i, ref
+    torch.cuda.empty_cache()
+dump("mla4.json")
