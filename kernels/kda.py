@@ -54,6 +54,10 @@ GEMV_LAYOUT = "rows"   # "rows": [D, BLOCK_R] f_b chunks, rank along lanes (a sh
 BLOCK_RT = 16          # rank rows per "cols" chunk (8 per thread x 2 lanes)
 O_FROM_DECAYED = False  # o = S^T q + u (k . q) with S the decayed slice: S^T k and S^T q are two
                        # independent k-axis sums (overlapping latencies) instead of two in a row
+ONE_REDUCE = False     # all five k-axis sums (S^T k, S^T q, k.k, q.q, k.q, with the raw q and k;
+                       # the L2 norms scale the results) as one 5-operand reduction over [D, BV]
+                       # operands in the state's layout: one round through shared memory and its
+                       # barriers instead of four (two norms, S^T k, S^T q); o as O_FROM_DECAYED
 NUM_WARPS = None       # override of the warps per program (None: TILE_PER_WARP rule)
 MAX_NREG = None        # register cap per thread (ptxas .maxnreg; CUDA only), e.g. 80 so that three
                        # 8-warp programs share an SM: 384 programs (tp 1) in one wave of 132 SMs
@@ -62,6 +66,11 @@ MAX_NREG = None        # register cap per thread (ptxas .maxnreg; CUDA only), e.
 @triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _add5(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1
 
 
 @triton.jit
@@ -95,7 +104,7 @@ def _kda_decode_kernel(
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
     LOADS_FIRST: tl.constexpr = False, GEMV_COLS: tl.constexpr = False, BRT: tl.constexpr = 16,
-    O_FROM_DECAYED: tl.constexpr = False,
+    O_FROM_DECAYED: tl.constexpr = False, ONE_REDUCE: tl.constexpr = False,
 ):
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_mh = (i_m * H + i_h).to(tl.int64)
@@ -156,12 +165,24 @@ def _kda_decode_kernel(
         b_k = tl.load(k + i_mh * D + o_k)
         b_v = tl.load(v + i_mh * D + o_v)
     b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
-    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
-    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
+    if not ONE_REDUCE:
+        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
+        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
 
     # decay, delta update and output on this program's [D, BV] slice of the state
     b_s = b_s * tl.exp(b_g)[:, None]
-    if O_FROM_DECAYED:
+    if ONE_REDUCE:  # u = beta (v - S^T k / |k|), S' = S + k u^T / |k|, o = S'^T q scale / |q|
+        b_kc, b_qc = b_k[:, None], b_q[:, None]
+        zero = tl.zeros([D, BV], dtype=tl.float32)
+        b_sk, b_sq, b_kk, b_qq, b_kq = tl.reduce(
+            (b_s * b_kc, b_s * b_qc, zero + b_kc * b_kc, zero + b_qc * b_qc, zero + b_kc * b_qc),
+            0, _add5)
+        b_rk = 1.0 / tl.sqrt(b_kk + L2EPS)  # [BV], all equal
+        b_rq = scale / tl.sqrt(b_qq + L2EPS)
+        b_u = b_beta * (b_v - b_sk * b_rk)
+        b_s += b_kc * (b_u * b_rk)[None, :]
+        b_o = b_sq * b_rq + b_u * (b_kq * b_rk * b_rq)
+    elif O_FROM_DECAYED:
         b_sk = tl.sum(b_s * b_k[:, None], 0)
         b_sq = tl.sum(b_s * b_q[:, None], 0)
         b_u = b_beta * (b_v - b_sk)
@@ -342,6 +363,7 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
         LOADS_FIRST=bool(LOADS_FIRST), GEMV_COLS=GEMV_LAYOUT == "cols",
         BRT=min(BLOCK_RT, triton.next_power_of_2(r)), O_FROM_DECAYED=bool(O_FROM_DECAYED),
+        ONE_REDUCE=bool(ONE_REDUCE),
         num_warps=num_warps, **extra,
     )
     return o
