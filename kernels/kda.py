@@ -43,15 +43,24 @@ TILE_PER_WARP = 512    # state-tile elements per warp (16 fp32 registers per thr
 MAX_WARPS = 8
 
 # Opt-in switches (defaults = the measured kernel; the session-4 sweep times the others):
-LOADS_FIRST = False    # state + small vectors issued first, a barrier, then f_b: ptxas sinks loads
-                       # towards their use (the state load went out after the GEMV) but moves
-                       # none across a barrier, so a cold call pays one DRAM round trip, not two
+LOADS_FIRST = 0        # 1: state + small vectors issued first, a barrier, then f_b: ptxas sinks
+                       # loads towards their use (the state load went out after the GEMV) but
+                       # moves none across a barrier, so a cold call pays one DRAM round trip,
+                       # not two. 2: also a barrier between f_b's loads and their use ("flat"
+                       # only: the chunked GEMVs interleave loads and FMAs in program order, and
+                       # offline SASS shows ptxas issuing the last chunks' loads after FMAs that
+                       # wait for the first chunks' data: a second round trip). 3: as 2 with
+                       # f_b's loads volatile (ptxas keeps volatile loads in program order)
 GEMV_LAYOUT = "rows"   # "rows": [D, BLOCK_R] f_b chunks, rank along lanes (a shuffle tree per
                        # chunk). "cols": [BLOCK_RT, D] chunks with the rank as dim 0, so Triton
                        # gives each thread 8 consecutive rank values of one row (one 16-byte
                        # load) and the rows across lanes; products accumulate in-thread over all
-                       # chunks and one reduction at the end leaves the lanes (no per-chunk tree)
-BLOCK_RT = 16          # rank rows per "cols" chunk (8 per thread x 2 lanes)
+                       # chunks and one reduction at the end leaves the lanes (no per-chunk tree).
+                       # "flat": the head's whole f_b as ONE [BLOCK_RT, (R/BLOCK_RT) * D] load in
+                       # the "cols" layout (column c * D + d holds rank chunk c of row d), so all
+                       # its loads are issued together; sum over dim 0, then over the R/BLOCK_RT
+                       # chunks (a reshape, in-thread)
+BLOCK_RT = 16          # rank rows per "cols" / "flat" chunk (8 per thread x 2 lanes)
 O_FROM_DECAYED = False  # o = S^T q + u (k . q) with S the decayed slice: S^T k and S^T q are two
                        # independent k-axis sums (overlapping latencies) instead of two in a row
 ONE_REDUCE = False     # all five k-axis sums (S^T k, S^T q, k.k, q.q, k.q, with the raw q and k;
@@ -103,7 +112,8 @@ def _kda_decode_kernel(
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
-    LOADS_FIRST: tl.constexpr = False, GEMV_COLS: tl.constexpr = False, BRT: tl.constexpr = 16,
+    LOADS_FIRST: tl.constexpr = 0, GEMV: tl.constexpr = 0, BRT: tl.constexpr = 16,
+    RP: tl.constexpr = 16,
     O_FROM_DECAYED: tl.constexpr = False, ONE_REDUCE: tl.constexpr = False,
 ):
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -114,6 +124,16 @@ def _kda_decode_kernel(
     # the state slice first: its load is the one that matters, let it fly during the GEMV
     p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
     b_s = tl.load(p_s)
+    if GEMV == 2:  # "flat" GEMV indices; f_low (256 B, broadcast) goes out with the state
+        NC: tl.constexpr = RP // BRT       # RP = R rounded up to BRT * 2^j
+        o_j = tl.arange(0, BRT)
+        o_c = tl.arange(0, NC * D)
+        o_rc = (o_c // D)[None, :] * BRT + o_j[:, None]          # rank of [j, c * D + d]
+        p_fb = f_b + (i_h * D + o_c % D)[None, :].to(tl.int64) * R + o_rc
+        if RP == R:
+            b_fl = tl.load(f_low + i_m * R + o_rc)
+        else:
+            b_fl = tl.load(f_low + i_m * R + o_rc, mask=o_rc < R, other=0.0)
     if LOADS_FIRST:  # no load moves across a barrier: all of these are out before f_b's
         b_A = tl.load(A_log + i_h)
         b_bias = tl.load(dt_bias + i_h * D + o_k)
@@ -125,7 +145,16 @@ def _kda_decode_kernel(
         tl.debug_barrier()
 
     # f_b projection of this head's d channels: f = f_b[h rows] @ f_low[m], fp32 accumulation
-    if GEMV_COLS:
+    if GEMV == 2:  # "flat": the whole head's f_b in one load (3: volatile, kept in order)
+        if RP == R:
+            b_fb = tl.load(p_fb, volatile=LOADS_FIRST >= 3)
+        else:
+            b_fb = tl.load(p_fb, mask=o_rc < R, other=0.0, volatile=LOADS_FIRST >= 3)
+        if LOADS_FIRST >= 2:
+            tl.debug_barrier()
+        b_fc = tl.sum(b_fb.to(tl.float32) * b_fl.to(tl.float32), 0)   # [NC * D]
+        b_f = tl.sum(tl.reshape(b_fc, [NC, D]), 0)
+    elif GEMV == 1:
         b_acc = tl.zeros([BRT, D], dtype=tl.float32)
         for r0 in tl.static_range(0, R, BRT):
             o_r = r0 + tl.arange(0, BRT)
@@ -351,8 +380,9 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     num_warps = max(1, min(MAX_WARPS, d * block_v // TILE_PER_WARP))
     if NUM_WARPS is not None:
         num_warps = NUM_WARPS
-    if GEMV_LAYOUT not in ("rows", "cols"):
-        raise ValueError(f"GEMV_LAYOUT: expected 'rows' or 'cols', got {GEMV_LAYOUT!r}")
+    if GEMV_LAYOUT not in ("rows", "cols", "flat"):
+        raise ValueError(f"GEMV_LAYOUT: expected 'rows', 'cols' or 'flat', got {GEMV_LAYOUT!r}")
+    brt = min(BLOCK_RT, triton.next_power_of_2(r))
     extra = {"maxnreg": MAX_NREG} if MAX_NREG is not None and dev.type == "cuda" else {}
     _kda_decode_kernel[grid](
         q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
@@ -361,9 +391,9 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         H=hl, D=d, R=r, BR=min(BLOCK_R, triton.next_power_of_2(r)), BV=block_v,
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
-        LOADS_FIRST=bool(LOADS_FIRST), GEMV_COLS=GEMV_LAYOUT == "cols",
-        BRT=min(BLOCK_RT, triton.next_power_of_2(r)), O_FROM_DECAYED=bool(O_FROM_DECAYED),
-        ONE_REDUCE=bool(ONE_REDUCE),
+        LOADS_FIRST=int(LOADS_FIRST), GEMV=("rows", "cols", "flat").index(GEMV_LAYOUT),
+        BRT=brt, RP=brt * triton.next_power_of_2(triton.cdiv(r, brt)),
+        O_FROM_DECAYED=bool(O_FROM_DECAYED), ONE_REDUCE=bool(ONE_REDUCE),
         num_warps=num_warps, **extra,
     )
     return o

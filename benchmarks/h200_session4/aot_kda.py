@@ -36,7 +36,7 @@ def capture(tp, block_v):
 
 
 def order(sass):
-    """Compact sequence of memory ops / barriers: G=global load (LDG), S=STG, B=BAR, X=shuffle."""
+    """Memory ops / barriers in SASS order: G=LDG, S=STG, B=BAR, X=SHFL, f=FFMA, sts/lds=shared."""
     seq = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
@@ -51,6 +51,8 @@ def order(sass):
             seq.append("B")
         elif op.startswith("SHFL"):
             seq.append("X")
+        elif op.startswith("FFMA"):
+            seq.append("f")
         elif op.startswith("LDS") or op.startswith("STS"):
             seq.append(op[:3].lower())
     out, prev, n = [], None, 0
