@@ -18,7 +18,10 @@ benchmarks/h200_session4/aot_kda.py: registers / barriers / load order in bracke
 - flat lf3 rt64: the same without ONE_REDUCE (what the barrier count costs).
 - flat lf1 1r rt64: only one barrier, f_b not volatile (what the load order costs).
 - rows lf1 1r: today's GEMV layout with loads first and ONE_REDUCE.
-- bv16 rows: twice the programs (more SMs pulling the state; f_b re-read 8x a head).
+- bv16 8w: twice the programs (more SMs pulling the state; f_b re-read 8x a head) [64 regs].
+- 16w: 16 warps, half the registers a thread [60 regs, 6 bar, every load out before the first
+  FMA]; tp 1: 2 programs / SM (2 waves), tp 8: more loads in flight per SM.
+- cols 1r bv64 (tp 1): 192 programs, no load ordering [95 regs].
 Run from the repo root: python3 benchmarks/h200_session4/kda_sweep.py (writes $OUT/kda_sweep.json).
 """
 
@@ -99,12 +102,14 @@ CONFIGS = {
         ("rows lf1 1r", lambda: fused(kda, LOADS_FIRST=1, ONE_REDUCE=True)),
         ("flat lf3 1r rt64 bv16 8w", lambda: fused(kda, 16, **CAND, NUM_WARPS=8)),
         ("flat lf3 1r rt32", lambda: fused(kda, **{**CAND, "BLOCK_RT": 32})),
+        ("flat lf3 1r rt64 16w", lambda: fused(kda, **CAND, NUM_WARPS=16)),
     ],
     1: COMMON + [
         ("flat lf3 1r rt64 bv64", lambda: fused(kda, 64, **CAND)),
         ("flat lf3 1r rt64 bv128 16w", lambda: fused(kda, 128, **CAND, NUM_WARPS=16)),
         ("flat lf3 1r rt64 nreg80", lambda: fused(kda, **CAND, MAX_NREG=80)),
         ("cols 1r bv64", lambda: fused(kda, 64, GEMV_LAYOUT="cols", ONE_REDUCE=True)),
+        ("flat lf3 1r rt64 16w", lambda: fused(kda, **CAND, NUM_WARPS=16)),
     ],
 }
 
