@@ -468,3 +468,22 @@ def test_gpu_fla_peer():
         inp = b.make_inputs(preset("kimi-k3", tp), "cuda", seed=3, M=1)
         ref = b.reference.fn(clone_inputs(inp))
         b.check(b.variant("fla-core").fn(clone_inputs(inp)), ref, inp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["flat+lf3+1r+rt64", "cols+odec+4w"])
+def test_gpu_k3_switches(switch, monkeypatch):
+    """The opt-in switches at the K3 shards (tp 1 and 8, M 1 and 16), every fused variant."""
+    import k3lab.kernels.kda as kda_mod
+    for name, val in SWITCHES[switch].items():
+        monkeypatch.setattr(kda_mod, name, val)
+    b = kda_boundary.BOUNDARY
+    for tp, m in ((1, 1), (8, 1), (8, 16)):
+        inp = b.make_inputs(preset("kimi-k3", tp), "cuda", seed=0, M=m)
+        ref = b.reference.fn(clone_inputs(inp))
+        for name in ("fused", "fused+conv", "fused+out_gate"):
+            b.check(b.variant(name).fn(clone_inputs(inp)), ref, inp)
+    monkeypatch.setattr(kda_mod, "NUM_WARPS", 16)  # the sweep's 16-warp rows
+    inp = b.make_inputs(preset("kimi-k3", 8), "cuda", seed=1, M=1)
+    ref = b.reference.fn(clone_inputs(inp))
+    b.check(b.variant("fused").fn(clone_inputs(inp)), ref, inp)

@@ -21,15 +21,20 @@ from k3lab.boundaries import get  # noqa: E402
 from k3lab.config import preset  # noqa: E402
 
 
-def capture(tp, block_v):
+def capture(tp, block_v, variant="fused"):
+    """variant: 'fused', 'fused+conv' or 'fused+out_gate' (the boundary's variants)."""
     launches = []
     saved = kda._kda_decode_kernel
     kda._kda_decode_kernel = aot._Capture(saved, launches)
     try:
-        i = get("kda").make_inputs(preset("kimi-k3", tp), "cpu", 0, M=1)
-        kda.kda_decode(i["q"], i["k"], i["v"], i["f_low"], i["f_b"], i["A_log"], i["dt_bias"],
-                       i["b_logits"], i["state"], lower_bound=i["lower_bound"],
-                       scale=i["scale"], block_v=block_v)
+        b = get("kda")
+        i = b.make_inputs(preset("kimi-k3", tp), "cpu", 0, M=1)
+        if variant != "fused":
+            b.variant(variant).fn(i)
+        else:
+            kda.kda_decode(i["q"], i["k"], i["v"], i["f_low"], i["f_b"], i["A_log"],
+                           i["dt_bias"], i["b_logits"], i["state"],
+                           lower_bound=i["lower_bound"], scale=i["scale"], block_v=block_v)
     finally:
         kda._kda_decode_kernel = saved
     return launches
@@ -72,11 +77,12 @@ def main():
     ap.add_argument("--block-v", type=int, default=None)
     ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--dump", default=None)
+    ap.add_argument("--variant", default="fused", choices=["fused", "fused+conv", "fused+out_gate"])
     a = ap.parse_args()
     for kv in a.set:
         k, v = kv.split("=", 1)
         setattr(kda, k, eval(v))
-    for kernel, grid, args, kwargs in capture(a.tp, a.block_v):
+    for kernel, grid, args, kwargs in capture(a.tp, a.block_v, a.variant):
         try:
             if kda.MAX_NREG is not None:  # the CUDA launcher's extra option (not captured on CPU)
                 compile0 = aot.triton.compile
