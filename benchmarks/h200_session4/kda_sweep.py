@@ -17,7 +17,8 @@ benchmarks/h200_session4/aot_kda.py: registers / barriers / load order in bracke
   rows (one wave) and a MAX_NREG=80 row (3 / SM, 16 B of spills, loads partly interleaved).
 - flat lf3 rt64: the same without ONE_REDUCE (what the barrier count costs).
 - flat lf1 1r rt64: only one barrier, f_b not volatile (what the load order costs).
-- rows lf1 1r: today's GEMV layout with loads first and ONE_REDUCE.
+- rows lf1 1r: today's GEMV layout with loads first and ONE_REDUCE [80 regs: 3 programs / SM,
+  so tp 1's 384 programs fit one wave; state first, 5 bar].
 - bv16 8w: twice the programs (more SMs pulling the state; f_b re-read 8x a head) [64 regs].
 - 16w: 16 warps, half the registers a thread [60 regs, 6 bar, every load out before the first
   FMA]; tp 1: 2 programs / SM (2 waves), tp 8: more loads in flight per SM.
@@ -110,6 +111,7 @@ CONFIGS = {
         ("flat lf3 1r rt64 nreg80", lambda: fused(kda, **CAND, MAX_NREG=80)),
         ("cols 1r bv64", lambda: fused(kda, 64, GEMV_LAYOUT="cols", ONE_REDUCE=True)),
         ("flat lf3 1r rt64 16w", lambda: fused(kda, **CAND, NUM_WARPS=16)),
+        ("rows lf1 1r", lambda: fused(kda, LOADS_FIRST=1, ONE_REDUCE=True)),
     ],
 }
 
