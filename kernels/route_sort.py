@@ -96,6 +96,15 @@ REG_ENTRIES = 64  # (padded) entries sorted in registers when all tokens fit one
 PAIR_TILE = 8192  # entries x entries compared at once by the sort passes
 PAIR_COLS = 1024  # widest column block of the sort passes
 NUM_WARPS = 4  # every program's: the GEMV tiles and the selection
+# Opt-in GEMV shapes (session 4, issue 3; defaults = the split-K tiles above, unchanged):
+# GEMV_ROW_PROGRAMS > 0: "row programs": about that many programs, each ROWS = cdiv(E, it)
+# whole experts (K3: 7 rows -> 128 programs, one per SM, 100 KB of W each) over
+# 1 / GEMV_ROW_SPLITS of H in unrolled GEMV_ROW_CHUNK-wide chunks (all loads independent).
+# With GEMV_ROW_SPLITS = 1 the selection reads finished logits (SPLIT_K = 1: no partial sum).
+GEMV_ROW_PROGRAMS = 0
+GEMV_ROW_CHUNK = 512
+GEMV_ROW_SPLITS = 1
+GEMV_EVICT = ""  # eviction policy of the W loads: "" (default) or "evict_first" (cold, no reuse)
 # Measurement only (the H200 sweep sets it to split the last program's tail; anything below 3
 # leaves the plan incomplete): -1 = GEMV and side job alone (no counter), 0 = + the counter (no
 # selection), 1 = + the partial sum,
@@ -121,18 +130,43 @@ def _fill(p_dst, n, b_value, pid, n_prog, BLOCK: tl.constexpr):
 
 @triton.jit
 def _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = 0,
+                   CHUNKS: tl.constexpr = 1, EVICT: tl.constexpr = ""):
     """Tile (i_e, i_k) of W read once; for every token, store its partial logits
-    ``p_part[i_k, m, tile]``."""
-    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_e, m_k = o_e < E, o_k < H
-    b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :], mask=m_e[:, None] & m_k[None, :],
-                  other=0.0).to(tl.float32)
-    for i_m in range(M):
-        b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_acc = tl.sum(b_w * b_x[None, :], axis=1)
-        tl.store(p_part + (i_k * M + i_m) * E + o_e, b_acc, mask=m_e)
+    ``p_part[i_k, m, tile]``.
+
+    ROWS = 0: the tile is BLOCK_E experts x BLOCK_K columns, loaded once for all tokens.
+    ROWS > 0 (GEMV_ROW_PROGRAMS): ROWS (<= BLOCK_E) experts from i_e * ROWS, CHUNKS
+    consecutive BLOCK_K-wide column chunks from i_k * CHUNKS * BLOCK_K, accumulated
+    elementwise (fp32 [BLOCK_E, BLOCK_K]) and reduced once; unrolled, so the chunks' loads are
+    independent and can all be in flight; tokens outermost (W re-read from L2 for m >= 1: meant
+    for decode batches). EVICT: eviction policy of the W loads ("" or "evict_first")."""
+    if ROWS == 0:
+        o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        m_e, m_k = o_e < E, o_k < H
+        b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :], mask=m_e[:, None] & m_k[None, :],
+                      other=0.0, eviction_policy=EVICT).to(tl.float32)
+        for i_m in range(M):
+            b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_acc = tl.sum(b_w * b_x[None, :], axis=1)
+            tl.store(p_part + (i_k * M + i_m) * E + o_e, b_acc, mask=m_e)
+    else:
+        o_r = tl.arange(0, BLOCK_E)
+        o_e = i_e * ROWS + o_r
+        m_e = (o_r < ROWS) & (o_e < E)
+        k0 = i_k * (CHUNKS * BLOCK_K)
+        for i_m in range(M):
+            b_acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
+            for i_c in tl.static_range(CHUNKS):
+                o_k = k0 + i_c * BLOCK_K + tl.arange(0, BLOCK_K)
+                m_k = o_k < H
+                b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :],
+                              mask=m_e[:, None] & m_k[None, :], other=0.0,
+                              eviction_policy=EVICT).to(tl.float32)
+                b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_acc += b_w * b_x[None, :]
+            tl.store(p_part + (i_k * M + i_m) * E + o_e, tl.sum(b_acc, axis=1), mask=m_e)
 
 
 @triton.jit
@@ -459,9 +493,11 @@ def _route_sort_kernel(
         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
         IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-        TAIL_STAGE: tl.constexpr):
+        TAIL_STAGE: tl.constexpr, GEMV_ROWS: tl.constexpr = 0, GEMV_CHUNKS: tl.constexpr = 1,
+        GEMV_EVICT: tl.constexpr = ""):
     i_e, i_k = tl.program_id(0), tl.program_id(1)
-    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K)
+    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS,
+                   GEMV_EVICT)
 
     # side job: the plan's padding and the zeroed stage-2 buffer (before the counter below, so
     # the selection's scatter lands after every fill)
@@ -510,6 +546,18 @@ def _gemv_blocks(E: int, H: int, on_gpu: bool, block_e: int | None,
         if triton.cdiv(E, be) * triton.cdiv(H, bk) >= GEMV_MIN_PROGRAMS:
             return be, bk
     return be, GEMV_BLOCK_K[-1]
+
+
+def _gemv_rows(E: int, H: int, on_gpu: bool) -> tuple[int, int, int, int, int] | None:
+    """Row programs (GEMV_ROW_PROGRAMS > 0): (rows a program, BLOCK_E, BLOCK_K, chunks a
+    program, K splits); None when off (the split-K tiles of _gemv_blocks)."""
+    if GEMV_ROW_PROGRAMS <= 0:
+        return None
+    rows = triton.cdiv(E, GEMV_ROW_PROGRAMS)
+    block_k = min(GEMV_ROW_CHUNK if on_gpu else INTERP_BLOCK_K, triton.next_power_of_2(H))
+    splits = max(1, min(GEMV_ROW_SPLITS, triton.cdiv(H, block_k)))
+    chunks = triton.cdiv(triton.cdiv(H, block_k), splits)
+    return rows, triton.next_power_of_2(rows), block_k, chunks, triton.cdiv(H, chunks * block_k)
 
 
 def _select_tiles(E: int, M: int, top_k: int) -> dict[str, int | bool]:
@@ -644,7 +692,8 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         renormalize, routed_scaling_factor: weight normalization and scale.
         block_m: tile height the sorted runs are padded to (>= 1).
         out_dim: when given, ``out`` is a zeroed fp32 [M, out_dim].
-        gemv_block_e, gemv_block_k: tuning overrides of the gate GEMV tile (powers of two).
+        gemv_block_e, gemv_block_k: tuning overrides of the gate GEMV tile (powers of two;
+            either one selects the split-K tiles even with GEMV_ROW_PROGRAMS on).
 
     Returns:
         RoutePlan with topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k], sorted_ids int32
@@ -673,8 +722,13 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
 
     counter = _counter(dev)
 
-    block_e, block_k = _gemv_blocks(E, H, dev.type == "cuda", gemv_block_e, gemv_block_k)
-    split_k = triton.cdiv(H, block_k)
+    row_mode = _gemv_rows(E, H, dev.type == "cuda")
+    if row_mode is None or gemv_block_e or gemv_block_k:
+        block_e, block_k = _gemv_blocks(E, H, dev.type == "cuda", gemv_block_e, gemv_block_k)
+        rows, chunks, split_k, e_tiles = 0, 1, triton.cdiv(H, block_k), triton.cdiv(E, block_e)
+    else:
+        rows, block_e, block_k, chunks, split_k = row_mode
+        e_tiles = triton.cdiv(E, rows)
     n = M * top_k
     cap = plan_capacity(M, top_k, E, block_m)
     tiles = _select_tiles(E, M, top_k)
@@ -692,7 +746,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     num_valid = torch.empty(1, dtype=i32, device=dev)
     out = None if out_dim is None else torch.empty(M, out_dim, dtype=f32, device=dev)
 
-    _route_sort_kernel[(triton.cdiv(E, block_e), split_k)](
+    _route_sort_kernel[(e_tiles, split_k)](
         hidden, gate_weight, correction_bias, partial, cand, rank, counter, topk_ids,
         topk_weights, sorted_ids, sorted_weights, block_expert_ids, num_valid,
         partial if out is None else out, M, H, cap, cap // block_m,
@@ -701,7 +755,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
         GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK,
         BLOCK_G=triton.next_power_of_2(n_group), **tiles, TAIL_STAGE=TAIL_STAGE,
-        num_warps=NUM_WARPS)
+        GEMV_ROWS=rows, GEMV_CHUNKS=chunks, GEMV_EVICT=GEMV_EVICT, num_warps=NUM_WARPS)
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,

@@ -563,6 +563,49 @@ def test_threshold_hand_computed(device, monkeypatch):
     test_hand_computed_plan(device)
 
 
+# Opt-in GEMV shapes (module switches, defaults off): row programs (whole experts a program,
+# unrolled K chunks; K splits), the eviction hint. (switches, case ids); the row counts: tiny
+# 1 row a program, K3 7 (BLOCK_E 8), K2 at 32 programs 12 (BLOCK_E 16, 4 masked rows), E20 1.
+GEMV_SWITCH_CASES = [
+    ({"GEMV_ROW_PROGRAMS": 132}, ["tiny-M5-E24-top4-bm3-fp32w", "K3-M1-E896-top16-bm16",
+                                  "E20-M7-top5-g5k3-bm4"]),
+    ({"GEMV_ROW_PROGRAMS": 32, "GEMV_ROW_SPLITS": 2}, ["K2-M3-E384-top8-g8k4-bm16",
+                                                        "tiny-M17-E24-top4-bm16"]),
+    ({"GEMV_EVICT": "evict_first"}, ["tiny-M3-E24-top7-bm4-norenorm-x2.5"]),
+    ({"GEMV_ROW_PROGRAMS": 132, "GEMV_EVICT": "evict_first"}, ["tiny-M1-E24-top4-bm1"]),
+]
+GEMV_SWITCH_PARAMS = [(sw, c) for sw, ids in GEMV_SWITCH_CASES for c in CASES if c[0] in ids]
+
+
+@pytest.mark.parametrize("switches,case", GEMV_SWITCH_PARAMS,
+                         ids=["-".join(f"{k}={v}" for k, v in sw.items()) + "-" + c[0]
+                              for sw, c in GEMV_SWITCH_PARAMS])
+def test_gemv_switches(switches, case, device, monkeypatch):
+    """The opt-in GEMV shapes give the reference's plan, every field."""
+    for k, v in switches.items():
+        monkeypatch.setattr(route_sort_module, k, v)
+    args, kwargs = _case_inputs(case, device)
+    compare(route_sort(*args, **kwargs), route_sort_reference(*args, **kwargs))
+
+
+def test_gemv_rows_shape():
+    """Row programs: K3's 896 experts in 128 programs of 7 rows; the splits cut H; off: None."""
+    m = route_sort_module
+    assert m._gemv_rows(896, 7168, True) is None  # default: the split-K tiles
+    saved = (m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS)
+    try:
+        m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS = 132, 1
+        assert m._gemv_rows(896, 7168, True) == (7, 8, m.GEMV_ROW_CHUNK,
+                                                  7168 // m.GEMV_ROW_CHUNK, 1)
+        m.GEMV_ROW_SPLITS = 2
+        rows, _, block_k, chunks, splits = m._gemv_rows(896, 7168, True)
+        assert splits == 2 and chunks * block_k * splits >= 7168 and rows == 7
+        m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS = 264, 1
+        assert m._gemv_rows(896, 7168, True)[:2] == (4, 4)
+    finally:
+        m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS = saved
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
