@@ -104,6 +104,11 @@ NUM_WARPS = 4  # every program's: the GEMV tiles and the selection
 GEMV_ROW_PROGRAMS = 0
 GEMV_ROW_CHUNK = 512
 GEMV_ROW_SPLITS = 1
+# Cache modifier of the selection's read-back of its own candidate rows (_load_candidates):
+# ".cg" (default: L2) or "" (default caching: the rows were stored by this program, and its
+# bar.sync makes them visible to its threads, so an L1 hit is allowed; only the lanes stored in
+# this launch are read).
+CAND_CACHE = ".cg"
 GEMV_EVICT = ""  # eviction policy of the W loads: "" (default) or "evict_first" (cold, no reuse)
 # Measurement only (the H200 sweep sets it to split the last program's tail; anything below 3
 # leaves the plan incomplete): -1 = GEMV and side job alone (no counter), 0 = + the counter (no
@@ -266,15 +271,15 @@ def _payload(b_s, b_ids):
 
 
 @triton.jit
-def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr):
+def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr, CACHE: tl.constexpr = ".cg"):
     """The candidate rows of tokens o_t [BLOCK_T] (see _top_k_threshold): count int64
     [BLOCK_T], keys and payloads int64 [BLOCK_T, CAP] (empty slots: KEY_MIN and 0)."""
     o_c = tl.arange(0, CAP)
     p_row = p_cand + o_t * (2 * CAP + 1)
-    b_n = tl.load(p_row + 2 * CAP, mask=m_t, other=0, cache_modifier=".cg")
+    b_n = tl.load(p_row + 2 * CAP, mask=m_t, other=0, cache_modifier=CACHE)
     m_c = o_c[None, :] < b_n[:, None]
-    b_ck = tl.load(p_row[:, None] + o_c[None, :], mask=m_c, other=KEY_MIN, cache_modifier=".cg")
-    b_cp = tl.load(p_row[:, None] + CAP + o_c[None, :], mask=m_c, other=0, cache_modifier=".cg")
+    b_ck = tl.load(p_row[:, None] + o_c[None, :], mask=m_c, other=KEY_MIN, cache_modifier=CACHE)
+    b_cp = tl.load(p_row[:, None] + CAP + o_c[None, :], mask=m_c, other=0, cache_modifier=CACHE)
     return b_n, b_ck, b_cp
 
 
@@ -282,7 +287,7 @@ def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr):
 def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
                      SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr,
-                     CAP: tl.constexpr):
+                     CAP: tl.constexpr, CAND_CACHE: tl.constexpr = ".cg"):
     """Top-k of keys int64 [BLOCK_T, BLOCK_E] in a fixed number of reductions, not TOP_K.
 
     1. bucket maxima: bucket b holds the experts e = b (mod BUCKETS), BUCKETS >= TOP_K;
@@ -319,7 +324,7 @@ def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
     tl.store(p_row + 2 * CAP + o_e[None, :] * 0, b_incl.to(tl.int64),
              mask=m_t[:, None] & (o_e[None, :] == BLOCK_E - 1))
     tl.debug_barrier()  # the rows were written by other threads of this program
-    b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP)
+    b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, CAND_CACHE)
     if tl.max(b_n, axis=0) > CAP:  # rare: exact but slow
         o_s = tl.arange(0, BLOCK_S)
         m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
@@ -333,7 +338,7 @@ def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
         tl.store(p_row + 2 * CAP + o_s[None, :] * 0, tl.zeros_like(b_top) + TOP_K,
                  mask=m_t[:, None] & (o_s[None, :] == 0))
         tl.debug_barrier()
-        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP)
+        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, CAND_CACHE)
 
     # 3. ranks [BLOCK_T, CAP] (empty slots hold KEY_MIN: never larger), then slot order
     b_crank = tl.sum((b_ck[:, None, :] > b_ck[:, :, None]).to(tl.int32), axis=2)
@@ -351,7 +356,7 @@ def _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling,
                    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
                    RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr,
-                   CAP: tl.constexpr):
+                   CAP: tl.constexpr, CAND_CACHE: tl.constexpr = ".cg"):
     """Route tokens [t0, t0 + BLOCK_T): store their ids and weights; return
     (ids, weights, entry index, mask), each [BLOCK_T, BLOCK_S]. BUCKETS > 0: by threshold
     (_top_k_threshold); BUCKETS = 0: by the arg-max loop."""
@@ -363,7 +368,8 @@ def _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling,
                              GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G)
     if BUCKETS > 0:
         b_ids, b_sel = _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E, SPLIT_K,
-                                        TOP_K, BLOCK_T, BLOCK_E, BLOCK_S, BUCKETS, CAP)
+                                        TOP_K, BLOCK_T, BLOCK_E, BLOCK_S, BUCKETS, CAP,
+                                        CAND_CACHE)
     else:
         b_ids = _top_k_loop(b_key, TOP_K, BLOCK_T, BLOCK_S)[0]
         b_sel = _gather_scores(p_part, b_ids, o_t, m_ts, M, E, SPLIT_K, BLOCK_T, BLOCK_S)
@@ -400,7 +406,8 @@ def _select_sort(
         TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
         BM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr, IN_REGS: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TAIL_STAGE: tl.constexpr):
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TAIL_STAGE: tl.constexpr,
+        CAND_CACHE: tl.constexpr = ".cg"):
     """One program: selection of all M tokens from the summed partials, then the whole sort
     metadata (the plan's padding is already in place). TAIL_STAGE < 3: see the module constant."""
     if TAIL_STAGE == 1:  # keys only; their max keeps them live
@@ -412,12 +419,13 @@ def _select_sort(
         for t0 in range(0, M, BLOCK_T):
             _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling, E, SPLIT_K,
                            TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
-                           BLOCK_G, BLOCK_S, BUCKETS, CAP)
+                           BLOCK_G, BLOCK_S, BUCKETS, CAP, CAND_CACHE)
     elif IN_REGS:
         # all tokens fit one selection block: the sort works on the registers directly
         b_ids, b_w, o_ts, m_ts = _select_tokens(
             p_part, p_bias, p_cand, p_ids, p_w, 0, M, scaling, E, SPLIT_K, TOP_K, N_GROUP,
-            TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S, BUCKETS, CAP)
+            TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S, BUCKETS, CAP,
+            CAND_CACHE)
         b_e = tl.reshape(b_ids, [BLOCK_T * BLOCK_S])
         o_n = tl.reshape(o_ts, [BLOCK_T * BLOCK_S])
         m_n = tl.reshape(m_ts, [BLOCK_T * BLOCK_S])
@@ -443,7 +451,7 @@ def _select_sort(
         for t0 in range(0, M, BLOCK_T):
             _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling, E, SPLIT_K,
                            TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
-                           BLOCK_G, BLOCK_S, BUCKETS, CAP)
+                           BLOCK_G, BLOCK_S, BUCKETS, CAP, CAND_CACHE)
         tl.debug_barrier()  # the passes below read topk_ids written by other threads
 
         # pass 1: rank of each entry within its expert (earlier entries of the same expert)
@@ -494,7 +502,7 @@ def _route_sort_kernel(
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
         IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
         TAIL_STAGE: tl.constexpr, GEMV_ROWS: tl.constexpr = 0, GEMV_CHUNKS: tl.constexpr = 1,
-        GEMV_EVICT: tl.constexpr = ""):
+        GEMV_EVICT: tl.constexpr = "", CAND_CACHE: tl.constexpr = ".cg"):
     i_e, i_k = tl.program_id(0), tl.program_id(1)
     _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS,
                    GEMV_EVICT)
@@ -518,7 +526,8 @@ def _route_sort_kernel(
                 _select_sort(p_part, p_bias, p_cand, p_ids, p_topk_w, p_sorted_ids, p_sorted_w,
                              p_block_ids, p_num_valid, p_rank, M, scaling, E, SPLIT_K, TOP_K,
                              N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BM, BLOCK_T, BLOCK_E,
-                             BLOCK_G, BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, TAIL_STAGE)
+                             BLOCK_G, BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, TAIL_STAGE,
+                             CAND_CACHE)
             # ready for the next launch: every other program has already incremented (that is how
             # this one got here) and the next launch starts after this one ends, so the reset needs
             # no ordering: relaxed (no release fence waiting for the tail's stores)
@@ -755,7 +764,8 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
         GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK,
         BLOCK_G=triton.next_power_of_2(n_group), **tiles, TAIL_STAGE=TAIL_STAGE,
-        GEMV_ROWS=rows, GEMV_CHUNKS=chunks, GEMV_EVICT=GEMV_EVICT, num_warps=NUM_WARPS)
+        GEMV_ROWS=rows, GEMV_CHUNKS=chunks, GEMV_EVICT=GEMV_EVICT, CAND_CACHE=CAND_CACHE,
+        num_warps=NUM_WARPS)
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,

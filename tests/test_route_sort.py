@@ -564,7 +564,7 @@ def test_threshold_hand_computed(device, monkeypatch):
 
 
 # Opt-in GEMV shapes (module switches, defaults off): row programs (whole experts a program,
-# unrolled K chunks; K splits), the eviction hint. (switches, case ids); the row counts: tiny
+# unrolled K chunks; K splits), the eviction hint; the tail's candidate read-back caching. (switches, case ids); the row counts: tiny
 # 1 row a program, K3 7 (BLOCK_E 8), K2 at 32 programs 12 (BLOCK_E 16, 4 masked rows), E20 1.
 GEMV_SWITCH_CASES = [
     ({"GEMV_ROW_PROGRAMS": 132}, ["tiny-M5-E24-top4-bm3-fp32w", "K3-M1-E896-top16-bm16",
@@ -573,6 +573,7 @@ GEMV_SWITCH_CASES = [
                                                         "tiny-M17-E24-top4-bm16"]),
     ({"GEMV_EVICT": "evict_first"}, ["tiny-M3-E24-top7-bm4-norenorm-x2.5"]),
     ({"GEMV_ROW_PROGRAMS": 132, "GEMV_EVICT": "evict_first"}, ["tiny-M1-E24-top4-bm1"]),
+    ({"CAND_CACHE": ""}, ["K2-M1-E384-top8-bm1"]),
 ]
 GEMV_SWITCH_PARAMS = [(sw, c) for sw, ids in GEMV_SWITCH_CASES for c in CASES if c[0] in ids]
 
@@ -581,7 +582,7 @@ GEMV_SWITCH_PARAMS = [(sw, c) for sw, ids in GEMV_SWITCH_CASES for c in CASES if
                          ids=["-".join(f"{k}={v}" for k, v in sw.items()) + "-" + c[0]
                               for sw, c in GEMV_SWITCH_PARAMS])
 def test_gemv_switches(switches, case, device, monkeypatch):
-    """The opt-in GEMV shapes give the reference's plan, every field."""
+    """The opt-in switches give the reference's plan, every field."""
     for k, v in switches.items():
         monkeypatch.setattr(route_sort_module, k, v)
     args, kwargs = _case_inputs(case, device)
@@ -792,3 +793,25 @@ def test_gpu_device_mismatch():
     inp = _custom("cuda", 24, 40, 2)
     with pytest.raises(ValueError, match="gate_weight"):
         route_sort(inp["hidden"], inp["gate_weight"].cpu(), inp["correction_bias"], top_k=4)
+
+
+GPU_SWITCHES = [
+    {"GEMV_ROW_PROGRAMS": 132}, {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024},
+    {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024, "CAND_CACHE": ""}, {"CAND_CACHE": ""},
+    {"GEMV_EVICT": "evict_first"}, {"GEMV_ROW_PROGRAMS": 264},
+    {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_SPLITS": 2},
+    {"GEMV_ROW_PROGRAMS": 132, "NUM_WARPS": 2}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", GPU_SWITCHES,
+                         ids=lambda sw: "-".join(f"{k}={v}" for k, v in sw.items()))
+def test_gpu_switches(switches, monkeypatch):
+    """The sweep's opt-in switches (benchmarks/h200_session4/route_sweep.py) on the GPU: a graph
+    of several calls (K3 B1, K3 M8, grouped K2) replayed on new inputs, every plan against the
+    reference."""
+    for k, v in switches.items():
+        monkeypatch.setattr(route_sort_module, k, v)
+    calls = [_gpu_call("kimi-k3", 8, 1, 16), _gpu_call("kimi-k3", 1, 8, 1, seed=1),
+             _gpu_call("kimi-k2", 1, 3, 16, seed=2, n_group=8, topk_group=4)]
+    _tiles_and_counters(calls, (None, None), "cuda", graph=True)

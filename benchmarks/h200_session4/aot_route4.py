@@ -21,16 +21,18 @@ rs = importlib.import_module("k3lab.kernels.route_sort")
 _gemv_rows = rs._gemv_rows
 rs._gemv_rows = lambda E, H, on_gpu: _gemv_rows(E, H, True)  # the GPU's row programs
 # (name, module switches): route_sweep.py's variants
+ROWS = {"GEMV_ROW_PROGRAMS": 132}
+C1024 = {**ROWS, "GEMV_ROW_CHUNK": 1024}
 VARIANTS = [
     ("default", {}),
+    ("rows132", ROWS),
+    ("rows132-c1024", C1024),
+    ("candl1", {"CAND_CACHE": ""}),
+    ("rows132-c1024-candl1", {**C1024, "CAND_CACHE": ""}),
     ("evict", {"GEMV_EVICT": "evict_first"}),
-    ("nw8", {"NUM_WARPS": 8}),
-    ("rows132", {"GEMV_ROW_PROGRAMS": 132}),
-    ("rows132-c1024", {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024}),
     ("rows264", {"GEMV_ROW_PROGRAMS": 264}),
-    ("rows132-s2", {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_SPLITS": 2}),
-    ("rows132-evict", {"GEMV_ROW_PROGRAMS": 132, "GEMV_EVICT": "evict_first"}),
-    ("rows132-nw8", {"GEMV_ROW_PROGRAMS": 132, "NUM_WARPS": 8}),
+    ("rows132-s2", {**ROWS, "GEMV_ROW_SPLITS": 2}),
+    ("rows132-nw2", {**ROWS, "NUM_WARPS": 2}),
 ]
 DEFAULTS = {k: getattr(rs, k) for _, kw in VARIANTS for k in kw} | {"TAIL_STAGE": rs.TAIL_STAGE}
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
