@@ -565,7 +565,8 @@ def test_threshold_hand_computed(device, monkeypatch):
 
 # Opt-in switches (module constants, defaults off): row programs (whole experts a program,
 # unrolled K chunks; K splits), the eviction hint; the tail's candidate read-back caching.
-# (switches, case ids); the row counts: tiny 1 row a program, K3 7 (BLOCK_E 8), K2 at 32 programs 12 (BLOCK_E 16, 4 masked rows), E20 1.
+# (switches, case ids); rows a program: tiny 1, K3 7 (BLOCK_E 8), K2 at 32 programs 12
+# (BLOCK_E 16, 4 masked rows), E20 1.
 GEMV_SWITCH_CASES = [
     ({"GEMV_ROW_PROGRAMS": 132}, ["tiny-M5-E24-top4-bm3-fp32w", "K3-M1-E896-top16-bm16",
                                   "E20-M7-top5-g5k3-bm4"]),
