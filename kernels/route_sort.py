@@ -107,7 +107,8 @@ GEMV_ROW_SPLITS = 1
 # Cache modifier of the selection's read-back of its own candidate rows (_load_candidates):
 # ".cg" (default: L2) or "" (default caching: the rows were stored by this program, and its
 # bar.sync makes them visible to its threads, so an L1 hit is allowed; only the lanes stored in
-# this launch are read).
+# this launch are read); "regs": .cg, but the candidate count comes from a reduction in
+# registers instead of a store and re-load (one fewer [BLOCK_T, BLOCK_E] layout conversion).
 CAND_CACHE = ".cg"
 GEMV_EVICT = ""  # eviction policy of the W loads: "" (default) or "evict_first" (cold, no reuse)
 # Measurement only (the H200 sweep sets it to split the last program's tail; anything below 3
@@ -271,12 +272,15 @@ def _payload(b_s, b_ids):
 
 
 @triton.jit
-def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr, CACHE: tl.constexpr = ".cg"):
+def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr, CACHE: tl.constexpr = ".cg",
+                     b_n=None):
     """The candidate rows of tokens o_t [BLOCK_T] (see _top_k_threshold): count int64
-    [BLOCK_T], keys and payloads int64 [BLOCK_T, CAP] (empty slots: KEY_MIN and 0)."""
+    [BLOCK_T] (loaded, unless given), keys and payloads int64 [BLOCK_T, CAP] (empty slots:
+    KEY_MIN and 0)."""
     o_c = tl.arange(0, CAP)
     p_row = p_cand + o_t * (2 * CAP + 1)
-    b_n = tl.load(p_row + 2 * CAP, mask=m_t, other=0, cache_modifier=CACHE)
+    if b_n is None:
+        b_n = tl.load(p_row + 2 * CAP, mask=m_t, other=0, cache_modifier=CACHE)
     m_c = o_c[None, :] < b_n[:, None]
     b_ck = tl.load(p_row[:, None] + o_c[None, :], mask=m_c, other=KEY_MIN, cache_modifier=CACHE)
     b_cp = tl.load(p_row[:, None] + CAP + o_c[None, :], mask=m_c, other=0, cache_modifier=CACHE)
@@ -321,11 +325,18 @@ def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
     m_st = m_cand & (b_pos < CAP) & m_t[:, None]
     tl.store(p_row + b_pos, b_key, mask=m_st)
     tl.store(p_row + CAP + b_pos, _payload(b_s, o_e[None, :]), mask=m_st)
-    tl.store(p_row + 2 * CAP + o_e[None, :] * 0, b_incl.to(tl.int64),
-             mask=m_t[:, None] & (o_e[None, :] == BLOCK_E - 1))
-    tl.debug_barrier()  # the rows were written by other threads of this program
-    b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, CAND_CACHE)
-    if tl.max(b_n, axis=0) > CAP:  # rare: exact but slow
+    if CAND_CACHE == "regs":  # the count from a reduction: no count store / re-load
+        b_nr = tl.sum(m_cand.to(tl.int32), axis=1)
+        tl.debug_barrier()  # the rows were written by other threads of this program
+        b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, ".cg", b_nr)[1:]
+        b_nmax = tl.max(b_nr, axis=0)
+    else:
+        tl.store(p_row + 2 * CAP + o_e[None, :] * 0, b_incl.to(tl.int64),
+                 mask=m_t[:, None] & (o_e[None, :] == BLOCK_E - 1))
+        tl.debug_barrier()  # the rows were written by other threads of this program
+        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, CAND_CACHE)
+        b_nmax = tl.max(b_n, axis=0)
+    if b_nmax > CAP:  # rare: exact but slow
         o_s = tl.arange(0, BLOCK_S)
         m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
         b_ids, b_top = _top_k_loop(b_key, TOP_K, BLOCK_T, BLOCK_S)
@@ -338,7 +349,8 @@ def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
         tl.store(p_row + 2 * CAP + o_s[None, :] * 0, tl.zeros_like(b_top) + TOP_K,
                  mask=m_t[:, None] & (o_s[None, :] == 0))
         tl.debug_barrier()
-        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, CAND_CACHE)
+        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP,
+                                           ".cg" if CAND_CACHE == "regs" else CAND_CACHE)
 
     # 3. ranks [BLOCK_T, CAP] (empty slots hold KEY_MIN: never larger), then slot order
     b_crank = tl.sum((b_ck[:, None, :] > b_ck[:, :, None]).to(tl.int32), axis=2)

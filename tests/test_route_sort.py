@@ -473,6 +473,15 @@ def test_threshold_fallback(name, M, crowded, device):
     _check_all(args, kwargs, device)
 
 
+@pytest.mark.parametrize("cache", ["", "regs"])
+def test_threshold_fallback_cand_cache(cache, device, monkeypatch):
+    """The fallback under the CAND_CACHE switches: one crowded token of four (that block falls
+    back, the count of the others comes from registers / L1 too)."""
+    monkeypatch.setattr(route_sort_module, "CAND_CACHE", cache)
+    args, kwargs = _crowded("kimi-k3", 4, [2], device)
+    _check_all(args, kwargs, device)
+
+
 @pytest.mark.parametrize("M", [1, 4])
 def test_threshold_fallback_ties(M, device):
     """Crowded and tied: every crowded expert scores exactly 0.75, every other 0.5; the top-k
@@ -575,6 +584,8 @@ GEMV_SWITCH_CASES = [
     ({"GEMV_EVICT": "evict_first"}, ["tiny-M3-E24-top7-bm4-norenorm-x2.5"]),
     ({"GEMV_ROW_PROGRAMS": 132, "GEMV_EVICT": "evict_first"}, ["tiny-M1-E24-top4-bm1"]),
     ({"CAND_CACHE": ""}, ["K2-M1-E384-top8-bm1"]),
+    ({"CAND_CACHE": "regs"}, ["KL-M6-E256-top8-bm16", "K3-M1-E896-top16-bm1"]),
+    ({"CAND_CACHE": "regs", "GEMV_ROW_PROGRAMS": 132}, ["K3-M1-E896-top16-bm16"]),
 ]
 GEMV_SWITCH_PARAMS = [(sw, c) for sw, ids in GEMV_SWITCH_CASES for c in CASES if c[0] in ids]
 
@@ -799,6 +810,8 @@ def test_gpu_device_mismatch():
 GPU_SWITCHES = [
     {"GEMV_ROW_PROGRAMS": 132}, {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024},
     {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024, "CAND_CACHE": ""}, {"CAND_CACHE": ""},
+    {"CAND_CACHE": "regs"},
+    {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024, "CAND_CACHE": "regs"},
     {"GEMV_EVICT": "evict_first"}, {"GEMV_ROW_PROGRAMS": 264},
     {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_SPLITS": 2},
     {"GEMV_ROW_PROGRAMS": 132, "NUM_WARPS": 2}]

@@ -29,6 +29,8 @@ VARIANTS = [
     ("rows132-c1024", C1024),
     ("candl1", {"CAND_CACHE": ""}),
     ("rows132-c1024-candl1", {**C1024, "CAND_CACHE": ""}),
+    ("candregs", {"CAND_CACHE": "regs"}),
+    ("rows132-c1024-candregs", {**C1024, "CAND_CACHE": "regs"}),
     ("evict", {"GEMV_EVICT": "evict_first"}),
     ("rows264", {"GEMV_ROW_PROGRAMS": 264}),
     ("rows132-s2", {**ROWS, "GEMV_ROW_SPLITS": 2}),
