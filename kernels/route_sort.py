@@ -110,6 +110,13 @@ GEMV_ROW_SPLITS = 1
 # this launch are read); "regs": .cg, but the candidate count comes from a reduction in
 # registers instead of a store and re-load (one fewer [BLOCK_T, BLOCK_E] layout conversion).
 CAND_CACHE = ".cg"
+# SELECT_SCALAR_KEYS: the selection loads its partials / bias one element at a time (the expert
+# axis declared non-contiguous), so the keys live in the layout the compaction's scatter stores
+# use (their pointers are data-dependent: one element a thread). sm_90, Triton 3.6, K3 M = 1:
+# the top-k fast path then has 9 instead of 29 barriers and ~660 instead of ~1020 instructions
+# (no layout conversions of the [1, 1024] keys / payloads / masks through shared memory, one
+# scan instead of two); the partial loads become 56 independent 4-byte loads a thread.
+SELECT_SCALAR_KEYS = False
 GEMV_EVICT = ""  # eviction policy of the W loads: "" (default) or "evict_first" (cold, no reuse)
 # Measurement only (the H200 sweep sets it to split the last program's tail; anything below 3
 # leaves the plan incomplete): -1 = GEMV and side job alone (no counter), 0 = + the counter (no
@@ -187,15 +194,19 @@ def _gate_gemv_kernel(p_x, p_w, p_part, M, E, H,
 def _token_keys(p_part, p_bias, o_t, m_t, M,
                 E: tl.constexpr, SPLIT_K: tl.constexpr, N_GROUP: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, SCALAR_E: tl.constexpr = False):
     """Tokens o_t [BLOCK_T] (valid where m_t): packed selection keys, int64 [BLOCK_T, BLOCK_E],
     and unbiased scores s = sigmoid(logit), fp32 [BLOCK_T, BLOCK_E].
 
     key = (order-preserving int32 image of the biased score sb) << 32 | (IDX_BITS - expert):
     unique per token, larger key = larger sb, among equal sb the lower expert. Experts outside
     the kept groups (n_group > 1), padding lanes (expert >= E) and padding tokens get sb = -inf.
+    SCALAR_E (SELECT_SCALAR_KEYS): the expert axis is declared non-contiguous, so the loads are
+    scalar and the keys get the one-element-a-thread layout of the compaction's scatter stores.
     """
     o_e = tl.arange(0, BLOCK_E)
+    if SCALAR_E:
+        o_e = tl.max_contiguous(o_e, 1)
     m_e = o_e < E
     m_te = m_t[:, None] & m_e[None, :]
     b_bias = tl.load(p_bias + o_e[None, :], mask=m_e[None, :], other=0.0)  # [1, BLOCK_E]
@@ -368,7 +379,8 @@ def _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling,
                    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
                    RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr,
-                   CAP: tl.constexpr, CAND_CACHE: tl.constexpr = ".cg"):
+                   CAP: tl.constexpr, CAND_CACHE: tl.constexpr = ".cg",
+                   SCALAR_E: tl.constexpr = False):
     """Route tokens [t0, t0 + BLOCK_T): store their ids and weights; return
     (ids, weights, entry index, mask), each [BLOCK_T, BLOCK_S]. BUCKETS > 0: by threshold
     (_top_k_threshold); BUCKETS = 0: by the arg-max loop."""
@@ -377,7 +389,7 @@ def _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling,
     m_t = o_t < M
     m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
     b_key, b_s = _token_keys(p_part, p_bias, o_t, m_t, M, E, SPLIT_K, N_GROUP, TOPK_GROUP,
-                             GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G)
+                             GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G, SCALAR_E)
     if BUCKETS > 0:
         b_ids, b_sel = _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E, SPLIT_K,
                                         TOP_K, BLOCK_T, BLOCK_E, BLOCK_S, BUCKETS, CAP,
@@ -419,25 +431,25 @@ def _select_sort(
         BM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr, IN_REGS: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TAIL_STAGE: tl.constexpr,
-        CAND_CACHE: tl.constexpr = ".cg"):
+        CAND_CACHE: tl.constexpr = ".cg", SCALAR_E: tl.constexpr = False):
     """One program: selection of all M tokens from the summed partials, then the whole sort
     metadata (the plan's padding is already in place). TAIL_STAGE < 3: see the module constant."""
     if TAIL_STAGE == 1:  # keys only; their max keeps them live
         o_t = tl.arange(0, BLOCK_T)
         b_key = _token_keys(p_part, p_bias, o_t, o_t < M, M, E, SPLIT_K, N_GROUP, TOPK_GROUP,
-                            GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G)[0]
+                            GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G, SCALAR_E)[0]
         tl.store(p_num_valid, (tl.max(tl.max(b_key, axis=1), axis=0) & 0xFFFF).to(tl.int32))
     elif TAIL_STAGE == 2:
         for t0 in range(0, M, BLOCK_T):
             _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling, E, SPLIT_K,
                            TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
-                           BLOCK_G, BLOCK_S, BUCKETS, CAP, CAND_CACHE)
+                           BLOCK_G, BLOCK_S, BUCKETS, CAP, CAND_CACHE, SCALAR_E)
     elif IN_REGS:
         # all tokens fit one selection block: the sort works on the registers directly
         b_ids, b_w, o_ts, m_ts = _select_tokens(
             p_part, p_bias, p_cand, p_ids, p_w, 0, M, scaling, E, SPLIT_K, TOP_K, N_GROUP,
             TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S, BUCKETS, CAP,
-            CAND_CACHE)
+            CAND_CACHE, SCALAR_E)
         b_e = tl.reshape(b_ids, [BLOCK_T * BLOCK_S])
         o_n = tl.reshape(o_ts, [BLOCK_T * BLOCK_S])
         m_n = tl.reshape(m_ts, [BLOCK_T * BLOCK_S])
@@ -463,7 +475,7 @@ def _select_sort(
         for t0 in range(0, M, BLOCK_T):
             _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling, E, SPLIT_K,
                            TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
-                           BLOCK_G, BLOCK_S, BUCKETS, CAP, CAND_CACHE)
+                           BLOCK_G, BLOCK_S, BUCKETS, CAP, CAND_CACHE, SCALAR_E)
         tl.debug_barrier()  # the passes below read topk_ids written by other threads
 
         # pass 1: rank of each entry within its expert (earlier entries of the same expert)
@@ -514,7 +526,8 @@ def _route_sort_kernel(
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
         IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
         TAIL_STAGE: tl.constexpr, GEMV_ROWS: tl.constexpr = 0, GEMV_CHUNKS: tl.constexpr = 1,
-        GEMV_EVICT: tl.constexpr = "", CAND_CACHE: tl.constexpr = ".cg"):
+        GEMV_EVICT: tl.constexpr = "", CAND_CACHE: tl.constexpr = ".cg",
+        SCALAR_E: tl.constexpr = False):
     i_e, i_k = tl.program_id(0), tl.program_id(1)
     _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS,
                    GEMV_EVICT)
@@ -539,7 +552,7 @@ def _route_sort_kernel(
                              p_block_ids, p_num_valid, p_rank, M, scaling, E, SPLIT_K, TOP_K,
                              N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BM, BLOCK_T, BLOCK_E,
                              BLOCK_G, BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, TAIL_STAGE,
-                             CAND_CACHE)
+                             CAND_CACHE, SCALAR_E)
             # ready for the next launch: every other program has already incremented (that is how
             # this one got here) and the next launch starts after this one ends, so the reset needs
             # no ordering: relaxed (no release fence waiting for the tail's stores)
@@ -777,7 +790,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK,
         BLOCK_G=triton.next_power_of_2(n_group), **tiles, TAIL_STAGE=TAIL_STAGE,
         GEMV_ROWS=rows, GEMV_CHUNKS=chunks, GEMV_EVICT=GEMV_EVICT, CAND_CACHE=CAND_CACHE,
-        num_warps=NUM_WARPS)
+        SCALAR_E=SELECT_SCALAR_KEYS, num_warps=NUM_WARPS)
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,

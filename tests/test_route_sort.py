@@ -473,11 +473,14 @@ def test_threshold_fallback(name, M, crowded, device):
     _check_all(args, kwargs, device)
 
 
-@pytest.mark.parametrize("cache", ["", "regs"])
-def test_threshold_fallback_cand_cache(cache, device, monkeypatch):
-    """The fallback under the CAND_CACHE switches: one crowded token of four (that block falls
-    back, the count of the others comes from registers / L1 too)."""
-    monkeypatch.setattr(route_sort_module, "CAND_CACHE", cache)
+@pytest.mark.parametrize("switches", [{"CAND_CACHE": ""}, {"CAND_CACHE": "regs"},
+                                      {"SELECT_SCALAR_KEYS": True}],
+                         ids=["cand-l1", "cand-regs", "scalar-keys"])
+def test_threshold_fallback_switches(switches, device, monkeypatch):
+    """The fallback under the tail switches: one crowded token of four (that block falls back,
+    the others keep the fast path)."""
+    for k, v in switches.items():
+        monkeypatch.setattr(route_sort_module, k, v)
     args, kwargs = _crowded("kimi-k3", 4, [2], device)
     _check_all(args, kwargs, device)
 
@@ -586,6 +589,10 @@ GEMV_SWITCH_CASES = [
     ({"CAND_CACHE": ""}, ["K2-M1-E384-top8-bm1"]),
     ({"CAND_CACHE": "regs"}, ["KL-M6-E256-top8-bm16", "K3-M1-E896-top16-bm1"]),
     ({"CAND_CACHE": "regs", "GEMV_ROW_PROGRAMS": 132}, ["K3-M1-E896-top16-bm16"]),
+    ({"SELECT_SCALAR_KEYS": True}, ["K3-M1-E896-top16-bm1", "tiny-M17-E24-top4-bm16",
+                                    "K3-M2-E896-top16-g8k3-bm1", "tiny-M3-E24-top1-bm1"]),
+    ({"SELECT_SCALAR_KEYS": True, "GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024},
+     ["K3-M1-E896-top16-bm16", "E20-M7-top5-g5k3-bm4"]),
 ]
 GEMV_SWITCH_PARAMS = [(sw, c) for sw, ids in GEMV_SWITCH_CASES for c in CASES if c[0] in ids]
 
@@ -810,7 +817,8 @@ def test_gpu_device_mismatch():
 GPU_SWITCHES = [
     {"GEMV_ROW_PROGRAMS": 132}, {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024},
     {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024, "CAND_CACHE": ""}, {"CAND_CACHE": ""},
-    {"CAND_CACHE": "regs"},
+    {"CAND_CACHE": "regs"}, {"SELECT_SCALAR_KEYS": True},
+    {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024, "SELECT_SCALAR_KEYS": True},
     {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024, "CAND_CACHE": "regs"},
     {"GEMV_EVICT": "evict_first"}, {"GEMV_ROW_PROGRAMS": 264},
     {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_SPLITS": 2},
