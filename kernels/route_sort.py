@@ -37,6 +37,13 @@ concurrently on different streams (a decode step is one stream). It is created (
 first call on a device, which therefore must not happen inside a CUDA-graph capture.
 
 ``gate_logits`` (the standalone gate projection) runs step 1's GEMV alone (``_gate_gemv_kernel``).
+
+Opt-in switches (module constants, defaults = the above; benchmarks/h200_session4/route_sweep.py
+times them): GEMV_ROW_PROGRAMS / GEMV_ROW_CHUNK / GEMV_ROW_SPLITS (step 1 as "row programs":
+whole experts a program, unrolled K chunks, so with one split the selection sums no partials),
+GEMV_EVICT (eviction policy of the W loads), CAND_CACHE (step 3's candidate read-back: L1, or
+the count from registers), SELECT_SCALAR_KEYS (step 3's keys in the layout of its scatter
+stores: no shared-memory layout conversions in the compaction).
 """
 
 from __future__ import annotations
