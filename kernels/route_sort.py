@@ -37,6 +37,13 @@ concurrently on different streams (a decode step is one stream). It is created (
 first call on a device, which therefore must not happen inside a CUDA-graph capture.
 
 ``gate_logits`` (the standalone gate projection) runs step 1's GEMV alone (``_gate_gemv_kernel``).
+
+Opt-in switches (module constants, defaults = the above; benchmarks/h200_session4/route_sweep.py
+times them): GEMV_ROW_PROGRAMS / GEMV_ROW_CHUNK / GEMV_ROW_SPLITS (step 1 as "row programs":
+whole experts a program, unrolled K chunks, so with one split the selection sums no partials),
+GEMV_EVICT (eviction policy of the W loads), CAND_CACHE (step 3's candidate read-back: L1, or
+the count from registers), SELECT_SCALAR_KEYS (step 3's keys in the layout of its scatter
+stores: no shared-memory layout conversions in the compaction).
 """
 
 from __future__ import annotations
@@ -96,6 +103,28 @@ REG_ENTRIES = 64  # (padded) entries sorted in registers when all tokens fit one
 PAIR_TILE = 8192  # entries x entries compared at once by the sort passes
 PAIR_COLS = 1024  # widest column block of the sort passes
 NUM_WARPS = 4  # every program's: the GEMV tiles and the selection
+# Opt-in GEMV shapes (session 4, issue 3; defaults = the split-K tiles above, unchanged):
+# GEMV_ROW_PROGRAMS > 0: "row programs": about that many programs, each ROWS = cdiv(E, it)
+# whole experts (K3: 7 rows -> 128 programs, one per SM, 100 KB of W each) over
+# 1 / GEMV_ROW_SPLITS of H in unrolled GEMV_ROW_CHUNK-wide chunks (all loads independent).
+# With GEMV_ROW_SPLITS = 1 the selection reads finished logits (SPLIT_K = 1: no partial sum).
+GEMV_ROW_PROGRAMS = 0
+GEMV_ROW_CHUNK = 512
+GEMV_ROW_SPLITS = 1
+# Cache modifier of the selection's read-back of its own candidate rows (_load_candidates):
+# ".cg" (default: L2) or "" (default caching: the rows were stored by this program, and its
+# bar.sync makes them visible to its threads, so an L1 hit is allowed; only the lanes stored in
+# this launch are read); "regs": .cg, but the candidate count comes from a reduction in
+# registers instead of a store and re-load (one fewer [BLOCK_T, BLOCK_E] layout conversion).
+CAND_CACHE = ".cg"
+# SELECT_SCALAR_KEYS: the selection loads its partials / bias one element at a time (the expert
+# axis declared non-contiguous), so the keys live in the layout the compaction's scatter stores
+# use (their pointers are data-dependent: one element a thread). sm_90, Triton 3.6, K3 M = 1:
+# the top-k fast path then has 9 instead of 29 barriers and ~660 instead of ~1020 instructions
+# (no layout conversions of the [1, 1024] keys / payloads / masks through shared memory, one
+# scan instead of two); the partial loads become 56 independent 4-byte loads a thread.
+SELECT_SCALAR_KEYS = False
+GEMV_EVICT = ""  # eviction policy of the W loads: "" (default) or "evict_first" (cold, no reuse)
 # Measurement only (the H200 sweep sets it to split the last program's tail; anything below 3
 # leaves the plan incomplete): -1 = GEMV and side job alone (no counter), 0 = + the counter (no
 # selection), 1 = + the partial sum,
@@ -121,18 +150,43 @@ def _fill(p_dst, n, b_value, pid, n_prog, BLOCK: tl.constexpr):
 
 @triton.jit
 def _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = 0,
+                   CHUNKS: tl.constexpr = 1, EVICT: tl.constexpr = ""):
     """Tile (i_e, i_k) of W read once; for every token, store its partial logits
-    ``p_part[i_k, m, tile]``."""
-    o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    m_e, m_k = o_e < E, o_k < H
-    b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :], mask=m_e[:, None] & m_k[None, :],
-                  other=0.0).to(tl.float32)
-    for i_m in range(M):
-        b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
-        b_acc = tl.sum(b_w * b_x[None, :], axis=1)
-        tl.store(p_part + (i_k * M + i_m) * E + o_e, b_acc, mask=m_e)
+    ``p_part[i_k, m, tile]``.
+
+    ROWS = 0: the tile is BLOCK_E experts x BLOCK_K columns, loaded once for all tokens.
+    ROWS > 0 (GEMV_ROW_PROGRAMS): ROWS (<= BLOCK_E) experts from i_e * ROWS, CHUNKS
+    consecutive BLOCK_K-wide column chunks from i_k * CHUNKS * BLOCK_K, accumulated
+    elementwise (fp32 [BLOCK_E, BLOCK_K]) and reduced once; unrolled, so the chunks' loads are
+    independent and can all be in flight; tokens outermost (W re-read from L2 for m >= 1: meant
+    for decode batches). EVICT: eviction policy of the W loads ("" or "evict_first")."""
+    if ROWS == 0:
+        o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        m_e, m_k = o_e < E, o_k < H
+        b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :], mask=m_e[:, None] & m_k[None, :],
+                      other=0.0, eviction_policy=EVICT).to(tl.float32)
+        for i_m in range(M):
+            b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_acc = tl.sum(b_w * b_x[None, :], axis=1)
+            tl.store(p_part + (i_k * M + i_m) * E + o_e, b_acc, mask=m_e)
+    else:
+        o_r = tl.arange(0, BLOCK_E)
+        o_e = i_e * ROWS + o_r
+        m_e = (o_r < ROWS) & (o_e < E)
+        k0 = i_k * (CHUNKS * BLOCK_K)
+        for i_m in range(M):
+            b_acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
+            for i_c in tl.static_range(CHUNKS):
+                o_k = k0 + i_c * BLOCK_K + tl.arange(0, BLOCK_K)
+                m_k = o_k < H
+                b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :],
+                              mask=m_e[:, None] & m_k[None, :], other=0.0,
+                              eviction_policy=EVICT).to(tl.float32)
+                b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_acc += b_w * b_x[None, :]
+            tl.store(p_part + (i_k * M + i_m) * E + o_e, tl.sum(b_acc, axis=1), mask=m_e)
 
 
 @triton.jit
@@ -147,15 +201,19 @@ def _gate_gemv_kernel(p_x, p_w, p_part, M, E, H,
 def _token_keys(p_part, p_bias, o_t, m_t, M,
                 E: tl.constexpr, SPLIT_K: tl.constexpr, N_GROUP: tl.constexpr,
                 TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+                BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr, SCALAR_E: tl.constexpr = False):
     """Tokens o_t [BLOCK_T] (valid where m_t): packed selection keys, int64 [BLOCK_T, BLOCK_E],
     and unbiased scores s = sigmoid(logit), fp32 [BLOCK_T, BLOCK_E].
 
     key = (order-preserving int32 image of the biased score sb) << 32 | (IDX_BITS - expert):
     unique per token, larger key = larger sb, among equal sb the lower expert. Experts outside
     the kept groups (n_group > 1), padding lanes (expert >= E) and padding tokens get sb = -inf.
+    SCALAR_E (SELECT_SCALAR_KEYS): the expert axis is declared non-contiguous, so the loads are
+    scalar and the keys get the one-element-a-thread layout of the compaction's scatter stores.
     """
     o_e = tl.arange(0, BLOCK_E)
+    if SCALAR_E:
+        o_e = tl.max_contiguous(o_e, 1)
     m_e = o_e < E
     m_te = m_t[:, None] & m_e[None, :]
     b_bias = tl.load(p_bias + o_e[None, :], mask=m_e[None, :], other=0.0)  # [1, BLOCK_E]
@@ -232,15 +290,18 @@ def _payload(b_s, b_ids):
 
 
 @triton.jit
-def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr):
+def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr, CACHE: tl.constexpr = ".cg",
+                     b_n=None):
     """The candidate rows of tokens o_t [BLOCK_T] (see _top_k_threshold): count int64
-    [BLOCK_T], keys and payloads int64 [BLOCK_T, CAP] (empty slots: KEY_MIN and 0)."""
+    [BLOCK_T] (loaded, unless given), keys and payloads int64 [BLOCK_T, CAP] (empty slots:
+    KEY_MIN and 0)."""
     o_c = tl.arange(0, CAP)
     p_row = p_cand + o_t * (2 * CAP + 1)
-    b_n = tl.load(p_row + 2 * CAP, mask=m_t, other=0, cache_modifier=".cg")
+    if b_n is None:
+        b_n = tl.load(p_row + 2 * CAP, mask=m_t, other=0, cache_modifier=CACHE)
     m_c = o_c[None, :] < b_n[:, None]
-    b_ck = tl.load(p_row[:, None] + o_c[None, :], mask=m_c, other=KEY_MIN, cache_modifier=".cg")
-    b_cp = tl.load(p_row[:, None] + CAP + o_c[None, :], mask=m_c, other=0, cache_modifier=".cg")
+    b_ck = tl.load(p_row[:, None] + o_c[None, :], mask=m_c, other=KEY_MIN, cache_modifier=CACHE)
+    b_cp = tl.load(p_row[:, None] + CAP + o_c[None, :], mask=m_c, other=0, cache_modifier=CACHE)
     return b_n, b_ck, b_cp
 
 
@@ -248,7 +309,7 @@ def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr):
 def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
                      SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr,
-                     CAP: tl.constexpr):
+                     CAP: tl.constexpr, CAND_CACHE: tl.constexpr = ".cg"):
     """Top-k of keys int64 [BLOCK_T, BLOCK_E] in a fixed number of reductions, not TOP_K.
 
     1. bucket maxima: bucket b holds the experts e = b (mod BUCKETS), BUCKETS >= TOP_K;
@@ -282,11 +343,18 @@ def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
     m_st = m_cand & (b_pos < CAP) & m_t[:, None]
     tl.store(p_row + b_pos, b_key, mask=m_st)
     tl.store(p_row + CAP + b_pos, _payload(b_s, o_e[None, :]), mask=m_st)
-    tl.store(p_row + 2 * CAP + o_e[None, :] * 0, b_incl.to(tl.int64),
-             mask=m_t[:, None] & (o_e[None, :] == BLOCK_E - 1))
-    tl.debug_barrier()  # the rows were written by other threads of this program
-    b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP)
-    if tl.max(b_n, axis=0) > CAP:  # rare: exact but slow
+    if CAND_CACHE == "regs":  # the count from a reduction: no count store / re-load
+        b_nr = tl.sum(m_cand.to(tl.int32), axis=1)
+        tl.debug_barrier()  # the rows were written by other threads of this program
+        b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, ".cg", b_nr)[1:]
+        b_nmax = tl.max(b_nr, axis=0)
+    else:
+        tl.store(p_row + 2 * CAP + o_e[None, :] * 0, b_incl.to(tl.int64),
+                 mask=m_t[:, None] & (o_e[None, :] == BLOCK_E - 1))
+        tl.debug_barrier()  # the rows were written by other threads of this program
+        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, CAND_CACHE)
+        b_nmax = tl.max(b_n, axis=0)
+    if b_nmax > CAP:  # rare: exact but slow
         o_s = tl.arange(0, BLOCK_S)
         m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
         b_ids, b_top = _top_k_loop(b_key, TOP_K, BLOCK_T, BLOCK_S)
@@ -299,7 +367,8 @@ def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
         tl.store(p_row + 2 * CAP + o_s[None, :] * 0, tl.zeros_like(b_top) + TOP_K,
                  mask=m_t[:, None] & (o_s[None, :] == 0))
         tl.debug_barrier()
-        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP)
+        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP,
+                                           ".cg" if CAND_CACHE == "regs" else CAND_CACHE)
 
     # 3. ranks [BLOCK_T, CAP] (empty slots hold KEY_MIN: never larger), then slot order
     b_crank = tl.sum((b_ck[:, None, :] > b_ck[:, :, None]).to(tl.int32), axis=2)
@@ -317,7 +386,8 @@ def _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling,
                    N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
                    RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr,
-                   CAP: tl.constexpr):
+                   CAP: tl.constexpr, CAND_CACHE: tl.constexpr = ".cg",
+                   SCALAR_E: tl.constexpr = False):
     """Route tokens [t0, t0 + BLOCK_T): store their ids and weights; return
     (ids, weights, entry index, mask), each [BLOCK_T, BLOCK_S]. BUCKETS > 0: by threshold
     (_top_k_threshold); BUCKETS = 0: by the arg-max loop."""
@@ -326,10 +396,11 @@ def _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling,
     m_t = o_t < M
     m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
     b_key, b_s = _token_keys(p_part, p_bias, o_t, m_t, M, E, SPLIT_K, N_GROUP, TOPK_GROUP,
-                             GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G)
+                             GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G, SCALAR_E)
     if BUCKETS > 0:
         b_ids, b_sel = _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E, SPLIT_K,
-                                        TOP_K, BLOCK_T, BLOCK_E, BLOCK_S, BUCKETS, CAP)
+                                        TOP_K, BLOCK_T, BLOCK_E, BLOCK_S, BUCKETS, CAP,
+                                        CAND_CACHE)
     else:
         b_ids = _top_k_loop(b_key, TOP_K, BLOCK_T, BLOCK_S)[0]
         b_sel = _gather_scores(p_part, b_ids, o_t, m_ts, M, E, SPLIT_K, BLOCK_T, BLOCK_S)
@@ -366,24 +437,26 @@ def _select_sort(
         TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
         BM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr, IN_REGS: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TAIL_STAGE: tl.constexpr):
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TAIL_STAGE: tl.constexpr,
+        CAND_CACHE: tl.constexpr = ".cg", SCALAR_E: tl.constexpr = False):
     """One program: selection of all M tokens from the summed partials, then the whole sort
     metadata (the plan's padding is already in place). TAIL_STAGE < 3: see the module constant."""
     if TAIL_STAGE == 1:  # keys only; their max keeps them live
         o_t = tl.arange(0, BLOCK_T)
         b_key = _token_keys(p_part, p_bias, o_t, o_t < M, M, E, SPLIT_K, N_GROUP, TOPK_GROUP,
-                            GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G)[0]
+                            GROUP_SIZE, BLOCK_T, BLOCK_E, BLOCK_G, SCALAR_E)[0]
         tl.store(p_num_valid, (tl.max(tl.max(b_key, axis=1), axis=0) & 0xFFFF).to(tl.int32))
     elif TAIL_STAGE == 2:
         for t0 in range(0, M, BLOCK_T):
             _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling, E, SPLIT_K,
                            TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
-                           BLOCK_G, BLOCK_S, BUCKETS, CAP)
+                           BLOCK_G, BLOCK_S, BUCKETS, CAP, CAND_CACHE, SCALAR_E)
     elif IN_REGS:
         # all tokens fit one selection block: the sort works on the registers directly
         b_ids, b_w, o_ts, m_ts = _select_tokens(
             p_part, p_bias, p_cand, p_ids, p_w, 0, M, scaling, E, SPLIT_K, TOP_K, N_GROUP,
-            TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S, BUCKETS, CAP)
+            TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S, BUCKETS, CAP,
+            CAND_CACHE, SCALAR_E)
         b_e = tl.reshape(b_ids, [BLOCK_T * BLOCK_S])
         o_n = tl.reshape(o_ts, [BLOCK_T * BLOCK_S])
         m_n = tl.reshape(m_ts, [BLOCK_T * BLOCK_S])
@@ -409,7 +482,7 @@ def _select_sort(
         for t0 in range(0, M, BLOCK_T):
             _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling, E, SPLIT_K,
                            TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
-                           BLOCK_G, BLOCK_S, BUCKETS, CAP)
+                           BLOCK_G, BLOCK_S, BUCKETS, CAP, CAND_CACHE, SCALAR_E)
         tl.debug_barrier()  # the passes below read topk_ids written by other threads
 
         # pass 1: rank of each entry within its expert (earlier entries of the same expert)
@@ -459,9 +532,12 @@ def _route_sort_kernel(
         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
         IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-        TAIL_STAGE: tl.constexpr):
+        TAIL_STAGE: tl.constexpr, GEMV_ROWS: tl.constexpr = 0, GEMV_CHUNKS: tl.constexpr = 1,
+        GEMV_EVICT: tl.constexpr = "", CAND_CACHE: tl.constexpr = ".cg",
+        SCALAR_E: tl.constexpr = False):
     i_e, i_k = tl.program_id(0), tl.program_id(1)
-    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K)
+    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS,
+                   GEMV_EVICT)
 
     # side job: the plan's padding and the zeroed stage-2 buffer (before the counter below, so
     # the selection's scatter lands after every fill)
@@ -482,7 +558,8 @@ def _route_sort_kernel(
                 _select_sort(p_part, p_bias, p_cand, p_ids, p_topk_w, p_sorted_ids, p_sorted_w,
                              p_block_ids, p_num_valid, p_rank, M, scaling, E, SPLIT_K, TOP_K,
                              N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BM, BLOCK_T, BLOCK_E,
-                             BLOCK_G, BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, TAIL_STAGE)
+                             BLOCK_G, BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, TAIL_STAGE,
+                             CAND_CACHE, SCALAR_E)
             # ready for the next launch: every other program has already incremented (that is how
             # this one got here) and the next launch starts after this one ends, so the reset needs
             # no ordering: relaxed (no release fence waiting for the tail's stores)
@@ -510,6 +587,18 @@ def _gemv_blocks(E: int, H: int, on_gpu: bool, block_e: int | None,
         if triton.cdiv(E, be) * triton.cdiv(H, bk) >= GEMV_MIN_PROGRAMS:
             return be, bk
     return be, GEMV_BLOCK_K[-1]
+
+
+def _gemv_rows(E: int, H: int, on_gpu: bool) -> tuple[int, int, int, int, int] | None:
+    """Row programs (GEMV_ROW_PROGRAMS > 0): (rows a program, BLOCK_E, BLOCK_K, chunks a
+    program, K splits); None when off (the split-K tiles of _gemv_blocks)."""
+    if GEMV_ROW_PROGRAMS <= 0:
+        return None
+    rows = triton.cdiv(E, GEMV_ROW_PROGRAMS)
+    block_k = min(GEMV_ROW_CHUNK if on_gpu else INTERP_BLOCK_K, triton.next_power_of_2(H))
+    splits = max(1, min(GEMV_ROW_SPLITS, triton.cdiv(H, block_k)))
+    chunks = triton.cdiv(triton.cdiv(H, block_k), splits)
+    return rows, triton.next_power_of_2(rows), block_k, chunks, triton.cdiv(H, chunks * block_k)
 
 
 def _select_tiles(E: int, M: int, top_k: int) -> dict[str, int | bool]:
@@ -644,7 +733,8 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         renormalize, routed_scaling_factor: weight normalization and scale.
         block_m: tile height the sorted runs are padded to (>= 1).
         out_dim: when given, ``out`` is a zeroed fp32 [M, out_dim].
-        gemv_block_e, gemv_block_k: tuning overrides of the gate GEMV tile (powers of two).
+        gemv_block_e, gemv_block_k: tuning overrides of the gate GEMV tile (powers of two;
+            either one selects the split-K tiles even with GEMV_ROW_PROGRAMS on).
 
     Returns:
         RoutePlan with topk_ids int32 [M, top_k], topk_weights fp32 [M, top_k], sorted_ids int32
@@ -673,8 +763,13 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
 
     counter = _counter(dev)
 
-    block_e, block_k = _gemv_blocks(E, H, dev.type == "cuda", gemv_block_e, gemv_block_k)
-    split_k = triton.cdiv(H, block_k)
+    row_mode = _gemv_rows(E, H, dev.type == "cuda")
+    if row_mode is None or gemv_block_e or gemv_block_k:
+        block_e, block_k = _gemv_blocks(E, H, dev.type == "cuda", gemv_block_e, gemv_block_k)
+        rows, chunks, split_k, e_tiles = 0, 1, triton.cdiv(H, block_k), triton.cdiv(E, block_e)
+    else:
+        rows, block_e, block_k, chunks, split_k = row_mode
+        e_tiles = triton.cdiv(E, rows)
     n = M * top_k
     cap = plan_capacity(M, top_k, E, block_m)
     tiles = _select_tiles(E, M, top_k)
@@ -692,7 +787,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     num_valid = torch.empty(1, dtype=i32, device=dev)
     out = None if out_dim is None else torch.empty(M, out_dim, dtype=f32, device=dev)
 
-    _route_sort_kernel[(triton.cdiv(E, block_e), split_k)](
+    _route_sort_kernel[(e_tiles, split_k)](
         hidden, gate_weight, correction_bias, partial, cand, rank, counter, topk_ids,
         topk_weights, sorted_ids, sorted_weights, block_expert_ids, num_valid,
         partial if out is None else out, M, H, cap, cap // block_m,
@@ -701,7 +796,8 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
         GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK,
         BLOCK_G=triton.next_power_of_2(n_group), **tiles, TAIL_STAGE=TAIL_STAGE,
-        num_warps=NUM_WARPS)
+        GEMV_ROWS=rows, GEMV_CHUNKS=chunks, GEMV_EVICT=GEMV_EVICT, CAND_CACHE=CAND_CACHE,
+        SCALAR_E=SELECT_SCALAR_KEYS, num_warps=NUM_WARPS)
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,

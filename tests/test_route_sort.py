@@ -473,6 +473,18 @@ def test_threshold_fallback(name, M, crowded, device):
     _check_all(args, kwargs, device)
 
 
+@pytest.mark.parametrize("switches", [{"CAND_CACHE": ""}, {"CAND_CACHE": "regs"},
+                                      {"SELECT_SCALAR_KEYS": True}],
+                         ids=["cand-l1", "cand-regs", "scalar-keys"])
+def test_threshold_fallback_switches(switches, device, monkeypatch):
+    """The fallback under the tail switches: one crowded token of four (that block falls back,
+    the others keep the fast path)."""
+    for k, v in switches.items():
+        monkeypatch.setattr(route_sort_module, k, v)
+    args, kwargs = _crowded("kimi-k3", 4, [2], device)
+    _check_all(args, kwargs, device)
+
+
 @pytest.mark.parametrize("M", [1, 4])
 def test_threshold_fallback_ties(M, device):
     """Crowded and tied: every crowded expert scores exactly 0.75, every other 0.5; the top-k
@@ -561,6 +573,57 @@ def test_threshold_hand_computed(device, monkeypatch):
     monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_TOP_K", 1)
     monkeypatch.setattr(route_sort_module, "THRESHOLD_MIN_EXPERTS", 1)
     test_hand_computed_plan(device)
+
+
+# Opt-in switches (module constants, defaults off): row programs (whole experts a program,
+# unrolled K chunks; K splits), the eviction hint; the tail's candidate read-back caching.
+# (switches, case ids); rows a program: tiny 1, K3 7 (BLOCK_E 8), K2 at 32 programs 12
+# (BLOCK_E 16, 4 masked rows), E20 1.
+GEMV_SWITCH_CASES = [
+    ({"GEMV_ROW_PROGRAMS": 132}, ["tiny-M5-E24-top4-bm3-fp32w", "K3-M1-E896-top16-bm16",
+                                  "E20-M7-top5-g5k3-bm4"]),
+    ({"GEMV_ROW_PROGRAMS": 32, "GEMV_ROW_SPLITS": 2}, ["K2-M3-E384-top8-g8k4-bm16",
+                                                        "tiny-M17-E24-top4-bm16"]),
+    ({"GEMV_EVICT": "evict_first"}, ["tiny-M3-E24-top7-bm4-norenorm-x2.5"]),
+    ({"GEMV_ROW_PROGRAMS": 132, "GEMV_EVICT": "evict_first"}, ["tiny-M1-E24-top4-bm1"]),
+    ({"CAND_CACHE": ""}, ["K2-M1-E384-top8-bm1"]),
+    ({"CAND_CACHE": "regs"}, ["KL-M6-E256-top8-bm16", "K3-M1-E896-top16-bm1"]),
+    ({"CAND_CACHE": "regs", "GEMV_ROW_PROGRAMS": 132}, ["K3-M1-E896-top16-bm16"]),
+    ({"SELECT_SCALAR_KEYS": True}, ["K3-M1-E896-top16-bm1", "tiny-M17-E24-top4-bm16",
+                                    "K3-M2-E896-top16-g8k3-bm1", "tiny-M3-E24-top1-bm1"]),
+    ({"SELECT_SCALAR_KEYS": True, "GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024},
+     ["K3-M1-E896-top16-bm16", "E20-M7-top5-g5k3-bm4"]),
+]
+GEMV_SWITCH_PARAMS = [(sw, c) for sw, ids in GEMV_SWITCH_CASES for c in CASES if c[0] in ids]
+
+
+@pytest.mark.parametrize("switches,case", GEMV_SWITCH_PARAMS,
+                         ids=["-".join(f"{k}={v}" for k, v in sw.items()) + "-" + c[0]
+                              for sw, c in GEMV_SWITCH_PARAMS])
+def test_gemv_switches(switches, case, device, monkeypatch):
+    """The opt-in switches give the reference's plan, every field."""
+    for k, v in switches.items():
+        monkeypatch.setattr(route_sort_module, k, v)
+    args, kwargs = _case_inputs(case, device)
+    compare(route_sort(*args, **kwargs), route_sort_reference(*args, **kwargs))
+
+
+def test_gemv_rows_shape():
+    """Row programs: K3's 896 experts in 128 programs of 7 rows; the splits cut H; off: None."""
+    m = route_sort_module
+    assert m._gemv_rows(896, 7168, True) is None  # default: the split-K tiles
+    saved = (m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS)
+    try:
+        m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS = 132, 1
+        assert m._gemv_rows(896, 7168, True) == (7, 8, m.GEMV_ROW_CHUNK,
+                                                  7168 // m.GEMV_ROW_CHUNK, 1)
+        m.GEMV_ROW_SPLITS = 2
+        rows, _, block_k, chunks, splits = m._gemv_rows(896, 7168, True)
+        assert splits == 2 and chunks * block_k * splits >= 7168 and rows == 7
+        m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS = 264, 1
+        assert m._gemv_rows(896, 7168, True)[:2] == (4, 4)
+    finally:
+        m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS = saved
 
 
 # ---------------------------------------------------------------------------------------------
@@ -749,3 +812,24 @@ def test_gpu_device_mismatch():
     inp = _custom("cuda", 24, 40, 2)
     with pytest.raises(ValueError, match="gate_weight"):
         route_sort(inp["hidden"], inp["gate_weight"].cpu(), inp["correction_bias"], top_k=4)
+
+
+C1024 = {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024}
+# the sweep's leading candidates (the sweep itself checks every variant at K3 B1)
+GPU_SWITCHES = [C1024, {"SELECT_SCALAR_KEYS": True}, {**C1024, "SELECT_SCALAR_KEYS": True},
+                {**C1024, "SELECT_SCALAR_KEYS": True, "CAND_CACHE": ""},
+                {"CAND_CACHE": "regs"}]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", GPU_SWITCHES,
+                         ids=lambda sw: "-".join(f"{k}={v}" for k, v in sw.items()))
+def test_gpu_switches(switches, monkeypatch):
+    """The sweep's opt-in switches (benchmarks/h200_session4/route_sweep.py) on the GPU: a graph
+    of several calls (K3 B1, K3 M8, grouped K2) replayed on new inputs, every plan against the
+    reference."""
+    for k, v in switches.items():
+        monkeypatch.setattr(route_sort_module, k, v)
+    calls = [_gpu_call("kimi-k3", 8, 1, 16), _gpu_call("kimi-k3", 1, 8, 1, seed=1),
+             _gpu_call("kimi-k2", 1, 3, 16, seed=2, n_group=8, topk_group=4)]
+    _tiles_and_counters(calls, (None, None), "cuda", graph=True)
