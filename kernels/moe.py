@@ -113,6 +113,7 @@ FP4_KLANE_PREFETCH = False
 #   whose partial sums meet in the fp32 atomic adds already there (s x the programs).
 # FP4_MAXNREG r (layout 1, compiled only): the expert launches' register cap (Triton's maxnreg),
 #   e.g. 128 = 4 programs of 4 warps an SM where the pipelined / split loops take more.
+# FP4_KLANE_STAGES and FP4_MAXNREG may also be (stage 1, stage 2) pairs.
 FP4_KLANE_STAGES = 0
 FP4_FUSE_GATE_UP = False
 FP4_STAGE2_KSPLIT = 1
@@ -644,11 +645,12 @@ def _fp4_mode(w, stage: int = 0) -> int:
         return 0
     if FP4_LAYOUT != 1:
         return 1
-    if not 0 <= FP4_KLANE_STAGES <= 7:
+    stages = _per_stage(FP4_KLANE_STAGES, stage)
+    if not 0 <= stages <= 7:
         raise ValueError(f"FP4_KLANE_STAGES: expected 0..7, got {FP4_KLANE_STAGES}")
     if not 1 <= FP4_STAGE2_KSPLIT <= 16:
         raise ValueError(f"FP4_STAGE2_KSPLIT: expected 1..16, got {FP4_STAGE2_KSPLIT}")
-    mode = 2 + int(bool(FP4_KLANE_PREFETCH)) + 2 * FP4_KLANE_STAGES
+    mode = 2 + int(bool(FP4_KLANE_PREFETCH)) + 2 * stages
     if stage == 1 and FP4_FUSE_GATE_UP:
         mode += 16
     if stage == 2:
@@ -656,12 +658,20 @@ def _fp4_mode(w, stage: int = 0) -> int:
     return mode
 
 
-def _reg_cap(mode: int) -> dict:
-    """Launch options of an expert kernel in FP4 mode ``mode``: FP4_MAXNREG for K-lane tiles
-    (the interpreter drops the option)."""
-    if mode < 2 or FP4_MAXNREG is None:
+def _per_stage(value, stage: int):
+    """A switch that is one value or a (stage 1, stage 2) pair; stage 0 reads stage 2's."""
+    if isinstance(value, (tuple, list)):
+        return value[0] if stage == 1 else value[1]
+    return value
+
+
+def _reg_cap(mode: int, stage: int) -> dict:
+    """Launch options of stage ``stage``'s kernel in FP4 mode ``mode``: FP4_MAXNREG for K-lane
+    tiles (the interpreter drops the option)."""
+    cap = _per_stage(FP4_MAXNREG, stage)
+    if mode < 2 or cap is None:
         return {}
-    return {"maxnreg": int(FP4_MAXNREG)}
+    return {"maxnreg": int(cap)}
 
 
 def _expert_tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int, mode: int
@@ -853,7 +863,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
         m * top_k, block_m, top_k, i, d // 2, m * d, float(situ_beta), float(situ_linear_beta),
         ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
         ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
-        TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS, **_reg_cap(mode))
+        TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS, **_reg_cap(mode, 1))
     return a
 
 
@@ -961,7 +971,7 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
 def _launch_stage2_tail(stage2, tail, sync=None):
     """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs)."""
     kw, n = _stage2_tail_kwargs(stage2, tail, sync)
-    _moe_stage2_tail_kernel[(n,)](num_warps=NUM_WARPS, **kw, **_reg_cap(kw["FP4"]))
+    _moe_stage2_tail_kernel[(n,)](num_warps=NUM_WARPS, **kw, **_reg_cap(kw["FP4"], 2))
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False
