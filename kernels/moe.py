@@ -241,7 +241,11 @@ def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
     [N, K_PAIRS // 16], x bf16 viewed as int32 pairs [rows, K_PAIRS]; BLOCK_W words (4 per group)
     a K step. M = 1: per (row, group) fp32 sums over all steps, reduced once at the end;
     M > 1: the weight tile is reused for the tokens one at a time (runtime loop). PREFETCH:
-    register double buffering, step k + 1's loads issued before step k's arithmetic."""
+    register double buffering, step k + 1's loads issued before step k's arithmetic. STAGES > 0:
+    the K loop is tl.range(num_stages=STAGES) (Triton pipelines its loads through shared
+    memory; M = 1 only in practice: the token loop keeps the pipeliner out). KSPLIT > 1: only
+    the i_k-th of KSPLIT consecutive shares of the K steps (cdiv(steps, KSPLIT) each; with
+    PREFETCH the share's last step also prefetches the next share's first, unused)."""
     N_WORDS = K_PAIRS // 4
     N_GROUPS = K_PAIRS // 16
     if KSPLIT > 1:  # this program's share of the K steps: split i_k of KSPLIT
@@ -665,6 +669,21 @@ def _per_stage(value, stage: int):
     return value
 
 
+def _fit_steps(mode: int, words: int, block_w: int) -> int:
+    """K-lane mode ``mode`` fitted to a GEMV of ``words`` words a row in steps of ``block_w``:
+    the split K at most one share a step and none empty (the kernel gives each share
+    cdiv(steps, split) steps), and no pipelining of a share of one step."""
+    if mode < 2:
+        return mode
+    steps = triton.cdiv(words, block_w)
+    split = (mode - 2) // 32 + 1
+    split = triton.cdiv(steps, triton.cdiv(steps, min(split, steps)))
+    low = (mode - 2) % 32  # prefetch, stages, fused gate/up bits
+    if triton.cdiv(steps, split) < 2:
+        low -= low // 2 % 8 * 2  # stages off
+    return 2 + low + 32 * (split - 1)
+
+
 def _reg_cap(mode: int, stage: int) -> dict:
     """Launch options of stage ``stage``'s kernel in FP4 mode ``mode``: FP4_MAXNREG for K-lane
     tiles (the interpreter drops the option)."""
@@ -852,6 +871,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     block_mp = triton.next_power_of_2(block_m)
     mode = _fp4_mode(w13, 1)
     block_n, block_kp = _expert_tiles(n_tiles, i, d // 2, block_mp, mode)
+    mode = _fit_steps(mode, d // 8, block_kp // 4)
     grid = (n_tiles, triton.cdiv(i, block_n))
     out = plan.out
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
@@ -903,11 +923,8 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles):
     rows = m if deterministic else n_tiles
     mode = _fp4_mode(w2, 0 if deterministic else 2)
     block_n, block_kp = _expert_tiles(rows, d, i // 2, block_mp, mode)
+    mode = _fit_steps(mode, i // 8, block_kp // 4)
     split = (mode - 2) // 32 + 1 if mode >= 2 else 1
-    if split > 1:  # the kernel gives each split cdiv(steps, split) steps: none left empty
-        steps = triton.cdiv(i // 8, block_kp // 4)
-        split = triton.cdiv(steps, triton.cdiv(steps, min(split, steps)))
-        mode = (mode - 2) % 32 + 2 + 32 * (split - 1)
     n_d = triton.cdiv(d, block_n)
     w_v, w_s = _expert_ptrs(w2)
     kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,
