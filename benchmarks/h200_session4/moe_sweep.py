@@ -24,6 +24,8 @@ instructions a thread per K step for 256 elements at 64 rows / 128 at 32 rows):
 - st2-r128: 2 stages capped at 128 registers (4 programs an SM; 56 / 40-byte spills, 7-8 LDL
   a step).
 - fuse-st3-split3: (a) + (b): 166 / 165 registers (3 programs an SM), 35 KB shared a program.
+- fuse-st2-split3-r128: pipelined at 4 programs an SM: 128 registers, stage 2 without a spill,
+  stage 1 with an 80-byte one (20 LDL a step).
 - fuse-st4-split3: 3 steps ahead (52 KB shared a program, 3 programs an SM: 156 KB).
 - r32-st4-split3: 32-row tiles (5.7 instructions an element) pipelined 4 deep: 96 / 80
   registers (5 / 6 programs an SM), 1536 / 5376 programs.
@@ -67,6 +69,8 @@ VARIANTS = {  # in priority order: past the time budget the last ones are skippe
     "fuse-split3": dict(FP4_FUSE_GATE_UP=True, FP4_STAGE2_KSPLIT=3, FP4_MAXNREG=128),
     "st3": dict(FP4_KLANE_STAGES=3),
     "fuse-st3-split3": dict(FP4_FUSE_GATE_UP=True, FP4_KLANE_STAGES=3, FP4_STAGE2_KSPLIT=3),
+    "fuse-st2-split3-r128": dict(FP4_FUSE_GATE_UP=True, FP4_KLANE_STAGES=2, FP4_STAGE2_KSPLIT=3,
+                                 FP4_MAXNREG=128),
     "r32-st4-split3": dict(FP4_KLANE_ROWS=32, FP4_KLANE_STAGES=4, FP4_STAGE2_KSPLIT=3),
     "fuse-st4-split3": dict(FP4_FUSE_GATE_UP=True, FP4_KLANE_STAGES=4, FP4_STAGE2_KSPLIT=3),
     "fuse-r32-st4-split3": dict(FP4_KLANE_ROWS=32, FP4_FUSE_GATE_UP=True, FP4_KLANE_STAGES=4,
