@@ -101,6 +101,23 @@ FP4_KLANE_ROWS = 64
 # FP4_KLANE_PREFETCH (layout 1): register double buffering, each K step's loads issued before
 # the previous step's arithmetic (Triton does not pipeline loads that feed no dot).
 FP4_KLANE_PREFETCH = False
+# Session-4 candidates (issue 4, benchmarks/h200_session4/moe_sweep.py; default off):
+# FP4_KLANE_STAGES n > 0 (layout 1): the K loop as tl.range(num_stages=n), which makes Triton's
+#   pipeliner stage the weight / scale loads through shared memory (cp.async, n - 1 steps ahead)
+#   without holding them in registers: more bytes in flight per SM at the same occupancy.
+# FP4_FUSE_GATE_UP (layout 1, stage 1): one K loop over a tile of FP4_KLANE_ROWS interleaved
+#   gate / up rows (half as many of each) instead of two loops of FP4_KLANE_ROWS rows: the same
+#   rows per thread (x reuse, registers) at twice the programs (K3 tp 1: 768 -> 1536, 1.45 ->
+#   2.9 waves of 4 programs an SM, so a smaller last partial wave).
+# FP4_STAGE2_KSPLIT s (layout 1, stage 2 atomic path): each tile's K steps split over s programs
+#   whose partial sums meet in the fp32 atomic adds already there (s x the programs).
+# FP4_MAXNREG r (layout 1, compiled only): the expert launches' register cap (Triton's maxnreg),
+#   e.g. 128 = 4 programs of 4 warps an SM where the pipelined / split loops take more.
+# FP4_KLANE_STAGES and FP4_MAXNREG may also be (stage 1, stage 2) pairs.
+FP4_KLANE_STAGES = 0
+FP4_FUSE_GATE_UP = False
+FP4_STAGE2_KSPLIT = 1
+FP4_MAXNREG = None
 FP4_X_SCALE = tl.constexpr(2.0 ** 64)
 FP4_SCALE_BIAS = tl.constexpr(62)
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
@@ -216,25 +233,36 @@ def _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS, BLOCK_W: t
 
 
 @triton.jit
-def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
+def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, STAGES: tl.constexpr, KSPLIT: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] @ w[o_wrow]^T for MXFP4 w in K-lane tiles (see
     FP4_LAYOUT): p_w packed codes viewed as int32 words [N, K_PAIRS // 4], p_s E8M0 scales uint8
     [N, K_PAIRS // 16], x bf16 viewed as int32 pairs [rows, K_PAIRS]; BLOCK_W words (4 per group)
     a K step. M = 1: per (row, group) fp32 sums over all steps, reduced once at the end;
     M > 1: the weight tile is reused for the tokens one at a time (runtime loop). PREFETCH:
-    register double buffering, step k + 1's loads issued before step k's arithmetic."""
+    register double buffering, step k + 1's loads issued before step k's arithmetic. STAGES > 0:
+    the K loop is tl.range(num_stages=STAGES) (Triton pipelines its loads through shared
+    memory; M = 1 only in practice: the token loop keeps the pipeliner out). KSPLIT > 1: only
+    the i_k-th of KSPLIT consecutive shares of the K steps (cdiv(steps, KSPLIT) each; with
+    PREFETCH the share's last step also prefetches the next share's first, unused)."""
     N_WORDS = K_PAIRS // 4
     N_GROUPS = K_PAIRS // 16
+    if KSPLIT > 1:  # this program's share of the K steps: split i_k of KSPLIT
+        n_steps = tl.cdiv(tl.cdiv(N_WORDS, BLOCK_W), KSPLIT)
+        KW_LO = i_k * n_steps * BLOCK_W
+        KW_HI = tl.minimum(KW_LO + n_steps * BLOCK_W, N_WORDS)
+    else:
+        KW_LO = 0
+        KW_HI = N_WORDS
     o_m = tl.arange(0, BLOCK_M)
     n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_g = tl.zeros([BLOCK_N, BLOCK_W // 4], dtype=tl.float32)
     if PREFETCH:  # step 0's tile; each step then loads the next one before its arithmetic
-        b_w_nx, b_s_nx = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, 0, N_WORDS, N_GROUPS,
+        b_w_nx, b_s_nx = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, KW_LO, N_WORDS, N_GROUPS,
                                          BLOCK_W)
-    for kw0 in range(0, N_WORDS, BLOCK_W):
+    for kw0 in tl.range(KW_LO, KW_HI, BLOCK_W, num_stages=STAGES if STAGES > 0 else None):
         o_w = kw0 + tl.arange(0, BLOCK_W)
         m_w = o_w < N_WORDS
         if PREFETCH:
@@ -297,7 +325,7 @@ def _token(o_xrow, m_xrow, o_m, i_m):
 
 
 @triton.jit
-def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
+def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
           FP4: tl.constexpr, X_FP32: tl.constexpr, HAS_XS: tl.constexpr,
           TOKEN_LOOP: tl.constexpr):
@@ -312,9 +340,10 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
     BLOCK_KP] broadcast product (interpreter: one vectorized op).
     The token loops (FP4 with BLOCK_M > 1, TOKEN_LOOP) are runtime loops up to the last valid row
     of x: a plan tile's padding rows (masked) cost nothing, and the loop body is emitted once."""
-    if FP4 >= 2:  # K-lane MXFP4 tiles (FP4_LAYOUT 1; 3 with FP4_KLANE_PREFETCH)
-        return _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, BLOCK_M,
-                               BLOCK_N, BLOCK_KP // 4, FP4 == 3)
+    if FP4 >= 2:  # K-lane MXFP4 tiles (FP4_LAYOUT 1; the variant switches: see _fp4_mode)
+        return _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
+                               BLOCK_M, BLOCK_N, BLOCK_KP // 4, (FP4 - 2) % 2 == 1,
+                               (FP4 - 2) // 2 % 8, (FP4 - 2) // 32 + 1)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     o_m = tl.arange(0, BLOCK_M)
     n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)  # rows >= n_rows are all masked
@@ -366,10 +395,18 @@ def _gate_up_act(p_x, o_xrow, m_xrow, p_w, p_s, o_n, m_n, N_HALF, K_PAIRS, beta,
                  ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_KP: tl.constexpr, FP4: tl.constexpr, TOKEN_LOOP: tl.constexpr):
     """act(x @ w[o_n]^T, x @ w[N_HALF + o_n]^T): gate rows then up rows of one [2 * N_HALF, K]
-    weight."""
-    b_g = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n, m_n, K_PAIRS,
+    weight. K-lane MXFP4 with the gate/up bit of FP4 (FP4_FUSE_GATE_UP): one GEMV over a tile
+    of 2 * BLOCK_N interleaved rows (gate n, up n, ...) instead of two after each other."""
+    if FP4 >= 18 and (FP4 - 2) // 16 % 2 == 1:
+        o_r = tl.reshape(tl.join(o_n, o_n + N_HALF), [2 * BLOCK_N])
+        m_r = tl.reshape(tl.join(m_n, m_n), [2 * BLOCK_N])
+        b_gu = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_r, m_r, K_PAIRS, 0,
+                     BLOCK_M, 2 * BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
+        b_g, b_u = tl.split(tl.reshape(b_gu, [BLOCK_M, BLOCK_N, 2]))
+        return _act(b_g, b_u, beta, linear_beta, ACT)
+    b_g = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n, m_n, K_PAIRS, 0,
                 BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
-    b_u = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n + N_HALF, m_n, K_PAIRS,
+    b_u = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n + N_HALF, m_n, K_PAIRS, 0,
                 BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
     return _act(b_g, b_u, beta, linear_beta, ACT)
 
@@ -407,7 +444,7 @@ def _moe_front_kernel(p_x, p_down, p_z, p_sw13, p_sa, M, H_PAIRS, D, S, n_shared
     else:
         o_n = (i_p - n_shared_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < D
-        b_z = _gemv(p_x, o_m, m_m, p_x, p_down, p_down, o_n, m_n, H_PAIRS,
+        b_z = _gemv(p_x, o_m, m_m, p_x, p_down, p_down, o_n, m_n, H_PAIRS, 0,
                     BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False, TOKEN_LOOP)
         tl.store(p_z + o_m[:, None] * D + o_n[None, :], _to_bf16(b_z),
                  mask=m_m[:, None] & m_n[None, :])
@@ -450,6 +487,10 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
     slot order and stores."""
+    i_k = 0
+    if FP4 >= 34:  # K-lane split K (atomic path only): pid = (tile, split)
+        i_k = pid % ((FP4 - 2) // 32 + 1)
+        pid = pid // ((FP4 - 2) // 32 + 1)
     i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < D
@@ -461,7 +502,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
             p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
             b_p = _gemv(p_a, o_row, o_row < n_entries, p_a, p_we, p_se,
-                        o_n, m_n, I_PAIRS, 1, BLOCK_N, BLOCK_KP, FP4, False, False, False)
+                        o_n, m_n, I_PAIRS, 0, 1, BLOCK_N, BLOCK_KP, FP4, False, False, False)
             b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
         tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
     else:
@@ -471,7 +512,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
             p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
             b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n,
-                        I_PAIRS, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
+                        I_PAIRS, i_k, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
             o_m = tl.arange(0, BLOCK_M)
             b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
             tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
@@ -494,7 +535,7 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
     m_o = m_m[:, None] & m_n[None, :]
     b_o = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if SHARED == 2:
-        b_o += _gemv(p_sa, o_m, m_m, p_sa, p_sw2, p_sw2, o_n, m_n, S_PAIRS,
+        b_o += _gemv(p_sa, o_m, m_m, p_sa, p_sw2, p_sw2, o_n, m_n, S_PAIRS, 0,
                      BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False, TOKEN_LOOP)
     if SHARED == 1:
         b_o += tl.load(p_shared + o_m[:, None] * H + o_n[None, :], mask=m_o, other=0.0).to(
@@ -510,7 +551,7 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
         tl.atomic_max(p_done, 0, sem="acquire")
         tl.debug_barrier()  # the acquiring thread's view, then every thread's reads
     if LATENT:
-        b_u = _gemv(p_y, o_m, m_m, p_nw, p_up, p_up, o_n, m_n, D // 2,
+        b_u = _gemv(p_y, o_m, m_m, p_nw, p_up, p_up, o_n, m_n, D // 2, 0,
                     BLOCK_M, BLOCK_N, BLOCK_KP, False, True, True, TOKEN_LOOP)
         b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)  # every program recomputes sum(y^2): M*D*4 B
         for d0 in range(0, D, BLOCK_SS):
@@ -599,14 +640,57 @@ def _tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int = 1,
     return block_n, max(MIN_PAIRS, block_kp)
 
 
-def _fp4_mode(w) -> int:
+def _fp4_mode(w, stage: int = 0) -> int:
     """The FP4 constexpr of the expert kernels: 0 bf16 weights; MXFP4 1 the group tiles
-    (FP4_LAYOUT 0), 2 the K-lane tiles (FP4_LAYOUT 1), 3 the same with FP4_KLANE_PREFETCH."""
+    (FP4_LAYOUT 0); K-lane tiles (FP4_LAYOUT 1) 2 + prefetch (FP4_KLANE_PREFETCH) + 2 * stages
+    (FP4_KLANE_STAGES) + 16 * fused gate/up (FP4_FUSE_GATE_UP, stage 1) + 32 * (split - 1)
+    (FP4_STAGE2_KSPLIT, stage 2 atomic). stage: 1 or 2 (the stage's own switches), else 0."""
     if not isinstance(w, MXFP4):
         return 0
     if FP4_LAYOUT != 1:
         return 1
-    return 3 if FP4_KLANE_PREFETCH else 2
+    stages = _per_stage(FP4_KLANE_STAGES, stage)
+    if not 0 <= stages <= 7:
+        raise ValueError(f"FP4_KLANE_STAGES: expected 0..7, got {FP4_KLANE_STAGES}")
+    if not 1 <= FP4_STAGE2_KSPLIT <= 16:
+        raise ValueError(f"FP4_STAGE2_KSPLIT: expected 1..16, got {FP4_STAGE2_KSPLIT}")
+    mode = 2 + int(bool(FP4_KLANE_PREFETCH)) + 2 * stages
+    if stage == 1 and FP4_FUSE_GATE_UP:
+        mode += 16
+    if stage == 2:
+        mode += 32 * (FP4_STAGE2_KSPLIT - 1)
+    return mode
+
+
+def _per_stage(value, stage: int):
+    """A switch that is one value or a (stage 1, stage 2) pair; stage 0 reads stage 2's."""
+    if isinstance(value, (tuple, list)):
+        return value[0] if stage == 1 else value[1]
+    return value
+
+
+def _fit_steps(mode: int, words: int, block_w: int) -> int:
+    """K-lane mode ``mode`` fitted to a GEMV of ``words`` words a row in steps of ``block_w``:
+    the split K at most one share a step and none empty (the kernel gives each share
+    cdiv(steps, split) steps), and no pipelining of a share of one step."""
+    if mode < 2:
+        return mode
+    steps = triton.cdiv(words, block_w)
+    split = (mode - 2) // 32 + 1
+    split = triton.cdiv(steps, triton.cdiv(steps, min(split, steps)))
+    low = (mode - 2) % 32  # prefetch, stages, fused gate/up bits
+    if triton.cdiv(steps, split) < 2:
+        low -= low // 2 % 8 * 2  # stages off
+    return 2 + low + 32 * (split - 1)
+
+
+def _reg_cap(mode: int, stage: int) -> dict:
+    """Launch options of stage ``stage``'s kernel in FP4 mode ``mode``: FP4_MAXNREG for K-lane
+    tiles (the interpreter drops the option)."""
+    cap = _per_stage(FP4_MAXNREG, stage)
+    if mode < 2 or cap is None:
+        return {}
+    return {"maxnreg": int(cap)}
 
 
 def _expert_tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int, mode: int
@@ -616,8 +700,9 @@ def _expert_tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int,
     step, at most the row; the interpreter takes whole rows."""
     if mode < 2:
         return _tiles(programs_per_tile, rows, k_pairs, block_m, mode != 0)
+    fused = (mode - 2) // 16 % 2  # a tile of 2 * BLOCK_N rows (gate and up)
     block_n, _ = _tiles(programs_per_tile, rows, k_pairs, block_m, True,
-                        max_rows_fp4=FP4_KLANE_ROWS)
+                        max_rows_fp4=max(MIN_ROWS, FP4_KLANE_ROWS >> fused))
     words = triton.next_power_of_2(k_pairs // 4)
     block_w = words if _fast_interpreter() else min(FP4_KLANE_WORDS, words)
     return block_n, 4 * max(4, block_w)
@@ -784,8 +869,9 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
     block_mp = triton.next_power_of_2(block_m)
-    mode = _fp4_mode(w13)
+    mode = _fp4_mode(w13, 1)
     block_n, block_kp = _expert_tiles(n_tiles, i, d // 2, block_mp, mode)
+    mode = _fit_steps(mode, d // 8, block_kp // 4)
     grid = (n_tiles, triton.cdiv(i, block_n))
     out = plan.out
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
@@ -797,7 +883,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
         m * top_k, block_m, top_k, i, d // 2, m * d, float(situ_beta), float(situ_linear_beta),
         ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
         ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
-        TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS)
+        TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS, **_reg_cap(mode, 1))
     return a
 
 
@@ -835,18 +921,20 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles):
                                                             dtype=torch.float32)
     block_mp = 1 if deterministic else triton.next_power_of_2(block_m)
     rows = m if deterministic else n_tiles
-    mode = _fp4_mode(w2)
+    mode = _fp4_mode(w2, 0 if deterministic else 2)
     block_n, block_kp = _expert_tiles(rows, d, i // 2, block_mp, mode)
+    mode = _fit_steps(mode, i // 8, block_kp // 4)
+    split = (mode - 2) // 32 + 1 if mode >= 2 else 1
     n_d = triton.cdiv(d, block_n)
     w_v, w_s = _expert_ptrs(w2)
     kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,
               p_sorted_w=plan.sorted_weights, p_block_expert=plan.block_expert_ids,
               p_num_valid=plan.num_valid, p_topk_ids=plan.topk_ids, p_topk_w=plan.topk_weights,
               p_y=y, n_entries=m * top_k, block_m=block_m, top_k=top_k, D=d, I_PAIRS=i // 2,
-              n_d_tiles=n_d, n_stage2=rows * n_d, FP4=mode,
+              n_d_tiles=n_d, n_stage2=rows * n_d * split, FP4=mode,
               DETERMINISTIC=bool(deterministic), BLOCK_M2=block_mp, BLOCK_N2=block_n,
               BLOCK_KP2=block_kp)
-    return kw, rows * n_d, y
+    return kw, rows * n_d * split, y
 
 
 def _tail_args(y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps):
@@ -900,7 +988,7 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
 def _launch_stage2_tail(stage2, tail, sync=None):
     """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs)."""
     kw, n = _stage2_tail_kwargs(stage2, tail, sync)
-    _moe_stage2_tail_kernel[(n,)](num_warps=NUM_WARPS, **kw)
+    _moe_stage2_tail_kernel[(n,)](num_warps=NUM_WARPS, **kw, **_reg_cap(kw["FP4"], 2))
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False

@@ -228,21 +228,38 @@ def test_stages(case, tiles, device, monkeypatch):
     assert_close("atomic vs deterministic", y, y_det, atol=ATOMIC_VS_DETERMINISTIC_ATOL)
 
 
-# MXFP4 tile layouts (kmoe.FP4_LAYOUT, FP4_KLANE_PREFETCH) x tiling (interpreter's big tiles, or
-# the GPU tiles with their K steps): the default layout and the opt-in K-lane layout
-FP4_LAYOUTS = [(0, False, "interp"), (1, False, "interp"), (1, False, "gpu"), (1, True, "gpu")]
+# K-lane variants (module switches of kernels/moe.py, see FP4_LAYOUT): name -> settings. Under
+# the interpreter FP4_KLANE_STAGES and FP4_MAXNREG change nothing (the switches still travel
+# through the FP4 mode); the gate/up fusion and the split K do.
+KLANE_VARIANTS = {
+    "plain": {},
+    "prefetch": {"FP4_KLANE_PREFETCH": True},
+    "fuse-split2-stages3": {"FP4_FUSE_GATE_UP": True, "FP4_STAGE2_KSPLIT": 2,
+                            "FP4_KLANE_STAGES": 3, "FP4_MAXNREG": 128},
+    "split3": {"FP4_STAGE2_KSPLIT": 3},
+}
 
 
-@pytest.mark.parametrize("layout,prefetch,tiles", FP4_LAYOUTS,
-                         ids=[f"layout{a}{'-prefetch' if b else ''}-{c}-tiles"
-                              for a, b, c in FP4_LAYOUTS])
-def test_mxfp4_decode_exact(layout, prefetch, tiles, device, monkeypatch):
+def _set_klane(monkeypatch, variant):
+    for name, value in KLANE_VARIANTS[variant].items():
+        monkeypatch.setattr(kmoe, name, value)
+
+
+# MXFP4 tile layouts (kmoe.FP4_LAYOUT, K-lane variant) x tiling (interpreter's big tiles, or the
+# GPU tiles with their K steps): the group-tile layout and the K-lane layout
+FP4_LAYOUTS = [(0, "plain", "interp"), (1, "plain", "interp"), (1, "plain", "gpu"),
+               (1, "prefetch", "gpu"), (1, "fuse-split2-stages3", "gpu"), (1, "split3", "gpu")]
+
+
+@pytest.mark.parametrize("layout,variant,tiles", FP4_LAYOUTS,
+                         ids=[f"layout{a}-{b}-{c}-tiles" for a, b, c in FP4_LAYOUTS])
+def test_mxfp4_decode_exact(layout, variant, tiles, device, monkeypatch):
     """Every E2M1 code at every position of a group, under E8M0 scales from 2^-20 to 2^10, read
     back exactly through stage 2: token t (top_k 1, weight 1) carries the one-hot a = e_k, so
     y[t] is column k of the dequantized expert. K = 64 (two groups, so the K-lane layout's
     per-group factors are told apart)."""
     monkeypatch.setattr(kmoe, "FP4_LAYOUT", layout)
-    monkeypatch.setattr(kmoe, "FP4_KLANE_PREFETCH", prefetch)
+    _set_klane(monkeypatch, variant)
     if tiles == "gpu":
         monkeypatch.setattr(kmoe, "INTERPRETER_BIG_TILES", False)
         monkeypatch.setattr(kmoe, "FP4_KLANE_WORDS", 4)  # one group a K step: two steps
@@ -273,19 +290,19 @@ def test_mxfp4_decode_exact(layout, prefetch, tiles, device, monkeypatch):
         torch.testing.assert_close(y, want[:, k0:k0 + m].T, atol=0, rtol=0)
 
 
-KLANE_CASES = [(c, p) for c in STAGE_CASES if c[0] in ("M1-bm1-mxfp4", "M3-bm4-mxfp4-crowd")
-               for p in (False, True)]
+KLANE_CASES = [(c, v) for c in STAGE_CASES if c[0] in ("M1-bm1-mxfp4", "M3-bm4-mxfp4-crowd")
+               for v in ("plain", "prefetch", "fuse-split2-stages3")]
 
 
-@pytest.mark.parametrize("case,prefetch", KLANE_CASES,
-                         ids=[c[0] + ("-prefetch" if p else "") for c, p in KLANE_CASES])
-def test_stages_klane_layout(case, prefetch, device, monkeypatch):
-    """The opt-in K-lane MXFP4 layout (FP4_LAYOUT 1, with and without FP4_KLANE_PREFETCH) at the
-    GPU tiles (K steps of 8 words, the token loop for M > 1): stage 1 and both stage-2 modes
+@pytest.mark.parametrize("case,variant", KLANE_CASES,
+                         ids=[c[0] + "-" + v for c, v in KLANE_CASES])
+def test_stages_klane_layout(case, variant, device, monkeypatch):
+    """The K-lane MXFP4 layout (FP4_LAYOUT 1) and its variants (KLANE_VARIANTS) at the GPU
+    tiles (K steps of 8 words, the token loop for M > 1): stage 1 and both stage-2 modes
     against the reference."""
     _, M, block_m, fmt, crowd, changes = case
     monkeypatch.setattr(kmoe, "FP4_LAYOUT", 1)
-    monkeypatch.setattr(kmoe, "FP4_KLANE_PREFETCH", prefetch)
+    _set_klane(monkeypatch, variant)
     monkeypatch.setattr(kmoe, "INTERPRETER_BIG_TILES", False)
     monkeypatch.setattr(kmoe, "FP4_KLANE_WORDS", 8)
     monkeypatch.setattr(kmoe, "TARGET_PROGRAMS", 1)  # 32-row tiles: fewer programs on CPU
@@ -776,13 +793,14 @@ def test_gpu_k3_tp8_fused_tail_bitwise(fmt, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", [0, 1, 2], ids=["default", "klane", "klane-prefetch"])
+@pytest.mark.parametrize("layout", [(0, "plain")] + [(1, v) for v in KLANE_VARIANTS],
+                         ids=lambda lv: f"layout{lv[0]}-{lv[1]}")
 @pytest.mark.parametrize("M", [1, 16])
 def test_gpu_k3_tp1_mxfp4_stages(M, layout, monkeypatch):
     """Full-size experts: w13 offsets pass 2^31 elements (int64 pointer arithmetic); the MXFP4
-    tile layouts (FP4_LAYOUT 0, 1, and 1 with FP4_KLANE_PREFETCH)."""
-    monkeypatch.setattr(kmoe, "FP4_LAYOUT", min(layout, 1))
-    monkeypatch.setattr(kmoe, "FP4_KLANE_PREFETCH", layout == 2)
+    tile layouts (FP4_LAYOUT 0, and 1 with each of KLANE_VARIANTS)."""
+    monkeypatch.setattr(kmoe, "FP4_LAYOUT", layout[0])
+    _set_klane(monkeypatch, layout[1])
     cfg = preset("kimi-k3", 1)
     gen = make_generator(0, "cuda")
     w = moe_weights(cfg, gen, expert_format="mxfp4")
