@@ -36,6 +36,7 @@ Run from the repo root: python3 benchmarks/h200_session4/mla_sweep.py  (~30-40 s
 
 import contextlib
 import math
+import os
 import sys
 import time
 
@@ -65,6 +66,9 @@ VARIANTS = [  # the cooperative launches last: if one breaks a capture, the rest
     ("fused", dict(FUSE_COMBINE=True), None),
     ("fused-2sm", dict(FUSE_COMBINE=True, FUSED_PROGRAMS_PER_SM=2, **TWO_SM), None),
 ]
+# MLA_SWEEP_ONLY="a,b": only those variants (call 3)
+if os.environ.get("MLA_SWEEP_ONLY"):
+    VARIANTS = [v for v in VARIANTS if v[0] in os.environ["MLA_SWEEP_ONLY"].split(",")]
 KNOBS = sorted({k for _, v, _ in VARIANTS for k in v})
 DEFAULTS = {k: getattr(mla, k) for k in KNOBS}
 
@@ -96,13 +100,16 @@ def correct(inputs, ref):
         return False
 
 
-def run(ctx, copies, ref, name, values):
+def run(ctx, copies, refs, name, values):
+    """refs: the reference outputs of copies[0] and copies[-1] (call 2 checked copies[-1] against
+    copies[0]'s reference, so every row with more than one copy read ok = false)."""
+    ref, ref_last = refs
     nbytes = ctx * (CFG.kv_lora + CFG.qk_rope) * 2
     with knobs(values):
         splits = mla.default_num_splits(1, CFG.mla_heads, ctx, "cuda")
         ok = correct(copies[0], ref)
         us = gt(call, copies) if ok else float("nan")
-        ok = ok and math.isfinite(us) and correct(copies[-1], ref)
+        ok = ok and math.isfinite(us) and correct(copies[-1], ref_last)
         # one call (on a copy the first check did not touch where there are several: 32k = 37.7
         # MB fits in L2)
         dur = kdur(call, copies[-1]) if ok else None
@@ -118,6 +125,9 @@ for ctx in (32768, 65536, 131072):
     i = copies[0]
     ref = mla_decode_reference(i["q_lat"], i["q_rope"], i["kv_cache"], i["seq_lens"],
                                sm_scale=i["sm_scale"])
+    j = copies[-1]
+    refs = (ref, mla_decode_reference(j["q_lat"], j["q_rope"], j["kv_cache"], j["seq_lens"],
+                                      sm_scale=j["sm_scale"]))
     for name, values, only in VARIANTS:
         if only is not None and ctx not in only:
             continue
@@ -125,10 +135,10 @@ for ctx in (32768, 65536, 131072):
             rec(k="mla4", ctx=ctx, name=name, err="skipped: 65 s budget")
             continue
         try:
-            run(ctx, copies, ref, name, values)
+            run(ctx, copies, refs, name, values)
         except Exception as e:  # record and go on
             rec(k="mla4", ctx=ctx, name=name, err=repr(e)[:300])
         dump("mla4.json")
-    del copies, i, ref
+    del copies, i, j, ref, refs
     torch.cuda.empty_cache()
 dump("mla4.json")

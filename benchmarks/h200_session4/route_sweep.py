@@ -89,11 +89,22 @@ TP8 = [
     ("rows264", dict(GEMV_ROW_PROGRAMS=264), True),
     ("rows132-s2", dict(ROWS, GEMV_ROW_SPLITS=2), True),
     ("rows132-nw2", dict(ROWS, NUM_WARPS=2), True),
+    # call 3: the call-2 winners combined
+    ("scalar-candl1", dict(SELECT_SCALAR_KEYS=True, CAND_CACHE=""), False),
+    ("rows132-s2-scalar-candl1", dict(ROWS, GEMV_ROW_SPLITS=2, SELECT_SCALAR_KEYS=True,
+                                      CAND_CACHE=""), False),
+    ("rows132-c1024-s2-scalar-candl1", dict(C1024, GEMV_ROW_SPLITS=2, SELECT_SCALAR_KEYS=True,
+                                            CAND_CACHE=""), False),
 ]
 TP1 = ("default", "rows132-c1024", "scalar", "rows132-c1024-scalar")
 # tp 1 right after tp 8's first four (its kernels are then compiled already): the later tp 8
 # variants are the ones the time budget may cut
 PHASES = [(8, TP8[:4]), (1, [v for v in TP8 if v[0] in TP1]), (8, TP8[4:])]
+# ROUTE_SWEEP_ONLY="a,b,...": only those variants, at tp 8 then tp 1 (call 3)
+if os.environ.get("ROUTE_SWEEP_ONLY"):
+    _only = os.environ["ROUTE_SWEEP_ONLY"].split(",")
+    _pick = [v for name in _only for v in TP8 if v[0] == name]
+    PHASES = [(8, _pick), (1, _pick)]
 
 
 def setk(**kw):
