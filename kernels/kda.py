@@ -42,44 +42,10 @@ TILE_PER_WARP = 512    # state-tile elements per warp (16 fp32 registers per thr
                        # f_b GEMV, which is most of a program's latency)
 MAX_WARPS = 8
 
-# Opt-in switches (defaults = the measured kernel; the session-4 sweep times the others):
-LOADS_FIRST = 0        # 1: state + small vectors issued first, a barrier, then f_b: ptxas sinks
-                       # loads towards their use (the state load went out after the GEMV) but
-                       # moves none across a barrier, so a cold call pays one DRAM round trip,
-                       # not two. 2: also a barrier between f_b's loads and their use ("flat"
-                       # only: the chunked GEMVs interleave loads and FMAs in program order, and
-                       # offline SASS shows ptxas issuing the last chunks' loads after FMAs that
-                       # wait for the first chunks' data: a second round trip). 3: as 2 with
-                       # f_b's loads volatile (ptxas keeps volatile loads in program order)
-GEMV_LAYOUT = "rows"   # "rows": [D, BLOCK_R] f_b chunks, rank along lanes (a shuffle tree per
-                       # chunk). "cols": [BLOCK_RT, D] chunks with the rank as dim 0, so Triton
-                       # gives each thread 8 consecutive rank values of one row (one 16-byte
-                       # load) and the rows across lanes; products accumulate in-thread over all
-                       # chunks and one reduction at the end leaves the lanes (no per-chunk tree).
-                       # "flat": the head's whole f_b as ONE [BLOCK_RT, (R/BLOCK_RT) * D] load in
-                       # the "cols" layout (column c * D + d holds rank chunk c of row d), so all
-                       # its loads are issued together; sum over dim 0, then over the R/BLOCK_RT
-                       # chunks (a reshape, in-thread)
-BLOCK_RT = 16          # rank rows per "cols" / "flat" chunk (8 per thread x 2 lanes)
-O_FROM_DECAYED = False  # o = S^T q + u (k . q) with S the decayed slice: S^T k and S^T q are two
-                       # independent k-axis sums (overlapping latencies) instead of two in a row
-ONE_REDUCE = False     # all five k-axis sums (S^T k, S^T q, k.k, q.q, k.q, with the raw q and k;
-                       # the L2 norms scale the results) as one 5-operand reduction over [D, BV]
-                       # operands in the state's layout: one round through shared memory and its
-                       # barriers instead of four (two norms, S^T k, S^T q); o as O_FROM_DECAYED
-NUM_WARPS = None       # override of the warps per program (None: TILE_PER_WARP rule)
-MAX_NREG = None        # register cap per thread (ptxas .maxnreg; CUDA only), e.g. 80 so that three
-                       # 8-warp programs share an SM: 384 programs (tp 1) in one wave of 132 SMs
-
 
 @triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
-
-
-@triton.jit
-def _add5(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
-    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1
 
 
 @triton.jit
@@ -112,9 +78,6 @@ def _kda_decode_kernel(
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
-    LOADS_FIRST: tl.constexpr = 0, GEMV: tl.constexpr = 0, BRT: tl.constexpr = 16,
-    RP: tl.constexpr = 16,
-    O_FROM_DECAYED: tl.constexpr = False, ONE_REDUCE: tl.constexpr = False,
 ):
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_mh = (i_m * H + i_h).to(tl.int64)
@@ -124,103 +87,38 @@ def _kda_decode_kernel(
     # the state slice first: its load is the one that matters, let it fly during the GEMV
     p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
     b_s = tl.load(p_s)
-    if GEMV == 2:  # "flat" GEMV indices; f_low (256 B, broadcast) goes out with the state
-        NC: tl.constexpr = RP // BRT       # RP = R rounded up to BRT * 2^j
-        o_j = tl.arange(0, BRT)
-        o_c = tl.arange(0, NC * D)
-        o_rc = (o_c // D)[None, :] * BRT + o_j[:, None]          # rank of [j, c * D + d]
-        p_fb = f_b + (i_h * D + o_c % D)[None, :].to(tl.int64) * R + o_rc
-        if RP == R:
-            b_fl = tl.load(f_low + i_m * R + o_rc)
-        else:
-            b_fl = tl.load(f_low + i_m * R + o_rc, mask=o_rc < R, other=0.0)
-    if LOADS_FIRST:  # no load moves across a barrier: all of these are out before f_b's
-        b_A = tl.load(A_log + i_h)
-        b_bias = tl.load(dt_bias + i_h * D + o_k)
-        b_bl = tl.load(b_logits + i_mh)
-        if not FUSE_CONV:
-            b_q = tl.load(q + i_mh * D + o_k)
-            b_k = tl.load(k + i_mh * D + o_k)
-            b_v = tl.load(v + i_mh * D + o_v)
-        tl.debug_barrier()
 
     # f_b projection of this head's d channels: f = f_b[h rows] @ f_low[m], fp32 accumulation
-    if GEMV == 2:  # "flat": the whole head's f_b in one load (3: volatile, kept in order)
-        if RP == R:
-            b_fb = tl.load(p_fb, volatile=LOADS_FIRST >= 3)
-        else:
-            b_fb = tl.load(p_fb, mask=o_rc < R, other=0.0, volatile=LOADS_FIRST >= 3)
-        if LOADS_FIRST >= 2:
-            tl.debug_barrier()
-        b_fc = tl.sum(b_fb.to(tl.float32) * b_fl.to(tl.float32), 0)   # [NC * D]
-        b_f = tl.sum(tl.reshape(b_fc, [NC, D]), 0)
-    elif GEMV == 1:
-        b_acc = tl.zeros([BRT, D], dtype=tl.float32)
-        for r0 in tl.static_range(0, R, BRT):
-            o_r = r0 + tl.arange(0, BRT)
-            p_fb = f_b + (i_h * D + o_k)[None, :].to(tl.int64) * R + o_r[:, None]
-            if R % BRT == 0:
-                b_fl = tl.load(f_low + i_m * R + o_r)
-                b_fb = tl.load(p_fb)
-            else:
-                b_fl = tl.load(f_low + i_m * R + o_r, mask=o_r < R, other=0.0)
-                b_fb = tl.load(p_fb, mask=(o_r < R)[:, None], other=0.0)
-            b_acc += b_fb.to(tl.float32) * b_fl.to(tl.float32)[:, None]
-        b_f = tl.sum(b_acc, 0)
-    else:
-        b_f = tl.zeros([D], dtype=tl.float32)
-        for r0 in tl.static_range(0, R, BR):
-            o_r = r0 + tl.arange(0, BR)
-            m_r = o_r < R
-            b_fl = tl.load(f_low + i_m * R + o_r, mask=m_r, other=0.0).to(tl.float32)
-            p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
-            b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
-            b_f += tl.sum(b_fb * b_fl[None, :], 1)
-    if not LOADS_FIRST:  # (today's order: ptxas places these loads after the GEMV's)
-        b_A = tl.load(A_log + i_h)
-        b_bias = tl.load(dt_bias + i_h * D + o_k)
-    b_g = lower_bound * _sigmoid(tl.exp(b_A.to(tl.float32)) * (b_f + b_bias.to(tl.float32)))
-    if not LOADS_FIRST:
-        b_bl = tl.load(b_logits + i_mh)
-    b_beta = _sigmoid(b_bl.to(tl.float32))
+    b_f = tl.zeros([D], dtype=tl.float32)
+    for r0 in tl.static_range(0, R, BR):
+        o_r = r0 + tl.arange(0, BR)
+        m_r = o_r < R
+        b_fl = tl.load(f_low + i_m * R + o_r, mask=m_r, other=0.0).to(tl.float32)
+        p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
+        b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
+        b_f += tl.sum(b_fb * b_fl[None, :], 1)
+    b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_bias = tl.load(dt_bias + i_h * D + o_k).to(tl.float32)
+    b_g = lower_bound * _sigmoid(b_A * (b_f + b_bias))
+    b_beta = _sigmoid(tl.load(b_logits + i_mh).to(tl.float32))
 
     if FUSE_CONV:  # BV == D: this program owns the head's q, k, v channels and conv caches
         o_cache = i_mh * D * (C - 1)
         b_q = _conv_silu_step(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
         b_k = _conv_silu_step(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k, C, BC)
         b_v = _conv_silu_step(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v, C, BC)
-    elif not LOADS_FIRST:
-        b_q = tl.load(q + i_mh * D + o_k)
-        b_k = tl.load(k + i_mh * D + o_k)
-        b_v = tl.load(v + i_mh * D + o_v)
-    b_q, b_k, b_v = b_q.to(tl.float32), b_k.to(tl.float32), b_v.to(tl.float32)
-    if not ONE_REDUCE:
-        b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
-        b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
+    else:
+        b_q = tl.load(q + i_mh * D + o_k).to(tl.float32)
+        b_k = tl.load(k + i_mh * D + o_k).to(tl.float32)
+        b_v = tl.load(v + i_mh * D + o_v).to(tl.float32)
+    b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + L2EPS) * scale
+    b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + L2EPS)
 
     # decay, delta update and output on this program's [D, BV] slice of the state
     b_s = b_s * tl.exp(b_g)[:, None]
-    if ONE_REDUCE:  # u = beta (v - S^T k / |k|), S' = S + k u^T / |k|, o = S'^T q scale / |q|
-        b_kc, b_qc = b_k[:, None], b_q[:, None]
-        zero = tl.zeros([D, BV], dtype=tl.float32)
-        b_sk, b_sq, b_kk, b_qq, b_kq = tl.reduce(
-            (b_s * b_kc, b_s * b_qc, zero + b_kc * b_kc, zero + b_qc * b_qc, zero + b_kc * b_qc),
-            0, _add5)
-        b_rk = 1.0 / tl.sqrt(b_kk + L2EPS)  # [BV], all equal
-        b_rq = scale / tl.sqrt(b_qq + L2EPS)
-        b_u = b_beta * (b_v - b_sk * b_rk)
-        b_s += b_kc * (b_u * b_rk)[None, :]
-        b_o = b_sq * b_rq + b_u * (b_kq * b_rk * b_rq)
-    elif O_FROM_DECAYED:
-        b_sk = tl.sum(b_s * b_k[:, None], 0)
-        b_sq = tl.sum(b_s * b_q[:, None], 0)
-        b_u = b_beta * (b_v - b_sk)
-        b_s += b_k[:, None] * b_u[None, :]
-        b_o = b_sq + b_u * tl.sum(b_k * b_q, 0)
-    else:
-        b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
-        b_s += b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_s * b_q[:, None], 0)
+    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], 0))
+    b_s += b_k[:, None] * b_u[None, :]
+    b_o = tl.sum(b_s * b_q[:, None], 0)
     tl.store(p_s, b_s)
 
     if FUSE_OUT_GATE:  # BV == D: per-head RMSNorm times sigmoid(gate)
@@ -378,12 +276,6 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     o = torch.empty((m, hl, d), dtype=v.dtype, device=dev)
     grid = (d // block_v, hl, m)
     num_warps = max(1, min(MAX_WARPS, d * block_v // TILE_PER_WARP))
-    if NUM_WARPS is not None:
-        num_warps = NUM_WARPS
-    if GEMV_LAYOUT not in ("rows", "cols", "flat"):
-        raise ValueError(f"GEMV_LAYOUT: expected 'rows', 'cols' or 'flat', got {GEMV_LAYOUT!r}")
-    brt = min(BLOCK_RT, triton.next_power_of_2(r))
-    extra = {"maxnreg": MAX_NREG} if MAX_NREG is not None and dev.type == "cuda" else {}
     _kda_decode_kernel[grid](
         q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
         q_cache, k_cache, v_cache, q_conv, k_conv, v_conv, gate_logits, o_norm,
@@ -391,9 +283,6 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         H=hl, D=d, R=r, BR=min(BLOCK_R, triton.next_power_of_2(r)), BV=block_v,
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
-        LOADS_FIRST=int(LOADS_FIRST), GEMV=("rows", "cols", "flat").index(GEMV_LAYOUT),
-        BRT=brt, RP=brt * triton.next_power_of_2(triton.cdiv(r, brt)),
-        O_FROM_DECAYED=bool(O_FROM_DECAYED), ONE_REDUCE=bool(ONE_REDUCE),
-        num_warps=num_warps, **extra,
+        num_warps=num_warps,
     )
     return o

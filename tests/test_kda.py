@@ -120,58 +120,6 @@ def test_fused_matches_reference(case, device):
     assert_close("state", state, ref_state, atol=STATE_ATOL, rtol=STATE_RTOL)
 
 
-# opt-in switches of kernels/kda.py (session 4): each against the reference, an even and a
-# masked rank (R 16 and 24 with 16-row "cols" chunks), and with the fused conv / out gate
-SWITCHES = {
-    "loads-first": dict(LOADS_FIRST=1),
-    "cols+odec+4w": dict(GEMV_LAYOUT="cols", O_FROM_DECAYED=True, NUM_WARPS=4, MAX_NREG=80),
-    "flat+lf3+1r+rt64": dict(LOADS_FIRST=3, GEMV_LAYOUT="flat", ONE_REDUCE=True, BLOCK_RT=64),
-    "flat+lf2+rt8": dict(LOADS_FIRST=2, GEMV_LAYOUT="flat", BLOCK_RT=8),
-    "lf+1r": dict(LOADS_FIRST=1, ONE_REDUCE=True),
-}
-
-
-@pytest.mark.parametrize("case", ["M3-H5-d32-R16", "M2-H3-d32-R24"])
-@pytest.mark.parametrize("switch", list(SWITCHES))
-def test_fused_switches(switch, case, device, monkeypatch):
-    import k3lab.kernels.kda as kda_mod
-    for name, val in SWITCHES[switch].items():
-        monkeypatch.setattr(kda_mod, name, val)
-    kda_decode, KDAConv, KDAOutGate = _kernels()
-    cfg, m = CASES[case]
-    inp = kda_boundary.make_inputs(cfg, device, seed=9, M=m)
-    ref = kda_boundary._reference(clone_inputs(inp))
-    state = inp["state"].clone()
-    o = kda_decode(*_args({**inp, "state": state}), lower_bound=inp["lower_bound"])
-    assert_close("o", o, ref["o"], atol=O_BF16_ATOL, rtol=O_BF16_RTOL)
-    assert_close("state", state, ref["state"], atol=STATE_ATOL, rtol=STATE_RTOL)
-    if case != "M3-H5-d32-R16" or switch in ("lf+1r", "flat+lf2+rt8"):  # (CPU time)
-        return
-    ref = kda_boundary.reference_out_gate(clone_inputs(inp))
-    state = inp["state"].clone()
-    o = kda_decode(*_args({**inp, "state": state}),
-                   out_gate=KDAOutGate(inp["g_logits"], inp["o_norm"], inp["eps"]))
-    assert_close("o_gated", o, ref["o_gated"], atol=O_GATED_ATOL, rtol=O_GATED_RTOL)
-    fixed, tokens = kda_boundary.decode_stream(cfg, device, seed=7, M=m, steps=1)
-    ref, fused = clone_inputs(fixed), clone_inputs(fixed)
-    conv = KDAConv(*(fused[f"{n}_conv_state"] for n in "qkv"),
-                   *(fused[f"{n}_conv"] for n in "qkv"))
-    tok = tokens[0]
-    out_ref = kda_boundary.reference_conv({**ref, **tok})
-    o = kda_decode(*_args({**fused, **tok}, tok["q_pre"], tok["k_pre"], tok["v_pre"]), conv=conv)
-    assert_close("o (conv)", o, out_ref["o"], atol=O_BF16_ATOL, rtol=O_BF16_RTOL)
-    assert_close("state (conv)", fused["state"], ref["state"], atol=STATE_ATOL, rtol=STATE_RTOL)
-
-
-def test_bad_gemv_layout(device, monkeypatch):
-    import k3lab.kernels.kda as kda_mod
-    monkeypatch.setattr(kda_mod, "GEMV_LAYOUT", "diag")
-    kda_decode, _, _ = _kernels()
-    inp = kda_boundary.make_inputs(tiny(), device, seed=0, M=1)
-    with pytest.raises(ValueError, match="GEMV_LAYOUT"):
-        kda_decode(*_args(inp))
-
-
 @pytest.mark.parametrize("block_v", [8, 16, 32], ids=lambda b: f"BV{b}")
 def test_fused_every_v_tile_width(block_v, device):
     kda_decode, _, _ = _kernels()
@@ -468,22 +416,3 @@ def test_gpu_fla_peer():
         inp = b.make_inputs(preset("kimi-k3", tp), "cuda", seed=3, M=1)
         ref = b.reference.fn(clone_inputs(inp))
         b.check(b.variant("fla-core").fn(clone_inputs(inp)), ref, inp)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["flat+lf3+1r+rt64", "cols+odec+4w"])
-def test_gpu_k3_switches(switch, monkeypatch):
-    """The opt-in switches at the K3 shards (tp 1 and 8, M 1 and 16), every fused variant."""
-    import k3lab.kernels.kda as kda_mod
-    for name, val in SWITCHES[switch].items():
-        monkeypatch.setattr(kda_mod, name, val)
-    b = kda_boundary.BOUNDARY
-    for tp, m in ((1, 1), (8, 1), (8, 16)):
-        inp = b.make_inputs(preset("kimi-k3", tp), "cuda", seed=0, M=m)
-        ref = b.reference.fn(clone_inputs(inp))
-        for name in ("fused", "fused+conv", "fused+out_gate"):
-            b.check(b.variant(name).fn(clone_inputs(inp)), ref, inp)
-    monkeypatch.setattr(kda_mod, "NUM_WARPS", 16)  # the sweep's 16-warp rows
-    inp = b.make_inputs(preset("kimi-k3", 8), "cuda", seed=1, M=1)
-    ref = b.reference.fn(clone_inputs(inp))
-    b.check(b.variant("fused").fn(clone_inputs(inp)), ref, inp)
