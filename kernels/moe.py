@@ -101,7 +101,11 @@ FP4_KLANE_ROWS = 64
 # FP4_KLANE_PREFETCH (layout 1): register double buffering, each K step's loads issued before
 # the previous step's arithmetic (Triton does not pipeline loads that feed no dot).
 FP4_KLANE_PREFETCH = False
-# Session-4 candidates (issue 4, benchmarks/h200_session4/moe_sweep.py; default off):
+# Session-4 switches (issue 4, benchmarks/h200_session4/moe_sweep.py, H200 call 3, K3 B1, graph,
+# cold, stage 1 / stage 2 us): the default is FP4_FUSE_GATE_UP with a 3-stage stage-1 K loop:
+# tp 8 stage 1 27.07 -> 16.19 us (stage 2 unchanged, 10.4 us); tp 1 stage 1 87.4 -> 87.9 us
+# (0.505 of copy bandwidth). The fastest at tp 1 was FP4_FUSE_GATE_UP alone (80.6 us, 0.551), at
+# tp 8 20.5 us; pipelining stage 2 or splitting its K was slower at tp 1 (43.8-56.1 vs 42.5 us).
 # FP4_KLANE_STAGES n > 0 (layout 1): the K loop as tl.range(num_stages=n), which makes Triton's
 #   pipeliner stage the weight / scale loads through shared memory (cp.async, n - 1 steps ahead)
 #   without holding them in registers: more bytes in flight per SM at the same occupancy.
@@ -114,8 +118,8 @@ FP4_KLANE_PREFETCH = False
 # FP4_MAXNREG r (layout 1, compiled only): the expert launches' register cap (Triton's maxnreg),
 #   e.g. 128 = 4 programs of 4 warps an SM where the pipelined / split loops take more.
 # FP4_KLANE_STAGES and FP4_MAXNREG may also be (stage 1, stage 2) pairs.
-FP4_KLANE_STAGES = 0
-FP4_FUSE_GATE_UP = False
+FP4_KLANE_STAGES = (3, 0)
+FP4_FUSE_GATE_UP = True
 FP4_STAGE2_KSPLIT = 1
 FP4_MAXNREG = None
 FP4_X_SCALE = tl.constexpr(2.0 ** 64)

@@ -103,27 +103,36 @@ REG_ENTRIES = 64  # (padded) entries sorted in registers when all tokens fit one
 PAIR_TILE = 8192  # entries x entries compared at once by the sort passes
 PAIR_COLS = 1024  # widest column block of the sort passes
 NUM_WARPS = 4  # every program's: the GEMV tiles and the selection
-# Opt-in GEMV shapes (session 4, issue 3; defaults = the split-K tiles above, unchanged):
+# Session 4 (issue 3; benchmarks/h200_session4/route_sweep.py, H200 calls 2 and 3, K3 B1, graph,
+# cold; every plan field equal to the reference): the defaults below (row programs with two K
+# splits, scalar keys, candidate read-back through L1) take the call from 10.43 to 9.07 us at tp 8
+# (floor 4.15 us: 2.51x -> 2.19x) and 10.23 -> 9.07 us at tp 1. Separately: scalar keys + L1
+# read-back 9.79 us; one K split (whole rows) 9.70 us; 264 row programs 11.67 us; evict_first
+# on W 10.06 us; 2 warps 19.6 us.
+# GEMV shapes:
 # GEMV_ROW_PROGRAMS > 0: "row programs": about that many programs, each ROWS = cdiv(E, it)
 # whole experts (K3: 7 rows -> 128 programs, one per SM, 100 KB of W each) over
 # 1 / GEMV_ROW_SPLITS of H in unrolled GEMV_ROW_CHUNK-wide chunks (all loads independent).
 # With GEMV_ROW_SPLITS = 1 the selection reads finished logits (SPLIT_K = 1: no partial sum).
-GEMV_ROW_PROGRAMS = 0
+# Row programs serve B1 only (more tokens would re-read each program's rows from L2 per token):
+# from GEMV_ROW_MAX_TOKENS + 1 tokens on, the split-K tiles.
+GEMV_ROW_PROGRAMS = 132
 GEMV_ROW_CHUNK = 512
-GEMV_ROW_SPLITS = 1
+GEMV_ROW_SPLITS = 2
+GEMV_ROW_MAX_TOKENS = 1
 # Cache modifier of the selection's read-back of its own candidate rows (_load_candidates):
 # ".cg" (default: L2) or "" (default caching: the rows were stored by this program, and its
 # bar.sync makes them visible to its threads, so an L1 hit is allowed; only the lanes stored in
 # this launch are read); "regs": .cg, but the candidate count comes from a reduction in
 # registers instead of a store and re-load (one fewer [BLOCK_T, BLOCK_E] layout conversion).
-CAND_CACHE = ".cg"
+CAND_CACHE = ""
 # SELECT_SCALAR_KEYS: the selection loads its partials / bias one element at a time (the expert
 # axis declared non-contiguous), so the keys live in the layout the compaction's scatter stores
 # use (their pointers are data-dependent: one element a thread). sm_90, Triton 3.6, K3 M = 1:
 # the top-k fast path then has 9 instead of 29 barriers and ~660 instead of ~1020 instructions
 # (no layout conversions of the [1, 1024] keys / payloads / masks through shared memory, one
 # scan instead of two); the partial loads become 56 independent 4-byte loads a thread.
-SELECT_SCALAR_KEYS = False
+SELECT_SCALAR_KEYS = True
 GEMV_EVICT = ""  # eviction policy of the W loads: "" (default) or "evict_first" (cold, no reuse)
 # Measurement only (the H200 sweep sets it to split the last program's tail; anything below 3
 # leaves the plan incomplete): -1 = GEMV and side job alone (no counter), 0 = + the counter (no
@@ -763,7 +772,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
 
     counter = _counter(dev)
 
-    row_mode = _gemv_rows(E, H, dev.type == "cuda")
+    row_mode = _gemv_rows(E, H, dev.type == "cuda") if M <= GEMV_ROW_MAX_TOKENS else None
     if row_mode is None or gemv_block_e or gemv_block_k:
         block_e, block_k = _gemv_blocks(E, H, dev.type == "cuda", gemv_block_e, gemv_block_k)
         rows, chunks, split_k, e_tiles = 0, 1, triton.cdiv(H, block_k), triton.cdiv(E, block_e)

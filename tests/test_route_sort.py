@@ -611,9 +611,10 @@ def test_gemv_switches(switches, case, device, monkeypatch):
 def test_gemv_rows_shape():
     """Row programs: K3's 896 experts in 128 programs of 7 rows; the splits cut H; off: None."""
     m = route_sort_module
-    assert m._gemv_rows(896, 7168, True) is None  # default: the split-K tiles
     saved = (m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS)
     try:
+        m.GEMV_ROW_PROGRAMS = 0
+        assert m._gemv_rows(896, 7168, True) is None  # off: the split-K tiles
         m.GEMV_ROW_PROGRAMS, m.GEMV_ROW_SPLITS = 132, 1
         assert m._gemv_rows(896, 7168, True) == (7, 8, m.GEMV_ROW_CHUNK,
                                                   7168 // m.GEMV_ROW_CHUNK, 1)
