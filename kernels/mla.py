@@ -68,21 +68,25 @@ MAX_SPLITS = 1024
 SCORE_CHUNKS = 4
 DEFER_ROW_SUM = True
 # Fixed cost of the combine (session 4: ~2.7 us kernel + the gap between two graph nodes, of a
-# 32k budget of ~3 us); both opt-in, CUDA only (the interpreter runs the plain two kernels, or
-# for FUSE_COMBINE the same kernel in two phases, see mla_decode).
+# 32k budget of ~3 us). The switches below are CUDA only: the interpreter ignores PDL and runs
+# the plain two kernels.
 # COMBINE_PDL: programmatic dependent launch. The split kernel lets its dependents launch as soon
 # as every split program has started (griddepcontrol.launch_dependents), the combine kernel is
 # launched with launch_pdl and waits (griddepcontrol.wait) for the split grid's completion and
-# memory: its launch and start overlap the split kernel instead of following it.
-COMBINE_PDL = False
-# SPLIT_PDL: the split (or fused) kernel is launched with launch_pdl and waits for the preceding
+# memory: its launch and start overlap the split kernel instead of following it. On by default:
+# H200 session 4, benchmarks/h200_session4/mla_sweep.py (K3 tp 8, B1, graph, cold, 132 splits):
+# 16.86 / 26.99 / 46.53 us at 32k / 64k / 128k against 17.43 / 27.60 / 47.50 us without.
+COMBINE_PDL = True
+# SPLIT_PDL (opt-in): the split kernel is launched with launch_pdl and waits for the preceding
 # grid at its start; the call's last kernel lets the next grid launch at its start. What it
 # saves is the launch of the call's first kernel, behind whatever ran before: in the sweep's
 # graph that is the previous mla_decode call, in a decode step the preceding kernel, which
-# gains only as far as that kernel is done early or triggers its dependents itself.
+# gains only as far as that kernel is done early or triggers its dependents itself. Same sweep,
+# with COMBINE_PDL: 16.24 / 27.94 / 46.66 us (mixed against COMBINE_PDL alone).
 SPLIT_PDL = False
-# COMBINE_USED_ONLY: the combine kernel merges only the splits that hold rows (from seq_lens;
-# 128 of the 132 at 32k-128k on an H200) instead of all num_splits (the fused combine always does).
+# COMBINE_USED_ONLY (opt-in): the combine kernel merges only the splits that hold rows (from
+# seq_lens; 128 of the 132 at 32k-128k on an H200) instead of all num_splits. Same sweep: no
+# gain.
 COMBINE_USED_ONLY = False
 # FUSE_COMBINE: one launch. Every split program, after writing its partial, arrives at a grid
 # barrier (a per-device int32 [count 0, count 1, generation]: one atomic a program, the others
