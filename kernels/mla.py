@@ -9,7 +9,9 @@ Two kernels. ``_mla_decode_split_kernel``: one program per (token, group of BLOC
 all heads of a token share the cache rows, so the program reads each cache tile once for its
 BLOCK_H heads ([BLOCK_H, C] x [C, BLOCK_N] scores, online softmax in base 2) and writes a partial
 o [C] fp32 and its log-sum-exp per head. ``_mla_decode_combine_kernel`` merges the splits. With a
-single split the first kernel writes the final output itself (one launch).
+single split the first kernel writes the final output itself (one launch). On CUDA the combine
+is launched with programmatic dependent launch (COMBINE_PDL): it starts while the split grid runs
+and waits for it on the device.
 
 The split of the context is computed on the device from ``seq_lens``: a token of length L gets
 ``cdiv(cdiv(L, BLOCK_N), num_splits)`` blocks per split and splits past the end do nothing (their
@@ -30,7 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["mla_decode", "default_num_splits", "BLOCK_N", "BLOCK_H", "MAX_SPLITS",
-           "SCORE_CHUNKS", "DEFER_ROW_SUM", "COMBINE_PDL", "SPLIT_PDL", "FUSE_COMBINE"]
+           "SCORE_CHUNKS", "DEFER_ROW_SUM", "COMBINE_PDL", "SPLIT_PDL", "COMBINE_USED_ONLY"]
 
 # Cache rows per inner step, warps and pipeline stages: 64 rows x 576 x bf16 = 72 KiB a stage,
 # 4 warps, 3 stages, at every length. H200 session 4 (benchmarks/next/mla_sweep.py; K3 tp 8, B1,
@@ -68,41 +70,29 @@ MAX_SPLITS = 1024
 SCORE_CHUNKS = 4
 DEFER_ROW_SUM = True
 # Fixed cost of the combine (session 4: ~2.7 us kernel + the gap between two graph nodes, of a
-# 32k budget of ~3 us); both opt-in, CUDA only (the interpreter runs the plain two kernels, or
-# for FUSE_COMBINE the same kernel in two phases, see mla_decode).
+# 32k budget of ~3 us). The switches below are CUDA only: the interpreter ignores PDL and runs
+# the plain two kernels.
 # COMBINE_PDL: programmatic dependent launch. The split kernel lets its dependents launch as soon
 # as every split program has started (griddepcontrol.launch_dependents), the combine kernel is
 # launched with launch_pdl and waits (griddepcontrol.wait) for the split grid's completion and
-# memory: its launch and start overlap the split kernel instead of following it.
-COMBINE_PDL = False
-# SPLIT_PDL: the split (or fused) kernel is launched with launch_pdl and waits for the preceding
+# memory: its launch and start overlap the split kernel instead of following it. On by default:
+# H200 session 4, benchmarks/h200_session4/mla_sweep.py (K3 tp 8, B1, graph, cold, 132 splits):
+# 16.86 / 26.99 / 46.53 us at 32k / 64k / 128k against 17.43 / 27.60 / 47.50 us without.
+COMBINE_PDL = True
+# SPLIT_PDL (opt-in): the split kernel is launched with launch_pdl and waits for the preceding
 # grid at its start; the call's last kernel lets the next grid launch at its start. What it
 # saves is the launch of the call's first kernel, behind whatever ran before: in the sweep's
 # graph that is the previous mla_decode call, in a decode step the preceding kernel, which
-# gains only as far as that kernel is done early or triggers its dependents itself.
+# gains only as far as that kernel is done early or triggers its dependents itself. Same sweep,
+# with COMBINE_PDL: 16.24 / 27.94 / 46.66 us (mixed against COMBINE_PDL alone).
 SPLIT_PDL = False
-# COMBINE_USED_ONLY: the combine kernel merges only the splits that hold rows (from seq_lens;
-# 128 of the 132 at 32k-128k on an H200) instead of all num_splits (the fused combine always does).
+# COMBINE_USED_ONLY (opt-in): the combine kernel merges only the splits that hold rows (from
+# seq_lens; 128 of the 132 at 32k-128k on an H200) instead of all num_splits. Same sweep: no
+# gain.
 COMBINE_USED_ONLY = False
-# FUSE_COMBINE: one launch. Every split program, after writing its partial, arrives at a grid
-# barrier (a per-device int32 [count 0, count 1, generation]: one atomic a program, the others
-# poll the count; see _grid_barrier) and then merges its share of the
-# [M, Hl, C] outputs: items of one head's columns (a power of two, about one item a program), at
-# most FUSED_COMBINE_TILE fp32 partial elements a step. Only when every program fits on the GPU
-# at once (M * head groups * splits <= SMs x FUSED_PROGRAMS_PER_SM: the split kernel's shared
-# memory allows one program an SM at 64-row tiles); otherwise the two kernels.
-# FUSED_COOPERATIVE launches it as a cooperative grid (the driver guarantees co-residency or
-# refuses the launch) instead of relying on one program an SM.
-# Session 3's fused combine (1b890e3) instead put extra combiner programs in the grid, which
-# needed a second wave of SMs and took a ticket (one atomic round trip) before any load.
-FUSE_COMBINE = False
-FUSED_COOPERATIVE = True
-FUSED_COMBINE_TILE = 8192
-# Programs an SM the fused launch may count on (tiles whose shared memory lets two programs share
-# an SM, e.g. 32 rows / 3 stages = 93 KiB): above 1 only with FUSED_COOPERATIVE, where a grid
-# that does not fit is refused by the driver instead of waiting forever at the barrier.
-FUSED_PROGRAMS_PER_SM = 1
-MAX_SPIN = tl.constexpr(1 << 22)  # barrier polls (~1 us each) before a program stops waiting
+# A one-launch combine (every split program merging its share after a grid barrier, cooperative
+# launch or not) measured no faster in the same sweep (32k: 17.7 vs 17.4 us); it lives on branch
+# mla4 (commit accf8cb).
 # SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.
 CPU_SM_STANDIN = 8
 
@@ -158,26 +148,35 @@ def _tile_scores(p_n, m_n, o_w, o_r, b_q0, b_q1, b_q2, b_q3, b_qr, sm_scale_log2
 
 
 @triton.jit
-def _blocks_per_split(L, num_splits, BLOCK_N: tl.constexpr):
-    """Cache blocks of BLOCK_N rows a split of a token of length L gets (0 for L = 0)."""
-    return tl.cdiv(tl.cdiv(L, BLOCK_N), num_splits)
-
-
-@triton.jit
-def _split_partial(
-    q_lat, q_rope, kv, seq_lens, o, lse, i_m, i_hb, i_s,
+def _mla_decode_split_kernel(
+    q_lat, q_rope, kv, seq_lens, o, lse,
     sm_scale_log2, num_splits, H,
     stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
     stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
     C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr, DEFER_SUM: tl.constexpr, DOT_FP32: tl.constexpr,
-    FINAL: tl.constexpr,
+    FINAL: tl.constexpr, PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
-    """Split i_s of head group i_hb of token i_m: see _mla_decode_split_kernel."""
+    """Grid (M, head groups, num_splits): split i_s of head group i_hb of token i_m.
+
+    q_lat [M, Hl, C], q_rope [M, Hl, R], kv [M, L_max, C + R] (bf16 / fp16), seq_lens [M] int32.
+    FINAL: single split; o is the output [M, Hl, C] (q_lat's dtype) and lse the natural-log lse
+    [M, Hl] fp32. Otherwise o is the fp32 partial [M, Hl, S, C] and lse the base-2 partial lse
+    [M, Hl, S] fp32 (an empty split writes o = 0, lse = -inf).
+    CHUNKS in {1, 2, 4}: the latent columns in that many chunks of CW = C / CHUNKS, each with its
+    own score product and its own [BLOCK_H, CW] output accumulator. DEFER_SUM: the denominator
+    kept per element ([BLOCK_H, BLOCK_N]), reduced over the rows once after the loop.
+    PDL_WAIT: first wait for the preceding grid (griddepcontrol.wait; launched with launch_pdl).
+    PDL_TRIGGER: then let the dependent grid launch (griddepcontrol.launch_dependents)."""
     CW: tl.constexpr = C // CHUNKS
+    i_m, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL_WAIT:
+        gdc_wait()
+    if PDL_TRIGGER:
+        gdc_launch_dependents()
     i_m64 = i_m.to(tl.int64)
     L = tl.load(seq_lens + i_m)
-    blocks_per_split = _blocks_per_split(L, num_splits, BLOCK_N)
+    blocks_per_split = tl.cdiv(tl.cdiv(L, BLOCK_N), num_splits)
     start = i_s * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, L)
 
@@ -245,15 +244,39 @@ def _split_partial(
 
 
 @triton.jit
-def _combine_tile(
-    o_part, lse_part, o, lse, i_m, i_h, i_c, n_splits,
+def _splits_used(seq_lens, i_m, num_splits, BLOCK_N: tl.constexpr):
+    """Splits of token i_m that hold rows (the rest wrote lse -inf, o 0): at most num_splits."""
+    n_blocks = tl.cdiv(tl.load(seq_lens + i_m), BLOCK_N)
+    return tl.cdiv(n_blocks, tl.maximum(tl.cdiv(n_blocks, num_splits), 1))
+
+
+@triton.jit
+def _mla_decode_combine_kernel(
+    o_part, lse_part, o, lse, seq_lens, num_splits,
     stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
     stride_o_m, stride_o_h, stride_lse_m,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, CACHE: tl.constexpr,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr, USED_ONLY: tl.constexpr,
 ):
-    """Columns [i_c * BLOCK_C, +BLOCK_C) of head i_h of token i_m: softmax-weighted sum of the
-    first n_splits partial outputs by their base-2 lse; empty splits (lse -inf, o 0) weigh 0.
-    Column block 0 also writes the natural-log lse. CACHE: the partials' load cache modifier."""
+    """Grid (M, Hl, cdiv(C, BLOCK_C)): columns [i_c * BLOCK_C, +BLOCK_C) of head i_h of token i_m.
+
+    o_part [M, Hl, S, C] fp32 and lse_part [M, Hl, S] fp32 (base 2): the split kernel's partials;
+    o [M, Hl, C] (q_lat's dtype) gets their softmax-weighted sum by lse, lse [M, Hl] fp32 the
+    natural-log lse (from column block 0); empty splits (lse -inf, o 0) weigh 0.
+    PDL_WAIT: wait for the split grid before reading its partials (griddepcontrol.wait; launched
+    with launch_pdl), which are then read from L2 (.cg). PDL_TRIGGER: let the next grid launch
+    (launch_dependents). USED_ONLY: merge only the splits that hold rows (from seq_lens, BLOCK_N
+    the split kernel's tile), not all num_splits."""
+    i_m, i_h, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_splits = num_splits
+    if USED_ONLY:
+        n_splits = _splits_used(seq_lens, i_m, num_splits, BLOCK_N)
+    if PDL_TRIGGER:
+        gdc_launch_dependents()
+    if PDL_WAIT:
+        gdc_wait()
+    # started before the split grid ended (PDL): the partials from L2, never from this SM's L1
+    CACHE: tl.constexpr = ".cg" if PDL_WAIT else ""
     i_m64 = i_m.to(tl.int64)
     o_c = i_c * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < C
@@ -287,147 +310,6 @@ def _combine_tile(
         tl.store(lse + i_m64 * stride_lse_m + i_h + tl.arange(0, 1), b_lse_out * 0.6931471805599453)
 
 
-@triton.jit
-def _splits_used(seq_lens, i_m, num_splits, BLOCK_N: tl.constexpr):
-    """Splits of token i_m that hold rows (the rest wrote lse -inf, o 0): at most num_splits."""
-    n_blocks = tl.cdiv(tl.load(seq_lens + i_m), BLOCK_N)
-    return tl.cdiv(n_blocks, tl.maximum(tl.cdiv(n_blocks, num_splits), 1))
-
-
-@triton.jit
-def _combine_items(o_part, lse_part, o, lse, seq_lens, m_first, n_used_first, pid, n_progs,
-                   n_items, n_cblocks, num_splits, H, stride_op_m, stride_op_h, stride_op_s,
-                   stride_lp_m, stride_lp_h, stride_o_m, stride_o_h, stride_lse_m,
-                   C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_N: tl.constexpr, CACHE: tl.constexpr):
-    """Combine items pid, pid + n_progs, ... of the n_items = M * H * n_cblocks (token, head,
-    column block) items, each over the splits that hold rows (n_used_first for token m_first,
-    read before the grid barrier)."""
-    for j in range(pid, n_items, n_progs):
-        j_m = j // (H * n_cblocks)
-        n_used = n_used_first
-        if j_m != m_first:
-            n_used = _splits_used(seq_lens, j_m, num_splits, BLOCK_N)
-        _combine_tile(o_part, lse_part, o, lse, j_m, (j // n_cblocks) % H, j % n_cblocks, n_used,
-                      stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
-                      stride_o_m, stride_o_h, stride_lse_m, C, BLOCK_C, BLOCK_S, CACHE)
-
-
-@triton.jit
-def _grid_barrier(sync, gen, n_progs):
-    """Every one of the grid's n_progs programs (all resident) waits until all have arrived.
-    sync: int32 [count 0, count 1, generation]; gen: the generation the program read at its
-    start. A launch counts its arrivals in count[gen % 2] and waits until that reaches n_progs
-    (the waiters see the last arrival itself: one atomic round trip, no second hop). The last
-    arrival zeroes the other count (the previous launch's: every program of that launch stopped
-    reading it before that launch ended) and bumps the generation, so the next launch counts in
-    a zeroed count."""
-    p_cnt = sync + (gen & 1)
-    arrived = tl.atomic_add(p_cnt, 1, sem="acq_rel", scope="gpu")
-    if arrived == n_progs - 1:
-        tl.atomic_xchg(sync + (1 - (gen & 1)), 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(sync + 2, 1, sem="release", scope="gpu")
-    else:
-        cur = tl.atomic_add(p_cnt, 0, sem="acquire", scope="gpu")
-        polls = 0
-        while (cur < n_progs) & (polls < MAX_SPIN):  # a bound: a bug gives wrong output, no hang
-            cur = tl.atomic_add(p_cnt, 0, sem="acquire", scope="gpu")
-            polls += 1
-
-
-@triton.jit
-def _mla_decode_split_kernel(
-    q_lat, q_rope, kv, seq_lens, o, lse, o_fin, lse_fin, sync,
-    sm_scale_log2, num_splits, H, n_items, n_cblocks,
-    stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
-    stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
-    stride_of_m, stride_of_h, stride_lf_m,
-    C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNKS: tl.constexpr, DEFER_SUM: tl.constexpr, DOT_FP32: tl.constexpr,
-    FINAL: tl.constexpr, PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
-    FUSE: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """Grid (M, head groups, num_splits). FINAL: single split; o is the output [M, Hl, C] and
-    lse the natural-log lse [M, Hl]. Otherwise o is the fp32 partial [M, Hl, S, C] and lse the
-    base-2 partial lse [M, Hl, S].
-    CHUNKS in {1, 2, 4}: the latent columns in that many chunks of CW = C / CHUNKS, each with its
-    own score product and its own [BLOCK_H, CW] output accumulator. DEFER_SUM: the denominator
-    kept per element ([BLOCK_H, BLOCK_N]), reduced over the rows once after the loop.
-    PDL_WAIT: first wait for the preceding grid (griddepcontrol.wait; launched with launch_pdl).
-    PDL_TRIGGER: then let the dependent grid launch (griddepcontrol.launch_dependents).
-    FUSE: 0 partials only; 3 partials, grid barrier on sync (int32 [3]), then this program's
-    share of the n_items = M * Hl * n_cblocks combine items (BLOCK_C columns of one head, merged
-    BLOCK_S splits a step) into o_fin [M, Hl, C] and lse_fin [M, Hl]; 1 / 2 are the two halves
-    of 3 without the barrier (the interpreter, which runs programs one after the other, launches
-    the kernel twice)."""
-    i_m, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PDL_WAIT:
-        gdc_wait()
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
-    gen = 0
-    if FUSE == 3:  # before the arrival, which cannot be followed by a bump before ours
-        gen = tl.atomic_add(sync + 2, 0, sem="relaxed", scope="gpu")
-    if FUSE != 2:
-        _split_partial(
-            q_lat, q_rope, kv, seq_lens, o, lse, i_m, i_hb, i_s,
-            sm_scale_log2, num_splits, H,
-            stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
-            stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
-            C, R, BLOCK_H, BLOCK_N, CHUNKS, DEFER_SUM, DOT_FP32, FINAL)
-    if FUSE >= 2:
-        n_groups = tl.num_programs(1)
-        n_progs = tl.num_programs(0) * n_groups * num_splits
-        pid = (i_m * n_groups + i_hb) * num_splits + i_s
-        m_first = tl.minimum(pid // (H * n_cblocks), tl.num_programs(0) - 1)
-        n_used_first = _splits_used(seq_lens, m_first, num_splits, BLOCK_N)
-        if FUSE == 3:
-            _grid_barrier(sync, gen, n_progs)
-            # the partials of other SMs: read from L2, never from this SM's L1
-            _combine_items(o, lse, o_fin, lse_fin, seq_lens, m_first, n_used_first, pid,
-                           n_progs, n_items, n_cblocks,
-                           num_splits, H, stride_o_m, stride_o_h, stride_o_s, stride_lse_m,
-                           stride_lse_h, stride_of_m, stride_of_h, stride_lf_m,
-                           C, BLOCK_C, BLOCK_S, BLOCK_N, ".cg")
-        else:
-            _combine_items(o, lse, o_fin, lse_fin, seq_lens, m_first, n_used_first, pid,
-                           n_progs, n_items, n_cblocks,
-                           num_splits, H, stride_o_m, stride_o_h, stride_o_s, stride_lse_m,
-                           stride_lse_h, stride_of_m, stride_of_h, stride_lf_m,
-                           C, BLOCK_C, BLOCK_S, BLOCK_N, "")
-
-
-@triton.jit
-def _mla_decode_combine_kernel(
-    o_part, lse_part, o, lse, seq_lens, num_splits,
-    stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
-    stride_o_m, stride_o_h, stride_lse_m,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr, USED_ONLY: tl.constexpr,
-):
-    """One program per (token, head, BLOCK_C latent columns): see _combine_tile. PDL_WAIT: wait
-    for the split grid before reading its partials (griddepcontrol.wait; launched with
-    launch_pdl); PDL_TRIGGER: let the next grid launch (launch_dependents). USED_ONLY: merge
-    only the splits that hold rows (from seq_lens), not all num_splits."""
-    i_m, i_h, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_splits = num_splits
-    if USED_ONLY:
-        n_splits = _splits_used(seq_lens, i_m, num_splits, BLOCK_N)
-    if PDL_TRIGGER:
-        gdc_launch_dependents()
-    if PDL_WAIT:
-        gdc_wait()
-        # started before the split grid ended: the partials from L2, never from this SM's L1
-        _combine_tile(o_part, lse_part, o, lse, i_m, i_h, i_c, n_splits,
-                      stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
-                      stride_o_m, stride_o_h, stride_lse_m, C, BLOCK_C, BLOCK_S, ".cg")
-    else:
-        _combine_tile(o_part, lse_part, o, lse, i_m, i_h, i_c, n_splits,
-                      stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
-                      stride_o_m, stride_o_h, stride_lse_m, C, BLOCK_C, BLOCK_S, "")
-
-
 @functools.cache
 def _sm_count(device_type: str, index: int | None) -> int:
     if device_type == "cuda":
@@ -449,30 +331,6 @@ def default_num_splits(batch: int, heads: int, max_len: int,
     by_occupancy = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
     by_length = max_len // MIN_ROWS_PER_SPLIT
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
-
-
-def _capturing(dev: torch.device) -> bool:
-    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-# One int32 [count 0, count 1, generation] grid barrier per device for FUSE_COMBINE (see
-# _grid_barrier): fused calls on one device must not run concurrently on two streams.
-_SYNC: dict[torch.device, torch.Tensor] = {}
-
-
-def _sync(dev: torch.device) -> torch.Tensor:
-    """The device's fused-launch barrier, created by the first call outside a capture."""
-    key = torch.device(dev.type, dev.index if dev.index is not None
-                       else torch.cuda.current_device())
-    sync = _SYNC.get(key)
-    if sync is None:
-        if _capturing(dev):
-            raise ValueError(
-                f"q_lat: mla_decode's FUSE_COMBINE barrier on {key} does not exist yet and "
-                "cannot be created inside a CUDA-graph capture; call mla_decode once on this "
-                "device before capturing")
-        sync = _SYNC[key] = torch.zeros(3, dtype=torch.int32, device=key)
-    return sync
 
 
 def _split_config(max_len: int, on_gpu: bool) -> tuple[int, int, int]:
@@ -567,9 +425,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         so one captured CUDA graph serves every length up to L_max.
     Returns o_lat [M, Hl, C] in q_lat's dtype; with ``return_lse`` also lse [M, Hl] fp32 (natural
     log of sum_t exp(score), scores scaled). No host synchronization.
-    The module switches COMBINE_PDL, SPLIT_PDL, COMBINE_USED_ONLY and FUSE_COMBINE (CUDA: one
-    launch with a grid barrier; its barrier buffer is made by the first call on a device, which
-    must not be inside a CUDA-graph capture) change how the splits are merged, not the result.
+    The module switches COMBINE_PDL (on), SPLIT_PDL and COMBINE_USED_ONLY change how the
+    kernels are launched and the splits merged, not the result; PDL is CUDA only.
     """
     _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits)
     m, h, c = q_lat.shape
@@ -583,14 +440,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
     out = torch.empty((m, h, c), device=dev, dtype=q_lat.dtype)
     lse = torch.empty((m, h), device=dev, dtype=torch.float32)
     final = num_splits == 1
-    n_groups = triton.cdiv(h, BLOCK_H)
-    grid = (m, n_groups, num_splits)
-    n_progs = m * n_groups * num_splits
-    # fused only where every program is resident at once (one an SM; see FUSE_COMBINE)
-    per_sm = FUSED_PROGRAMS_PER_SM if FUSED_COOPERATIVE else 1
-    fused = (bool(FUSE_COMBINE) and not final
-             and (not on_gpu or n_progs <= per_sm * _sm_count("cuda", dev.index)))
-    pdl = bool(COMBINE_PDL) and on_gpu and not final and not fused
+    # programmatic dependent launch: CUDA only (the interpreter runs the plain launches)
+    pdl = bool(COMBINE_PDL) and on_gpu and not final
     split_pdl = bool(SPLIT_PDL) and on_gpu
     if final:
         o_dst, lse_dst = out, lse
@@ -601,46 +452,27 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         lse_dst = torch.empty((m, h, num_splits), device=dev, dtype=torch.float32)
         so = (o_dst.stride(0), o_dst.stride(1), o_dst.stride(2))
         sl = (lse_dst.stride(0), lse_dst.stride(1))
-    if fused:
-        # about one item (BLOCK_C columns of one head) a program, at most FUSED_COMBINE_TILE
-        # partial elements a step
-        block_c = min(c, max(COMBINE_MIN_BLOCK_C,
-                             triton.next_power_of_2(triton.cdiv(m * h * c, n_progs))))
-        block_s = min(triton.next_power_of_2(num_splits), max(1, FUSED_COMBINE_TILE // block_c))
-        sync = _sync(dev) if on_gpu else seq_lens  # the interpreter needs no barrier
-    else:
+    block_n, warps, stages = _split_config(kv_cache.shape[1], on_gpu)
+    _mla_decode_split_kernel[(m, triton.cdiv(h, BLOCK_H), num_splits)](
+        q_lat, q_rope, kv_cache, seq_lens, o_dst, lse_dst,
+        sm_scale * _LOG2E, num_splits, h,
+        q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), *so, *sl,
+        C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, CHUNKS=_score_chunks(c),
+        DEFER_SUM=bool(DEFER_ROW_SUM), DOT_FP32=dot_fp32, FINAL=final,
+        PDL_WAIT=split_pdl, PDL_TRIGGER=pdl or split_pdl,
+        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if split_pdl else {}),
+    )
+    if not final:
         block_s = min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)
         block_c = min(c, max(COMBINE_MIN_BLOCK_C, COMBINE_TILE // block_s))
-        sync = seq_lens  # unused (int32 like the barrier: one specialization)
-    n_cblocks = triton.cdiv(c, block_c)
-    block_n, warps, stages = _split_config(kv_cache.shape[1], on_gpu)
-    args = (q_lat, q_rope, kv_cache, seq_lens, o_dst, lse_dst, out, lse, sync,
-            sm_scale * _LOG2E, num_splits, h, m * h * n_cblocks, n_cblocks,
-            q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
-            kv_cache.stride(0), kv_cache.stride(1), *so, *sl,
-            out.stride(0), out.stride(1), lse.stride(0))
-    meta = dict(C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, CHUNKS=_score_chunks(c),
-                DEFER_SUM=bool(DEFER_ROW_SUM), DOT_FP32=dot_fp32, FINAL=final,
-                PDL_WAIT=split_pdl, PDL_TRIGGER=pdl or split_pdl,
-                BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps, num_stages=stages)
-    if split_pdl:
-        meta["launch_pdl"] = True
-    if fused and on_gpu:
-        coop = {"launch_cooperative_grid": True} if FUSED_COOPERATIVE else {}
-        _mla_decode_split_kernel[grid](*args, FUSE=3, **meta, **coop)
-    elif fused:  # interpreter: programs run one after the other, so two launches, no barrier
-        _mla_decode_split_kernel[grid](*args, FUSE=1, **meta)
-        _mla_decode_split_kernel[grid](*args, FUSE=2, **meta)
-    else:
-        _mla_decode_split_kernel[grid](*args, FUSE=0, **meta)
-    if not final and not fused:
-        _mla_decode_combine_kernel[(m, h, n_cblocks)](
+        _mla_decode_combine_kernel[(m, h, triton.cdiv(c, block_c))](
             o_dst, lse_dst, out, lse, seq_lens, num_splits,
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
             lse_dst.stride(0), lse_dst.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
             C=c, BLOCK_C=block_c, BLOCK_S=block_s, BLOCK_N=block_n, PDL_WAIT=pdl,
-            PDL_TRIGGER=split_pdl,
-            USED_ONLY=bool(COMBINE_USED_ONLY), **({"launch_pdl": True} if pdl else {}),
+            PDL_TRIGGER=split_pdl, USED_ONLY=bool(COMBINE_USED_ONLY),
+            **({"launch_pdl": True} if pdl else {}),
         )
     return (out, lse) if return_lse else out

@@ -149,22 +149,18 @@ def test_variants_match_reference(device, monkeypatch, chunks, defer):
         _check(device, q_lat, q_rope, kv, sl, ns, cfg.qk_head ** -0.5)
 
 
-# Opt-in combine variants (kernels/mla.py COMBINE_PDL, SPLIT_PDL, COMBINE_USED_ONLY,
-# FUSE_COMBINE, FUSED_COOPERATIVE, FUSED_PROGRAMS_PER_SM): (id, module settings). On the CPU the
-# PDL switches are off (CUDA only) and FUSE_COMBINE runs its two halves as two launches (no grid
-# barrier in the interpreter): the CPU test takes the two that change the arithmetic's path.
+# Combine switches (kernels/mla.py COMBINE_PDL, on by default, SPLIT_PDL, COMBINE_USED_ONLY):
+# (id, module settings). On the CPU the PDL switches are ignored (CUDA only; checked by
+# test_interpreter_ignores_pdl): the CPU test takes the one that changes the arithmetic's path.
 COMBINE_VARIANTS = [
+    ("no-pdl", dict(COMBINE_PDL=False)),
     ("pdl", dict(COMBINE_PDL=True)),
     ("used", dict(COMBINE_USED_ONLY=True)),
     ("pdl-used", dict(COMBINE_PDL=True, COMBINE_USED_ONLY=True)),
-    ("fused", dict(FUSE_COMBINE=True)),
-    ("fused-nocoop", dict(FUSE_COMBINE=True, FUSED_COOPERATIVE=False)),
     ("pdl2", dict(COMBINE_PDL=True, SPLIT_PDL=True)),
-    ("fused-splitpdl", dict(FUSE_COMBINE=True, FUSED_COOPERATIVE=False, SPLIT_PDL=True)),
-    ("fused-2sm", dict(FUSE_COMBINE=True, FUSED_PROGRAMS_PER_SM=2, BLOCK_N=32,
-                       SPLIT_NUM_STAGES=3, PROGRAMS_PER_SM=2)),
+    ("splitpdl", dict(COMBINE_PDL=False, SPLIT_PDL=True)),
 ]
-CPU_COMBINE_VARIANTS = [v for v in COMBINE_VARIANTS if v[0] in ("used", "fused")]
+CPU_COMBINE_VARIANTS = [v for v in COMBINE_VARIANTS if v[0] == "used"]
 
 
 def _set(monkeypatch, settings):
@@ -176,8 +172,8 @@ def _set(monkeypatch, settings):
 @pytest.mark.parametrize("settings", [v[1] for v in CPU_COMBINE_VARIANTS],
                          ids=[v[0] for v in CPU_COMBINE_VARIANTS])
 def test_combine_variants_match_reference(device, monkeypatch, settings):
-    """Combine variants: several tokens and splits, splits past the end, more combine items
-    than programs (the fused path's loop), K3 sizes, and a zero length (o = 0, lse = -inf)."""
+    """Combine variants: several tokens and splits, splits past the end, K3 sizes, and a zero
+    length (o = 0, lse = -inf)."""
     _set(monkeypatch, settings)
     for cfg, lens, max_len, ns in ((TINY, [97, 1, 64], 100, 4), (TINY, [33], None, 64),
                                    (TINY, [95], None, 2), (K3, [300, 45], None, 5)):
@@ -188,6 +184,30 @@ def test_combine_variants_match_reference(device, monkeypatch, settings):
     o, lse = mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=3, return_lse=True)
     assert torch.all(o[1] == 0) and torch.all(lse[1] == float("-inf"))
     assert torch.isfinite(o[0].float()).all() and torch.isfinite(lse[0]).all()
+
+
+def test_interpreter_ignores_pdl(monkeypatch):
+    """With both PDL switches on, the CPU (interpreter) launches are the plain ones: no
+    launch_pdl, no griddepcontrol in either kernel."""
+    import k3lab.kernels.mla as mla_mod
+    _set(monkeypatch, dict(COMBINE_PDL=True, SPLIT_PDL=True))
+    launches = []
+
+    class Capture:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.name, kwargs))
+
+    for name in ("_mla_decode_split_kernel", "_mla_decode_combine_kernel"):
+        monkeypatch.setattr(mla_mod, name, Capture(name))
+    q_lat, q_rope, kv, sl = _inputs(TINY, [40], "cpu")
+    mla_decode(q_lat, q_rope, kv, sl, sm_scale=0.2, num_splits=2)
+    assert [n for n, _ in launches] == ["_mla_decode_split_kernel", "_mla_decode_combine_kernel"]
+    for _, kwargs in launches:
+        assert "launch_pdl" not in kwargs
+        assert kwargs["PDL_WAIT"] is False and kwargs["PDL_TRIGGER"] is False
 
 
 def test_score_chunks_clamped_and_checked(monkeypatch):
@@ -445,8 +465,8 @@ def test_gpu_k3_combine_variants(monkeypatch, settings, length, num_splits):
 @pytest.mark.parametrize("settings", [v[1] for v in COMBINE_VARIANTS],
                          ids=[v[0] for v in COMBINE_VARIANTS])
 def test_gpu_combine_variants_in_graph(monkeypatch, settings):
-    """One graph captured with the variant, replayed at several lengths (the fused barrier must
-    reset itself between replays; PDL and cooperative launches must capture)."""
+    """One graph captured with the variant, replayed at several lengths (PDL launches must
+    capture and keep their order on replay)."""
     _set(monkeypatch, settings)
     _graph_every_length(None, [[8192, 8192], [1, 33], [4097, 100], [8192, 2048]] * 2, 8192)
 

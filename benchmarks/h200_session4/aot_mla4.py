@@ -1,7 +1,7 @@
 """Offline sm_90 compile (triton 3.6 in /tmp/t36, no GPU) of the MLA launches the H200 would run
-for each session-4 combine variant (see mla_sweep.py here), with registers / spills / shared
-memory and a few SASS counts; the fused launch compiled as on CUDA (FUSE=3, the interpreter
-runs FUSE=1 then 2), PDL on where the variant asks for it.
+for each combine variant of mla_sweep.py here (default = COMBINE_PDL on), with registers /
+spills / shared memory and a few SASS counts; PDL on where the module's switches ask for it (the
+CPU launcher turns it off: set back as the CUDA launcher would).
 
     PYTHONPATH=/tmp/t36:. python3 benchmarks/h200_session4/aot_mla4.py [--ctx 32768] [--dump DIR]
 """
@@ -16,12 +16,9 @@ import aot_mla  # noqa: E402
 mla = aot_mla.mla
 VARIANTS = {
     "default": {},
+    "no-pdl": dict(COMBINE_PDL=False),
     "pdl-used": dict(COMBINE_PDL=True, COMBINE_USED_ONLY=True),
-    "fused": dict(FUSE_COMBINE=True),
-    "fused-splitpdl": dict(FUSE_COMBINE=True, FUSED_COOPERATIVE=False, SPLIT_PDL=True),
     "pdl2": dict(COMBINE_PDL=True, SPLIT_PDL=True),
-    "fused-2sm": dict(FUSE_COMBINE=True, FUSED_PROGRAMS_PER_SM=2, BLOCK_N=32, SPLIT_NUM_WARPS=4,
-                      SPLIT_NUM_STAGES=3, PROGRAMS_PER_SM=2),
 }
 
 
@@ -36,19 +33,16 @@ def main():
             for k, v in settings.items():
                 setattr(mla, k, v)
             launches = aot_mla.capture(a.ctx)
+            cpdl, spdl = bool(mla.COMBINE_PDL), bool(mla.SPLIT_PDL)
         finally:
             for k, v in saved.items():
                 setattr(mla, k, v)
         seen = set()
         for kernel, grid, args, kwargs in launches:
             kwargs = dict(kwargs)
-            if kwargs.get("FUSE") in (1, 2):
-                kwargs["FUSE"] = 3
-            # the launcher turns PDL on for CUDA only: as it would there
-            cpdl, spdl = settings.get("COMBINE_PDL", False), settings.get("SPLIT_PDL", False)
-            if "FUSE" in kwargs:
-                kwargs.update(PDL_WAIT=spdl,
-                              PDL_TRIGGER=spdl or (cpdl and not kwargs["FUSE"]))
+            # the launcher turns PDL on for CUDA only: as it would there (several splits)
+            if kernel.fn.__name__ == "_mla_decode_split_kernel":
+                kwargs.update(PDL_WAIT=spdl, PDL_TRIGGER=spdl or cpdl)
             else:
                 kwargs.update(PDL_WAIT=cpdl, PDL_TRIGGER=spdl)
             key = (kernel.fn.__name__, tuple(sorted((k, str(v)) for k, v in kwargs.items())))
@@ -65,14 +59,13 @@ def main():
                       else msg[:600], flush=True)
                 continue
             ce = {k: v for k, v in kwargs.items()
-                  if k in ("FUSE", "PDL_WAIT", "PDL_TRIGGER", "USED_ONLY", "BLOCK_C", "BLOCK_S",
+                  if k in ("PDL_WAIT", "PDL_TRIGGER", "USED_ONLY", "BLOCK_C", "BLOCK_S",
                            "BLOCK_N", "num_stages")}
             tag = f"{vname.replace('/', '-')}_{name}"
             sass = aot_mla.sass_of(c, f"/tmp/aot_mla4_{tag}")
             h = aot_mla.histogram(sass)
             print(f"{vname:14s} {name} grid={grid} {ce} shared={c.metadata.shared} "
-                  f"{aot_mla.resources(c)} ATOM={h.get('ATOM', 0) + h.get('ATOMG', 0)} "
-                  f"RED={h.get('RED', 0) + h.get('REDG', 0)} BAR={h.get('BAR', 0)} "
+                  f"{aot_mla.resources(c)} BAR={h.get('BAR', 0)} "
                   f"griddep={sass.count('ACQBULK') + sass.count('PREEXIT')}", flush=True)
             if a.dump:
                 os.makedirs(a.dump, exist_ok=True)

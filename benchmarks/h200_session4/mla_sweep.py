@@ -4,34 +4,22 @@ marginal cost in a graph of >= 32 calls), per-kernel durations of one call, ever
 against the fp32 reference (pass/fail recorded, never raised). Writes $OUT/mla4.json after every
 row (a cut run keeps what it measured).
 
-Session 4 call 1 (benchmarks/h200_session4/results/mla_next.json), default: 32k 17.49 us =
+Session 4 call 1 (benchmarks/h200_session4/results/mla_next.json), PDL off: 32k 17.49 us =
 split 12.38 + combine 2.72 + ~2.4 us between and around the two graph nodes; the 0.75 bar is
-11.87 us at 32k. Variants (kernels/mla.py switches, all off by default):
-- default: today's two kernels.
-- pdl: COMBINE_PDL. Programmatic dependent launch: the combine grid launches while the split
-  grid runs (launch_dependents at the split programs' start) and waits (griddepcontrol.wait) for
-  its completion. Tests how much of the ~2.4 us gap + the combine's start is launch latency.
-  NB: with PDL the combine's kernel duration includes its wait for the split grid; read `us`.
+11.87 us at 32k. Session 4's combine sweep (this script, 132 splits): no PDL 17.43 / 27.60 /
+47.50 us at 32k / 64k / 128k, COMBINE_PDL 16.86 / 26.99 / 46.53 (now the default), + SPLIT_PDL
+16.24 / 27.94 / 46.66; COMBINE_USED_ONLY no gain; the one-launch grid-barrier combine (branch
+mla4) and two programs an SM slower or no faster (removed). Variants (kernels/mla.py switches):
+- default: the module's defaults (two kernels, COMBINE_PDL on: the combine grid launches while
+  the split grid runs and waits with griddepcontrol.wait for its completion). NB: with PDL the
+  combine's kernel duration includes its wait for the split grid; read `us`.
+- no-pdl: COMBINE_PDL off (the previous default): the control.
 - pdl-used: + COMBINE_USED_ONLY (merge the 128 splits that hold rows, not 132 of 256 padded).
-- fused-nocoop / fused: FUSE_COMBINE. One launch: every split program writes its partial, meets
-  the others at a grid barrier (int32 count + generation, one atomic each, spin on the
-  generation) and merges ~1/132 of the output (one head x 64 columns x 128 splits, one load
-  round). Tests whether the combine can hide inside the split kernel's tail (session 3's fused
-  version added combiner programs = a second wave and took a ticket before any load: 24.2 us).
-  fused: cooperative launch (driver-guaranteed co-residency); fused-nocoop: plain launch (one
-  program an SM by shared memory) - the cooperative attribute's own cost, and the fallback if
-  a cooperative launch does not capture into a graph.
-- pdl2 / fused-splitpdl: + SPLIT_PDL: the call's first kernel is launched with launch_pdl
-  and waits (griddepcontrol.wait) at its start; the call's last kernel triggers its dependents
-  at its start. In this graph the kernel before a call is the previous call's last kernel, so
-  the gain shown is an upper bound for a decode step, where it depends on the preceding kernel
-  (the same wiring there). fused-splitpdl without the cooperative attribute (not known to
-  combine with programmatic serialization).
-- fused-2sm: fused at 32-row tiles / 4 warps / 3 stages (93 KiB shared: two programs an SM),
-  PROGRAMS_PER_SM = 2 (256 splits at 32k): twice the programs in flight to overlap one's
-  barriers / reductions with the other's; cooperative.
-- 2sm (32k only): the same tiles and splits with the two kernels (control for fused-2sm).
-Run from the repo root: python3 benchmarks/h200_session4/mla_sweep.py  (~30-40 s expected).
+- pdl2: + SPLIT_PDL: the call's first kernel is launched with launch_pdl and waits
+  (griddepcontrol.wait) at its start; the call's last kernel triggers its dependents at its
+  start. In this graph the kernel before a call is the previous call's last kernel, so the gain
+  shown is an upper bound for a decode step, where it depends on the preceding kernel.
+Run from the repo root: python3 benchmarks/h200_session4/mla_sweep.py  (~20-30 s expected).
 """
 
 import contextlib
@@ -53,18 +41,12 @@ from k3lab.reference.mla import mla_decode_reference  # noqa: E402
 
 T0 = time.time()
 CFG = preset("kimi-k3", 8)
-TWO_SM = dict(BLOCK_N=32, SPLIT_NUM_WARPS=4, SPLIT_NUM_STAGES=3, PROGRAMS_PER_SM=2)
 # (name, knobs, contexts or None = all)
-VARIANTS = [  # the cooperative launches last: if one breaks a capture, the rest are measured
+VARIANTS = [
     ("default", {}, None),
-    ("pdl", dict(COMBINE_PDL=True), None),
+    ("no-pdl", dict(COMBINE_PDL=False), None),
     ("pdl-used", dict(COMBINE_PDL=True, COMBINE_USED_ONLY=True), None),
     ("pdl2", dict(COMBINE_PDL=True, SPLIT_PDL=True), None),
-    ("fused-nocoop", dict(FUSE_COMBINE=True, FUSED_COOPERATIVE=False), None),
-    ("fused-splitpdl", dict(FUSE_COMBINE=True, FUSED_COOPERATIVE=False, SPLIT_PDL=True), None),
-    ("2sm", dict(TWO_SM), (32768,)),
-    ("fused", dict(FUSE_COMBINE=True), None),
-    ("fused-2sm", dict(FUSE_COMBINE=True, FUSED_PROGRAMS_PER_SM=2, **TWO_SM), None),
 ]
 # MLA_SWEEP_ONLY="a,b": only those variants (call 3)
 if os.environ.get("MLA_SWEEP_ONLY"):
@@ -113,7 +95,7 @@ def run(ctx, copies, refs, name, values):
         # one call (on a copy the first check did not touch where there are several: 32k = 37.7
         # MB fits in L2)
         dur = kdur(call, copies[-1]) if ok else None
-    rec(k="mla4", ctx=ctx, name=name, **values, splits=splits, us=us,
+    rec(k="mla4", ctx=ctx, name=name, **{**DEFAULTS, **values}, splits=splits, us=us,
         frac=nbytes / bw * 1e6 / us, floor_us=nbytes / bw * 1e6, bar_us=nbytes / bw * 1e6 / 0.75,
         ok=ok, dur=dur, t=round(time.time() - T0, 1))
 
