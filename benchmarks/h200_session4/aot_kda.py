@@ -1,4 +1,6 @@
-"""Compile ``kda_decode``'s kernel for sm_90 without a GPU (Triton 3.6, as on the H200) at the
+"""Needs branch kda4 for the session-4 switches (not on main).
+
+Compile ``kda_decode``'s kernel for sm_90 without a GPU (Triton 3.6, as on the H200) at the
 K3 shapes and given module switches; print registers, spills, shared memory, the SASS opcode
 histogram and where the state / f_b loads, barriers and state stores sit in the SASS.
 

@@ -1,4 +1,7 @@
-"""H200, issue 5 (KDA decode), session 4: the opt-in switches of kernels/kda.py against today's
+"""Needs branch kda4 (its kernels/kda.py switches were measured in call 2, none faster, and are not on
+main): `git checkout kda4` first.
+
+H200, issue 5 (KDA decode), session 4: the opt-in switches of kernels/kda.py against today's
 default, the session-3 loads-first kernel (benchmarks/next/kda_loadsfirst.py, its best "lf bv32")
 and fla-core + its separate f_b projection; K3, M = 1, cold copies, graph replay; every row is
 checked against the reference (ok = pass / FAIL ..., never stops the sweep).
