@@ -1,5 +1,5 @@
-"""Needs branch kda4 (its kernels/kda.py switches were measured in call 2, none faster, and are not on
-main): `git checkout kda4` first.
+"""Needs branch kda4 (its kernels/kda.py switches measured slower in call 2; not on main):
+`git checkout kda4` first.
 
 H200, issue 5 (KDA decode), session 4: the opt-in switches of kernels/kda.py against today's
 default, the session-3 loads-first kernel (benchmarks/next/kda_loadsfirst.py, its best "lf bv32")
