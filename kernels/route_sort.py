@@ -38,12 +38,10 @@ first call on a device, which therefore must not happen inside a CUDA-graph capt
 
 ``gate_logits`` (the standalone gate projection) runs step 1's GEMV alone (``_gate_gemv_kernel``).
 
-Opt-in switches (module constants, defaults = the above; benchmarks/h200_session4/route_sweep.py
-times them): GEMV_ROW_PROGRAMS / GEMV_ROW_CHUNK / GEMV_ROW_SPLITS (step 1 as "row programs":
-whole experts a program, unrolled K chunks, so with one split the selection sums no partials),
-GEMV_EVICT (eviction policy of the W loads), CAND_CACHE (step 3's candidate read-back: L1, or
-the count from registers), SELECT_SCALAR_KEYS (step 3's keys in the layout of its scatter
-stores: no shared-memory layout conversions in the compaction).
+At B1 on the GPU, step 1 runs as "row programs" instead of split-K tiles (GEMV_ROW_PROGRAMS:
+whole experts a program over unrolled K chunks, GEMV_ROW_SPLITS partials); the selection keeps
+its keys in the layout of its scatter stores (SELECT_SCALAR_KEYS) and reads its candidate rows
+back through L1 (CAND_CACHE). Module constants, timed by benchmarks/h200_session4/route_sweep.py.
 """
 
 from __future__ import annotations
@@ -108,7 +106,8 @@ NUM_WARPS = 4  # every program's: the GEMV tiles and the selection
 # splits, scalar keys, candidate read-back through L1) take the call from 10.43 to 9.07 us at tp 8
 # (floor 4.15 us: 2.51x -> 2.19x) and 10.23 -> 9.07 us at tp 1. Separately: scalar keys + L1
 # read-back 9.79 us; one K split (whole rows) 9.70 us; 264 row programs 11.67 us; evict_first
-# on W 10.06 us; 2 warps 19.6 us.
+# on W 10.06 us and the candidate count from registers 10.04 us (both since removed: no gain);
+# 2 warps 19.6 us.
 # GEMV shapes:
 # GEMV_ROW_PROGRAMS > 0: "row programs": about that many programs, each ROWS = cdiv(E, it)
 # whole experts (K3: 7 rows -> 128 programs, one per SM, 100 KB of W each) over
@@ -121,10 +120,9 @@ GEMV_ROW_CHUNK = 512
 GEMV_ROW_SPLITS = 2
 GEMV_ROW_MAX_TOKENS = 1
 # Cache modifier of the selection's read-back of its own candidate rows (_load_candidates):
-# ".cg" (default: L2) or "" (default caching: the rows were stored by this program, and its
-# bar.sync makes them visible to its threads, so an L1 hit is allowed; only the lanes stored in
-# this launch are read); "regs": .cg, but the candidate count comes from a reduction in
-# registers instead of a store and re-load (one fewer [BLOCK_T, BLOCK_E] layout conversion).
+# "" (default caching: the rows were stored by this program, and its bar.sync makes them visible
+# to its threads, so an L1 hit is allowed; only the lanes stored in this launch are read) or
+# ".cg" (from L2).
 CAND_CACHE = ""
 # SELECT_SCALAR_KEYS: the selection loads its partials / bias one element at a time (the expert
 # axis declared non-contiguous), so the keys live in the layout the compaction's scatter stores
@@ -133,7 +131,6 @@ CAND_CACHE = ""
 # (no layout conversions of the [1, 1024] keys / payloads / masks through shared memory, one
 # scan instead of two); the partial loads become 56 independent 4-byte loads a thread.
 SELECT_SCALAR_KEYS = True
-GEMV_EVICT = ""  # eviction policy of the W loads: "" (default) or "evict_first" (cold, no reuse)
 # Measurement only (the H200 sweep sets it to split the last program's tail; anything below 3
 # leaves the plan incomplete): -1 = GEMV and side job alone (no counter), 0 = + the counter (no
 # selection), 1 = + the partial sum,
@@ -160,7 +157,7 @@ def _fill(p_dst, n, b_value, pid, n_prog, BLOCK: tl.constexpr):
 @triton.jit
 def _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr = 0,
-                   CHUNKS: tl.constexpr = 1, EVICT: tl.constexpr = ""):
+                   CHUNKS: tl.constexpr = 1):
     """Tile (i_e, i_k) of W read once; for every token, store its partial logits
     ``p_part[i_k, m, tile]``.
 
@@ -169,13 +166,13 @@ def _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H,
     consecutive BLOCK_K-wide column chunks from i_k * CHUNKS * BLOCK_K, accumulated
     elementwise (fp32 [BLOCK_E, BLOCK_K]) and reduced once; unrolled, so the chunks' loads are
     independent and can all be in flight; tokens outermost (W re-read from L2 for m >= 1: meant
-    for decode batches). EVICT: eviction policy of the W loads ("" or "evict_first")."""
+    for decode batches)."""
     if ROWS == 0:
         o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
         o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
         m_e, m_k = o_e < E, o_k < H
         b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :], mask=m_e[:, None] & m_k[None, :],
-                      other=0.0, eviction_policy=EVICT).to(tl.float32)
+                      other=0.0).to(tl.float32)
         for i_m in range(M):
             b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
             b_acc = tl.sum(b_w * b_x[None, :], axis=1)
@@ -191,8 +188,7 @@ def _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H,
                 o_k = k0 + i_c * BLOCK_K + tl.arange(0, BLOCK_K)
                 m_k = o_k < H
                 b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :],
-                              mask=m_e[:, None] & m_k[None, :], other=0.0,
-                              eviction_policy=EVICT).to(tl.float32)
+                              mask=m_e[:, None] & m_k[None, :], other=0.0).to(tl.float32)
                 b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
                 b_acc += b_w * b_x[None, :]
             tl.store(p_part + (i_k * M + i_m) * E + o_e, tl.sum(b_acc, axis=1), mask=m_e)
@@ -299,15 +295,12 @@ def _payload(b_s, b_ids):
 
 
 @triton.jit
-def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr, CACHE: tl.constexpr = ".cg",
-                     b_n=None):
+def _load_candidates(p_cand, o_t, m_t, CAP: tl.constexpr, CACHE: tl.constexpr = ".cg"):
     """The candidate rows of tokens o_t [BLOCK_T] (see _top_k_threshold): count int64
-    [BLOCK_T] (loaded, unless given), keys and payloads int64 [BLOCK_T, CAP] (empty slots:
-    KEY_MIN and 0)."""
+    [BLOCK_T], keys and payloads int64 [BLOCK_T, CAP] (empty slots: KEY_MIN and 0)."""
     o_c = tl.arange(0, CAP)
     p_row = p_cand + o_t * (2 * CAP + 1)
-    if b_n is None:
-        b_n = tl.load(p_row + 2 * CAP, mask=m_t, other=0, cache_modifier=CACHE)
+    b_n = tl.load(p_row + 2 * CAP, mask=m_t, other=0, cache_modifier=CACHE)
     m_c = o_c[None, :] < b_n[:, None]
     b_ck = tl.load(p_row[:, None] + o_c[None, :], mask=m_c, other=KEY_MIN, cache_modifier=CACHE)
     b_cp = tl.load(p_row[:, None] + CAP + o_c[None, :], mask=m_c, other=0, cache_modifier=CACHE)
@@ -352,18 +345,11 @@ def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
     m_st = m_cand & (b_pos < CAP) & m_t[:, None]
     tl.store(p_row + b_pos, b_key, mask=m_st)
     tl.store(p_row + CAP + b_pos, _payload(b_s, o_e[None, :]), mask=m_st)
-    if CAND_CACHE == "regs":  # the count from a reduction: no count store / re-load
-        b_nr = tl.sum(m_cand.to(tl.int32), axis=1)
-        tl.debug_barrier()  # the rows were written by other threads of this program
-        b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, ".cg", b_nr)[1:]
-        b_nmax = tl.max(b_nr, axis=0)
-    else:
-        tl.store(p_row + 2 * CAP + o_e[None, :] * 0, b_incl.to(tl.int64),
-                 mask=m_t[:, None] & (o_e[None, :] == BLOCK_E - 1))
-        tl.debug_barrier()  # the rows were written by other threads of this program
-        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, CAND_CACHE)
-        b_nmax = tl.max(b_n, axis=0)
-    if b_nmax > CAP:  # rare: exact but slow
+    tl.store(p_row + 2 * CAP + o_e[None, :] * 0, b_incl.to(tl.int64),
+             mask=m_t[:, None] & (o_e[None, :] == BLOCK_E - 1))
+    tl.debug_barrier()  # the rows were written by other threads of this program
+    b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, CAND_CACHE)
+    if tl.max(b_n, axis=0) > CAP:  # rare: exact but slow
         o_s = tl.arange(0, BLOCK_S)
         m_ts = m_t[:, None] & (o_s[None, :] < TOP_K)
         b_ids, b_top = _top_k_loop(b_key, TOP_K, BLOCK_T, BLOCK_S)
@@ -376,8 +362,7 @@ def _top_k_threshold(b_key, b_s, p_part, p_cand, o_t, m_t, M, E: tl.constexpr,
         tl.store(p_row + 2 * CAP + o_s[None, :] * 0, tl.zeros_like(b_top) + TOP_K,
                  mask=m_t[:, None] & (o_s[None, :] == 0))
         tl.debug_barrier()
-        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP,
-                                           ".cg" if CAND_CACHE == "regs" else CAND_CACHE)
+        b_n, b_ck, b_cp = _load_candidates(p_cand, o_t, m_t, CAP, CAND_CACHE)
 
     # 3. ranks [BLOCK_T, CAP] (empty slots hold KEY_MIN: never larger), then slot order
     b_crank = tl.sum((b_ck[:, None, :] > b_ck[:, :, None]).to(tl.int32), axis=2)
@@ -542,11 +527,10 @@ def _route_sort_kernel(
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
         IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
         TAIL_STAGE: tl.constexpr, GEMV_ROWS: tl.constexpr = 0, GEMV_CHUNKS: tl.constexpr = 1,
-        GEMV_EVICT: tl.constexpr = "", CAND_CACHE: tl.constexpr = ".cg",
+        CAND_CACHE: tl.constexpr = ".cg",
         SCALAR_E: tl.constexpr = False):
     i_e, i_k = tl.program_id(0), tl.program_id(1)
-    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS,
-                   GEMV_EVICT)
+    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS)
 
     # side job: the plan's padding and the zeroed stage-2 buffer (before the counter below, so
     # the selection's scatter lands after every fill)
@@ -805,7 +789,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
         GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK,
         BLOCK_G=triton.next_power_of_2(n_group), **tiles, TAIL_STAGE=TAIL_STAGE,
-        GEMV_ROWS=rows, GEMV_CHUNKS=chunks, GEMV_EVICT=GEMV_EVICT, CAND_CACHE=CAND_CACHE,
+        GEMV_ROWS=rows, GEMV_CHUNKS=chunks, CAND_CACHE=CAND_CACHE,
         SCALAR_E=SELECT_SCALAR_KEYS, num_warps=NUM_WARPS)
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,

@@ -473,12 +473,13 @@ def test_threshold_fallback(name, M, crowded, device):
     _check_all(args, kwargs, device)
 
 
-@pytest.mark.parametrize("switches", [{"CAND_CACHE": ""}, {"CAND_CACHE": "regs"},
-                                      {"SELECT_SCALAR_KEYS": True}],
-                         ids=["cand-l1", "cand-regs", "scalar-keys"])
+@pytest.mark.parametrize("switches", [{"CAND_CACHE": ".cg"}, {"SELECT_SCALAR_KEYS": False},
+                                      {"CAND_CACHE": ".cg", "SELECT_SCALAR_KEYS": False}],
+                         ids=["cand-l2", "vector-keys", "cand-l2-vector-keys"])
 def test_threshold_fallback_switches(switches, device, monkeypatch):
-    """The fallback under the tail switches: one crowded token of four (that block falls back,
-    the others keep the fast path)."""
+    """The fallback under the tail switches' non-default settings (the defaults run in every
+    other test): one crowded token of four (that block falls back, the others keep the fast
+    path)."""
     for k, v in switches.items():
         monkeypatch.setattr(route_sort_module, k, v)
     args, kwargs = _crowded("kimi-k3", 4, [2], device)
@@ -575,8 +576,9 @@ def test_threshold_hand_computed(device, monkeypatch):
     test_hand_computed_plan(device)
 
 
-# Opt-in switches (module constants, defaults off): row programs (whole experts a program,
-# unrolled K chunks; K splits), the eviction hint; the tail's candidate read-back caching.
+# Module switches away from their defaults: the split-K tiles (GEMV_ROW_PROGRAMS = 0), other row
+# program shapes (one split, 1024-wide chunks, 32 programs), the tail's candidate read-back from
+# L2 and its vector keys (the defaults run in every other test).
 # (switches, case ids); rows a program: tiny 1, K3 7 (BLOCK_E 8), K2 at 32 programs 12
 # (BLOCK_E 16, 4 masked rows), E20 1.
 GEMV_SWITCH_CASES = [
@@ -584,15 +586,14 @@ GEMV_SWITCH_CASES = [
                                   "E20-M7-top5-g5k3-bm4"]),
     ({"GEMV_ROW_PROGRAMS": 32, "GEMV_ROW_SPLITS": 2}, ["K2-M3-E384-top8-g8k4-bm16",
                                                         "tiny-M17-E24-top4-bm16"]),
-    ({"GEMV_EVICT": "evict_first"}, ["tiny-M3-E24-top7-bm4-norenorm-x2.5"]),
-    ({"GEMV_ROW_PROGRAMS": 132, "GEMV_EVICT": "evict_first"}, ["tiny-M1-E24-top4-bm1"]),
-    ({"CAND_CACHE": ""}, ["K2-M1-E384-top8-bm1"]),
-    ({"CAND_CACHE": "regs"}, ["KL-M6-E256-top8-bm16", "K3-M1-E896-top16-bm1"]),
-    ({"CAND_CACHE": "regs", "GEMV_ROW_PROGRAMS": 132}, ["K3-M1-E896-top16-bm16"]),
-    ({"SELECT_SCALAR_KEYS": True}, ["K3-M1-E896-top16-bm1", "tiny-M17-E24-top4-bm16",
-                                    "K3-M2-E896-top16-g8k3-bm1", "tiny-M3-E24-top1-bm1"]),
-    ({"SELECT_SCALAR_KEYS": True, "GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024},
-     ["K3-M1-E896-top16-bm16", "E20-M7-top5-g5k3-bm4"]),
+    ({"GEMV_ROW_PROGRAMS": 0}, ["tiny-M3-E24-top7-bm4-norenorm-x2.5", "tiny-M1-E24-top4-bm1"]),
+    ({"CAND_CACHE": ".cg"}, ["K2-M1-E384-top8-bm1", "KL-M6-E256-top8-bm16",
+                             "K3-M1-E896-top16-bm1"]),
+    ({"CAND_CACHE": ".cg", "GEMV_ROW_PROGRAMS": 0}, ["K3-M1-E896-top16-bm16"]),
+    ({"SELECT_SCALAR_KEYS": False}, ["K3-M1-E896-top16-bm1", "tiny-M17-E24-top4-bm16",
+                                     "K3-M2-E896-top16-g8k3-bm1", "tiny-M3-E24-top1-bm1"]),
+    ({"SELECT_SCALAR_KEYS": False, "GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024,
+      "GEMV_ROW_SPLITS": 1}, ["K3-M1-E896-top16-bm16", "E20-M7-top5-g5k3-bm4"]),
 ]
 GEMV_SWITCH_PARAMS = [(sw, c) for sw, ids in GEMV_SWITCH_CASES for c in CASES if c[0] in ids]
 
@@ -601,7 +602,7 @@ GEMV_SWITCH_PARAMS = [(sw, c) for sw, ids in GEMV_SWITCH_CASES for c in CASES if
                          ids=["-".join(f"{k}={v}" for k, v in sw.items()) + "-" + c[0]
                               for sw, c in GEMV_SWITCH_PARAMS])
 def test_gemv_switches(switches, case, device, monkeypatch):
-    """The opt-in switches give the reference's plan, every field."""
+    """Every switch setting gives the reference's plan, every field."""
     for k, v in switches.items():
         monkeypatch.setattr(route_sort_module, k, v)
     args, kwargs = _case_inputs(case, device)
@@ -819,7 +820,7 @@ C1024 = {"GEMV_ROW_PROGRAMS": 132, "GEMV_ROW_CHUNK": 1024}
 # the sweep's leading candidates (the sweep itself checks every variant at K3 B1)
 GPU_SWITCHES = [C1024, {"SELECT_SCALAR_KEYS": True}, {**C1024, "SELECT_SCALAR_KEYS": True},
                 {**C1024, "SELECT_SCALAR_KEYS": True, "CAND_CACHE": ""},
-                {"CAND_CACHE": "regs"}]
+                {"GEMV_ROW_PROGRAMS": 0, "SELECT_SCALAR_KEYS": False, "CAND_CACHE": ".cg"}]
 
 
 @pytest.mark.gpu

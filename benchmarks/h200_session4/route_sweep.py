@@ -20,8 +20,6 @@ Rows (k=...):
 Variants and the hypothesis each tests (sm_90 / Triton 3.6 facts from aot_route4.py, offline):
 - ``default``: 196 split-K programs of 32 x 1024 (7 partials); 255 registers + 248 B of stack
   (the 32 x 1024 tile's 32 loads a thread are spilled), 2 programs an SM.
-- ``evict``: GEMV_EVICT = "evict_first" on the W loads: does L2 residency policy matter for a
-  cold 12.85 MB stream?
 - ``rows132``: GEMV_ROW_PROGRAMS = 132: 128 programs of 7 whole experts (one per SM, 100 KB of W
   each), 14 unrolled 512-wide K chunks, 56 independent 16-byte loads a thread all issued before
   the first FMA, no spills (250 registers); the tail reads 1 partial (finished logits) instead of
@@ -41,9 +39,9 @@ Variants and the hypothesis each tests (sm_90 / Triton 3.6 facts from aot_route4
   the [1, 1024] keys / payloads / masks through shared memory and the second scan are gone).
   Tests: is the tail bound by those barriers? ``rows132-c1024-scalar``: with the row programs
   (both gaps); ``rows132-c1024-scalar-candl1``: + the L1 read-back.
-- ``candregs``: CAND_CACHE = "regs": the candidate count from a register reduction instead of a
-  store + re-load (sm_90 SASS: 3 fewer barriers, 11 fewer global loads, 48 fewer instructions);
-  ``rows132-c1024-candregs``: with the row programs.
+- Call 2 also timed GEMV_EVICT = "evict_first" on the W loads (10.06 us) and CAND_CACHE = "regs"
+  (the candidate count from a register reduction, 10.04 us): no gain, both removed from the
+  kernel since (results/call2_route_sweep.json).
 tp 1: default, rows132-c1024, scalar, rows132-c1024-scalar (the router's shapes are the same as
 at tp 8: a repeat on other copies), timed right after tp 8's first four variants.
 """
@@ -69,8 +67,12 @@ TIME_BUDGET_S = 62.0  # stop starting variants after this (compiles dominate)
 rs = importlib.import_module("k3lab.kernels.route_sort")
 R = get("route")
 KNOBS = ("NUM_WARPS", "TAIL_STAGE", "GEMV_ROW_PROGRAMS", "GEMV_ROW_CHUNK", "GEMV_ROW_SPLITS",
-         "GEMV_EVICT", "CAND_CACHE", "SELECT_SCALAR_KEYS")
-DEFAULTS = {k: getattr(rs, k) for k in KNOBS}
+         "CAND_CACHE", "SELECT_SCALAR_KEYS")
+# "default" = the module's settings when calls 2 and 3 ran (pinned, so the rows keep their
+# meaning now that main's defaults are the row programs with two splits, scalar keys, L1)
+DEFAULTS = dict(NUM_WARPS=4, TAIL_STAGE=3, GEMV_ROW_PROGRAMS=0, GEMV_ROW_CHUNK=512,
+                GEMV_ROW_SPLITS=1, CAND_CACHE=".cg", SELECT_SCALAR_KEYS=False)
+assert set(DEFAULTS) == set(KNOBS)
 ROWS = dict(GEMV_ROW_PROGRAMS=132)
 C1024 = dict(ROWS, GEMV_ROW_CHUNK=1024)
 # (name, switches, also time the GEMV alone) in priority order
@@ -80,12 +82,9 @@ TP8 = [
     ("scalar", dict(SELECT_SCALAR_KEYS=True), False),
     ("rows132-c1024-scalar", dict(C1024, SELECT_SCALAR_KEYS=True), False),
     ("rows132", ROWS, True),
-    ("candregs", dict(CAND_CACHE="regs"), False),
-    ("rows132-c1024-candregs", dict(C1024, CAND_CACHE="regs"), False),
     ("rows132-c1024-scalar-candl1", dict(C1024, SELECT_SCALAR_KEYS=True, CAND_CACHE=""), False),
     ("candl1", dict(CAND_CACHE=""), False),
     ("rows132-c1024-candl1", dict(C1024, CAND_CACHE=""), False),
-    ("evict", dict(GEMV_EVICT="evict_first"), True),
     ("rows264", dict(GEMV_ROW_PROGRAMS=264), True),
     ("rows132-s2", dict(ROWS, GEMV_ROW_SPLITS=2), True),
     ("rows132-nw2", dict(ROWS, NUM_WARPS=2), True),
