@@ -104,8 +104,9 @@ FP4_KLANE_PREFETCH = False
 # Session-4 switches (issue 4, benchmarks/h200_session4/moe_sweep.py, H200 call 3, K3 B1, graph,
 # cold, stage 1 / stage 2 us): the default is FP4_FUSE_GATE_UP with a 3-stage stage-1 K loop:
 # tp 8 stage 1 27.07 -> 16.19 us (stage 2 unchanged, 10.4 us); tp 1 stage 1 87.4 -> 87.9 us
-# (0.505 of copy bandwidth). The fastest at tp 1 was FP4_FUSE_GATE_UP alone (80.6 us, 0.551), at
-# tp 8 20.5 us; pipelining stage 2 or splitting its K was slower at tp 1 (43.8-56.1 vs 42.5 us).
+# (0.505 of copy bandwidth). The fastest stage 1 at tp 1 was FP4_FUSE_GATE_UP with FP4_MAXNREG
+# 128 and no pipelining (80.6 us, 0.551; 20.5 us at tp 8); pipelining stage 2 or splitting its
+# K was slower at tp 1 (43.1-56.1 vs 42.5 us).
 # FP4_KLANE_STAGES n > 0 (layout 1): the K loop as tl.range(num_stages=n), which makes Triton's
 #   pipeliner stage the weight / scale loads through shared memory (cp.async, n - 1 steps ahead)
 #   without holding them in registers: more bytes in flight per SM at the same occupancy.
