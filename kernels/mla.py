@@ -32,7 +32,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 __all__ = ["mla_decode", "default_num_splits", "BLOCK_N", "BLOCK_H", "MAX_SPLITS",
-           "SCORE_CHUNKS", "DEFER_ROW_SUM", "COMBINE_PDL", "SPLIT_PDL", "COMBINE_USED_ONLY"]
+           "SCORE_CHUNKS", "DEFER_ROW_SUM", "COMBINE_PDL", "SPLIT_PDL"]
 
 # Cache rows per inner step, warps and pipeline stages: 64 rows x 576 x bf16 = 72 KiB a stage,
 # 4 warps, 3 stages, at every length. H200 session 4 (benchmarks/next/mla_sweep.py; K3 tp 8, B1,
@@ -86,13 +86,10 @@ COMBINE_PDL = True
 # gains only as far as that kernel is done early or triggers its dependents itself. Same sweep,
 # with COMBINE_PDL: 16.24 / 27.94 / 46.66 us (mixed against COMBINE_PDL alone).
 SPLIT_PDL = False
-# COMBINE_USED_ONLY (opt-in): the combine kernel merges only the splits that hold rows (from
-# seq_lens; 128 of the 132 at 32k-128k on an H200) instead of all num_splits. Same sweep: no
-# gain.
-COMBINE_USED_ONLY = False
-# A one-launch combine (every split program merging its share after a grid barrier, cooperative
-# launch or not) measured no faster in the same sweep (32k: 17.7 vs 17.4 us); it lives on branch
-# mla4 (commit accf8cb).
+# Also timed in that sweep and removed, no faster: the combine merging only the splits that
+# hold rows (from seq_lens, 128 of 132), and a one-launch combine (every split program merging
+# its share after a grid barrier, cooperative launch or not; 32k: 17.7 vs 17.4 us, branch mla4,
+# commit accf8cb).
 # SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.
 CPU_SM_STANDIN = 8
 
@@ -244,19 +241,12 @@ def _mla_decode_split_kernel(
 
 
 @triton.jit
-def _splits_used(seq_lens, i_m, num_splits, BLOCK_N: tl.constexpr):
-    """Splits of token i_m that hold rows (the rest wrote lse -inf, o 0): at most num_splits."""
-    n_blocks = tl.cdiv(tl.load(seq_lens + i_m), BLOCK_N)
-    return tl.cdiv(n_blocks, tl.maximum(tl.cdiv(n_blocks, num_splits), 1))
-
-
-@triton.jit
 def _mla_decode_combine_kernel(
-    o_part, lse_part, o, lse, seq_lens, num_splits,
+    o_part, lse_part, o, lse, num_splits,
     stride_op_m, stride_op_h, stride_op_s, stride_lp_m, stride_lp_h,
     stride_o_m, stride_o_h, stride_lse_m,
-    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr, USED_ONLY: tl.constexpr,
+    C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
 ):
     """Grid (M, Hl, cdiv(C, BLOCK_C)): columns [i_c * BLOCK_C, +BLOCK_C) of head i_h of token i_m.
 
@@ -265,12 +255,8 @@ def _mla_decode_combine_kernel(
     natural-log lse (from column block 0); empty splits (lse -inf, o 0) weigh 0.
     PDL_WAIT: wait for the split grid before reading its partials (griddepcontrol.wait; launched
     with launch_pdl), which are then read from L2 (.cg). PDL_TRIGGER: let the next grid launch
-    (launch_dependents). USED_ONLY: merge only the splits that hold rows (from seq_lens, BLOCK_N
-    the split kernel's tile), not all num_splits."""
+    (launch_dependents)."""
     i_m, i_h, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_splits = num_splits
-    if USED_ONLY:
-        n_splits = _splits_used(seq_lens, i_m, num_splits, BLOCK_N)
     if PDL_TRIGGER:
         gdc_launch_dependents()
     if PDL_WAIT:
@@ -286,9 +272,9 @@ def _mla_decode_combine_kernel(
     b_m = tl.full([1], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([1], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for s0 in range(0, n_splits, BLOCK_S):
+    for s0 in range(0, num_splits, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
-        m_s = o_s < n_splits
+        m_s = o_s < num_splits
         b_lse = tl.load(p_lp + o_s, mask=m_s, other=float("-inf"), cache_modifier=CACHE)
         b_m_new = tl.maximum(b_m, tl.max(b_lse, axis=0))
         b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no -inf - -inf
@@ -425,8 +411,8 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         so one captured CUDA graph serves every length up to L_max.
     Returns o_lat [M, Hl, C] in q_lat's dtype; with ``return_lse`` also lse [M, Hl] fp32 (natural
     log of sum_t exp(score), scores scaled). No host synchronization.
-    The module switches COMBINE_PDL (on), SPLIT_PDL and COMBINE_USED_ONLY change how the
-    kernels are launched and the splits merged, not the result; PDL is CUDA only.
+    The module switches COMBINE_PDL (on) and SPLIT_PDL change how the kernels are launched, not
+    the result; PDL is CUDA only.
     """
     _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits)
     m, h, c = q_lat.shape
@@ -467,12 +453,11 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         block_s = min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)
         block_c = min(c, max(COMBINE_MIN_BLOCK_C, COMBINE_TILE // block_s))
         _mla_decode_combine_kernel[(m, h, triton.cdiv(c, block_c))](
-            o_dst, lse_dst, out, lse, seq_lens, num_splits,
+            o_dst, lse_dst, out, lse, num_splits,
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
             lse_dst.stride(0), lse_dst.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            C=c, BLOCK_C=block_c, BLOCK_S=block_s, BLOCK_N=block_n, PDL_WAIT=pdl,
-            PDL_TRIGGER=split_pdl, USED_ONLY=bool(COMBINE_USED_ONLY),
+            C=c, BLOCK_C=block_c, BLOCK_S=block_s, PDL_WAIT=pdl, PDL_TRIGGER=split_pdl,
             **({"launch_pdl": True} if pdl else {}),
         )
     return (out, lse) if return_lse else out

@@ -149,18 +149,16 @@ def test_variants_match_reference(device, monkeypatch, chunks, defer):
         _check(device, q_lat, q_rope, kv, sl, ns, cfg.qk_head ** -0.5)
 
 
-# Combine switches (kernels/mla.py COMBINE_PDL, on by default, SPLIT_PDL, COMBINE_USED_ONLY):
-# (id, module settings). On the CPU the PDL switches are ignored (CUDA only; checked by
-# test_interpreter_ignores_pdl): the CPU test takes the one that changes the arithmetic's path.
+# Combine switches (kernels/mla.py COMBINE_PDL, on by default, SPLIT_PDL): (id, module
+# settings). On the CPU the PDL switches are ignored (CUDA only; checked by
+# test_interpreter_ignores_pdl), so the CPU test runs the combine as it is.
 COMBINE_VARIANTS = [
     ("no-pdl", dict(COMBINE_PDL=False)),
     ("pdl", dict(COMBINE_PDL=True)),
-    ("used", dict(COMBINE_USED_ONLY=True)),
-    ("pdl-used", dict(COMBINE_PDL=True, COMBINE_USED_ONLY=True)),
     ("pdl2", dict(COMBINE_PDL=True, SPLIT_PDL=True)),
     ("splitpdl", dict(COMBINE_PDL=False, SPLIT_PDL=True)),
 ]
-CPU_COMBINE_VARIANTS = [v for v in COMBINE_VARIANTS if v[0] == "used"]
+CPU_COMBINE_VARIANTS = [("default", {})]
 
 
 def _set(monkeypatch, settings):

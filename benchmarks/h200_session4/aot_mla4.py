@@ -17,7 +17,6 @@ mla = aot_mla.mla
 VARIANTS = {
     "default": {},
     "no-pdl": dict(COMBINE_PDL=False),
-    "pdl-used": dict(COMBINE_PDL=True, COMBINE_USED_ONLY=True),
     "pdl2": dict(COMBINE_PDL=True, SPLIT_PDL=True),
 }
 
@@ -59,7 +58,7 @@ def main():
                       else msg[:600], flush=True)
                 continue
             ce = {k: v for k, v in kwargs.items()
-                  if k in ("PDL_WAIT", "PDL_TRIGGER", "USED_ONLY", "BLOCK_C", "BLOCK_S",
+                  if k in ("PDL_WAIT", "PDL_TRIGGER", "BLOCK_C", "BLOCK_S",
                            "BLOCK_N", "num_stages")}
             tag = f"{vname.replace('/', '-')}_{name}"
             sass = aot_mla.sass_of(c, f"/tmp/aot_mla4_{tag}")

@@ -8,13 +8,13 @@ Session 4 call 1 (benchmarks/h200_session4/results/mla_next.json), PDL off: 32k 
 split 12.38 + combine 2.72 + ~2.4 us between and around the two graph nodes; the 0.75 bar is
 11.87 us at 32k. Session 4's combine sweep (this script, 132 splits): no PDL 17.43 / 27.60 /
 47.50 us at 32k / 64k / 128k, COMBINE_PDL 16.86 / 26.99 / 46.53 (now the default), + SPLIT_PDL
-16.24 / 27.94 / 46.66; COMBINE_USED_ONLY no gain; the one-launch grid-barrier combine (branch
-mla4) and two programs an SM slower or no faster (removed). Variants (kernels/mla.py switches):
+16.24 / 27.94 / 46.66; merging only the used splits (COMBINE_USED_ONLY, row pdl-used), the
+one-launch grid-barrier combine (branch mla4) and two programs an SM slower or no faster
+(removed from the kernel). Variants (kernels/mla.py switches):
 - default: the module's defaults (two kernels, COMBINE_PDL on: the combine grid launches while
   the split grid runs and waits with griddepcontrol.wait for its completion). NB: with PDL the
   combine's kernel duration includes its wait for the split grid; read `us`.
 - no-pdl: COMBINE_PDL off (the previous default): the control.
-- pdl-used: + COMBINE_USED_ONLY (merge the 128 splits that hold rows, not 132 of 256 padded).
 - pdl2: + SPLIT_PDL: the call's first kernel is launched with launch_pdl and waits
   (griddepcontrol.wait) at its start; the call's last kernel triggers its dependents at its
   start. In this graph the kernel before a call is the previous call's last kernel, so the gain
@@ -45,7 +45,6 @@ CFG = preset("kimi-k3", 8)
 VARIANTS = [
     ("default", {}, None),
     ("no-pdl", dict(COMBINE_PDL=False), None),
-    ("pdl-used", dict(COMBINE_PDL=True, COMBINE_USED_ONLY=True), None),
     ("pdl2", dict(COMBINE_PDL=True, SPLIT_PDL=True), None),
 ]
 # MLA_SWEEP_ONLY="a,b": only those variants (call 3)
