@@ -319,10 +319,13 @@ def _fp4_klane_part_f16(b_w, p_x, o_row, m_row, o_w, m_w, K_PAIRS, x_scale,
     else:  # the same decode and f16 x in plain ops, products summed in fp32
         b_s = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         for i in tl.static_range(4):
-            b_lo = (b_n0 << 16) if i == 0 else ((b_n0 & -65536) if i == 1 else
-                                                 ((b_n1 << 16) if i == 2 else (b_n1 & -65536)))
-            b_hi = (b_n2 << 16) if i == 0 else ((b_n2 & -65536) if i == 1 else
-                                                 ((b_n3 << 16) if i == 2 else (b_n3 & -65536)))
+            # x[8q + i] is half i % 2 of pair i // 2, x[8q + i + 4] the same half of pair i // 2 + 2
+            b_lo = b_n0 if i < 2 else b_n1
+            b_hi = b_n2 if i < 2 else b_n3
+            if i % 2 == 0:
+                b_lo, b_hi = b_lo << 16, b_hi << 16
+            else:
+                b_lo, b_hi = b_lo & -65536, b_hi & -65536
             b_xp = _f16_pair(b_lo.to(tl.float32, bitcast=True) * x_scale,
                              b_hi.to(tl.float32, bitcast=True) * x_scale)
             b_xl, b_xh = _f16_halves(b_xp)
