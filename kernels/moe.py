@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab.kernels.mxfp4_mma import MMA_WARPS, fp4_mma_gemv
 from k3lab.plan import RoutePlan
 from k3lab.weights import MXFP4
 
@@ -138,6 +139,21 @@ FP4_SCALE_BIAS = tl.constexpr(62)
 #   bandwidth (0.644 with FP4_KLANE_STAGES 0), stage 2 0.518 -> 0.595; tp 8 neutral. Opt-in: it
 #   trades fp32 for f16 word sums (stage 2 error 1.2e-7 -> 1.4e-4 of a 0.665 scale).
 FP4_F16_PAIRS = False
+# FP4_MMA (one token a tile: B1 stage 1 and the atomic stage 2): the tensor-core tiles of
+#   kernels/mxfp4_mma.py instead of K-lane tiles: codes decoded to bf16x2 A fragments of
+#   mma.sync.m16n8k16, x spread over the step's 8 groups as B, each group's E8M0 factor on D.
+#   K loop about 2.9 instructions an element (K-lane: 4.8, f16 pairs: 4.1). A tile is (R 16-row
+#   tiles a warp, WARPS_K warps splitting K, L2 prefetch distance); stage 1's R is 2 (its gate
+#   and up tiles). FP4_MMA_TILES: None picks per stage the largest tile of FP4_MMA_CANDIDATES
+#   that still launches TARGET_PROGRAMS programs (else the smallest), or {stage: tile} fixes
+#   them. H200 (session 6, benchmarks/session6/README.md; K3 B1, graph, cold): that picks what
+#   the sweep found best at tp 1 (stage 1 WARPS_K 1, stage 2 (2, 2)) and at tp 8 (stage 1
+#   WARPS_K 4, stage 2 (2, 2)). Interpreter: the same tiles with the mma emulated.
+FP4_MMA = True
+FP4_MMA_TILES = None
+FP4_MMA_CANDIDATES = {1: ((2, 1, 1), (2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
+_MMA_BASE = 4096  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
+FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
 FP4_F16_X_PAIRS = tl.constexpr("""{
 .reg .b32 a, b;
 shl.b32 a, $4, 16; shl.b32 b, $6, 16; mul.f32 a, a, $8; mul.f32 b, b, $8;
@@ -519,6 +535,14 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
 
 
 @triton.jit
+def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS, MODE: tl.constexpr):
+    """kernels/mxfp4_mma.fp4_mma_gemv with the tile of FP4 code MODE (see _mma_mode): [R,
+    16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x."""
+    return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS, MODE // 64 % 4 + 1,
+                        1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8)
+
+
+@triton.jit
 def _gate_up_act(p_x, o_xrow, m_xrow, p_w, p_s, o_n, m_n, N_HALF, K_PAIRS, beta, linear_beta,
                  ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_KP: tl.constexpr, FP4: tl.constexpr, TOKEN_LOOP: tl.constexpr):
@@ -601,8 +625,14 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
         p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N_I
-        b_a = _gate_up_act(p_z, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D_PAIRS, beta, linear_beta,
-                           ACT, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, TOKEN_LOOP)
+        if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N gate rows and their up rows
+            p_x = p_z + tl.sum(tl.where(m_ent, b_tok, 0)) * D_PAIRS
+            b_gu = _mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 4, FP4)
+            b_g, b_u = tl.split(tl.permute(b_gu, [1, 0]))
+            b_a = _act(b_g, b_u, beta, linear_beta, ACT)[None, :]
+        else:
+            b_a = _gate_up_act(p_z, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D_PAIRS, beta,
+                               linear_beta, ACT, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, TOKEN_LOOP)
         tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], _to_bf16(b_a),
                  mask=m_ent[:, None] & m_n[None, :])
 
@@ -616,7 +646,8 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
     slot order and stores."""
     i_k = 0
-    if FP4 >= 34 and (FP4 - 2) // 32 % 16 > 0:  # K-lane split K (atomic path): pid = (tile, split)
+    # K-lane split K (atomic path): pid = (tile, split)
+    if FP4 >= 34 and FP4 < FP4_MMA_BASE and (FP4 - 2) // 32 % 16 > 0:
         i_k = pid % ((FP4 - 2) // 32 % 16 + 1)
         pid = pid // ((FP4 - 2) // 32 % 16 + 1)
     i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
@@ -639,8 +670,14 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             i_e = tl.load(p_block_expert + i_b).to(tl.int64)
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
             p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
-            b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n,
-                        I_PAIRS, i_k, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
+            if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N consecutive rows
+                p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
+                b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
+                                           BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 4,
+                                           FP4), [1, BLOCK_N])
+            else:
+                b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
+                            BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
             o_m = tl.arange(0, BLOCK_M)
             b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
             tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
@@ -793,6 +830,44 @@ def _fp4_mode(w, stage: int = 0) -> int:
     return mode
 
 
+def _mma_code(tile, stage: int) -> int:
+    """FP4 constexpr code of tensor-core tile (R, WARPS_K, prefetch) for ``stage``:
+    FP4_MMA_BASE + inline PTX (compiled) + 2 * prefetch + 16 * log2(WARPS_K) + 64 * (R - 1)."""
+    r, warps_k, prefetch = tile
+    if stage == 1 and r != 2:
+        raise ValueError(f"FP4_MMA_TILES[1]: stage 1's R is 2 (gate and up tiles), got {r}")
+    if r not in (1, 2, 3, 4) or warps_k not in (1, 2, 4) or not 0 <= prefetch <= 7:
+        raise ValueError(f"FP4_MMA_TILES[{stage}]: expected (R in 1..4, WARPS_K in (1, 2, 4), "
+                         f"prefetch in 0..7), got {tile}")
+    asm = os.environ.get("TRITON_INTERPRET") != "1"
+    return (_MMA_BASE + int(asm) + 2 * prefetch + 16 * (warps_k.bit_length() - 1)
+            + 64 * (r - 1))
+
+
+def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int = 1) -> int:
+    """FP4 code of the tensor-core tiles (FP4_MMA) for stage 1 or the atomic stage 2 (stage 2)
+    with one token a plan tile, else 0 (see FP4_MMA_TILES; ``rows`` a GEMV's output rows, gate
+    rows for stage 1, launched for ``programs_per_tile`` plan tiles)."""
+    if not (FP4_MMA and isinstance(w, MXFP4) and stage in (1, 2) and block_m == 1):
+        return 0
+    if FP4_MMA_TILES is not None:
+        return _mma_code(FP4_MMA_TILES[stage], stage)
+    codes = [_mma_code(t, stage) for t in FP4_MMA_CANDIDATES[stage]]
+    codes.sort(key=lambda c: -_mma_block_n(c, stage))
+    target = INTERPRETER_TARGET_PROGRAMS if _fast_interpreter() else TARGET_PROGRAMS
+    for code in codes:
+        if programs_per_tile * triton.cdiv(rows, _mma_block_n(code, stage)) >= target:
+            return code
+    return codes[-1]
+
+
+def _mma_block_n(mode: int, stage: int) -> int:
+    """Rows a program of tensor-core mode ``mode`` owns: stage 1 16 * WN gate rows (and as many
+    up rows), stage 2 R * 16 * WN rows (WN = 4 // WARPS_K)."""
+    wn = MMA_WARPS >> (mode // 16 % 4)
+    return 16 * wn * (1 if stage == 1 else mode // 64 % 4 + 1)
+
+
 def _per_stage(value, stage: int):
     """A switch that is one value or a (stage 1, stage 2) pair; stage 0 reads stage 2's."""
     if isinstance(value, (tuple, list)):
@@ -819,7 +894,7 @@ def _reg_cap(mode: int, stage: int) -> dict:
     """Launch options of stage ``stage``'s kernel in FP4 mode ``mode``: FP4_MAXNREG for K-lane
     tiles (the interpreter drops the option)."""
     cap = _per_stage(FP4_MAXNREG, stage)
-    if mode < 2 or cap is None:
+    if mode < 2 or mode >= _MMA_BASE or cap is None:
         return {}
     return {"maxnreg": int(cap)}
 
@@ -1000,9 +1075,13 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
     block_mp = triton.next_power_of_2(block_m)
-    mode = _fp4_mode(w13, 1)
-    block_n, block_kp = _expert_tiles(n_tiles, i, d // 2, block_mp, mode)
-    mode = _fit_steps(mode, d // 8, block_kp // 4)
+    mode = _mma_mode(w13, 1, block_m, n_tiles, i)
+    if mode:
+        block_n, block_kp = _mma_block_n(mode, 1), MIN_PAIRS
+    else:
+        mode = _fp4_mode(w13, 1)
+        block_n, block_kp = _expert_tiles(n_tiles, i, d // 2, block_mp, mode)
+        mode = _fit_steps(mode, d // 8, block_kp // 4)
     grid = (n_tiles, triton.cdiv(i, block_n))
     out = plan.out
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
@@ -1052,10 +1131,14 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles):
                                                             dtype=torch.float32)
     block_mp = 1 if deterministic else triton.next_power_of_2(block_m)
     rows = m if deterministic else n_tiles
-    mode = _fp4_mode(w2, 0 if deterministic else 2)
-    block_n, block_kp = _expert_tiles(rows, d, i // 2, block_mp, mode)
-    mode = _fit_steps(mode, i // 8, block_kp // 4)
-    split = (mode - 2) // 32 % 16 + 1 if mode >= 2 else 1
+    mode = _mma_mode(w2, 0 if deterministic else 2, block_m, rows, d)
+    if mode:
+        block_n, block_kp, split = _mma_block_n(mode, 2), MIN_PAIRS, 1
+    else:
+        mode = _fp4_mode(w2, 0 if deterministic else 2)
+        block_n, block_kp = _expert_tiles(rows, d, i // 2, block_mp, mode)
+        mode = _fit_steps(mode, i // 8, block_kp // 4)
+        split = (mode - 2) // 32 % 16 + 1 if mode >= 2 else 1
     n_d = triton.cdiv(d, block_n)
     w_v, w_s = _expert_ptrs(w2)
     kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,

@@ -253,8 +253,21 @@ KLANE_VARIANTS = {
 }
 
 
+# Tensor-core tiles (kmoe.FP4_MMA, kernels/mxfp4_mma.py; one-token plan tiles of MXFP4 stage 1
+# and the atomic stage 2): the tile rule of FP4_MMA_TILES None, and fixed (R, WARPS_K, prefetch)
+# tiles per stage. Under the interpreter the mma is emulated lane by lane.
+MMA_VARIANTS = {
+    "mma": {},
+    "mma-wk1": {"FP4_MMA_TILES": {1: (2, 1, 0), 2: (2, 1, 0)}},
+    "mma-wk4-r1": {"FP4_MMA_TILES": {1: (2, 4, 2), 2: (1, 4, 2)}},
+    "mma-r4": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (4, 1, 1)}},
+}
+
+
 def _set_klane(monkeypatch, variant):
-    for name, value in KLANE_VARIANTS[variant].items():
+    """K-lane variant (FP4_MMA off) or tensor-core variant (MMA_VARIANTS)."""
+    monkeypatch.setattr(kmoe, "FP4_MMA", variant in MMA_VARIANTS)
+    for name, value in {**KLANE_VARIANTS, **MMA_VARIANTS}[variant].items():
         monkeypatch.setattr(kmoe, name, value)
 
 
@@ -262,7 +275,7 @@ def _set_klane(monkeypatch, variant):
 # GPU tiles with their K steps): the group-tile layout and the K-lane layout
 FP4_LAYOUTS = [(0, "plain", "interp"), (1, "plain", "interp"), (1, "plain", "gpu"),
                (1, "prefetch", "gpu"), (1, "fuse-split2-stages3", "gpu"), (1, "split3", "gpu"),
-               (1, "f16", "interp"), (1, "f16", "gpu")]
+               (1, "f16", "interp"), (1, "f16", "gpu"), (1, "mma", "interp"), (1, "mma", "gpu")]
 
 
 @pytest.mark.parametrize("layout,variant,tiles", FP4_LAYOUTS,
@@ -305,15 +318,17 @@ def test_mxfp4_decode_exact(layout, variant, tiles, device, monkeypatch):
 
 
 KLANE_CASES = [(c, v) for c in STAGE_CASES if c[0] in ("M1-bm1-mxfp4", "M3-bm4-mxfp4-crowd")
-               for v in ("plain", "prefetch", "fuse-split2-stages3", "f16")]
+               for v in ("plain", "prefetch", "fuse-split2-stages3", "f16")] + [
+    (c, v) for c in STAGE_CASES if c[0] == "M1-bm1-mxfp4" for v in MMA_VARIANTS]
 
 
 @pytest.mark.parametrize("case,variant", KLANE_CASES,
                          ids=[c[0] + "-" + v for c, v in KLANE_CASES])
 def test_stages_klane_layout(case, variant, device, monkeypatch):
     """The K-lane MXFP4 layout (FP4_LAYOUT 1) and its variants (KLANE_VARIANTS) at the GPU
-    tiles (K steps of 8 words, the token loop for M > 1): stage 1 and both stage-2 modes
-    against the reference."""
+    tiles (K steps of 8 words, the token loop for M > 1), and the tensor-core tiles
+    (MMA_VARIANTS, one-token plan tiles): stage 1 and both stage-2 modes against the
+    reference."""
     _, M, block_m, fmt, crowd, changes = case
     monkeypatch.setattr(kmoe, "FP4_LAYOUT", 1)
     _set_klane(monkeypatch, variant)
@@ -809,12 +824,14 @@ def test_gpu_k3_tp8_fused_tail_bitwise(fmt, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", [(0, "plain")] + [(1, v) for v in KLANE_VARIANTS],
+@pytest.mark.parametrize("layout", [(0, "plain")] + [(1, v) for v in KLANE_VARIANTS]
+                         + [(1, v) for v in MMA_VARIANTS],
                          ids=lambda lv: f"layout{lv[0]}-{lv[1]}")
 @pytest.mark.parametrize("M", [1, 16])
 def test_gpu_k3_tp1_mxfp4_stages(M, layout, monkeypatch):
     """Full-size experts: w13 offsets pass 2^31 elements (int64 pointer arithmetic); the MXFP4
-    tile layouts (FP4_LAYOUT 0, and 1 with each of KLANE_VARIANTS)."""
+    tile layouts (FP4_LAYOUT 0, and 1 with each of KLANE_VARIANTS) and the tensor-core tiles
+    (MMA_VARIANTS; M = 1 plans have one-token tiles, so M 16 too)."""
     monkeypatch.setattr(kmoe, "FP4_LAYOUT", layout[0])
     _set_klane(monkeypatch, layout[1])
     cfg = preset("kimi-k3", 1)

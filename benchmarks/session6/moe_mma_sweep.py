@@ -1,0 +1,107 @@
+"""H200, issue 4 (session 6): kernels/moe.py's FP4_MMA tensor-core tiles (kernels/mxfp4_mma.py)
+against the K-lane tiles of main before them, K3 B1, cold weights, tp 1 and tp 8.
+
+Each row: median graph us, fraction of copy bandwidth on the stage's bytes (the report's
+metric), kernel durations, and correctness against the fp32 reference with the tests'
+tolerances (tests/test_moe.py). tp 1 uses 48 experts (cold copies rotate), as the session-4 and
+session-5 sweeps. Run from the repo root (< 90 s):
+    python3 benchmarks/session6/moe_mma_sweep.py
+"""
+
+import dataclasses
+import importlib
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, "benchmarks/h200_tuning")
+from common import bw, dump, gt, kdur, rec  # noqa: E402
+
+from k3lab.boundaries import moe as MB  # noqa: E402
+from k3lab.config import preset  # noqa: E402
+from k3lab.reference import moe as ref  # noqa: E402
+
+moe = importlib.import_module("k3lab.kernels.moe")
+T0 = time.time()
+TP1_BUDGET_S, TP8_BUDGET_S = 60, 85
+print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
+
+KNOBS = ("FP4_MMA", "FP4_MMA_TILES", "FP4_F16_PAIRS")
+DEFAULTS = dict(FP4_MMA=True, FP4_MMA_TILES={1: (2, 2, 1), 2: (2, 2, 1)}, FP4_F16_PAIRS=False)
+VARIANTS = {
+    "klane": dict(FP4_MMA=False),  # main at 58b7c2f
+    "mma": {},
+    "mma-pf0": dict(FP4_MMA_TILES={1: (2, 2, 0), 2: (2, 2, 0)}),
+    "mma-pf2": dict(FP4_MMA_TILES={1: (2, 2, 2), 2: (2, 2, 2)}),
+    "mma-wk1": dict(FP4_MMA_TILES={1: (2, 1, 1), 2: (2, 1, 1)}),
+    "mma-wk4": dict(FP4_MMA_TILES={1: (2, 4, 1), 2: (2, 4, 1)}),
+    "mma-s2r1wk4": dict(FP4_MMA_TILES={1: (2, 2, 1), 2: (1, 4, 1)}),
+    "mma-s2r1wk2": dict(FP4_MMA_TILES={1: (2, 2, 1), 2: (1, 2, 1)}),
+}
+TP8_VARIANTS = ("klane", "mma", "mma-wk1", "mma-wk4", "mma-s2r1wk4", "mma-s2r1wk2")
+TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}  # tests/test_moe.py A_ / Y_
+
+
+def setknobs(knobs):
+    for k in KNOBS:
+        setattr(moe, k, knobs.get(k, DEFAULTS[k]))
+
+
+def check(stage, fn, inp, want):
+    try:
+        if stage == "stage2":
+            inp["plan"].out.zero_()
+        got = fn(inp).float()
+        atol, rtol = TOL[stage]
+        err = (got - want).abs()
+        ok = bool((err <= atol + rtol * want.abs()).all()) and bool(torch.isfinite(got).all())
+        return ok, float(err.max()), float(want.abs().max())
+    except Exception as e:  # noqa: BLE001 - report and go on
+        print("CHECK ERR", repr(e)[:300], flush=True)
+        return False, float("nan"), float("nan")
+
+
+def run(tp, variants, n_copies):
+    cfg = preset("kimi-k3", tp)
+    if tp == 1:
+        cfg = dataclasses.replace(cfg, n_experts=48)
+    base = MB.make_inputs(cfg, "cuda", 0, M=1, expert_format="mxfp4")
+    copies = [MB.stage_inputs(c) for c in MB.copies_sharing_experts(base, n_copies)]
+    c0 = copies[0]
+    wants = {"stage1": ref.moe_stage1_reference(
+        c0["z"], c0["plan"], c0["weights"]["w13"], activation=cfg.activation,
+        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta),
+        "stage2": ref.moe_stage2_reference(c0["a"], c0["plan"], c0["weights"]["w2"])}
+    for name in variants:
+        if time.time() - T0 > (TP1_BUDGET_S if tp == 1 else TP8_BUDGET_S):
+            print("SKIP (time budget)", tp, name, flush=True)
+            continue
+        for stage in ("stage1", "stage2"):
+            fns = MB.stage_fns(stage)
+            nbytes = MB.stage_bytes(stage, c0)
+            setknobs(VARIANTS[name])
+            try:
+                ok, err, scale = check(stage, fns["fused"], c0, wants[stage])
+                us = gt(fns["fused"], copies, repeats=10)
+                rec(k="moe_mma", tp=tp, M=1, fmt="mxfp4", stage=stage, variant=name, us=us,
+                    frac=nbytes / bw * 1e6 / us, ok=ok, max_err=err, max_ref=scale,
+                    mb=nbytes / 1e6, dur=kdur(fns["fused"], c0), t=round(time.time() - T0, 1))
+            except Exception:
+                traceback.print_exc()
+                rec(k="moe_mma", tp=tp, M=1, fmt="mxfp4", stage=stage, variant=name,
+                    us=float("nan"), ok=False)
+            setknobs({})
+    del copies, base, c0
+    torch.cuda.empty_cache()
+    dump("moe_mma.json")
+
+
+for args in ((1, list(VARIANTS), 3), (8, TP8_VARIANTS, 8)):
+    try:
+        run(*args)
+    except Exception:
+        traceback.print_exc()
+dump("moe_mma.json")
+print("done", round(time.time() - T0, 1), flush=True)

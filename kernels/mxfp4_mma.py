@@ -1,0 +1,220 @@
+"""MXFP4 GEMV tiles for one token on the tensor cores (``mma.sync.m16n8k16``, bf16 in, fp32 out).
+
+The expert GEMVs of the MoE stages at B1 read MXFP4 weights (two E2M1 codes a byte, an E8M0
+factor per group of 32 along K: ``k3lab.weights.MXFP4``, the standard layout, no repacking). On
+the SIMT path every weight element costs a decode and an FMA; here the multiply-adds go to the
+tensor cores and the decode is what is left (about 2 integer ops an element):
+
+- A operand (16 rows x 16 K): a warp's 16 weight rows. A thread's fragment (rows g and g + 8,
+  columns 2t, 2t + 1, 2t + 8, 2t + 9; lane = 4g + t) is one int32 word of 8 codes from row g and
+  the same word of row g + 8: codes n and n + 4 (16 bits apart) become one bf16x2 register
+  holding 2^-126 x value with one shift/mask sequence per sign and magnitude (the 0.5 code is a
+  bf16 subnormal), so columns (2t, 2t + 1, 2t + 8, 2t + 9) are elements (0, 4, 1, 5) of the
+  word in the first mma and (2, 6, 3, 7) in the second.
+- B operand (16 K x 8 columns): x spread over the K step's 8 groups, B[k, c] = x[k] if the
+  element of k is in group c, else 0. The word of lane t holds group t (first half of the step)
+  or t + 4 (second half), so only lanes with g == that group carry x. x (bf16) is scaled by 2^100
+  (exact) so the products 2^-26 w x stay in fp32's normal range.
+- D[row, c] is then the row's partial sum over group c: its factor 2^(s - 127) (times 2^26) is
+  one FFMA per (row, group) and K step, and the rows' totals come from one reduction at the end.
+
+The mma is warp-wide, so the tile is built so that each thread's elements are its fragment:
+``[256, R, 4]`` int32 tiles (index i = 128 h + 32 warp + lane: h the half of the step, R row
+tiles a warp, 4 words of a 16-byte load) whose only contiguous dimension is the last; Triton 3.6
+gives such a load the layout sizePerThread [1, 1, 4], threadsPerWarp [32, 1, 1], warpsPerCTA
+[4, 1, 1], order [2, 0, 1] (lane = i % 32, warp = i // 32 % 4), and ``inline_asm_elementwise``
+with pack=4 hands each thread its own 4 consecutive words. The GPU tests check the result against
+the reference; under the interpreter (no inline PTX) ``_mma_emulate`` computes the same fragments'
+products in plain ops, lane by lane, so the CPU tests cover the indexing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["fp4_mma_gemv", "MMA_WARPS"]
+
+MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
+X_SCALE_EXP = 100  # x * 2^100 in bf16: products 2^-126 w * 2^100 x = 2^-26 w x
+SCALE_BIAS = tl.constexpr(127 - X_SCALE_EXP - 1)  # 2^(s - 127) * 2^26 has fp32 exponent s + 26
+X_MUL = tl.constexpr(2.0 ** X_SCALE_EXP)
+
+
+def _pair_ptx(dst: str, src: str, n: int) -> str:
+    """PTX: codes n (low half) and n + 4 (high half) of word ``src`` as bf16x2 2^-126 * value:
+    signs (bits 4n + 3, 4n + 19) to 15 / 31, magnitudes (4n..4n + 2) to 6..8 / 22..24."""
+    s_sh, m_sh = 12 - 4 * n, 6 - 4 * n
+    sign = (f"shl.b32 s, {src}, {s_sh}; and.b32 s, s, 0x80008000;" if s_sh
+            else f"and.b32 s, {src}, 0x80008000;")
+    mag = f"shl.b32 m, {src}, {m_sh};" if m_sh >= 0 else f"shr.u32 m, {src}, {-m_sh};"
+    return f"{sign} {mag} and.b32 m, m, 0x01C001C0; or.b32 {dst}, m, s;\n"
+
+
+def _mma_ptx() -> str:
+    """pack=4 block: D (4 fp32) of 8 chained mmas over a thread's 4 words of row g ($4..$7) and
+    row g + 8 ($8..$11) with B registers ($12.. four per word: x pairs (0, 4), (1, 5), (2, 6),
+    (3, 7) of the word's 8 elements)."""
+    body = ["{", ".reg .b32 s, m, a0, a1, a2, a3;",
+            "mov.f32 $0, 0f00000000; mov.f32 $1, 0f00000000;",
+            "mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000;"]
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    for u in range(4):
+        lo, hi = f"${4 + u}", f"${8 + u}"
+        b = [f"${12 + 4 * j + u}" for j in range(4)]  # B tensors A, B, C, D: arg-major
+        for half in range(2):  # codes (0, 4, 1, 5) then (2, 6, 3, 7)
+            n0, n1 = 2 * half, 2 * half + 1
+            body += [_pair_ptx("a0", lo, n0), _pair_ptx("a1", hi, n0),
+                     _pair_ptx("a2", lo, n1), _pair_ptx("a3", hi, n1)]
+            body.append(f"{mma} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, "
+                        f"{{{b[2 * half]}, {b[2 * half + 1]}}}, {{$0, $1, $2, $3}};")
+    body.append("}")
+    return "\n".join(body)
+
+
+MMA_PTX = tl.constexpr(_mma_ptx())
+# x words 0..3 of a K word (bf16 pairs (0,1), (2,3), (4,5), (6,7)) -> B pairs (0,4), (1,5), (2,6),
+# (3,7), each times 2^100 (bf16 0x7180; fma with -0 keeps the sign of zero products harmless)
+X_PAIRS_PTX = tl.constexpr("""{
+.reg .b32 c, z; mov.b32 c, 0x71807180; mov.b32 z, 0x80008000;
+prmt.b32 $0, $4, $6, 0x5410; fma.rn.bf16x2 $0, $0, c, z;
+prmt.b32 $1, $4, $6, 0x7632; fma.rn.bf16x2 $1, $1, c, z;
+prmt.b32 $2, $5, $7, 0x5410; fma.rn.bf16x2 $2, $2, c, z;
+prmt.b32 $3, $5, $7, 0x7632; fma.rn.bf16x2 $3, $3, c, z;
+}""")
+
+
+@triton.jit
+def _bf16_lo(b):
+    """fp32 value of the low bf16 half of int32 ``b``."""
+    return (b << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_hi(b):
+    return (b & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _code(b_w, J: tl.constexpr):
+    """E2M1 code J of int32 words as fp32 2^-126 * value (the bf16 bits the PTX builds)."""
+    return (((b_w << (28 - 4 * J)) >> 6) & (0x81C00000 - (1 << 32))).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R: tl.constexpr):
+    """Interpreter stand-in for the MMA_PTX blocks: D [256, R, 4] fp32 of every thread, computed
+    from the fragments' lanes. b_lo / b_hi [256, R, 4] words of rows g / g + 8; x0..x3 [256, 4]
+    the x words 0..3 of each K word (0 on lanes without x)."""
+    wl = tl.reshape(b_lo, [2, 4, 8, 4, R, 4])  # (h, warp, g, t, r, u)
+    wh = tl.reshape(b_hi, [2, 4, 8, 4, R, 4])
+    d_lo = tl.zeros([2, 4, 8, 8, R], dtype=tl.float32)  # (h, warp, row g, column, r)
+    d_hi = tl.zeros([2, 4, 8, 8, R], dtype=tl.float32)
+    for half in tl.static_range(2):
+        for j in tl.static_range(4):
+            # A column 2t + j % 2 (+ 8 for j >= 2) <-> code 2 half + [0, 4, 1, 5][j]
+            n = 2 * half + (j // 2) + 4 * (j % 2)
+            xw = (x0 if half == 0 else x1) if j % 2 == 0 else (x2 if half == 0 else x3)
+            xv = _bf16_lo(xw) if j // 2 == 0 else _bf16_hi(xw)
+            xv = tl.reshape(xv * X_MUL, [2, 4, 8, 4, 1, 4])  # (h, warp, column g, t, 1, u)
+            b_x = xv[:, :, None, :, :, :, :]
+            d_lo += tl.sum(tl.sum(_code(wl, n)[:, :, :, None, :, :, :] * b_x, axis=6), axis=4)
+            d_hi += tl.sum(tl.sum(_code(wh, n)[:, :, :, None, :, :, :] * b_x, axis=6), axis=4)
+    # thread (g, t) holds D[g + 8 chi, 2t + clo] as element 2 chi + clo
+    d_lo = tl.permute(tl.reshape(d_lo, [2, 4, 8, 4, 2, R]), [0, 1, 2, 3, 5, 4])
+    d_hi = tl.permute(tl.reshape(d_hi, [2, 4, 8, 4, 2, R]), [0, 1, 2, 3, 5, 4])
+    d = tl.permute(tl.join(d_lo, d_hi), [0, 1, 2, 3, 4, 6, 5])
+    return tl.reshape(d, [256, R, 4])
+
+
+@triton.jit
+def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS,
+                 R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
+                 ASM: tl.constexpr, PREFETCH: tl.constexpr = 0):
+    """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
+    past row_lim + r * LIM_R.
+
+    p_x: one token's x, bf16 viewed as int32 pairs [K_WORDS * 4]; p_w: MXFP4 codes viewed as
+    int32 words [rows, K_WORDS] (8 codes a word); p_s: E8M0 scales uint8 [rows, K_WORDS // 4].
+    R: 16-row tiles a warp; WARPS_K: warps that split each K iteration's steps (the others split
+    the rows); STAGES: the K loop's pipelining (0: none); ASM: inline PTX (compiled) or the
+    interpreter's emulation; PREFETCH > 0 (compiled): each K iteration first asks L2 for the
+    weight lines PREFETCH iterations ahead (prefetch.global.L2: no registers held, so more
+    bytes in flight than the loads alone). Launch with 4 warps."""
+    WN: tl.constexpr = 4 // WARPS_K
+    N_GROUPS = K_WORDS // 4
+    n_steps = tl.cdiv(K_WORDS, 32)  # 32 words = 256 elements = 8 groups a step
+    o_i = tl.arange(0, 256)
+    lane, warp, h = o_i % 32, o_i // 32 % 4, o_i // 128
+    g, t = lane // 4, lane % 4
+    wn, wk = warp // WARPS_K, warp % WARPS_K
+    grp = t + 4 * h  # the group of this thread's words in the step
+    o_r = tl.arange(0, R)
+    o_u = tl.arange(0, 4)
+    row = row0 + o_r[None, :] * ROW_R + (wn * 16 + g)[:, None]  # [256, R], rows g
+    lim = row_lim + o_r[None, :] * LIM_R
+    m_lo = row < lim
+    m_hi = row + 8 < lim
+    # scale tiles [128, R, 2]: (warp, lane) x r x chi for D's elements 2 chi + clo (row g + 8 chi,
+    # group 2t + clo of the step), one tile per clo: byte loads in D's layout (a pair of bytes
+    # would be vectorized into another layout and cost a shared-memory conversion a step)
+    o_q = tl.arange(0, 128)
+    o_c = tl.arange(0, 2)
+    q_row = row0 + o_r[None, :, None] * ROW_R + (o_q // 32 // WARPS_K * 16 + o_q % 32 // 4)[
+        :, None, None] + 8 * o_c[None, None, :]
+    q_wk = o_q // 32 % WARPS_K
+    m_q = q_row < row_lim + o_r[None, :, None] * LIM_R
+    if PREFETCH > 0 and ASM:  # lane l of a warp: row l % 16 of row tiles 2 j + l // 16
+        RP: tl.constexpr = (R + 1) // 2
+        o_j = tl.arange(0, RP)
+        pf_r = 2 * o_j[None, :] + (o_q % 32 // 16)[:, None]  # [128, RP]
+        pf_row = row0 + pf_r * ROW_R + (o_q // 32 // WARPS_K * 16 + o_q % 16)[:, None]
+        m_pf = (pf_r < R) & (pf_row < row_lim + pf_r * LIM_R)
+    acc = tl.zeros([128, R, 4], dtype=tl.float32)
+    for it in tl.range(0, tl.cdiv(n_steps, WARPS_K), num_stages=STAGES if STAGES > 0 else None):
+        if PREFETCH > 0 and ASM:
+            pf_step = (it + PREFETCH) * WARPS_K + q_wk  # [128]
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
+                "mov.b32 $0, 0; }", "=r,l,r",
+                [p_w + pf_row * K_WORDS + (pf_step * 32)[:, None],
+                 (m_pf & (pf_step < n_steps)[:, None]).to(tl.int32)],
+                dtype=tl.int32, is_pure=False, pack=1)
+        step = it * WARPS_K + wk
+        o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
+        m_w = (step < n_steps) & (o_w < K_WORDS)
+        p_lo = p_w + row[:, :, None] * K_WORDS + o_w[:, None, None] + o_u[None, None, :]
+        b_lo = tl.load(p_lo, mask=m_lo[:, :, None] & m_w[:, None, None], other=0)
+        b_hi = tl.load(p_lo + 8 * K_WORDS, mask=m_hi[:, :, None] & m_w[:, None, None], other=0)
+        # x pairs 4 (4 grp + u) + v of the words, on the lanes of column g == grp
+        m_x = m_w & (g == grp)
+        b_x = tl.load(p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None]
+                      + o_u[None, None, :], mask=m_x[:, None, None], other=0)
+        x_even, x_odd = tl.split(tl.reshape(b_x, [256, 4, 2, 2]))  # x word v = 2 v1 + v0
+        x0, x2 = tl.split(x_even)
+        x1, x3 = tl.split(x_odd)
+        if ASM:
+            b_a, b_b, b_c, b_d = tl.inline_asm_elementwise(
+                X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+            d = tl.inline_asm_elementwise(  # every row tile reuses the thread's B registers
+                MMA_PTX, "=f,=f,=f,=f" + ",r" * 24,
+                [b_lo, b_hi, tl.broadcast_to(b_a[:, None, :], (256, R, 4)),
+                 tl.broadcast_to(b_b[:, None, :], (256, R, 4)),
+                 tl.broadcast_to(b_c[:, None, :], (256, R, 4)),
+                 tl.broadcast_to(b_d[:, None, :], (256, R, 4))],
+                dtype=tl.float32, is_pure=True, pack=4)
+        else:
+            d = _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R)
+        d = tl.sum(tl.reshape(d, [2, 128, R, 4]), axis=0)  # the two halves' groups
+        q_grp = (it * WARPS_K + q_wk) * 8 + 2 * (o_q % 4)  # [128]: group of clo = 0
+        p_q = p_s + q_row * N_GROUPS + q_grp[:, None, None]
+        m_g = q_grp[:, None, None] < N_GROUPS
+        b_s0 = tl.load(p_q, mask=m_q & m_g, other=0).to(tl.int32)
+        b_s1 = tl.load(p_q + 1, mask=m_q & m_g, other=0).to(tl.int32)
+        b_s = tl.reshape(tl.join(b_s0, b_s1), [128, R, 4])
+        acc += d * ((b_s + SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
+    # rows: sum over the K warps, the lanes' groups t and the element's column half clo
+    y = tl.sum(tl.reshape(acc, [WN, WARPS_K, 8, 4, R, 2, 2]), axis=6)
+    y = tl.sum(tl.sum(y, axis=3), axis=1)  # [WN, 8 (g), R, 2 (chi)]
+    return tl.reshape(tl.permute(y, [2, 0, 3, 1]), [R, WN * 16])
