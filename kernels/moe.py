@@ -894,7 +894,7 @@ def _reg_cap(mode: int, stage: int) -> dict:
     """Launch options of stage ``stage``'s kernel in FP4 mode ``mode``: FP4_MAXNREG for K-lane
     tiles (the interpreter drops the option)."""
     cap = _per_stage(FP4_MAXNREG, stage)
-    if mode < 2 or mode >= _MMA_BASE or cap is None:
+    if mode < 2 or cap is None:
         return {}
     return {"maxnreg": int(cap)}
 

@@ -10,6 +10,7 @@ session-5 sweeps. Run from the repo root (< 90 s):
 
 import dataclasses
 import importlib
+import os
 import sys
 import time
 import traceback
@@ -28,9 +29,17 @@ T0 = time.time()
 TP1_BUDGET_S, TP8_BUDGET_S = 60, 85
 print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 
-KNOBS = ("FP4_MMA", "FP4_MMA_TILES", "FP4_F16_PAIRS")
-DEFAULTS = dict(FP4_MMA=True, FP4_MMA_TILES={1: (2, 2, 1), 2: (2, 2, 1)}, FP4_F16_PAIRS=False)
+KNOBS = ("FP4_MMA", "FP4_MMA_TILES", "FP4_F16_PAIRS", "FP4_MAXNREG")
+DEFAULTS = dict(FP4_MMA=True, FP4_MMA_TILES=None, FP4_F16_PAIRS=False, FP4_MAXNREG=None)
+# call 3 (session 6) ran the first eight with FP4_MMA_TILES {1: (2, 2, 1), 2: (2, 2, 1)} as
+# "mma"; call 6 the auto tiles (None) and register caps
 VARIANTS = {
+    "mma-auto": {},
+    "mma-auto-reg96": dict(FP4_MAXNREG=96),
+    "mma-auto-reg80": dict(FP4_MAXNREG=80),
+    "mma-s2wk4-reg96": dict(FP4_MAXNREG=96, FP4_MMA_TILES={1: (2, 1, 1), 2: (2, 4, 1)}),
+    "mma-s1wk2-reg96": dict(FP4_MAXNREG=96, FP4_MMA_TILES={1: (2, 2, 1), 2: (2, 2, 1)}),
+    "mma-auto-reg64": dict(FP4_MAXNREG=64),
     "klane": dict(FP4_MMA=False),  # main at 58b7c2f
     "mma": {},
     "mma-pf0": dict(FP4_MMA_TILES={1: (2, 2, 0), 2: (2, 2, 0)}),
@@ -40,7 +49,8 @@ VARIANTS = {
     "mma-s2r1wk4": dict(FP4_MMA_TILES={1: (2, 2, 1), 2: (1, 4, 1)}),
     "mma-s2r1wk2": dict(FP4_MMA_TILES={1: (2, 2, 1), 2: (1, 2, 1)}),
 }
-TP8_VARIANTS = ("klane", "mma", "mma-wk1", "mma-wk4", "mma-s2r1wk4", "mma-s2r1wk2")
+TP8_VARIANTS = ("mma-auto", "mma-auto-reg96", "mma-auto-reg80")
+RUN = os.environ.get("SWEEP", "call6")
 TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}  # tests/test_moe.py A_ / Y_
 
 
@@ -98,7 +108,8 @@ def run(tp, variants, n_copies):
     dump("moe_mma.json")
 
 
-for args in ((1, list(VARIANTS), 3), (8, TP8_VARIANTS, 8)):
+TP1 = list(VARIANTS)[:6] if RUN == "call6" else list(VARIANTS)
+for args in ((1, TP1, 3), (8, TP8_VARIANTS, 8)):
     try:
         run(*args)
     except Exception:
