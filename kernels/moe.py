@@ -535,11 +535,12 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
 
 
 @triton.jit
-def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS, MODE: tl.constexpr):
+def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS, MODE: tl.constexpr, i_k=0):
     """kernels/mxfp4_mma.fp4_mma_gemv with the tile of FP4 code MODE (see _mma_mode): [R,
-    16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x."""
+    16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x (K share i_k of KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS, MODE // 64 % 4 + 1,
-                        1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8)
+                        1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
+                        MODE // 512 % 8 + 1)
 
 
 @triton.jit
@@ -650,6 +651,9 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
     if FP4 >= 34 and FP4 < FP4_MMA_BASE and (FP4 - 2) // 32 % 16 > 0:
         i_k = pid % ((FP4 - 2) // 32 % 16 + 1)
         pid = pid // ((FP4 - 2) // 32 % 16 + 1)
+    if FP4 >= FP4_MMA_BASE and FP4 // 512 % 8 > 0:  # tensor-core split K: the same
+        i_k = pid % (FP4 // 512 % 8 + 1)
+        pid = pid // (FP4 // 512 % 8 + 1)
     i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < D
@@ -674,7 +678,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                 p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
                 b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
                                            BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 4,
-                                           FP4), [1, BLOCK_N])
+                                           FP4, i_k), [1, BLOCK_N])
             else:
                 b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
                             BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
@@ -830,18 +834,23 @@ def _fp4_mode(w, stage: int = 0) -> int:
     return mode
 
 
-def _mma_code(tile, stage: int) -> int:
-    """FP4 constexpr code of tensor-core tile (R, WARPS_K, prefetch) for ``stage``:
-    FP4_MMA_BASE + inline PTX (compiled) + 2 * prefetch + 16 * log2(WARPS_K) + 64 * (R - 1)."""
-    r, warps_k, prefetch = tile
-    if stage == 1 and r != 2:
-        raise ValueError(f"FP4_MMA_TILES[1]: stage 1's R is 2 (gate and up tiles), got {r}")
-    if r not in (1, 2, 3, 4) or warps_k not in (1, 2, 4) or not 0 <= prefetch <= 7:
+def _mma_code(tile, stage: int, k_steps: int = 1) -> int:
+    """FP4 constexpr code of tensor-core tile (R, WARPS_K, prefetch[, K split]) for ``stage``
+    over ``k_steps`` K steps of 256: FP4_MMA_BASE + inline PTX (compiled) + 2 * prefetch + 16 *
+    log2(WARPS_K) + 64 * (R - 1) + 512 * (split - 1); the split (stage 2 only) is clamped so
+    that no share is empty."""
+    r, warps_k, prefetch, split = (*tile, 1)[:4]
+    if stage == 1 and (r != 2 or split != 1):
+        raise ValueError(f"FP4_MMA_TILES[1]: stage 1's R is 2 (gate and up tiles), no split, "
+                         f"got {tile}")
+    if (r not in (1, 2, 3, 4) or warps_k not in (1, 2, 4) or not 0 <= prefetch <= 7
+            or not 1 <= split <= 8):
         raise ValueError(f"FP4_MMA_TILES[{stage}]: expected (R in 1..4, WARPS_K in (1, 2, 4), "
-                         f"prefetch in 0..7), got {tile}")
+                         f"prefetch in 0..7[, split in 1..8]), got {tile}")
+    split = triton.cdiv(k_steps, triton.cdiv(k_steps, min(split, k_steps)))
     asm = os.environ.get("TRITON_INTERPRET") != "1"
     return (_MMA_BASE + int(asm) + 2 * prefetch + 16 * (warps_k.bit_length() - 1)
-            + 64 * (r - 1))
+            + 64 * (r - 1) + 512 * (split - 1))
 
 
 def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int = 1) -> int:
@@ -850,9 +859,10 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
     rows for stage 1, launched for ``programs_per_tile`` plan tiles)."""
     if not (FP4_MMA and isinstance(w, MXFP4) and stage in (1, 2) and block_m == 1):
         return 0
+    k_steps = triton.cdiv(w.shape[-1], 256)
     if FP4_MMA_TILES is not None:
-        return _mma_code(FP4_MMA_TILES[stage], stage)
-    codes = [_mma_code(t, stage) for t in FP4_MMA_CANDIDATES[stage]]
+        return _mma_code(FP4_MMA_TILES[stage], stage, k_steps)
+    codes = [_mma_code(t, stage, k_steps) for t in FP4_MMA_CANDIDATES[stage]]
     codes.sort(key=lambda c: -_mma_block_n(c, stage))
     target = INTERPRETER_TARGET_PROGRAMS if _fast_interpreter() else TARGET_PROGRAMS
     for code in codes:
@@ -1133,7 +1143,7 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles):
     rows = m if deterministic else n_tiles
     mode = _mma_mode(w2, 0 if deterministic else 2, block_m, rows, d)
     if mode:
-        block_n, block_kp, split = _mma_block_n(mode, 2), MIN_PAIRS, 1
+        block_n, block_kp, split = _mma_block_n(mode, 2), MIN_PAIRS, mode // 512 % 8 + 1
     else:
         mode = _fp4_mode(w2, 0 if deterministic else 2)
         block_n, block_kp = _expert_tiles(rows, d, i // 2, block_mp, mode)

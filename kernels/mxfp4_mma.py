@@ -128,9 +128,25 @@ def _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R: tl.constexpr):
 
 
 @triton.jit
+def _load_step(p_w, p_x, row, m_lo, m_hi, step, n_steps, grp, g, K_WORDS):
+    """Iteration tiles of K step ``step`` [256] (per thread): words of rows g / g + 8 [256, R, 4]
+    and the x pairs [256, 4, 4] of the thread's words on the lanes of column g == grp."""
+    o_u = tl.arange(0, 4)
+    o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
+    m_w = (step < n_steps) & (o_w < K_WORDS)
+    p_lo = p_w + row[:, :, None] * K_WORDS + o_w[:, None, None] + o_u[None, None, :]
+    b_lo = tl.load(p_lo, mask=m_lo[:, :, None] & m_w[:, None, None], other=0)
+    b_hi = tl.load(p_lo + 8 * K_WORDS, mask=m_hi[:, :, None] & m_w[:, None, None], other=0)
+    m_x = m_w & (g == grp)
+    b_x = tl.load(p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None] + o_u[None, None, :],
+                  mask=m_x[:, None, None], other=0)
+    return b_lo, b_hi, b_x
+
+
+@triton.jit
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
-                 ASM: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                 ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
     past row_lim + r * LIM_R.
 
@@ -140,17 +156,25 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS,
     the rows); STAGES: the K loop's pipelining (0: none); ASM: inline PTX (compiled) or the
     interpreter's emulation; PREFETCH > 0 (compiled): each K iteration first asks L2 for the
     weight lines PREFETCH iterations ahead (prefetch.global.L2: no registers held, so more
-    bytes in flight than the loads alone). Launch with 4 warps."""
+    bytes in flight than the loads alone); KSPLIT > 1: only the i_k-th of KSPLIT consecutive
+    shares of the K steps (the caller adds the partial sums). Launch with 4 warps.
+    (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
+    the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
     N_GROUPS = K_WORDS // 4
     n_steps = tl.cdiv(K_WORDS, 32)  # 32 words = 256 elements = 8 groups a step
+    if KSPLIT > 1:
+        per = tl.cdiv(n_steps, KSPLIT)
+        step0 = i_k * per
+        n_steps = tl.minimum(step0 + per, n_steps)
+    else:
+        step0 = 0
     o_i = tl.arange(0, 256)
     lane, warp, h = o_i % 32, o_i // 32 % 4, o_i // 128
     g, t = lane // 4, lane % 4
     wn, wk = warp // WARPS_K, warp % WARPS_K
     grp = t + 4 * h  # the group of this thread's words in the step
     o_r = tl.arange(0, R)
-    o_u = tl.arange(0, 4)
     row = row0 + o_r[None, :] * ROW_R + (wn * 16 + g)[:, None]  # [256, R], rows g
     lim = row_lim + o_r[None, :] * LIM_R
     m_lo = row < lim
@@ -171,25 +195,18 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS,
         pf_row = row0 + pf_r * ROW_R + (o_q // 32 // WARPS_K * 16 + o_q % 16)[:, None]
         m_pf = (pf_r < R) & (pf_row < row_lim + pf_r * LIM_R)
     acc = tl.zeros([128, R, 4], dtype=tl.float32)
-    for it in tl.range(0, tl.cdiv(n_steps, WARPS_K), num_stages=STAGES if STAGES > 0 else None):
+    for it in tl.range(0, tl.cdiv(n_steps - step0, WARPS_K),
+                       num_stages=STAGES if STAGES > 0 else None):
         if PREFETCH > 0 and ASM:
-            pf_step = (it + PREFETCH) * WARPS_K + q_wk  # [128]
+            pf_step = step0 + (it + PREFETCH) * WARPS_K + q_wk  # [128]
             tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
                 "mov.b32 $0, 0; }", "=r,l,r",
                 [p_w + pf_row * K_WORDS + (pf_step * 32)[:, None],
                  (m_pf & (pf_step < n_steps)[:, None]).to(tl.int32)],
                 dtype=tl.int32, is_pure=False, pack=1)
-        step = it * WARPS_K + wk
-        o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
-        m_w = (step < n_steps) & (o_w < K_WORDS)
-        p_lo = p_w + row[:, :, None] * K_WORDS + o_w[:, None, None] + o_u[None, None, :]
-        b_lo = tl.load(p_lo, mask=m_lo[:, :, None] & m_w[:, None, None], other=0)
-        b_hi = tl.load(p_lo + 8 * K_WORDS, mask=m_hi[:, :, None] & m_w[:, None, None], other=0)
-        # x pairs 4 (4 grp + u) + v of the words, on the lanes of column g == grp
-        m_x = m_w & (g == grp)
-        b_x = tl.load(p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None]
-                      + o_u[None, None, :], mask=m_x[:, None, None], other=0)
+        b_lo, b_hi, b_x = _load_step(p_w, p_x, row, m_lo, m_hi, step0 + it * WARPS_K + wk,
+                                     n_steps, grp, g, K_WORDS)
         x_even, x_odd = tl.split(tl.reshape(b_x, [256, 4, 2, 2]))  # x word v = 2 v1 + v0
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)
@@ -207,9 +224,10 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS,
         else:
             d = _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R)
         d = tl.sum(tl.reshape(d, [2, 128, R, 4]), axis=0)  # the two halves' groups
-        q_grp = (it * WARPS_K + q_wk) * 8 + 2 * (o_q % 4)  # [128]: group of clo = 0
+        q_step = step0 + it * WARPS_K + q_wk
+        q_grp = q_step * 8 + 2 * (o_q % 4)  # [128]: group of clo = 0
         p_q = p_s + q_row * N_GROUPS + q_grp[:, None, None]
-        m_g = q_grp[:, None, None] < N_GROUPS
+        m_g = (q_step < n_steps)[:, None, None] & (q_grp[:, None, None] < N_GROUPS)
         b_s0 = tl.load(p_q, mask=m_q & m_g, other=0).to(tl.int32)
         b_s1 = tl.load(p_q + 1, mask=m_q & m_g, other=0).to(tl.int32)
         b_s = tl.reshape(tl.join(b_s0, b_s1), [128, R, 4])

@@ -261,6 +261,7 @@ MMA_VARIANTS = {
     "mma-wk1": {"FP4_MMA_TILES": {1: (2, 1, 0), 2: (2, 1, 0)}},
     "mma-wk4-r1": {"FP4_MMA_TILES": {1: (2, 4, 2), 2: (1, 4, 2)}},
     "mma-r4": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (4, 1, 1)}},
+    "mma-split3": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (1, 1, 0, 3)}},
 }
 
 
@@ -347,6 +348,29 @@ def test_stages_klane_layout(case, variant, device, monkeypatch):
     assert_close("y", moe_stage2(a, plan, w["w2"]), y_ref, atol=y_atol, rtol=Y_RTOL)
     assert_close("y_det", moe_stage2(a, plan, w["w2"], deterministic=True), y_ref, atol=y_atol,
                  rtol=Y_RTOL)
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_mma_stage2_split_k(split, device, monkeypatch):
+    """Tensor-core stage 2 with its K steps split over programs (FP4_MMA_TILES[2]'s fourth
+    entry; the shares meet in the fp32 atomics): K = 800 is three full steps of 256 and a
+    partial one, 40 rows (a partial 16-row tile), 16 one-token plan tiles on two experts."""
+    monkeypatch.setattr(kmoe, "FP4_MMA", True)
+    monkeypatch.setattr(kmoe, "FP4_MMA_TILES", {1: (2, 2, 1), 2: (2, 2, 1, split)})
+    gen = make_generator(3, device)
+    m, d, i = 16, 40, 800
+    w2 = mxfp4_quantize(randn((2, d, i), gen, std=0.05))
+    a = randn((m, i), gen)
+    ids = (torch.arange(m, device=device) % 2).to(torch.int32)[:, None]
+    order = torch.argsort(ids[:, 0], stable=True).to(torch.int32)
+    plan = RoutePlan(topk_ids=ids, topk_weights=torch.rand((m, 1), generator=gen, device=device),
+                     sorted_ids=order, sorted_weights=torch.zeros(m, device=device),
+                     block_expert_ids=ids[order.long(), 0].contiguous(),
+                     num_valid=torch.tensor([m], dtype=torch.int32, device=device),
+                     out=torch.zeros((m, d), device=device), block_m=1)
+    plan.sorted_weights.copy_(plan.topk_weights[order.long(), 0])
+    y = moe_stage2(a, plan, w2)
+    assert_close("y", y, ref.moe_stage2_reference(a, plan, w2), atol=Y_ATOL, rtol=Y_RTOL)
 
 
 def test_stage2_without_plan_buffer(device):

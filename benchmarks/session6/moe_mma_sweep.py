@@ -49,8 +49,22 @@ VARIANTS = {
     "mma-s2r1wk4": dict(FP4_MMA_TILES={1: (2, 2, 1), 2: (1, 4, 1)}),
     "mma-s2r1wk2": dict(FP4_MMA_TILES={1: (2, 2, 1), 2: (1, 2, 1)}),
 }
+# call 8: stage 2's K split over programs (the shares add in the atomics), stage 1 prefetch
+CALL8 = {
+    "s2-split2": dict(FP4_MMA_TILES={1: (2, 1, 0), 2: (2, 2, 1, 2)}),
+    "s2-split4": dict(FP4_MMA_TILES={1: (2, 1, 2), 2: (2, 2, 1, 4)}),
+    "s2-r2wk1-split2": dict(FP4_MMA_TILES={1: (2, 1, 1), 2: (2, 1, 1, 2)}),
+    "s2-r2wk1-split4": dict(FP4_MMA_TILES={1: (2, 1, 1), 2: (2, 1, 1, 4)}),
+    "s2-r4wk2-split2": dict(FP4_MMA_TILES={1: (2, 1, 1), 2: (4, 2, 1, 2)}),
+    "s2-split3-pf0": dict(FP4_MMA_TILES={1: (2, 1, 1), 2: (2, 2, 0, 3)}),
+    "tp8-s2-r2wk1-split2": dict(FP4_MMA_TILES={1: (2, 4, 1), 2: (2, 1, 1, 2)}),
+    "tp8-s2-r1wk2-split2": dict(FP4_MMA_TILES={1: (2, 4, 0), 2: (1, 2, 1, 2)}),
+}
+VARIANTS.update(CALL8)
 TP8_VARIANTS = ("mma-auto", "mma-auto-reg96", "mma-auto-reg80")
 RUN = os.environ.get("SWEEP", "call6")
+if RUN == "call8":
+    TP8_VARIANTS = ("mma-auto", "tp8-s2-r2wk1-split2", "tp8-s2-r1wk2-split2")
 TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}  # tests/test_moe.py A_ / Y_
 
 
@@ -108,7 +122,8 @@ def run(tp, variants, n_copies):
     dump("moe_mma.json")
 
 
-TP1 = list(VARIANTS)[:6] if RUN == "call6" else list(VARIANTS)
+TP1 = list(VARIANTS)[:6] if RUN == "call6" else (
+    ["mma-auto"] + [k for k in CALL8 if not k.startswith("tp8")])
 for args in ((1, TP1, 3), (8, TP8_VARIANTS, 8)):
     try:
         run(*args)
