@@ -15,6 +15,9 @@ a shift and a mask give both fp32 values). MXFP4 weights are read as int32 words
 and decoded in registers with 3 integer ops per element (shift the nibble to the top, arithmetic
 shift right, mask: the signed fp32 bits of 2^-126 * value), one FMA each, and the E8M0 factor
 2^(s-127) applied once per group of 32; the activations stay bf16 pairs.
+Plan tiles of one token (B1: stage 1 and the atomic stage 2) take the tensor-core tiles of
+kernels/mxfp4_mma.py instead (FP4_MMA): codes decoded to bf16x2 and multiplied by
+``mma.sync.m16n8k16``, x spread over the K step's groups so each group's factor applies once.
 
 Stages 1 and 2 consume the route plan as is (no second top-k or sort): programs walk the
 expert-sorted ``sorted_ids`` in tiles of ``block_m`` entries of one expert, so tokens sharing an
