@@ -622,9 +622,12 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
     if ZERO_SYNC:
         o_s = tl.arange(0, 2)
         tl.store(p_sync + o_s, tl.zeros([2], dtype=tl.int32), mask=(i_b + i_n + o_s * 0) == 0)
-    if i_b * block_m < tl.load(p_num_valid):
-        b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
-        i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+    # the plan's count, entries and expert in one round trip (all in bounds for every tile):
+    # the weight addresses wait for them
+    n_valid = tl.load(p_num_valid)
+    b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
+    i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+    if i_b * block_m < n_valid:
         p_we = p_w + i_e * (2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS))
         p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -672,9 +675,10 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
         tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
     else:
-        if i_b * block_m < tl.load(p_num_valid):
-            b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
-            i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+        n_valid = tl.load(p_num_valid)  # with the entries and expert: one round trip
+        b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
+        i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+        if i_b * block_m < n_valid:
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
             p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
             if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N consecutive rows

@@ -65,6 +65,10 @@ TP8_VARIANTS = ("mma-auto", "mma-auto-reg96", "mma-auto-reg80")
 RUN = os.environ.get("SWEEP", "call6")
 if RUN == "call8":
     TP8_VARIANTS = ("mma-auto", "tp8-s2-r2wk1-split2", "tp8-s2-r1wk2-split2")
+# call 10: the plan's count, entries and expert loaded in one round trip (auto tiles, twice)
+VARIANTS["mma-auto-again"] = {}
+if RUN == "call10":
+    TP8_VARIANTS = ("mma-auto", "mma-auto-again")
 TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}  # tests/test_moe.py A_ / Y_
 
 
@@ -123,7 +127,8 @@ def run(tp, variants, n_copies):
 
 
 TP1 = list(VARIANTS)[:6] if RUN == "call6" else (
-    ["mma-auto"] + [k for k in CALL8 if not k.startswith("tp8")])
+    ["mma-auto"] + [k for k in CALL8 if not k.startswith("tp8")] if RUN == "call8" else
+    ["mma-auto", "klane", "mma-auto-again"])
 for args in ((1, TP1, 3), (8, TP8_VARIANTS, 8)):
     try:
         run(*args)
