@@ -1,0 +1,71 @@
+"""kernels/mxfp4_mma.py: the tensor-core MXFP4 GEMV tile on its own, against the dequantized
+fp32 reference, for every tile shape the MoE stages can pick, rows that end inside a 16-row tile
+and K that ends inside a step of 256. On CPU the mma is the interpreter's lane-by-lane emulation;
+on CUDA it is the inline PTX (the same test, compiled)."""
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from k3lab.kernels.mxfp4_mma import fp4_mma_gemv
+from k3lab.weights import make_generator, mxfp4_quantize, randn
+
+# fp32 sums of exact products in another order than the reference's
+ATOL, RTOL = 1e-5, 1e-5
+
+
+@triton.jit
+def _gemv_kernel(p_x, p_w, p_s, p_y, N, K_WORDS, R: tl.constexpr, WARPS_K: tl.constexpr,
+                 ASM: tl.constexpr, KSPLIT: tl.constexpr):
+    """y[rows of program 0's tiles] = w @ x, rows in R tiles of 16 * (4 // WARPS_K); the K
+    shares of KSPLIT are the second grid axis and add atomically."""
+    WN: tl.constexpr = 4 // WARPS_K
+    row0 = tl.program_id(0) * (R * WN * 16)
+    y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, K_WORDS, R, WARPS_K, 0, ASM, 0,
+                     tl.program_id(1), KSPLIT)
+    o = row0 + tl.arange(0, R)[:, None] * (WN * 16) + tl.arange(0, WN * 16)[None, :]
+    tl.atomic_add(p_y + o, y, mask=o < N)
+
+
+def _gemv(x, q, r, warps_k, ksplit):
+    n, k = q.shape
+    y = torch.zeros(n, device=x.device, dtype=torch.float32)
+    rows = r * (4 // warps_k) * 16
+    _gemv_kernel[(triton.cdiv(n, rows), ksplit)](
+        x.view(torch.int32), q.packed.view(torch.int32), q.scales, y, n, k // 8, r, warps_k,
+        os.environ.get("TRITON_INTERPRET") != "1", ksplit, num_warps=4)
+    return y
+
+
+TILES = [(1, 1), (2, 1), (2, 2), (2, 4), (1, 4), (4, 1)]
+SHAPES = [(40, 512), (200, 384), (16, 32)]
+
+
+@pytest.mark.parametrize("r,warps_k", TILES, ids=[f"R{r}-WK{w}" for r, w in TILES])
+@pytest.mark.parametrize("n,k", SHAPES, ids=[f"N{n}-K{k}" for n, k in SHAPES])
+def test_tile_matches_reference(n, k, r, warps_k, device):
+    gen = make_generator(n + k, device)
+    q = mxfp4_quantize(randn((n, k), gen, std=0.05))
+    x = randn((k,), gen)
+    want = q.dequantize() @ x.float()
+    torch.testing.assert_close(_gemv(x, q, r, warps_k, 1), want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("ksplit", [2, 3])
+def test_tile_split_k(ksplit, device):
+    """K shares (3 steps and a partial one, split 2 or 3) add up to the whole product."""
+    gen = make_generator(7, device)
+    q = mxfp4_quantize(randn((48, 800), gen, std=0.05))
+    x = randn((800,), gen)
+    want = q.dequantize() @ x.float()
+    torch.testing.assert_close(_gemv(x, q, 2, 2, ksplit), want, atol=ATOL, rtol=RTOL)
+
+
+def test_zero_weights_and_x_give_zero(device):
+    """All-zero codes (and an all-zero x) give exact zeros: no stray B columns or scales."""
+    q = mxfp4_quantize(torch.zeros((32, 256), device=device))
+    x = torch.zeros(256, device=device, dtype=torch.bfloat16)
+    assert torch.equal(_gemv(x, q, 2, 1, 1), torch.zeros(32, device=device))
