@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.mxfp4_mma import MMA_WARPS, fp4_mma_gemv
+from k3lab.kernels.mxfp4_mma import MMA_WARPS, fp4_mma_gemv, mma_layout_problem
 from k3lab.plan import RoutePlan
 from k3lab.weights import MXFP4
 
@@ -153,6 +153,11 @@ FP4_F16_PAIRS = False
 #   the sweep found best at tp 1 (stage 1 WARPS_K 1, stage 2 (2, 2)) and at tp 8 (stage 1
 #   WARPS_K 4, stage 2 (2, 2)). Interpreter: the same tiles with the mma emulated.
 FP4_MMA = True
+# Under the interpreter's big tiles (INTERPRETER_BIG_TILES) the lane-by-lane mma emulation runs
+# one 64-128-row program at a time (a K3 tp 8 block: about a minute on CPU), so the one-token
+# MXFP4 tiles take the K-lane path there unless INTERPRETER_MMA is set; with the GPU tiling
+# (INTERPRETER_BIG_TILES off) the interpreter runs the tensor-core tiles as the GPU does.
+INTERPRETER_MMA = False
 FP4_MMA_TILES = None
 FP4_MMA_CANDIDATES = {1: ((2, 1, 1), (2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
 _MMA_BASE = 4096  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
@@ -538,10 +543,10 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
 
 
 @triton.jit
-def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS, MODE: tl.constexpr, i_k=0):
+def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr, i_k=0):
     """kernels/mxfp4_mma.fp4_mma_gemv with the tile of FP4 code MODE (see _mma_mode): [R,
     16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x (K share i_k of KSPLIT)."""
-    return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS, MODE // 64 % 4 + 1,
+    return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
                         MODE // 512 % 8 + 1)
 
@@ -634,7 +639,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
         m_n = o_n < N_I
         if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N gate rows and their up rows
             p_x = p_z + tl.sum(tl.where(m_ent, b_tok, 0)) * D_PAIRS
-            b_gu = _mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 4, FP4)
+            b_gu = _mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16, FP4)
             b_g, b_u = tl.split(tl.permute(b_gu, [1, 0]))
             b_a = _act(b_g, b_u, beta, linear_beta, ACT)[None, :]
         else:
@@ -684,7 +689,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N consecutive rows
                 p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
                 b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
-                                           BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 4,
+                                           BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 16,
                                            FP4, i_k), [1, BLOCK_N])
             else:
                 b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
@@ -850,9 +855,9 @@ def _mma_code(tile, stage: int, k_steps: int = 1) -> int:
     if stage == 1 and (r != 2 or split != 1):
         raise ValueError(f"FP4_MMA_TILES[1]: stage 1's R is 2 (gate and up tiles), no split, "
                          f"got {tile}")
-    if (r not in (1, 2, 3, 4) or warps_k not in (1, 2, 4) or not 0 <= prefetch <= 7
+    if (r not in (1, 2) or warps_k not in (1, 2, 4) or not 0 <= prefetch <= 7
             or not 1 <= split <= 8):
-        raise ValueError(f"FP4_MMA_TILES[{stage}]: expected (R in 1..4, WARPS_K in (1, 2, 4), "
+        raise ValueError(f"FP4_MMA_TILES[{stage}]: expected (R in (1, 2), WARPS_K in (1, 2, 4), "
                          f"prefetch in 0..7[, split in 1..8]), got {tile}")
     split = triton.cdiv(k_steps, triton.cdiv(k_steps, min(split, k_steps)))
     asm = os.environ.get("TRITON_INTERPRET") != "1"
@@ -865,6 +870,8 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
     with one token a plan tile, else 0 (see FP4_MMA_TILES; ``rows`` a GEMV's output rows, gate
     rows for stage 1, launched for ``programs_per_tile`` plan tiles)."""
     if not (FP4_MMA and isinstance(w, MXFP4) and stage in (1, 2) and block_m == 1):
+        return 0
+    if _fast_interpreter() and not INTERPRETER_MMA:
         return 0
     k_steps = triton.cdiv(w.shape[-1], 256)
     if FP4_MMA_TILES is not None:
@@ -1087,6 +1094,34 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
     return z, a_s
 
 
+_MMA_LAYOUT_VERDICTS: dict = {}
+
+
+def _check_mma_layout(kernel, grid, args: tuple, kwargs: dict) -> None:
+    """Before a compiled launch with tensor-core tiles (FP4 code >= FP4_MMA_BASE): compile it
+    (warmup, once per specialization) and check that Triton gave the mma operands the layout
+    kernels/mxfp4_mma.py relies on; otherwise raise instead of computing a wrong answer."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    def spec(a):  # what Triton specializes on: int divisibility / 1, tensor dtype / alignment
+        if isinstance(a, torch.Tensor):
+            return ("tensor", a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return ("int", a % 16 == 0, a == 1)
+        return (type(a).__name__, a)
+
+    key = (kernel.fn.__name__, tuple(kwargs), tuple(spec(a) for a in (*args, *kwargs.values())))
+    if key not in _MMA_LAYOUT_VERDICTS:
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        _MMA_LAYOUT_VERDICTS[key] = mma_layout_problem(compiled.asm["ttgir"])
+    problem = _MMA_LAYOUT_VERDICTS[key]
+    if problem is not None:
+        raise RuntimeError(
+            f"{kernel.fn.__name__}: this Triton ({triton.__version__}) laid out the MXFP4 "
+            f"tensor-core tiles differently from what kernels/mxfp4_mma.py needs ({problem}); "
+            "set k3lab.kernels.moe.FP4_MMA = False to use the K-lane tiles")
+
+
 def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync=None):
     m, d = z.shape
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
@@ -1104,13 +1139,16 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
                                             triton.cdiv(m * d, grid[0] * grid[1])))
     w_v, w_s = _expert_ptrs(w13)
-    _moe_stage1_kernel[grid](
-        z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids, plan.num_valid, a,
-        out if out is not None else a, sync if sync is not None else plan.num_valid,
-        m * top_k, block_m, top_k, i, d // 2, m * d, float(situ_beta), float(situ_linear_beta),
-        ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
-        ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
-        TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS, **_reg_cap(mode, 1))
+    args = (z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids,
+            plan.num_valid, a, out if out is not None else a,
+            sync if sync is not None else plan.num_valid, m * top_k, block_m, top_k, i, d // 2,
+            m * d, float(situ_beta), float(situ_linear_beta))
+    kwargs = dict(ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
+                  ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
+                  TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS, **_reg_cap(mode, 1))
+    if mode >= _MMA_BASE:
+        _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
+    _moe_stage1_kernel[grid](*args, **kwargs)
     return a
 
 
@@ -1219,7 +1257,10 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
 def _launch_stage2_tail(stage2, tail, sync=None):
     """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs)."""
     kw, n = _stage2_tail_kwargs(stage2, tail, sync)
-    _moe_stage2_tail_kernel[(n,)](num_warps=NUM_WARPS, **kw, **_reg_cap(kw["FP4"], 2))
+    kw.update(num_warps=NUM_WARPS, **_reg_cap(kw["FP4"], 2))
+    if kw["FP4"] >= _MMA_BASE:
+        _check_mma_layout(_moe_stage2_tail_kernel, (n,), (), kw)
+    _moe_stage2_tail_kernel[(n,)](**kw)
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False

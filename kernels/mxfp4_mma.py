@@ -19,13 +19,16 @@ tensor cores and the decode is what is left (about 2 integer ops an element):
   one FFMA per (row, group) and K step, and the rows' totals come from one reduction at the end.
 
 The mma is warp-wide, so the tile is built so that each thread's elements are its fragment:
-``[256, R, 4]`` int32 tiles (index i = 128 h + 32 warp + lane: h the half of the step, R row
-tiles a warp, 4 words of a 16-byte load) whose only contiguous dimension is the last; Triton 3.6
-gives such a load the layout sizePerThread [1, 1, 4], threadsPerWarp [32, 1, 1], warpsPerCTA
-[4, 1, 1], order [2, 0, 1] (lane = i % 32, warp = i // 32 % 4), and ``inline_asm_elementwise``
-with pack=4 hands each thread its own 4 consecutive words. The GPU tests check the result against
-the reference; under the interpreter (no inline PTX) ``_mma_emulate`` computes the same fragments'
-products in plain ops, lane by lane, so the CPU tests cover the indexing.
+``[256, 4]`` int32 tiles (index i = 128 h + 32 warp + lane: h the half of the step; 4 words of a
+16-byte load) whose only contiguous dimension is the last; Triton gives such a load the layout
+sizePerThread [1, 4], threadsPerWarp [32, 1], warpsPerCTA [4, 1], order [1, 0] (lane = i % 32,
+warp = i // 32 % 4), and ``inline_asm_elementwise`` with pack=4 hands each thread its own 4
+consecutive words. (A third, row-tile dimension would tie with the first for the lanes, and
+Triton 3.6 and 3.9 break that tie differently.) ``mma_layout_problem`` checks a compiled
+kernel's TTGIR for exactly this layout; the MoE launchers refuse tiles that do not have it. The
+GPU tests check the result against the reference; under the interpreter (no inline PTX)
+``_mma_emulate`` computes the same fragments' products in plain ops, lane by lane, so the CPU
+tests cover the indexing.
 """
 
 from __future__ import annotations
@@ -96,30 +99,45 @@ def _bf16_hi(b):
 
 
 @triton.jit
-def _code(b_w, J: tl.constexpr):
-    """E2M1 code J of int32 words as fp32 2^-126 * value (the bf16 bits the PTX builds)."""
-    return (((b_w << (28 - 4 * J)) >> 6) & (0x81C00000 - (1 << 32))).to(tl.float32, bitcast=True)
+def _x_elements(x0, x1, x2, x3):
+    """x words 0..3 of each K word [256, 4] (bf16 pairs) -> fp32 elements [256, 4, 8], element
+    n = 2 v + half of word v."""
+    a0 = tl.join(_bf16_lo(x0), _bf16_hi(x0))  # [256, 4, 2]: (half)
+    a1 = tl.join(_bf16_lo(x1), _bf16_hi(x1))
+    a2 = tl.join(_bf16_lo(x2), _bf16_hi(x2))
+    a3 = tl.join(_bf16_lo(x3), _bf16_hi(x3))
+    b01 = tl.permute(tl.join(a0, a1), [0, 1, 3, 2])  # (v % 2, half)
+    b23 = tl.permute(tl.join(a2, a3), [0, 1, 3, 2])
+    c = tl.permute(tl.join(b01, b23), [0, 1, 4, 2, 3])  # (v // 2, v % 2, half)
+    return tl.reshape(c, [256, 4, 8])
+
+
+@triton.jit
+def _emulate_rows(b_w, b_x, R: tl.constexpr):
+    """[2, 4, 8 (row g), 8 (column), R] fp32: one row half's D (see _mma_emulate)."""
+    o_n = tl.arange(0, 8)
+    shift = (28 - 4 * o_n)[None, None, None, None, None, None, :]
+    b_w = tl.reshape(b_w, [2, 4, 8, 4, R, 4])[:, :, :, :, :, :, None]  # (h, warp, g, t, r, u)
+    # code n as fp32 2^-126 * value: nibble to the top, arithmetic shift, sign and magnitude
+    code = (((b_w << shift) >> 6) & (0x81C00000 - (1 << 32))).to(tl.float32, bitcast=True)
+    prod = code[:, :, :, None, :, :, :, :] * b_x  # (h, warp, g, column, t, r, u, n)
+    return tl.sum(tl.sum(tl.sum(prod, axis=7), axis=6), axis=4)
 
 
 @triton.jit
 def _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R: tl.constexpr):
     """Interpreter stand-in for the MMA_PTX blocks: D [256, R, 4] fp32 of every thread, computed
     from the fragments' lanes. b_lo / b_hi [256, R, 4] words of rows g / g + 8; x0..x3 [256, 4]
-    the x words 0..3 of each K word (0 on lanes without x)."""
-    wl = tl.reshape(b_lo, [2, 4, 8, 4, R, 4])  # (h, warp, g, t, r, u)
-    wh = tl.reshape(b_hi, [2, 4, 8, 4, R, 4])
-    d_lo = tl.zeros([2, 4, 8, 8, R], dtype=tl.float32)  # (h, warp, row g, column, r)
-    d_hi = tl.zeros([2, 4, 8, 8, R], dtype=tl.float32)
-    for half in tl.static_range(2):
-        for j in tl.static_range(4):
-            # A column 2t + j % 2 (+ 8 for j >= 2) <-> code 2 half + [0, 4, 1, 5][j]
-            n = 2 * half + (j // 2) + 4 * (j % 2)
-            xw = (x0 if half == 0 else x1) if j % 2 == 0 else (x2 if half == 0 else x3)
-            xv = _bf16_lo(xw) if j // 2 == 0 else _bf16_hi(xw)
-            xv = tl.reshape(xv * X_MUL, [2, 4, 8, 4, 1, 4])  # (h, warp, column g, t, 1, u)
-            b_x = xv[:, :, None, :, :, :, :]
-            d_lo += tl.sum(tl.sum(_code(wl, n)[:, :, :, None, :, :, :] * b_x, axis=6), axis=4)
-            d_hi += tl.sum(tl.sum(_code(wh, n)[:, :, :, None, :, :, :] * b_x, axis=6), axis=4)
+    the x words 0..3 of each K word (0 on lanes without x).
+
+    Code n of a thread's word meets x element n of the same word (the A column of code n is the
+    B row of x element n: (0, 4, 1, 5) in the first mma, (2, 6, 3, 7) in the second), held by
+    the lane of column g, so D[row g, column c] = sum over t, u, n of code n of lane (g, t)'s
+    word u times x element n of lane (c, t)'s word u."""
+    xv = tl.reshape(_x_elements(x0, x1, x2, x3) * X_MUL, [2, 4, 8, 4, 1, 4, 8])
+    b_x = xv[:, :, None, :, :, :, :]  # (h, warp, 1, column g, t, 1, u, n)
+    d_lo = _emulate_rows(b_lo, b_x, R)
+    d_hi = _emulate_rows(b_hi, b_x, R)
     # thread (g, t) holds D[g + 8 chi, 2t + clo] as element 2 chi + clo
     d_lo = tl.permute(tl.reshape(d_lo, [2, 4, 8, 4, 2, R]), [0, 1, 2, 3, 5, 4])
     d_hi = tl.permute(tl.reshape(d_hi, [2, 4, 8, 4, 2, R]), [0, 1, 2, 3, 5, 4])
@@ -128,40 +146,52 @@ def _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R: tl.constexpr):
 
 
 @triton.jit
-def _load_step(p_w, p_x, row, m_lo, m_hi, step, n_steps, grp, g, K_WORDS):
-    """Iteration tiles of K step ``step`` [256] (per thread): words of rows g / g + 8 [256, R, 4]
-    and the x pairs [256, 4, 4] of the thread's words on the lanes of column g == grp."""
+def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
+    """Words of rows g / g + 8 of one row tile [256, 4] int32: thread i's 4 consecutive words
+    from o_w[i] (2-D, so that the only contiguous dimension is the last: the layout then puts
+    lanes along the first dimension in every Triton version)."""
     o_u = tl.arange(0, 4)
-    o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
-    m_w = (step < n_steps) & (o_w < K_WORDS)
-    p_lo = p_w + row[:, :, None] * K_WORDS + o_w[:, None, None] + o_u[None, None, :]
-    b_lo = tl.load(p_lo, mask=m_lo[:, :, None] & m_w[:, None, None], other=0)
-    b_hi = tl.load(p_lo + 8 * K_WORDS, mask=m_hi[:, :, None] & m_w[:, None, None], other=0)
-    m_x = m_w & (g == grp)
-    b_x = tl.load(p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None] + o_u[None, None, :],
-                  mask=m_x[:, None, None], other=0)
-    return b_lo, b_hi, b_x
+    p_lo = p_w + (row * K_WORDS + o_w)[:, None] + o_u[None, :]
+    b_lo = tl.load(p_lo, mask=(m_lo & m_w)[:, None], other=0)
+    b_hi = tl.load(p_lo + 8 * K_WORDS, mask=(m_hi & m_w)[:, None], other=0)
+    return b_lo, b_hi
 
 
 @triton.jit
-def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS,
+def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr):
+    """D [256, 4] fp32 of one row tile: MMA_PTX on the thread's words (ASM) or the emulation."""
+    if ASM:
+        d = tl.inline_asm_elementwise(MMA_PTX, "=f,=f,=f,=f" + ",r" * 24,
+                                      [b_lo, b_hi, b_a, b_b, b_c, b_d],
+                                      dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        d = tl.reshape(_mma_emulate(b_lo[:, None, :], b_hi[:, None, :], x0, x1, x2, x3, 1),
+                       [256, 4])
+    return d
+
+
+@triton.jit
+def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
                  ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
     past row_lim + r * LIM_R.
 
-    p_x: one token's x, bf16 viewed as int32 pairs [K_WORDS * 4]; p_w: MXFP4 codes viewed as
-    int32 words [rows, K_WORDS] (8 codes a word); p_s: E8M0 scales uint8 [rows, K_WORDS // 4].
-    R: 16-row tiles a warp; WARPS_K: warps that split each K iteration's steps (the others split
-    the rows); STAGES: the K loop's pipelining (0: none); ASM: inline PTX (compiled) or the
-    interpreter's emulation; PREFETCH > 0 (compiled): each K iteration first asks L2 for the
-    weight lines PREFETCH iterations ahead (prefetch.global.L2: no registers held, so more
-    bytes in flight than the loads alone); KSPLIT > 1: only the i_k-th of KSPLIT consecutive
-    shares of the K steps (the caller adds the partial sums). Launch with 4 warps.
+    p_x: one token's x, bf16 viewed as int32 pairs [N_GROUPS * 16]; p_w: MXFP4 codes viewed as
+    int32 words [rows, 4 * N_GROUPS] (8 codes a word); p_s: E8M0 scales uint8 [rows, N_GROUPS].
+    p_w, p_x: 16-byte aligned. The row length comes in groups so that Triton can prove every
+    thread's 4 words 16-byte aligned: the tiles' layout (one 16-byte load a thread, lanes along
+    the first dimension) depends on it.
+    R: 16-row tiles a warp (1 or 2); WARPS_K: warps that split each K iteration's steps (the
+    others split the rows); STAGES: the K loop's pipelining (0: none); ASM: inline PTX
+    (compiled) or the interpreter's emulation; PREFETCH > 0 (compiled): each K iteration first
+    asks L2 for the weight lines PREFETCH iterations ahead (prefetch.global.L2: no registers
+    held, so more bytes in flight than the loads alone); KSPLIT > 1: only the i_k-th of KSPLIT
+    consecutive shares of the K steps (the caller adds the partial sums). Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
-    N_GROUPS = K_WORDS // 4
+    K_WORDS = N_GROUPS * 4
     n_steps = tl.cdiv(K_WORDS, 32)  # 32 words = 256 elements = 8 groups a step
     if KSPLIT > 1:
         per = tl.cdiv(n_steps, KSPLIT)
@@ -174,11 +204,12 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS,
     g, t = lane // 4, lane % 4
     wn, wk = warp // WARPS_K, warp % WARPS_K
     grp = t + 4 * h  # the group of this thread's words in the step
+    tl.static_assert(R == 1 or R == 2, "fp4_mma_gemv: R is 1 or 2 row tiles a warp")
     o_r = tl.arange(0, R)
-    row = row0 + o_r[None, :] * ROW_R + (wn * 16 + g)[:, None]  # [256, R], rows g
-    lim = row_lim + o_r[None, :] * LIM_R
-    m_lo = row < lim
-    m_hi = row + 8 < lim
+    o_u = tl.arange(0, 4)
+    row0_i = row0 + wn * 16 + g  # [256]: row g of the thread's tile 0
+    m_lo0, m_hi0 = row0_i < row_lim, row0_i + 8 < row_lim
+    m_lo1, m_hi1 = row0_i + ROW_R < row_lim + LIM_R, row0_i + ROW_R + 8 < row_lim + LIM_R
     # scale tiles [128, R, 2]: (warp, lane) x r x chi for D's elements 2 chi + clo (row g + 8 chi,
     # group 2t + clo of the step), one tile per clo: byte loads in D's layout (a pair of bytes
     # would be vectorized into another layout and cost a shared-memory conversion a step)
@@ -205,24 +236,29 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS,
                 [p_w + pf_row * K_WORDS + (pf_step * 32)[:, None],
                  (m_pf & (pf_step < n_steps)[:, None]).to(tl.int32)],
                 dtype=tl.int32, is_pure=False, pack=1)
-        b_lo, b_hi, b_x = _load_step(p_w, p_x, row, m_lo, m_hi, step0 + it * WARPS_K + wk,
-                                     n_steps, grp, g, K_WORDS)
+        step = step0 + it * WARPS_K + wk
+        o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
+        m_w = (step < n_steps) & (o_w < K_WORDS)
+        # x pairs 4 (4 grp + u) + v of the words, on the lanes of column g == grp
+        b_x = tl.load(p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None]
+                      + o_u[None, None, :], mask=(m_w & (g == grp))[:, None, None], other=0)
         x_even, x_odd = tl.split(tl.reshape(b_x, [256, 4, 2, 2]))  # x word v = 2 v1 + v0
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)
+        b_a, b_b, b_c, b_d = x0, x1, x2, x3  # the emulation reads x0..x3 itself
         if ASM:
             b_a, b_b, b_c, b_d = tl.inline_asm_elementwise(
                 X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-            d = tl.inline_asm_elementwise(  # every row tile reuses the thread's B registers
-                MMA_PTX, "=f,=f,=f,=f" + ",r" * 24,
-                [b_lo, b_hi, tl.broadcast_to(b_a[:, None, :], (256, R, 4)),
-                 tl.broadcast_to(b_b[:, None, :], (256, R, 4)),
-                 tl.broadcast_to(b_c[:, None, :], (256, R, 4)),
-                 tl.broadcast_to(b_d[:, None, :], (256, R, 4))],
-                dtype=tl.float32, is_pure=True, pack=4)
+        # row tile 0 (and 1): the B registers serve both
+        b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS)
+        d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM)
+        if R == 2:
+            b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS)
+            d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM)
+            d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:
-            d = _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R)
+            d = d[:, None, :]
         d = tl.sum(tl.reshape(d, [2, 128, R, 4]), axis=0)  # the two halves' groups
         q_step = step0 + it * WARPS_K + q_wk
         q_grp = q_step * 8 + 2 * (o_q % 4)  # [128]: group of clo = 0
@@ -236,3 +272,30 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, K_WORDS,
     y = tl.sum(tl.reshape(acc, [WN, WARPS_K, 8, 4, R, 2, 2]), axis=6)
     y = tl.sum(tl.sum(y, axis=3), axis=1)  # [WN, 8 (g), R, 2 (chi)]
     return tl.reshape(tl.permute(y, [2, 0, 3, 1]), [R, WN * 16])
+
+
+# ---------------------------------------------------------------------------------------------
+# the layout the tiles rely on, checked on compiled kernels
+
+MMA_OPERAND_LAYOUT = ("sizePerThread = [1, 4], threadsPerWarp = [32, 1], warpsPerCTA = [4, 1], "
+                      "order = [1, 0]")
+
+
+def mma_layout_problem(ttgir: str) -> str | None:
+    """None when every MMA_PTX block of a compiled kernel (its TTGIR) takes and returns tensors
+    of MMA_OPERAND_LAYOUT (each thread its own 4 consecutive words, lane = index % 32 along the
+    first dimension), else what differs. Another Triton version could pick another layout for
+    the tiles; the mma would then pair the wrong fragments, so callers refuse to go on."""
+    import re
+
+    layouts = dict(re.findall(r"^(#\w+) = #ttg\.blocked<\{(.*?)\}>", ttgir, re.M))
+    lines = [ln for ln in ttgir.splitlines()
+             if "tt.elementwise_inline_asm" in ln and "mma.sync" in ln]
+    if not lines:
+        return "no mma inline asm in the kernel"
+    for ln in lines:
+        used = set(re.findall(r"tensor<[^>]*?, (#\w+)>", ln))
+        for alias in used:
+            if layouts.get(alias) != MMA_OPERAND_LAYOUT:
+                return f"mma operand layout {alias} = {layouts.get(alias, 'not a blocked layout')}"
+    return None

@@ -260,14 +260,16 @@ MMA_VARIANTS = {
     "mma": {},
     "mma-wk1": {"FP4_MMA_TILES": {1: (2, 1, 0), 2: (2, 1, 0)}},
     "mma-wk4-r1": {"FP4_MMA_TILES": {1: (2, 4, 2), 2: (1, 4, 2)}},
-    "mma-r4": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (4, 1, 1)}},
+    "mma-r1wk1": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (1, 1, 1)}},
     "mma-split3": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (1, 1, 0, 3)}},
 }
 
 
 def _set_klane(monkeypatch, variant):
-    """K-lane variant (FP4_MMA off) or tensor-core variant (MMA_VARIANTS)."""
+    """K-lane variant (FP4_MMA off) or tensor-core variant (MMA_VARIANTS, also under the
+    interpreter's big tiles)."""
     monkeypatch.setattr(kmoe, "FP4_MMA", variant in MMA_VARIANTS)
+    monkeypatch.setattr(kmoe, "INTERPRETER_MMA", variant in MMA_VARIANTS)
     for name, value in {**KLANE_VARIANTS, **MMA_VARIANTS}[variant].items():
         monkeypatch.setattr(kmoe, name, value)
 
@@ -356,6 +358,7 @@ def test_mma_stage2_split_k(split, device, monkeypatch):
     entry; the shares meet in the fp32 atomics): K = 800 is three full steps of 256 and a
     partial one, 40 rows (a partial 16-row tile), 16 one-token plan tiles on two experts."""
     monkeypatch.setattr(kmoe, "FP4_MMA", True)
+    monkeypatch.setattr(kmoe, "INTERPRETER_MMA", True)
     monkeypatch.setattr(kmoe, "FP4_MMA_TILES", {1: (2, 2, 1), 2: (2, 2, 1, split)})
     gen = make_generator(3, device)
     m, d, i = 16, 40, 800

@@ -18,13 +18,13 @@ ATOL, RTOL = 1e-5, 1e-5
 
 
 @triton.jit
-def _gemv_kernel(p_x, p_w, p_s, p_y, N, K_WORDS, R: tl.constexpr, WARPS_K: tl.constexpr,
+def _gemv_kernel(p_x, p_w, p_s, p_y, N, N_GROUPS, R: tl.constexpr, WARPS_K: tl.constexpr,
                  ASM: tl.constexpr, KSPLIT: tl.constexpr):
     """y[rows of program 0's tiles] = w @ x, rows in R tiles of 16 * (4 // WARPS_K); the K
     shares of KSPLIT are the second grid axis and add atomically."""
     WN: tl.constexpr = 4 // WARPS_K
     row0 = tl.program_id(0) * (R * WN * 16)
-    y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, K_WORDS, R, WARPS_K, 0, ASM, 0,
+    y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, N_GROUPS, R, WARPS_K, 0, ASM, 0,
                      tl.program_id(1), KSPLIT)
     o = row0 + tl.arange(0, R)[:, None] * (WN * 16) + tl.arange(0, WN * 16)[None, :]
     tl.atomic_add(p_y + o, y, mask=o < N)
@@ -35,12 +35,12 @@ def _gemv(x, q, r, warps_k, ksplit):
     y = torch.zeros(n, device=x.device, dtype=torch.float32)
     rows = r * (4 // warps_k) * 16
     _gemv_kernel[(triton.cdiv(n, rows), ksplit)](
-        x.view(torch.int32), q.packed.view(torch.int32), q.scales, y, n, k // 8, r, warps_k,
+        x.view(torch.int32), q.packed.view(torch.int32), q.scales, y, n, k // 32, r, warps_k,
         os.environ.get("TRITON_INTERPRET") != "1", ksplit, num_warps=4)
     return y
 
 
-TILES = [(1, 1), (2, 1), (2, 2), (2, 4), (1, 4), (4, 1)]
+TILES = [(1, 1), (2, 1), (2, 2), (2, 4), (1, 4), (1, 2)]
 SHAPES = [(40, 512), (200, 384), (16, 32)]
 
 
@@ -69,3 +69,61 @@ def test_zero_weights_and_x_give_zero(device):
     q = mxfp4_quantize(torch.zeros((32, 256), device=device))
     x = torch.zeros(256, device=device, dtype=torch.bfloat16)
     assert torch.equal(_gemv(x, q, 2, 1, 1), torch.zeros(32, device=device))
+
+
+_COMPILE_LAYOUTS = """
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from test_mxfp4_mma import TILES, _gemv_kernel
+from k3lab.kernels.mxfp4_mma import mma_layout_problem
+sig = {"p_x": "*i32", "p_w": "*i32", "p_s": "*u8", "p_y": "*fp32", "N": "i32", "N_GROUPS": "i32",
+       "R": "constexpr", "WARPS_K": "constexpr", "ASM": "constexpr", "KSPLIT": "constexpr"}
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # N_GROUPS: any value
+out = {}
+for r, wk in TILES:
+    src = ASTSource(_gemv_kernel, signature=sig, attrs=attrs,
+                    constexprs={"R": r, "WARPS_K": wk, "ASM": True, "KSPLIT": 2})
+    try:
+        ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except Exception as e:
+        print(json.dumps({"skip": f"{type(e).__name__}: {str(e)[:200]}"}))
+        sys.exit(0)
+    out[f"R{r}-WK{wk}"] = mma_layout_problem(ck.asm["ttgir"])
+print(json.dumps(out))
+"""
+
+
+def test_compiled_layout_is_the_fragment_layout():
+    """The installed Triton, compiling every tile for sm_90 (no GPU needed; a subprocess, since
+    this session runs the interpreter), gives the mma operands the layout the fragments rely on
+    (mma_layout_problem); the MoE launchers check the same on the kernels they launch. Triton
+    3.9 broke a 3-D tile's tie between dimensions differently from 3.6: this catches such a
+    change in CI."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE_LAYOUTS, __file__], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    if "skip" in got:
+        pytest.skip(f"cannot compile for sm_90 here: {got['skip']}")
+    assert got == {f"R{r}-WK{w}": None for r, w in TILES}
+
+
+def test_layout_check_flags_another_layout():
+    """mma_layout_problem on a TTGIR whose mma operands have lanes along another dimension."""
+    from k3lab.kernels.mxfp4_mma import mma_layout_problem
+
+    bad = ("#blocked2 = #ttg.blocked<{sizePerThread = [1, 1, 4], threadsPerWarp = [16, 2, 1], "
+           "warpsPerCTA = [4, 1, 1], order = [2, 1, 0]}>\n"
+           '%d = tt.elementwise_inline_asm "{ mma.sync.aligned ... }" {pure = true} %a : '
+           "(tensor<256x2x4xi32, #blocked2>) -> tensor<256x2x4xf32, #blocked2>\n")
+    assert "threadsPerWarp = [16, 2, 1]" in mma_layout_problem(bad)
+    assert mma_layout_problem("no kernel here") == "no mma inline asm in the kernel"
