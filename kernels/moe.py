@@ -129,29 +129,18 @@ FP4_STAGE2_KSPLIT = 1
 FP4_MAXNREG = None
 FP4_X_SCALE = tl.constexpr(2.0 ** 64)
 FP4_SCALE_BIAS = tl.constexpr(62)
-# FP4_F16_PAIRS (layout 1, one token a tile): codes i and i + 4 of a word (16 bits apart) decode
-#   into one f16x2 register (magnitude to bits 9..11 / 25..27, sign to 15 / 31: the f16 bits of
-#   2^-14 * value, exact, the 0.5 code an f16 subnormal) and meet x as f16x2 pairs in packed
-#   HFMA2s, 4 a word, summed to fp32 per word. x is scaled by the power of two 2^s that puts the
-#   token's max |x| in [128, 256) (exact; its f16 rounding is the bf16 value's), so products and
-#   word sums stay in f16's normal range for max |x| in [2^-53, 2^67]. The word sums carry f16
-#   rounding (11 bits): tests/test_moe.py states the tolerance. K loop (sm_90, triton 3.6, K3
-#   tp 1): 4.07 / 3.77 instructions an element instead of 5.12 / 4.81. Compiled: inline PTX; the
-#   interpreter runs the same bit decode in plain ops. H200 (session 5,
-#   benchmarks/session5/README.md; K3 B1, graph, cold): tp 1 stage 1 0.494 -> 0.572 of copy
-#   bandwidth (0.644 with FP4_KLANE_STAGES 0), stage 2 0.518 -> 0.595; tp 8 neutral. Opt-in: it
-#   trades fp32 for f16 word sums (stage 2 error 1.2e-7 -> 1.4e-4 of a 0.665 scale).
-FP4_F16_PAIRS = False
 # FP4_MMA (one token a tile: B1 stage 1 and the atomic stage 2): the tensor-core tiles of
 #   kernels/mxfp4_mma.py instead of K-lane tiles: codes decoded to bf16x2 A fragments of
 #   mma.sync.m16n8k16, x spread over the step's 8 groups as B, each group's E8M0 factor on D.
-#   K loop about 2.9 instructions an element (K-lane: 4.8, f16 pairs: 4.1). A tile is (R 16-row
-#   tiles a warp, WARPS_K warps splitting K, L2 prefetch distance); stage 1's R is 2 (its gate
-#   and up tiles). FP4_MMA_TILES: None picks per stage the largest tile of FP4_MMA_CANDIDATES
-#   that still launches TARGET_PROGRAMS programs (else the smallest), or {stage: tile} fixes
-#   them. H200 (session 6, benchmarks/session6/README.md; K3 B1, graph, cold): that picks what
-#   the sweep found best at tp 1 (stage 1 WARPS_K 1, stage 2 (2, 2)) and at tp 8 (stage 1
-#   WARPS_K 4, stage 2 (2, 2)). Interpreter: the same tiles with the mma emulated.
+#   K loop about 2.9 instructions an element (K-lane: 4.8; session 5's f16x2 K-lane variant,
+#   FP4_F16_PAIRS, reached 4.1 and was removed: these tiles are faster on the same one-token
+#   tiles and sum in fp32). A tile is (R 16-row tiles a warp, WARPS_K warps splitting K, L2
+#   prefetch distance); stage 1's R is 2 (its gate and up tiles). FP4_MMA_TILES: None picks
+#   per stage the largest tile of FP4_MMA_CANDIDATES that still launches TARGET_PROGRAMS
+#   programs (else the smallest), or {stage: tile} fixes them. H200 (session 6,
+#   benchmarks/session6/README.md; K3 B1, graph, cold): that picks what the sweep found best at
+#   tp 1 (stage 1 WARPS_K 1, stage 2 (2, 2)) and at tp 8 (stage 1 WARPS_K 4, stage 2 (2, 2)).
+#   Interpreter: the same tiles with the mma emulated.
 FP4_MMA = True
 # Under the interpreter's big tiles (INTERPRETER_BIG_TILES) the lane-by-lane mma emulation runs
 # one 64-128-row program at a time (a K3 tp 8 block: about a minute on CPU), so the one-token
@@ -162,29 +151,6 @@ FP4_MMA_TILES = None
 FP4_MMA_CANDIDATES = {1: ((2, 1, 1), (2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
 _MMA_BASE = 4096  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
 FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
-FP4_F16_X_PAIRS = tl.constexpr("""{
-.reg .b32 a, b;
-shl.b32 a, $4, 16; shl.b32 b, $6, 16; mul.f32 a, a, $8; mul.f32 b, b, $8;
-cvt.rn.f16x2.f32 $0, b, a;
-and.b32 a, $4, 0xFFFF0000; and.b32 b, $6, 0xFFFF0000; mul.f32 a, a, $8; mul.f32 b, b, $8;
-cvt.rn.f16x2.f32 $1, b, a;
-shl.b32 a, $5, 16; shl.b32 b, $7, 16; mul.f32 a, a, $8; mul.f32 b, b, $8;
-cvt.rn.f16x2.f32 $2, b, a;
-and.b32 a, $5, 0xFFFF0000; and.b32 b, $7, 0xFFFF0000; mul.f32 a, a, $8; mul.f32 b, b, $8;
-cvt.rn.f16x2.f32 $3, b, a;
-}""")
-FP4_F16_WORD_DOT = tl.constexpr("""{
-.reg .b32 t, u, v, h; .reg .f16 l, g; .reg .f32 a, b;
-shl.b32 t, $1, 9; and.b32 v, t, 0x0E000E00; shl.b32 u, $1, 12; and.b32 u, u, 0x80008000;
-or.b32 v, v, u; mul.rn.f16x2 h, v, $2;
-shl.b32 t, $1, 5; and.b32 v, t, 0x0E000E00; shl.b32 u, $1, 8; and.b32 u, u, 0x80008000;
-or.b32 v, v, u; fma.rn.f16x2 h, v, $3, h;
-shl.b32 t, $1, 1; and.b32 v, t, 0x0E000E00; shl.b32 u, $1, 4; and.b32 u, u, 0x80008000;
-or.b32 v, v, u; fma.rn.f16x2 h, v, $4, h;
-shr.b32 t, $1, 3; and.b32 v, t, 0x0E000E00; and.b32 u, $1, 0x80008000;
-or.b32 v, v, u; fma.rn.f16x2 h, v, $5, h;
-mov.b32 {l, g}, h; cvt.f32.f16 a, l; cvt.f32.f16 b, g; add.f32 $0, a, b;
-}""")
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -284,85 +250,6 @@ def _fp4_klane_part(b_w, p_x, o_row, m_row, o_w, m_w, K_PAIRS, BLOCK_N: tl.const
 
 
 @triton.jit
-def _f16_halves(b_p):
-    """int32 holding an f16x2 -> (low, high) as fp32."""
-    b_lo = (b_p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    b_hi = ((b_p >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return b_lo, b_hi
-
-
-@triton.jit
-def _f16_pair(b_lo, b_hi):
-    """fp32 (low, high) rounded to f16 and packed into an int32 (interpreter path)."""
-    lo = b_lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    hi = b_hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return lo | (hi << 16)
-
-
-@triton.jit
-def _fp4_f16_x_scale(p_x, o_row, m_row, K_PAIRS, BLOCK: tl.constexpr):
-    """(2^s, 2^(-48 - s)) fp32 for FP4_F16_PAIRS: 2^s puts the token's max |x| in [128, 256)
-    (s clamped to [-60, 60]); 2^(-48 - s) brings f16 sums of 2^-14 * code * 2^s * x to the
-    2^-62 scale of _fp4_klane_part. x bf16 viewed as int32 pairs [rows, K_PAIRS]."""
-    b_max = tl.zeros([BLOCK], dtype=tl.float32)
-    for kp0 in range(0, K_PAIRS, BLOCK):
-        o_kp = kp0 + tl.arange(0, BLOCK)
-        b_v = tl.load(p_x + o_row * K_PAIRS + o_kp, mask=(o_kp < K_PAIRS) & m_row, other=0)
-        b_lo = tl.abs((b_v << 16).to(tl.float32, bitcast=True))
-        b_hi = tl.abs((b_v & -65536).to(tl.float32, bitcast=True))
-        b_max = tl.maximum(b_max, tl.maximum(b_lo, b_hi))
-    e_max = (tl.max(b_max, axis=0).to(tl.int32, bitcast=True) >> 23) & 255
-    s = tl.minimum(tl.maximum(134 - e_max, -60), 60)
-    return ((s + 127) << 23).to(tl.float32, bitcast=True), \
-        ((79 - s) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp4_klane_part_f16(b_w, p_x, o_row, m_row, o_w, m_w, K_PAIRS, x_scale,
-                        BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, ASM: tl.constexpr):
-    """FP4_F16_PAIRS: [BLOCK_N, BLOCK_W // 4] fp32 per row and group of the K step: the sum over
-    the group's 32 elements of (2^-14 * w) * (x_scale * x) (x rounded to f16, products and word
-    sums in f16x2). Arguments as _fp4_klane_part; x_scale fp32 2^s."""
-    b_n0 = tl.load(p_x + o_row * K_PAIRS + o_w * 4, mask=m_w & m_row, other=0)
-    b_n1 = tl.load(p_x + o_row * K_PAIRS + o_w * 4 + 1, mask=m_w & m_row, other=0)
-    b_n2 = tl.load(p_x + o_row * K_PAIRS + o_w * 4 + 2, mask=m_w & m_row, other=0)
-    b_n3 = tl.load(p_x + o_row * K_PAIRS + o_w * 4 + 3, mask=m_w & m_row, other=0)
-    if ASM:
-        # f16x2 x pairs (x[8q + i], x[8q + i + 4]), i = 0..3, from the bf16 pairs of word q
-        b_p0, b_p1, b_p2, b_p3 = tl.inline_asm_elementwise(
-            FP4_F16_X_PAIRS, "=r,=r,=r,=r,r,r,r,r,f",
-            [b_n0, b_n1, b_n2, b_n3, tl.zeros([BLOCK_W], dtype=tl.float32) + x_scale],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-        b_s = tl.inline_asm_elementwise(
-            FP4_F16_WORD_DOT, "=f,r,r,r,r,r",
-            [b_w, tl.broadcast_to(b_p0[None, :], (BLOCK_N, BLOCK_W)),
-             tl.broadcast_to(b_p1[None, :], (BLOCK_N, BLOCK_W)),
-             tl.broadcast_to(b_p2[None, :], (BLOCK_N, BLOCK_W)),
-             tl.broadcast_to(b_p3[None, :], (BLOCK_N, BLOCK_W))],
-            dtype=tl.float32, is_pure=True, pack=1)
-    else:  # the same decode and f16 x in plain ops, products summed in fp32
-        b_s = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
-        for i in tl.static_range(4):
-            # x[8q + i] is half i % 2 of pair i // 2, x[8q + i + 4] the same half of pair i // 2 + 2
-            b_lo = b_n0 if i < 2 else b_n1
-            b_hi = b_n2 if i < 2 else b_n3
-            if i % 2 == 0:
-                b_lo, b_hi = b_lo << 16, b_hi << 16
-            else:
-                b_lo, b_hi = b_lo & -65536, b_hi & -65536
-            b_xp = _f16_pair(b_lo.to(tl.float32, bitcast=True) * x_scale,
-                             b_hi.to(tl.float32, bitcast=True) * x_scale)
-            b_xl, b_xh = _f16_halves(b_xp)
-            if i < 3:
-                b_v = ((b_w << (9 - 4 * i)) & 0x0E000E00) | ((b_w << (12 - 4 * i)) & -2147450880)
-            else:
-                b_v = ((b_w >> 3) & 0x0E000E00) | (b_w & -2147450880)
-            b_vl, b_vh = _f16_halves(b_v)
-            b_s += b_vl * b_xl[None, :] + b_vh * b_xh[None, :]
-    return tl.sum(tl.reshape(b_s, [BLOCK_N, BLOCK_W // 4, 4]), axis=2)
-
-
-@triton.jit
 def _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS, BLOCK_W: tl.constexpr):
     """K-lane tile at word kw0: words int32 [rows, BLOCK_W] and E8M0 bytes as int32 [rows,
     BLOCK_W // 4] (0 past the row's end). The scale bytes come out in the partial sums'
@@ -379,8 +266,7 @@ def _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS, BLOCK_W: t
 @triton.jit
 def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                    PREFETCH: tl.constexpr, STAGES: tl.constexpr, KSPLIT: tl.constexpr,
-                    F16: tl.constexpr = False, ASM: tl.constexpr = False):
+                    PREFETCH: tl.constexpr, STAGES: tl.constexpr, KSPLIT: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] @ w[o_wrow]^T for MXFP4 w in K-lane tiles (see
     FP4_LAYOUT): p_w packed codes viewed as int32 words [N, K_PAIRS // 4], p_s E8M0 scales uint8
     [N, K_PAIRS // 16], x bf16 viewed as int32 pairs [rows, K_PAIRS]; BLOCK_W words (4 per group)
@@ -390,8 +276,7 @@ def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
     the K loop is tl.range(num_stages=STAGES) (Triton pipelines its loads through shared
     memory; M = 1 only in practice: the token loop keeps the pipeliner out). KSPLIT > 1: only
     the i_k-th of KSPLIT consecutive shares of the K steps (cdiv(steps, KSPLIT) each; with
-    PREFETCH the share's last step also prefetches the next share's first, unused). F16 (M = 1):
-    FP4_F16_PAIRS's f16x2 products (ASM: inline PTX, else the interpreter's plain ops)."""
+    PREFETCH the share's last step also prefetches the next share's first, unused)."""
     N_WORDS = K_PAIRS // 4
     N_GROUPS = K_PAIRS // 16
     if KSPLIT > 1:  # this program's share of the K steps: split i_k of KSPLIT
@@ -405,8 +290,6 @@ def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
     n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_g = tl.zeros([BLOCK_N, BLOCK_W // 4], dtype=tl.float32)
-    if F16 and BLOCK_M == 1:
-        x_scale, x_back = _fp4_f16_x_scale(p_x, o_xrow, m_xrow, K_PAIRS, 1024)
     if PREFETCH:  # step 0's tile; each step then loads the next one before its arithmetic
         b_w_nx, b_s_nx = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, KW_LO, N_WORDS, N_GROUPS,
                                          BLOCK_W)
@@ -422,10 +305,7 @@ def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
             b_w, b_s = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS,
                                        BLOCK_W)
         b_f = ((b_s + FP4_SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
-        if F16 and BLOCK_M == 1:
-            acc_g += _fp4_klane_part_f16(b_w, p_x, o_xrow, m_xrow, o_w, m_w, K_PAIRS, x_scale,
-                                         BLOCK_N, BLOCK_W, ASM) * (b_f * x_back)
-        elif BLOCK_M == 1:
+        if BLOCK_M == 1:
             acc_g += _fp4_klane_part(b_w, p_x, o_xrow, m_xrow, o_w, m_w, K_PAIRS, BLOCK_N,
                                      BLOCK_W) * b_f
         else:
@@ -494,8 +374,7 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
     if FP4 >= 2:  # K-lane MXFP4 tiles (FP4_LAYOUT 1; the variant switches: see _fp4_mode)
         return _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
                                BLOCK_M, BLOCK_N, BLOCK_KP // 4, (FP4 - 2) % 2 == 1,
-                               (FP4 - 2) // 2 % 8, (FP4 - 2) // 32 % 16 + 1,
-                               (FP4 - 2) // 512 % 2 == 1, (FP4 - 2) // 1024 % 2 == 1)
+                               (FP4 - 2) // 2 % 8, (FP4 - 2) // 32 % 16 + 1)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     o_m = tl.arange(0, BLOCK_M)
     n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)  # rows >= n_rows are all masked
@@ -825,8 +704,7 @@ def _fp4_mode(w, stage: int = 0) -> int:
     """The FP4 constexpr of the expert kernels: 0 bf16 weights; MXFP4 1 the group tiles
     (FP4_LAYOUT 0); K-lane tiles (FP4_LAYOUT 1) 2 + prefetch (FP4_KLANE_PREFETCH) + 2 * stages
     (FP4_KLANE_STAGES) + 16 * fused gate/up (FP4_FUSE_GATE_UP, stage 1) + 32 * (split - 1)
-    (FP4_STAGE2_KSPLIT, stage 2 atomic) + 512 * FP4_F16_PAIRS + 1024 * (its inline PTX: compiled
-    kernels). stage: 1 or 2 (the stage's own switches), else 0."""
+    (FP4_STAGE2_KSPLIT, stage 2 atomic). stage: 1 or 2 (the stage's own switches), else 0."""
     if not isinstance(w, MXFP4):
         return 0
     if FP4_LAYOUT != 1:
@@ -841,8 +719,6 @@ def _fp4_mode(w, stage: int = 0) -> int:
         mode += 16
     if stage == 2:
         mode += 32 * (FP4_STAGE2_KSPLIT - 1)
-    if FP4_F16_PAIRS:
-        mode += 512 + (1024 if os.environ.get("TRITON_INTERPRET") != "1" else 0)
     return mode
 
 
@@ -911,7 +787,7 @@ def _fit_steps(mode: int, words: int, block_w: int) -> int:
     low = (mode - 2) % 32  # prefetch, stages, fused gate/up bits
     if triton.cdiv(steps, split) < 2:
         low -= low // 2 % 8 * 2  # stages off
-    return 2 + low + 32 * (split - 1) + (mode - 2) // 512 * 512
+    return 2 + low + 32 * (split - 1)
 
 
 def _reg_cap(mode: int, stage: int) -> dict:

@@ -30,6 +30,8 @@ from k3lab.config import preset  # noqa: E402
 from k3lab.reference import moe as ref  # noqa: E402
 
 moe = importlib.import_module("k3lab.kernels.moe")
+if not hasattr(moe, "FP4_F16_PAIRS"):  # removed in session 6 (superseded by FP4_MMA)
+    sys.exit("FP4_F16_PAIRS is gone from kernels/moe.py since session 6: run this sweep at 61628ac")
 T0 = time.time()
 TP1_BUDGET_S, TP8_BUDGET_S = 60, 85
 print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)

@@ -60,13 +60,11 @@ if __name__ == "__main__" and sys.argv[1:2] == ["check"]:
 
 
 def sass(r=2, warps_k=1, stages=0, pf=0):
-    """Offline sm_90 compile (Triton 3.6 on PYTHONPATH): registers, TTGIR layouts of the loads
-    and the K loop's opcode mix per weight element."""
-    import re
-    import subprocess
-    import tempfile
-    from collections import Counter
-
+    """Offline sm_90 compile (Triton 3.6 on PYTHONPATH): registers, TTGIR / PTX / SASS under
+    OUT_DIR and the K loop's opcode mix per weight element (SASS helpers of
+    benchmarks/next/aot_moe.py)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "next"))
+    from aot_moe import loop_bodies, mix, sass_of
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = {"p_x": "*i32", "p_w": "*i32", "p_s": "*u8", "p_y": "*fp32", "N": "i32",
@@ -76,36 +74,14 @@ def sass(r=2, warps_k=1, stages=0, pf=0):
     ck = triton.compile(ASTSource(mma_gemv_kernel, signature=sig, constexprs={
         "R": r, "WARPS_K": warps_k, "STAGES": stages, "ASM": True, "PF": pf}, attrs=attrs),
         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    text, regs = sass_of(ck)
     out = os.environ.get("OUT_DIR", "/tmp/mma_sass")
     os.makedirs(out, exist_ok=True)
-    for key in ("ttgir", "ptx"):
+    for key, body in (("ttgir", ck.asm["ttgir"]), ("ptx", ck.asm["ptx"]), ("sass", text)):
         with open(f"{out}/r{r}_wk{warps_k}_s{stages}_pf{pf}.{key}", "w") as fh:
-            fh.write(ck.asm[key])
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as fh:
-        fh.write(ck.asm["cubin"])
-    text = subprocess.run([f"{bindir}/cuobjdump", "-sass", fh.name], capture_output=True,
-                          text=True).stdout
-    res = subprocess.run([f"{bindir}/cuobjdump", "-res-usage", fh.name], capture_output=True,
-                         text=True).stdout
-    with open(f"{out}/r{r}_wk{warps_k}_s{stages}_pf{pf}.sass", "w") as fh:
-        fh.write(text)
-    rows = []
-    for line in text.splitlines():
-        mt = re.match(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if mt:
-            rows.append((int(mt.group(1), 16), mt.group(3), line))
-    loops = set()
-    for off, op, line in rows:
-        mt = re.search(r"BRA\S*\s+(?:`\()?0x([0-9a-f]+)", line)
-        if op.startswith("BRA") and mt and int(mt.group(1), 16) <= off:
-            loops.add((int(mt.group(1), 16), off))
-    start, end = max(loops, key=lambda b: b[1] - b[0])
-    keep = ("LDG", "LDS", "STS", "LDSM", "LDGSTS")
-    c = Counter(op if op.split(".")[0] in keep else op.split(".")[0]
-                for off, op, _ in rows if start <= off <= end)
+            fh.write(body)
+    c = mix(text, *loop_bodies(text)[-1])  # the longest loop: the K loop
     per_thread = r * (4 // warps_k) * 16 * 256 * warps_k / 128  # elements a thread an iteration
-    regs = " ".join(ln.strip() for ln in res.splitlines() if "REG" in ln)
     print(f"R {r} WK {warps_k} S {stages} PF {pf}: {regs}")
     print(f"  loop {sum(c.values())} instr / {per_thread:.0f} el = "
           f"{sum(c.values()) / per_thread:.2f}: " + ", ".join(f"{k} {v}" for k, v in

@@ -29,8 +29,8 @@ T0 = time.time()
 TP1_BUDGET_S, TP8_BUDGET_S = 60, 85
 print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 
-KNOBS = ("FP4_MMA", "FP4_MMA_TILES", "FP4_F16_PAIRS", "FP4_MAXNREG")
-DEFAULTS = dict(FP4_MMA=True, FP4_MMA_TILES=None, FP4_F16_PAIRS=False, FP4_MAXNREG=None)
+KNOBS = ("FP4_MMA", "FP4_MMA_TILES", "FP4_MAXNREG")
+DEFAULTS = dict(FP4_MMA=True, FP4_MMA_TILES=None, FP4_MAXNREG=None)
 # call 3 (session 6) ran the first eight with FP4_MMA_TILES {1: (2, 2, 1), 2: (2, 2, 1)} as
 # "mma"; call 6 the auto tiles (None) and register caps
 VARIANTS = {
