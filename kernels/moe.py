@@ -149,7 +149,7 @@ FP4_MMA = True
 INTERPRETER_MMA = False
 FP4_MMA_TILES = None
 FP4_MMA_CANDIDATES = {1: ((2, 1, 1), (2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
-_MMA_BASE = 16384  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
+_MMA_BASE = 4096  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
 FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
@@ -426,8 +426,8 @@ def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.con
     """kernels/mxfp4_mma.fp4_mma_gemv with the tile of FP4 code MODE (see _mma_mode): [R,
     16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x (K share i_k of KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
-                        1 << (MODE // 16 % 4), MODE // 4096 % 4, MODE % 2 == 1, MODE // 2 % 8,
-                        i_k, MODE // 512 % 8 + 1)
+                        1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
+                        MODE // 512 % 8 + 1)
 
 
 @triton.jit
@@ -723,26 +723,22 @@ def _fp4_mode(w, stage: int = 0) -> int:
 
 
 def _mma_code(tile, stage: int, k_steps: int = 1) -> int:
-    """FP4 constexpr code of tensor-core tile (R, WARPS_K, prefetch[, K split[, stages]]) for
-    ``stage`` over ``k_steps`` K steps of 256: FP4_MMA_BASE + inline PTX (compiled) + 2 *
-    prefetch + 16 * log2(WARPS_K) + 64 * (R - 1) + 512 * (split - 1) + 4096 * stages (the K
-    loop's tl.range num_stages: 0 none, 2 or 3: the weight loads go through shared memory); the
-    split (stage 2 only) is clamped so that no share is empty."""
-    if len(tile) not in (3, 4, 5):
-        raise ValueError(f"FP4_MMA_TILES[{stage}]: expected (R, WARPS_K, prefetch[, split[, "
-                         f"stages]]), got {tile}")
-    r, warps_k, prefetch, split, stages = (*tile, *(1, 0)[len(tile) - 3:])
+    """FP4 constexpr code of tensor-core tile (R, WARPS_K, prefetch[, K split]) for ``stage``
+    over ``k_steps`` K steps of 256: FP4_MMA_BASE + inline PTX (compiled) + 2 * prefetch + 16 *
+    log2(WARPS_K) + 64 * (R - 1) + 512 * (split - 1); the split (stage 2 only) is clamped so
+    that no share is empty."""
+    r, warps_k, prefetch, split = (*tile, 1)[:4]
     if stage == 1 and (r != 2 or split != 1):
         raise ValueError(f"FP4_MMA_TILES[1]: stage 1's R is 2 (gate and up tiles), no split, "
                          f"got {tile}")
     if (r not in (1, 2) or warps_k not in (1, 2, 4) or not 0 <= prefetch <= 7
-            or not 1 <= split <= 8 or stages not in (0, 2, 3)):
+            or not 1 <= split <= 8):
         raise ValueError(f"FP4_MMA_TILES[{stage}]: expected (R in (1, 2), WARPS_K in (1, 2, 4), "
-                         f"prefetch in 0..7[, split in 1..8[, stages in (0, 2, 3)]]), got {tile}")
+                         f"prefetch in 0..7[, split in 1..8]), got {tile}")
     split = triton.cdiv(k_steps, triton.cdiv(k_steps, min(split, k_steps)))
     asm = os.environ.get("TRITON_INTERPRET") != "1"
     return (_MMA_BASE + int(asm) + 2 * prefetch + 16 * (warps_k.bit_length() - 1)
-            + 64 * (r - 1) + 512 * (split - 1) + 4096 * stages)
+            + 64 * (r - 1) + 512 * (split - 1))
 
 
 def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int = 1) -> int:

@@ -240,14 +240,8 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
         m_w = (step < n_steps) & (o_w < K_WORDS)
         # x pairs 4 (4 grp + u) + v of the words, on the lanes of column g == grp
-        p_xw = p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None] + o_u[None, None, :]
-        m_x = (m_w & (g == grp))[:, None, None]
-        if STAGES > 0 and ASM:  # not a tt.load: the pipeliner would stage the masked tile in smem
-            b_x = tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
-                "=r,l,r", [p_xw, m_x.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            b_x = tl.load(p_xw, mask=m_x, other=0)
+        b_x = tl.load(p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None]
+                      + o_u[None, None, :], mask=(m_w & (g == grp))[:, None, None], other=0)
         x_even, x_odd = tl.split(tl.reshape(b_x, [256, 4, 2, 2]))  # x word v = 2 v1 + v0
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)
