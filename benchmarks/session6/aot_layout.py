@@ -4,6 +4,7 @@ with whichever Triton is importable; plus registers and the K loop's instruction
 
     PYTHONPATH=/tmp/t36 python3 benchmarks/session6/aot_layout.py    # Triton 3.6 (the H200's)
     python3 benchmarks/session6/aot_layout.py                        # the installed Triton
+    TILES="{1: (2, 1, 0, 1, 3), 2: (2, 2, 0, 1, 3)}" python3 ...      # fixed FP4_MMA_TILES
 
 Reuses benchmarks/next/aot_moe.py (capture the launch on CPU stand-ins, replay it through
 JITFunction.warmup under a stand-in sm_90 driver). The capture runs the launchers under the
@@ -20,14 +21,18 @@ import triton  # noqa: E402
 from k3lab.kernels.mxfp4_mma import mma_layout_problem  # noqa: E402
 
 print("triton", triton.__version__)
+if os.environ.get("TILES"):
+    aot_moe.moe.FP4_MMA_TILES = eval(os.environ["TILES"])  # noqa: S307 - a literal from the user
+    print("FP4_MMA_TILES", aot_moe.moe.FP4_MMA_TILES)
 for label, d, i in (("tp1", 3584, 3072), ("tp8", 3584, 384), ("tiny", 96, 96)):
     for name, kernel, _grid, args, kwargs in aot_moe.capture(d=d, i=i):
         kw = dict(kwargs)
-        if kw.get("FP4", 0) >= 4096:
+        if kw.get("FP4", 0) >= aot_moe.moe._MMA_BASE:
             kw["FP4"] |= 1  # inline PTX, as on the GPU
         compiled = aot_moe.compile_captured(kernel, args, kw)
         sass, res = aot_moe.sass_of(compiled)
-        print(label, name, "FP4", kw.get("FP4"), "layout:",
+        print(label, name, "FP4", kw.get("FP4"), "async copies:",
+              compiled.asm["ttgir"].count("async_copy_global_to_local"), "layout:",
               mma_layout_problem(compiled.asm["ttgir"]) or "ok", "|", res)
 
 # the launchers' guard itself (kernels/moe._check_mma_layout) on the same calls: compiles through
