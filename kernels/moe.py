@@ -427,7 +427,7 @@ def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.con
     16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x (K share i_k of KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
-                        MODE // 512 % 8 + 1, MODE // 256 % 2 + 1)
+                        MODE // 512 % 8 + 1)
 
 
 @triton.jit
@@ -723,25 +723,22 @@ def _fp4_mode(w, stage: int = 0) -> int:
 
 
 def _mma_code(tile, stage: int, k_steps: int = 1) -> int:
-    """FP4 constexpr code of tensor-core tile (R, WARPS_K, prefetch[, K split[, mma chains]]) for
-    ``stage`` over ``k_steps`` K steps of 256: FP4_MMA_BASE + inline PTX (compiled) + 2 *
-    prefetch + 16 * log2(WARPS_K) + 64 * (R - 1) + 256 * (chains - 1) + 512 * (split - 1); the
-    split (stage 2 only) is clamped so that no share is empty."""
-    if len(tile) not in (3, 4, 5):
-        raise ValueError(f"FP4_MMA_TILES[{stage}]: expected (R, WARPS_K, prefetch[, split[, "
-                         f"chains]]), got {tile}")
-    r, warps_k, prefetch, split, chains = (*tile, *(1, 1)[len(tile) - 3:])
+    """FP4 constexpr code of tensor-core tile (R, WARPS_K, prefetch[, K split]) for ``stage``
+    over ``k_steps`` K steps of 256: FP4_MMA_BASE + inline PTX (compiled) + 2 * prefetch + 16 *
+    log2(WARPS_K) + 64 * (R - 1) + 512 * (split - 1); the split (stage 2 only) is clamped so
+    that no share is empty."""
+    r, warps_k, prefetch, split = (*tile, 1)[:4]
     if stage == 1 and (r != 2 or split != 1):
         raise ValueError(f"FP4_MMA_TILES[1]: stage 1's R is 2 (gate and up tiles), no split, "
                          f"got {tile}")
     if (r not in (1, 2) or warps_k not in (1, 2, 4) or not 0 <= prefetch <= 7
-            or not 1 <= split <= 8 or chains not in (1, 2)):
+            or not 1 <= split <= 8):
         raise ValueError(f"FP4_MMA_TILES[{stage}]: expected (R in (1, 2), WARPS_K in (1, 2, 4), "
-                         f"prefetch in 0..7[, split in 1..8[, chains in (1, 2)]]), got {tile}")
+                         f"prefetch in 0..7[, split in 1..8]), got {tile}")
     split = triton.cdiv(k_steps, triton.cdiv(k_steps, min(split, k_steps)))
     asm = os.environ.get("TRITON_INTERPRET") != "1"
     return (_MMA_BASE + int(asm) + 2 * prefetch + 16 * (warps_k.bit_length() - 1)
-            + 64 * (r - 1) + 256 * (chains - 1) + 512 * (split - 1))
+            + 64 * (r - 1) + 512 * (split - 1))
 
 
 def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int = 1) -> int:

@@ -54,15 +54,13 @@ def _pair_ptx(dst: str, src: str, n: int) -> str:
     return f"{sign} {mag} and.b32 m, m, 0x01C001C0; or.b32 {dst}, m, s;\n"
 
 
-def _mma_ptx(chains: int = 1) -> str:
-    """pack=4 block: D (4 fp32) of 8 mmas over a thread's 4 words of row g ($4..$7) and row
-    g + 8 ($8..$11) with B registers ($12.. four per word: x pairs (0, 4), (1, 5), (2, 6), (3, 7)
-    of the word's 8 elements). chains 1: the 8 mmas accumulate in D one after another; 2: the
-    first and second mma of each word go to two accumulators (two dependency chains of 4, added
-    at the end)."""
-    acc = [["$0", "$1", "$2", "$3"], ["e0", "e1", "e2", "e3"]][:chains]
-    body = ["{", ".reg .b32 s, m, a0, a1, a2, a3;", ".reg .f32 e0, e1, e2, e3;"]
-    body += [f"mov.f32 {r}, 0f00000000;" for d in acc for r in d]
+def _mma_ptx() -> str:
+    """pack=4 block: D (4 fp32) of 8 chained mmas over a thread's 4 words of row g ($4..$7) and
+    row g + 8 ($8..$11) with B registers ($12.. four per word: x pairs (0, 4), (1, 5), (2, 6),
+    (3, 7) of the word's 8 elements)."""
+    body = ["{", ".reg .b32 s, m, a0, a1, a2, a3;",
+            "mov.f32 $0, 0f00000000; mov.f32 $1, 0f00000000;",
+            "mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000;"]
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     for u in range(4):
         lo, hi = f"${4 + u}", f"${8 + u}"
@@ -71,17 +69,13 @@ def _mma_ptx(chains: int = 1) -> str:
             n0, n1 = 2 * half, 2 * half + 1
             body += [_pair_ptx("a0", lo, n0), _pair_ptx("a1", hi, n0),
                      _pair_ptx("a2", lo, n1), _pair_ptx("a3", hi, n1)]
-            d = ", ".join(acc[half % chains])
-            body.append(f"{mma} {{{d}}}, {{a0, a1, a2, a3}}, "
-                        f"{{{b[2 * half]}, {b[2 * half + 1]}}}, {{{d}}};")
-    if chains == 2:
-        body += [f"add.f32 ${j}, ${j}, e{j};" for j in range(4)]
+            body.append(f"{mma} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, "
+                        f"{{{b[2 * half]}, {b[2 * half + 1]}}}, {{$0, $1, $2, $3}};")
     body.append("}")
     return "\n".join(body)
 
 
 MMA_PTX = tl.constexpr(_mma_ptx())
-MMA_PTX_2CHAINS = tl.constexpr(_mma_ptx(2))
 # x words 0..3 of a K word (bf16 pairs (0,1), (2,3), (4,5), (6,7)) -> B pairs (0,4), (1,5), (2,6),
 # (3,7), each times 2^100 (bf16 0x7180; fma with -0 keeps the sign of zero products harmless)
 X_PAIRS_PTX = tl.constexpr("""{
@@ -164,13 +158,11 @@ def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
 
 
 @triton.jit
-def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
-         CHAINS: tl.constexpr = 1):
-    """D [256, 4] fp32 of one row tile: MMA_PTX (CHAINS dependency chains) on the thread's words
-    (ASM) or the emulation."""
+def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr):
+    """D [256, 4] fp32 of one row tile: MMA_PTX on the thread's words (ASM) or the emulation."""
     if ASM:
-        d = tl.inline_asm_elementwise(MMA_PTX_2CHAINS if CHAINS == 2 else MMA_PTX,
-                                      "=f,=f,=f,=f" + ",r" * 24, [b_lo, b_hi, b_a, b_b, b_c, b_d],
+        d = tl.inline_asm_elementwise(MMA_PTX, "=f,=f,=f,=f" + ",r" * 24,
+                                      [b_lo, b_hi, b_a, b_b, b_c, b_d],
                                       dtype=tl.float32, is_pure=True, pack=4)
     else:
         d = tl.reshape(_mma_emulate(b_lo[:, None, :], b_hi[:, None, :], x0, x1, x2, x3, 1),
@@ -181,8 +173,7 @@ def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
 @triton.jit
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
-                 ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
-                 CHAINS: tl.constexpr = 1):
+                 ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
     past row_lim + r * LIM_R.
 
@@ -196,8 +187,7 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     (compiled) or the interpreter's emulation; PREFETCH > 0 (compiled): each K iteration first
     asks L2 for the weight lines PREFETCH iterations ahead (prefetch.global.L2: no registers
     held, so more bytes in flight than the loads alone); KSPLIT > 1: only the i_k-th of KSPLIT
-    consecutive shares of the K steps (the caller adds the partial sums); CHAINS 2: each mma
-    block accumulates in two dependency chains of 4 mmas instead of one of 8. Launch with 4 warps.
+    consecutive shares of the K steps (the caller adds the partial sums). Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
@@ -262,10 +252,10 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         # row tile 0 (and 1): the B registers serve both
         b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS)
-        d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, CHAINS)
+        d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM)
         if R == 2:
             b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS)
-            d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, CHAINS)
+            d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM)
             d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:
             d = d[:, None, :]

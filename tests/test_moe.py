@@ -241,15 +241,14 @@ KLANE_VARIANTS = {
 
 
 # Tensor-core tiles (kmoe.FP4_MMA, kernels/mxfp4_mma.py; one-token plan tiles of MXFP4 stage 1
-# and the atomic stage 2): the tile rule of FP4_MMA_TILES None, and fixed (R, WARPS_K, prefetch[,
-# split[, mma chains]]) tiles per stage. Under the interpreter the mma is emulated lane by lane.
+# and the atomic stage 2): the tile rule of FP4_MMA_TILES None, and fixed (R, WARPS_K, prefetch)
+# tiles per stage. Under the interpreter the mma is emulated lane by lane.
 MMA_VARIANTS = {
     "mma": {},
     "mma-wk1": {"FP4_MMA_TILES": {1: (2, 1, 0), 2: (2, 1, 0)}},
     "mma-wk4-r1": {"FP4_MMA_TILES": {1: (2, 4, 2), 2: (1, 4, 2)}},
     "mma-r1wk1": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (1, 1, 1)}},
     "mma-split3": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (1, 1, 0, 3)}},
-    "mma-chains2": {"FP4_MMA_TILES": {1: (2, 1, 1, 1, 2), 2: (1, 2, 1, 1, 2)}},
 }
 
 

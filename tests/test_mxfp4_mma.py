@@ -19,24 +19,24 @@ ATOL, RTOL = 1e-5, 1e-5
 
 @triton.jit
 def _gemv_kernel(p_x, p_w, p_s, p_y, N, N_GROUPS, R: tl.constexpr, WARPS_K: tl.constexpr,
-                 ASM: tl.constexpr, KSPLIT: tl.constexpr, CHAINS: tl.constexpr = 1):
+                 ASM: tl.constexpr, KSPLIT: tl.constexpr):
     """y[rows of program 0's tiles] = w @ x, rows in R tiles of 16 * (4 // WARPS_K); the K
     shares of KSPLIT are the second grid axis and add atomically."""
     WN: tl.constexpr = 4 // WARPS_K
     row0 = tl.program_id(0) * (R * WN * 16)
     y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, N_GROUPS, R, WARPS_K, 0, ASM, 0,
-                     tl.program_id(1), KSPLIT, CHAINS)
+                     tl.program_id(1), KSPLIT)
     o = row0 + tl.arange(0, R)[:, None] * (WN * 16) + tl.arange(0, WN * 16)[None, :]
     tl.atomic_add(p_y + o, y, mask=o < N)
 
 
-def _gemv(x, q, r, warps_k, ksplit, chains=1):
+def _gemv(x, q, r, warps_k, ksplit):
     n, k = q.shape
     y = torch.zeros(n, device=x.device, dtype=torch.float32)
     rows = r * (4 // warps_k) * 16
     _gemv_kernel[(triton.cdiv(n, rows), ksplit)](
         x.view(torch.int32), q.packed.view(torch.int32), q.scales, y, n, k // 32, r, warps_k,
-        os.environ.get("TRITON_INTERPRET") != "1", ksplit, chains, num_warps=4)
+        os.environ.get("TRITON_INTERPRET") != "1", ksplit, num_warps=4)
     return y
 
 
@@ -62,16 +62,6 @@ def test_tile_split_k(ksplit, device):
     x = randn((800,), gen)
     want = q.dequantize() @ x.float()
     torch.testing.assert_close(_gemv(x, q, 2, 2, ksplit), want, atol=ATOL, rtol=RTOL)
-
-
-@pytest.mark.parametrize("r,warps_k", [(2, 1), (1, 2)], ids=["R2-WK1", "R1-WK2"])
-def test_tile_two_mma_chains(r, warps_k, device):
-    """CHAINS 2 (each mma block in two accumulators, added at the end) gives the same sums."""
-    gen = make_generator(11, device)
-    q = mxfp4_quantize(randn((72, 640), gen, std=0.05))
-    x = randn((640,), gen)
-    want = q.dequantize() @ x.float()
-    torch.testing.assert_close(_gemv(x, q, r, warps_k, 1, 2), want, atol=ATOL, rtol=RTOL)
 
 
 def test_zero_weights_and_x_give_zero(device):

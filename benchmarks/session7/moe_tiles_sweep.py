@@ -7,7 +7,10 @@ metric), and correctness against the fp32 reference at the tests' tolerances. Ru
 root: SWEEP=call2 python3 benchmarks/session7/moe_tiles_sweep.py
 
 Call 1 ran this script at c4ac329 (then moe_pipe_sweep.py), where the fifth tile entry was the K
-loop's pipeline stages (tl.range num_stages); that option was reverted after it (ef2e2f6).
+loop's pipeline stages (tl.range num_stages); that option was reverted after it (ef2e2f6). Call 2
+ran it at cc1d28c, where the fifth entry was the mma dependency chains a block (1 or 2); that
+option was reverted after it too. Both options' code is in those commits; at HEAD the tiles take
+(R, WARPS_K, prefetch[, split]) and the variants below document what was run.
 """
 
 import dataclasses
