@@ -1,10 +1,10 @@
 """H200, issue 4 (session 7): tile variants of the tensor-core MXFP4 stages
-(kmoe.FP4_MMA_TILES, {stage: (R, WARPS_K, prefetch, split, mma chains)}) against the auto rule,
+(kmoe.FP4_MMA_TILES and FP4_MMA_PERSISTENT) against the auto rule,
 K3 B1, graph replay, cold copies, tp 1 and tp 8.
 
 Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
 metric), and correctness against the fp32 reference at the tests' tolerances. Run from the repo
-root: SWEEP=call2 python3 benchmarks/session7/moe_tiles_sweep.py
+root: SWEEP=call3 python3 benchmarks/session7/moe_tiles_sweep.py
 
 Call 1 ran this script at c4ac329 (then moe_pipe_sweep.py), where the fifth tile entry was the K
 loop's pipeline stages (tl.range num_stages); that option was reverted after it (ef2e2f6). Call 2
@@ -34,7 +34,8 @@ T0 = time.time()
 BUDGET_S = float(os.environ.get("BUDGET_S", "200"))
 print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 
-# {stage: (R, WARPS_K, prefetch, split, mma chains)}; None: the auto rule (HEAD's default)
+# variant: FP4_MMA_TILES ({stage: (R, WARPS_K, prefetch[, split])}; None: the auto rule) or a
+# dict of kernels/moe.py knobs. Call 2 (at cc1d28c) had a fifth tile entry, the mma chains.
 CALLS = {
     "call2": {
         "auto": None,
@@ -44,9 +45,23 @@ CALLS = {
         "auto-again": None,
         "chains2-again": {1: (2, 1, 1, 1, 2), 2: (2, 2, 1, 1, 2)},
     },
+    "call3": {  # persistent runs of tiles (FP4_MMA_PERSISTENT programs an SM)
+        "auto": None,
+        "P4-wk2/wk2": dict(FP4_MMA_PERSISTENT=4, FP4_MMA_TILES={1: (2, 2, 1), 2: (2, 2, 1)}),
+        "P4-wk2/wk1": dict(FP4_MMA_PERSISTENT=4, FP4_MMA_TILES={1: (2, 2, 1), 2: (2, 1, 1)}),
+        "P4-wk4/r1wk1": dict(FP4_MMA_PERSISTENT=4, FP4_MMA_TILES={1: (2, 4, 1), 2: (1, 1, 1)}),
+        "P4-pf0": dict(FP4_MMA_PERSISTENT=4, FP4_MMA_TILES={1: (2, 2, 0), 2: (2, 2, 0)}),
+        "P3-wk2/wk1": dict(FP4_MMA_PERSISTENT=3, FP4_MMA_TILES={1: (2, 2, 1), 2: (2, 1, 1)}),
+        "P4-wk2/wk2-pf2": dict(FP4_MMA_PERSISTENT=4, FP4_MMA_TILES={1: (2, 2, 2), 2: (2, 2, 2)}),
+        "auto-again": None,
+        "P4-wk2/wk2-again": dict(FP4_MMA_PERSISTENT=4,
+                                 FP4_MMA_TILES={1: (2, 2, 1), 2: (2, 2, 1)}),
+    },
 }
-TP8 = {"call2": ("auto", "chains2")}
-SWEEP = os.environ.get("SWEEP", "call2")
+TP8 = {"call2": ("auto", "chains2"), "call3": ("auto", "P4-wk2/wk2", "P4-wk2/wk1",
+                                               "P4-wk4/r1wk1")}
+KNOBS = {"FP4_MMA_TILES": None, "FP4_MMA_PERSISTENT": 0}
+SWEEP = os.environ.get("SWEEP", "call3")
 VARIANTS = CALLS[SWEEP]
 TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}  # tests/test_moe.py A_ / Y_
 
@@ -76,7 +91,11 @@ def run(tp, names, n_copies):
         if time.time() - T0 > BUDGET_S:
             print("SKIP (time budget)", tp, name, flush=True)
             continue
-        moe.FP4_MMA_TILES = VARIANTS[name]
+        knobs = VARIANTS[name]
+        knobs = knobs if isinstance(knobs, dict) and "FP4_MMA_TILES" in knobs else {
+            "FP4_MMA_TILES": knobs}
+        for k, v in {**KNOBS, **knobs}.items():
+            setattr(moe, k, v)
         for stage in ("stage1", "stage2"):
             fn = MB.stage_fns(stage)["fused"]
             nbytes = MB.stage_bytes(stage, c0)
@@ -89,7 +108,8 @@ def run(tp, names, n_copies):
             except Exception:
                 traceback.print_exc()
                 rec(k="moe_tiles", tp=tp, stage=stage, variant=name, us=float("nan"), ok=False)
-        moe.FP4_MMA_TILES = None
+        for k, v in KNOBS.items():
+            setattr(moe, k, v)
     del copies, base, c0
     torch.cuda.empty_cache()
 
