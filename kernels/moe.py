@@ -38,7 +38,6 @@ the tail separately (one launch more, no cross-program waiting).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -149,13 +148,6 @@ FP4_MMA = True
 # (INTERPRETER_BIG_TILES off) the interpreter runs the tensor-core tiles as the GPU does.
 INTERPRETER_MMA = False
 FP4_MMA_TILES = None
-# FP4_MMA_PERSISTENT n > 0: the tensor-core stages launch n programs an SM (at most one per
-#   tile), each taking an equal share of the work: stage 1 a run of consecutive tiles, stage 2 a
-#   run of the K steps of consecutive tiles (a tile cut between two programs adds both parts in
-#   the atomics). Inside a run, each tile's last K steps prefetch the next tile's first lines
-#   into L2. No wave tail and no per-tile launch; 0: one program a tile.
-FP4_MMA_PERSISTENT = 0
-INTERPRETER_PERSISTENT_PROGRAMS = 3  # a run covers several tiles and cuts some
 FP4_MMA_CANDIDATES = {1: ((2, 1, 1), (2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
 _MMA_BASE = 4096  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
 FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
@@ -430,17 +422,12 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
 
 
 @triton.jit
-def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr, i_k=0,
-              k_hi=0, p_w_next=0, p_s_next=0, row0_next=0, has_next=False):
+def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr, i_k=0):
     """kernels/mxfp4_mma.fp4_mma_gemv with the tile of FP4 code MODE (see _mma_mode): [R,
-    16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x (K share i_k of KSPLIT).
-    Persistent codes (MODE // 256 % 2): K steps [i_k, k_hi), and the next tile's first lines
-    prefetched (see fp4_mma_gemv's NEXT)."""
-    PERSIST: tl.constexpr = MODE // 256 % 2 == 1
+    16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x (K share i_k of KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
-                        0 if PERSIST else MODE // 512 % 8 + 1, k_hi, PERSIST, p_w_next, p_s_next,
-                        row0_next, has_next)
+                        MODE // 512 % 8 + 1)
 
 
 @triton.jit
@@ -504,37 +491,34 @@ def _moe_front_kernel(p_x, p_down, p_z, p_sw13, p_sa, M, H_PAIRS, D, S, n_shared
 
 
 @triton.jit
-def _stage1_tile(i_b, i_n, p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, n_entries,
-                 block_m, top_k, N_I, D_PAIRS, beta, linear_beta, ACT: tl.constexpr,
-                 FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr, i_b_next=0, i_n_next=0,
-                 has_next=False):
-    """Stage-1 tile (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T).
-    Persistent tensor-core codes: where has_next, tile (i_b_next, i_n_next) comes next (its
-    first weight lines are prefetched during this tile's last K steps)."""
+def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_out, p_sync,
+                       n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta, linear_beta,
+                       ACT: tl.constexpr, FP4: tl.constexpr, ZERO_OUT: tl.constexpr,
+                       ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr):
+    """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T).
+    Side jobs: zero stage 2's accumulator (a slice per program) and the stage-2 + tail launch's
+    two counters (program 0)."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    if ZERO_OUT:
+        o_o = (i_b * tl.num_programs(1) + i_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store(p_out + o_o, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=o_o < n_zero)
+    if ZERO_SYNC:
+        o_s = tl.arange(0, 2)
+        tl.store(p_sync + o_s, tl.zeros([2], dtype=tl.int32), mask=(i_b + i_n + o_s * 0) == 0)
     # the plan's count, entries and expert in one round trip (all in bounds for every tile):
     # the weight addresses wait for them
     n_valid = tl.load(p_num_valid)
     b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
     i_e = tl.load(p_block_expert + i_b).to(tl.int64)
     if i_b * block_m < n_valid:
-        w_expert = 2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS)
-        s_expert = 2 * N_I * (D_PAIRS // 16)
-        p_we = p_w + i_e * w_expert
-        p_se = p_ws + i_e * s_expert if FP4 else p_ws
+        p_we = p_w + i_e * (2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS))
+        p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N_I
         if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N gate rows and their up rows
             p_x = p_z + tl.sum(tl.where(m_ent, b_tok, 0)) * D_PAIRS
-            if FP4 // 256 % 2 == 1:  # persistent: the next tile's expert for its prefetch
-                i_e_next = tl.load(p_block_expert + i_b_next, mask=has_next, other=0).to(tl.int64)
-                b_gu = _mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16,
-                                 FP4, 0, 1 << 30, p_w + i_e_next * w_expert,
-                                 p_ws + i_e_next * s_expert, i_n_next * BLOCK_N,
-                                 has_next & (i_b_next * block_m < n_valid))
-            else:
-                b_gu = _mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16,
-                                 FP4)
+            b_gu = _mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16, FP4)
             b_g, b_u = tl.split(tl.permute(b_gu, [1, 0]))
             b_a = _act(b_g, b_u, beta, linear_beta, ACT)[None, :]
         else:
@@ -545,77 +529,13 @@ def _stage1_tile(i_b, i_n, p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid
 
 
 @triton.jit
-def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_out, p_sync,
-                       n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta, linear_beta,
-                       n_units, n_n, ACT: tl.constexpr, FP4: tl.constexpr,
-                       ZERO_OUT: tl.constexpr, ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-                       TOKEN_LOOP: tl.constexpr):
-    """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T).
-    Persistent tensor-core codes (FP4 // 256 % 2, a 1-D grid): program p takes the tiles
-    [p * n_units // P, (p + 1) * n_units // P) of the n_units = plan tiles x n_n I tiles, I tile
-    fastest. Side jobs: zero stage 2's accumulator (a slice per program) and the stage-2 + tail
-    launch's two counters (program 0)."""
-    i_b, i_n = tl.program_id(0), tl.program_id(1)
-    if ZERO_OUT:
-        o_o = (i_b * tl.num_programs(1) + i_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
-        tl.store(p_out + o_o, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=o_o < n_zero)
-    if ZERO_SYNC:
-        o_s = tl.arange(0, 2)
-        tl.store(p_sync + o_s, tl.zeros([2], dtype=tl.int32), mask=(i_b + i_n + o_s * 0) == 0)
-    if FP4 >= FP4_MMA_BASE and FP4 // 256 % 2 == 1:
-        n_prog = tl.num_programs(0)
-        u_lo = i_b * n_units // n_prog
-        u_hi = (i_b + 1) * n_units // n_prog
-        for u in range(u_lo, u_hi):
-            _stage1_tile(u // n_n, u % n_n, p_z, p_w, p_ws, p_sorted, p_block_expert,
-                         p_num_valid, p_a, n_entries, block_m, top_k, N_I, D_PAIRS, beta,
-                         linear_beta, ACT, FP4, BLOCK_M, BLOCK_N, BLOCK_KP, TOKEN_LOOP,
-                         (u + 1) // n_n, (u + 1) % n_n, u + 1 < u_hi)
-    else:
-        _stage1_tile(i_b, i_n, p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a,
-                     n_entries, block_m, top_k, N_I, D_PAIRS, beta, linear_beta, ACT, FP4,
-                     BLOCK_M, BLOCK_N, BLOCK_KP, TOKEN_LOOP)
-
-
-@triton.jit
-def _stage2_mma_tile(i_b, i_n, k_lo, k_hi, i_b_next, i_n_next, has_next, p_a, p_w, p_ws,
-                     p_sorted, p_sorted_w, p_block_expert, p_num_valid, p_y, n_entries, block_m,
-                     top_k, D, I_PAIRS, FP4: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """Persistent tensor-core stage 2: K steps [k_lo, k_hi) of tile (plan tile i_b, D tile i_n)
-    added into y (the other steps' programs add theirs); where has_next, the tile
-    (i_b_next, i_n_next) comes next and its first lines are prefetched."""
-    n_valid = tl.load(p_num_valid)
-    b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
-    i_e = tl.load(p_block_expert + i_b).to(tl.int64)
-    i_e_next = tl.load(p_block_expert + i_b_next, mask=has_next, other=0).to(tl.int64)
-    if i_b * block_m < n_valid:
-        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        w_expert, s_expert = D * (I_PAIRS // 4), D * (I_PAIRS // 16)
-        p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
-        b_p = tl.reshape(_mma_gemv(p_x, p_w + i_e * w_expert, p_ws + i_e * s_expert,
-                                   i_n * BLOCK_N, BLOCK_N // (FP4 // 64 % 4 + 1), D, 0,
-                                   I_PAIRS // 16, FP4, k_lo, k_hi, p_w + i_e_next * w_expert,
-                                   p_ws + i_e_next * s_expert, i_n_next * BLOCK_N,
-                                   has_next & (i_b_next * block_m < n_valid)), [1, BLOCK_N])
-        o_m = tl.arange(0, BLOCK_M)
-        b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
-        tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
-                      mask=m_ent[:, None] & (o_n < D)[None, :], sem="relaxed")
-
-
-@triton.jit
 def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                  p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
-                 n_units, n_prog, FP4: tl.constexpr, DETERMINISTIC: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-                 TOKEN_LOOP: tl.constexpr):
+                 FP4: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr):
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
-    slot order and stores. Persistent tensor-core codes (FP4 // 256 % 2): program pid of n_prog
-    takes the K steps [pid * S // n_prog, (pid + 1) * S // n_prog) of the S = n_units x steps a
-    tile, tile by tile (n_units = plan tiles x n_d_tiles, D tile fastest)."""
+    slot order and stores."""
     i_k = 0
     # K-lane split K (atomic path): pid = (tile, split)
     if FP4 >= 34 and FP4 < FP4_MMA_BASE and (FP4 - 2) // 32 % 16 > 0:
@@ -624,50 +544,39 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
     if FP4 >= FP4_MMA_BASE and FP4 // 512 % 8 > 0:  # tensor-core split K: the same
         i_k = pid % (FP4 // 512 % 8 + 1)
         pid = pid // (FP4 // 512 % 8 + 1)
-    if FP4 >= FP4_MMA_BASE and FP4 // 256 % 2 == 1:  # persistent: a range of the K steps
-        n_k = tl.cdiv(I_PAIRS // 16, 8)
-        s_lo = pid * (n_units * n_k) // n_prog
-        s_hi = (pid + 1) * (n_units * n_k) // n_prog
-        for u in range(s_lo // n_k, tl.cdiv(s_hi, n_k)):
-            _stage2_mma_tile(u // n_d_tiles, u % n_d_tiles, tl.maximum(s_lo - u * n_k, 0),
-                             tl.minimum(s_hi - u * n_k, n_k), (u + 1) // n_d_tiles,
-                             (u + 1) % n_d_tiles, (u + 1) * n_k < s_hi, p_a, p_w, p_ws,
-                             p_sorted, p_sorted_w, p_block_expert, p_num_valid, p_y, n_entries,
-                             block_m, top_k, D, I_PAIRS, FP4, BLOCK_M, BLOCK_N)
+    i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < D
+    if DETERMINISTIC:
+        b_y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
+        for k in range(0, top_k):
+            i_e = tl.load(p_topk_ids + i_b * top_k + k).to(tl.int64)
+            o_row = tl.zeros([1], dtype=tl.int32) + i_b * top_k + k
+            p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
+            p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
+            b_p = _gemv(p_a, o_row, o_row < n_entries, p_a, p_we, p_se,
+                        o_n, m_n, I_PAIRS, 0, 1, BLOCK_N, BLOCK_KP, FP4, False, False, False)
+            b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
+        tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
     else:
-        i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
-        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_n = o_n < D
-        if DETERMINISTIC:
-            b_y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
-            for k in range(0, top_k):
-                i_e = tl.load(p_topk_ids + i_b * top_k + k).to(tl.int64)
-                o_row = tl.zeros([1], dtype=tl.int32) + i_b * top_k + k
-                p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
-                p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
-                b_p = _gemv(p_a, o_row, o_row < n_entries, p_a, p_we, p_se,
-                            o_n, m_n, I_PAIRS, 0, 1, BLOCK_N, BLOCK_KP, FP4, False, False, False)
-                b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
-            tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
-        else:
-            n_valid = tl.load(p_num_valid)  # with the entries and expert: one round trip
-            b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
-            i_e = tl.load(p_block_expert + i_b).to(tl.int64)
-            if i_b * block_m < n_valid:
-                p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
-                p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
-                if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N consecutive rows
-                    p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
-                    b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
-                                               BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 16,
-                                               FP4, i_k), [1, BLOCK_N])
-                else:
-                    b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
-                                BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
-                o_m = tl.arange(0, BLOCK_M)
-                b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
-                tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
-                              mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
+        n_valid = tl.load(p_num_valid)  # with the entries and expert: one round trip
+        b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
+        i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+        if i_b * block_m < n_valid:
+            p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
+            p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
+            if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N consecutive rows
+                p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
+                b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
+                                           BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 16,
+                                           FP4, i_k), [1, BLOCK_N])
+            else:
+                b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
+                            BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
+            o_m = tl.arange(0, BLOCK_M)
+            b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
+            tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
+                          mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -720,7 +629,7 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
 @triton.jit
 def _moe_stage2_tail_kernel(
         p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid, p_topk_ids, p_topk_w,
-        p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles, n_stage2, n_units2,
+        p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles, n_stage2,
         p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync, M, H, S_PAIRS, eps,
         STAGE2: tl.constexpr, TAIL: tl.constexpr, FP4: tl.constexpr,
         DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
@@ -737,8 +646,7 @@ def _moe_stage2_tail_kernel(
         if i_t < n_stage2:
             _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                          p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
-                         n_d_tiles, n_units2, n_stage2, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2,
-                         BLOCK_KP2, TOKEN_LOOP)
+                         n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2, TOKEN_LOOP)
             tl.debug_barrier()  # every thread's adds issued before the release below
             tl.atomic_add(p_sync + 1, 1, sem="release")
         else:
@@ -748,8 +656,8 @@ def _moe_stage2_tail_kernel(
     elif STAGE2:
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
-                     I_PAIRS, n_d_tiles, n_units2, n_stage2, FP4, DETERMINISTIC, BLOCK_M2,
-                     BLOCK_N2, BLOCK_KP2, TOKEN_LOOP)
+                     I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2,
+                     TOKEN_LOOP)
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
@@ -817,8 +725,8 @@ def _fp4_mode(w, stage: int = 0) -> int:
 def _mma_code(tile, stage: int, k_steps: int = 1) -> int:
     """FP4 constexpr code of tensor-core tile (R, WARPS_K, prefetch[, K split]) for ``stage``
     over ``k_steps`` K steps of 256: FP4_MMA_BASE + inline PTX (compiled) + 2 * prefetch + 16 *
-    log2(WARPS_K) + 64 * (R - 1) + 256 * persistent (FP4_MMA_PERSISTENT, unsplit tiles) + 512 *
-    (split - 1); the split (stage 2 only) is clamped so that no share is empty."""
+    log2(WARPS_K) + 64 * (R - 1) + 512 * (split - 1); the split (stage 2 only) is clamped so
+    that no share is empty."""
     r, warps_k, prefetch, split = (*tile, 1)[:4]
     if stage == 1 and (r != 2 or split != 1):
         raise ValueError(f"FP4_MMA_TILES[1]: stage 1's R is 2 (gate and up tiles), no split, "
@@ -829,9 +737,8 @@ def _mma_code(tile, stage: int, k_steps: int = 1) -> int:
                          f"prefetch in 0..7[, split in 1..8]), got {tile}")
     split = triton.cdiv(k_steps, triton.cdiv(k_steps, min(split, k_steps)))
     asm = os.environ.get("TRITON_INTERPRET") != "1"
-    persistent = FP4_MMA_PERSISTENT > 0 and split == 1
     return (_MMA_BASE + int(asm) + 2 * prefetch + 16 * (warps_k.bit_length() - 1)
-            + 64 * (r - 1) + 256 * int(persistent) + 512 * (split - 1))
+            + 64 * (r - 1) + 512 * (split - 1))
 
 
 def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int = 1) -> int:
@@ -852,22 +759,6 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
         if programs_per_tile * triton.cdiv(rows, _mma_block_n(code, stage)) >= target:
             return code
     return codes[-1]
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _persistent_programs(mode: int, units: int, device: torch.device) -> int:
-    """Programs of a tensor-core launch of FP4 code ``mode`` over ``units`` tiles: ``units``,
-    or for persistent codes FP4_MMA_PERSISTENT an SM (INTERPRETER_PERSISTENT_PROGRAMS on CPU),
-    at most ``units``."""
-    if mode < _MMA_BASE or mode // 256 % 2 == 0:
-        return units
-    if device.type != "cuda":
-        return max(1, min(units, INTERPRETER_PERSISTENT_PROGRAMS))
-    return max(1, min(units, FP4_MMA_PERSISTENT * _sm_count(device.index or 0)))
 
 
 def _mma_block_n(mode: int, stage: int) -> int:
@@ -900,13 +791,9 @@ def _fit_steps(mode: int, words: int, block_w: int) -> int:
 
 
 def _reg_cap(mode: int, stage: int) -> dict:
-    """Launch options of stage ``stage``'s kernel in FP4 mode ``mode``: FP4_MAXNREG, and for
-    persistent tensor-core codes at most the registers that let FP4_MMA_PERSISTENT programs
-    share an SM (the interpreter drops the option)."""
+    """Launch options of stage ``stage``'s kernel in FP4 mode ``mode``: FP4_MAXNREG for K-lane
+    tiles (the interpreter drops the option)."""
     cap = _per_stage(FP4_MAXNREG, stage)
-    if mode >= _MMA_BASE and mode // 256 % 2:  # persistent: FP4_MMA_PERSISTENT must fit an SM
-        fit = 65536 // (FP4_MMA_PERSISTENT * NUM_WARPS * 32) // 8 * 8
-        cap = min(int(cap or 255), fit, 255)
     if mode < 2 or cap is None:
         return {}
     return {"maxnreg": int(cap)}
@@ -1124,9 +1011,6 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
         block_n, block_kp = _expert_tiles(n_tiles, i, d // 2, block_mp, mode)
         mode = _fit_steps(mode, d // 8, block_kp // 4)
     grid = (n_tiles, triton.cdiv(i, block_n))
-    n_units, n_n = grid[0] * grid[1], grid[1]
-    if mode >= _MMA_BASE and mode // 256 % 2:  # persistent: a 1-D grid of runs of tiles
-        grid = (_persistent_programs(mode, n_units, z.device), 1)
     out = plan.out
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
                                             triton.cdiv(m * d, grid[0] * grid[1])))
@@ -1134,7 +1018,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     args = (z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids,
             plan.num_valid, a, out if out is not None else a,
             sync if sync is not None else plan.num_valid, m * top_k, block_m, top_k, i, d // 2,
-            m * d, float(situ_beta), float(situ_linear_beta), n_units, n_n)
+            m * d, float(situ_beta), float(situ_linear_beta))
     kwargs = dict(ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
                   ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
                   TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS, **_reg_cap(mode, 1))
@@ -1187,17 +1071,15 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles):
         mode = _fit_steps(mode, i // 8, block_kp // 4)
         split = (mode - 2) // 32 % 16 + 1 if mode >= 2 else 1
     n_d = triton.cdiv(d, block_n)
-    n_units = rows * n_d * split
-    programs = _persistent_programs(mode, n_units, a.device)
     w_v, w_s = _expert_ptrs(w2)
     kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,
               p_sorted_w=plan.sorted_weights, p_block_expert=plan.block_expert_ids,
               p_num_valid=plan.num_valid, p_topk_ids=plan.topk_ids, p_topk_w=plan.topk_weights,
               p_y=y, n_entries=m * top_k, block_m=block_m, top_k=top_k, D=d, I_PAIRS=i // 2,
-              n_d_tiles=n_d, n_stage2=programs, n_units2=n_units, FP4=mode,
+              n_d_tiles=n_d, n_stage2=rows * n_d * split, FP4=mode,
               DETERMINISTIC=bool(deterministic), BLOCK_M2=block_mp, BLOCK_N2=block_n,
               BLOCK_KP2=block_kp)
-    return kw, programs, y
+    return kw, rows * n_d * split, y
 
 
 def _tail_args(y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps):
@@ -1229,7 +1111,7 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
         y = tail[0]["p_y"]
         kw.update(p_a=y, p_w=y, p_ws=y, p_sorted=y, p_sorted_w=y, p_block_expert=y,
                   p_num_valid=y, p_topk_ids=y, p_topk_w=y, n_entries=1, block_m=1, top_k=1,
-                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0, n_units2=0, FP4=0,
+                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0, FP4=0,
                   DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS)
     else:
         kw.update(stage2[0])

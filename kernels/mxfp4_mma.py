@@ -171,19 +171,9 @@ def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, mask):
-    """prefetch.global.L2 of the lines at ``ptrs`` where ``mask`` (compiled only)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
-                 ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
-                 k_hi=0, NEXT: tl.constexpr = False, p_w_next=0, p_s_next=0, row0_next=0,
-                 has_next=False):
+                 ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
     past row_lim + r * LIM_R.
 
@@ -197,25 +187,16 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     (compiled) or the interpreter's emulation; PREFETCH > 0 (compiled): each K iteration first
     asks L2 for the weight lines PREFETCH iterations ahead (prefetch.global.L2: no registers
     held, so more bytes in flight than the loads alone); KSPLIT > 1: only the i_k-th of KSPLIT
-    consecutive shares of the K steps (the caller adds the partial sums); KSPLIT 0: the steps
-    [i_k, k_hi) only. NEXT (with PREFETCH, compiled): a persistent caller's next tile, rows
-    row0_next.. of p_w_next / p_s_next (same shape), starts at step 0 once this one is done;
-    where has_next, the prefetches that run past this tile's last step ask L2 for that tile's
-    first lines (weights and scales), so its first loads do not wait on DRAM. Launch with 4
-    warps.
+    consecutive shares of the K steps (the caller adds the partial sums). Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
     K_WORDS = N_GROUPS * 4
-    n_all = tl.cdiv(K_WORDS, 32)  # 32 words = 256 elements = 8 groups a step
-    n_steps = n_all
+    n_steps = tl.cdiv(K_WORDS, 32)  # 32 words = 256 elements = 8 groups a step
     if KSPLIT > 1:
         per = tl.cdiv(n_steps, KSPLIT)
         step0 = i_k * per
         n_steps = tl.minimum(step0 + per, n_steps)
-    elif KSPLIT == 0:
-        step0 = i_k
-        n_steps = tl.minimum(k_hi, n_steps)
     else:
         step0 = 0
     o_i = tl.arange(0, 256)
@@ -244,24 +225,17 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         pf_r = 2 * o_j[None, :] + (o_q % 32 // 16)[:, None]  # [128, RP]
         pf_row = row0 + pf_r * ROW_R + (o_q // 32 // WARPS_K * 16 + o_q % 16)[:, None]
         m_pf = (pf_r < R) & (pf_row < row_lim + pf_r * LIM_R)
-        if NEXT:
-            pf_row_next = pf_row - row0 + row0_next
-            m_pf_next = (pf_r < R) & (pf_row_next < row_lim + pf_r * LIM_R) & has_next
     acc = tl.zeros([128, R, 4], dtype=tl.float32)
     for it in tl.range(0, tl.cdiv(n_steps - step0, WARPS_K),
                        num_stages=STAGES if STAGES > 0 else None):
         if PREFETCH > 0 and ASM:
             pf_step = step0 + (it + PREFETCH) * WARPS_K + q_wk  # [128]
-            p_pf = p_w + pf_row * K_WORDS + (pf_step * 32)[:, None]
-            m_pf_it = m_pf & (pf_step < n_steps)[:, None]
-            if NEXT:  # past this tile's steps: the next tile's first ones
-                nx_step = pf_step - n_steps
-                over = m_pf_next & ((nx_step >= 0) & (nx_step < n_all))[:, None]
-                p_pf = tl.where(over, p_w_next + pf_row_next * K_WORDS + (nx_step * 32)[:, None],
-                                p_pf)
-                m_pf_it = m_pf_it | over
-                _prefetch_l2(p_s_next + pf_row_next * N_GROUPS + (nx_step * 8)[:, None], over)
-            _prefetch_l2(p_pf, m_pf_it)
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
+                "mov.b32 $0, 0; }", "=r,l,r",
+                [p_w + pf_row * K_WORDS + (pf_step * 32)[:, None],
+                 (m_pf & (pf_step < n_steps)[:, None]).to(tl.int32)],
+                dtype=tl.int32, is_pure=False, pack=1)
         step = step0 + it * WARPS_K + wk
         o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
         m_w = (step < n_steps) & (o_w < K_WORDS)

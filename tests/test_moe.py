@@ -249,8 +249,6 @@ MMA_VARIANTS = {
     "mma-wk4-r1": {"FP4_MMA_TILES": {1: (2, 4, 2), 2: (1, 4, 2)}},
     "mma-r1wk1": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (1, 1, 1)}},
     "mma-split3": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (1, 1, 0, 3)}},
-    # persistent runs of tiles (3 programs under the interpreter: runs cut stage-2 tiles)
-    "mma-persist": {"FP4_MMA_PERSISTENT": 4, "FP4_MMA_TILES": {1: (2, 2, 1), 2: (2, 1, 1)}},
 }
 
 
@@ -339,18 +337,14 @@ def test_stages_klane_layout(case, variant, device, monkeypatch):
                  rtol=Y_RTOL)
 
 
-@pytest.mark.parametrize("split,persistent", [(1, 0), (2, 0), (4, 0), (1, 4)],
-                         ids=["split1", "split2", "split4", "persistent"])
-def test_mma_stage2_split_k(split, persistent, device, monkeypatch):
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_mma_stage2_split_k(split, device, monkeypatch):
     """Tensor-core stage 2 with its K steps split over programs (FP4_MMA_TILES[2]'s fourth
-    entry; the shares meet in the fp32 atomics), or in persistent runs of K steps that cut
-    tiles (FP4_MMA_PERSISTENT; 3 programs on CPU, 4 an SM on CUDA): K = 800 is three full
-    steps of 256 and a partial one, 40 rows (a partial 16-row tile), 16 one-token plan tiles on
-    two experts."""
+    entry; the shares meet in the fp32 atomics): K = 800 is three full steps of 256 and a
+    partial one, 40 rows (a partial 16-row tile), 16 one-token plan tiles on two experts."""
     monkeypatch.setattr(kmoe, "FP4_MMA", True)
     monkeypatch.setattr(kmoe, "INTERPRETER_MMA", True)
     monkeypatch.setattr(kmoe, "FP4_MMA_TILES", {1: (2, 2, 1), 2: (2, 2, 1, split)})
-    monkeypatch.setattr(kmoe, "FP4_MMA_PERSISTENT", persistent)
     gen = make_generator(3, device)
     m, d, i = 16, 40, 800
     w2 = mxfp4_quantize(randn((2, d, i), gen, std=0.05))

@@ -24,7 +24,7 @@ print("triton", triton.__version__)
 if os.environ.get("TILES"):
     aot_moe.moe.FP4_MMA_TILES = eval(os.environ["TILES"])  # noqa: S307 - a literal from the user
     print("FP4_MMA_TILES", aot_moe.moe.FP4_MMA_TILES)
-if os.environ.get("PERSISTENT"):
+if os.environ.get("PERSISTENT"):  # at 63cc6a8 only (reverted)
     aot_moe.moe.FP4_MMA_PERSISTENT = int(os.environ["PERSISTENT"])
     print("FP4_MMA_PERSISTENT", aot_moe.moe.FP4_MMA_PERSISTENT)
 for label, d, i in (("tp1", 3584, 3072), ("tp8", 3584, 384), ("tiny", 96, 96)):

@@ -9,7 +9,8 @@ root: SWEEP=call3 python3 benchmarks/session7/moe_tiles_sweep.py
 Call 1 ran this script at c4ac329 (then moe_pipe_sweep.py), where the fifth tile entry was the K
 loop's pipeline stages (tl.range num_stages); that option was reverted after it (ef2e2f6). Call 2
 ran it at cc1d28c, where the fifth entry was the mma dependency chains a block (1 or 2); that
-option was reverted after it too. Both options' code is in those commits; at HEAD the tiles take
+option was reverted after it too. Call 3 ran it at 63cc6a8 with FP4_MMA_PERSISTENT (persistent
+runs of tiles), reverted after it. The options' code is in those commits; at HEAD the tiles take
 (R, WARPS_K, prefetch[, split]) and the variants below document what was run.
 """
 
