@@ -4,7 +4,7 @@ with whichever Triton is importable; plus registers and the K loop's instruction
 
     PYTHONPATH=/tmp/t36 python3 benchmarks/session6/aot_layout.py    # Triton 3.6 (the H200's)
     python3 benchmarks/session6/aot_layout.py                        # the installed Triton
-    TILES="{1: (2, 2, 1), 2: (2, 2, 1)}" PERSISTENT=4 python3 ...    # fixed tiles, persistent
+    TILES="{1: (2, 2, 1), 2: (2, 2, 1)}" python3 ...                 # fixed FP4_MMA_TILES
 
 Reuses benchmarks/next/aot_moe.py (capture the launch on CPU stand-ins, replay it through
 JITFunction.warmup under a stand-in sm_90 driver). The capture runs the launchers under the
@@ -24,9 +24,6 @@ print("triton", triton.__version__)
 if os.environ.get("TILES"):
     aot_moe.moe.FP4_MMA_TILES = eval(os.environ["TILES"])  # noqa: S307 - a literal from the user
     print("FP4_MMA_TILES", aot_moe.moe.FP4_MMA_TILES)
-if os.environ.get("PERSISTENT"):  # at 63cc6a8 only (reverted)
-    aot_moe.moe.FP4_MMA_PERSISTENT = int(os.environ["PERSISTENT"])
-    print("FP4_MMA_PERSISTENT", aot_moe.moe.FP4_MMA_PERSISTENT)
 for label, d, i in (("tp1", 3584, 3072), ("tp8", 3584, 384), ("tiny", 96, 96)):
     for name, kernel, _grid, args, kwargs in aot_moe.capture(d=d, i=i):
         kw = dict(kwargs)

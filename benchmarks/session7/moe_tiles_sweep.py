@@ -96,6 +96,9 @@ def run(tp, names, n_copies):
         knobs = knobs if isinstance(knobs, dict) and "FP4_MMA_TILES" in knobs else {
             "FP4_MMA_TILES": knobs}
         for k, v in {**KNOBS, **knobs}.items():
+            if not hasattr(moe, k):
+                raise SystemExit(f"kernels/moe.py has no {k} in this checkout: call 3 ran at "
+                                 "63cc6a8 (see the docstring)")
             setattr(moe, k, v)
         for stage in ("stage1", "stage2"):
             fn = MB.stage_fns(stage)["fused"]
@@ -110,7 +113,8 @@ def run(tp, names, n_copies):
                 traceback.print_exc()
                 rec(k="moe_tiles", tp=tp, stage=stage, variant=name, us=float("nan"), ok=False)
         for k, v in KNOBS.items():
-            setattr(moe, k, v)
+            if hasattr(moe, k):
+                setattr(moe, k, v)
     del copies, base, c0
     torch.cuda.empty_cache()
 
