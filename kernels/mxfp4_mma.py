@@ -36,7 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["fp4_mma_gemv", "mma_layout_problem", "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
+__all__ = ["fp4_mma_gemv", "mma_prepare_x", "mma_layout_problem", "MMA_WARPS",
+           "MMA_OPERAND_LAYOUT"]
 
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
 X_SCALE_EXP = 100  # x * 2^100 in bf16: products 2^-126 w * 2^100 x = 2^-26 w x
@@ -44,31 +45,41 @@ SCALE_BIAS = tl.constexpr(127 - X_SCALE_EXP - 1)  # 2^(s - 127) * 2^26 has fp32 
 X_MUL = tl.constexpr(2.0 ** X_SCALE_EXP)
 
 
-def _pair_ptx(dst: str, src: str, n: int) -> str:
+def _pair_ptx(dst: str, src: str, n: int, src8: str | None = None) -> str:
     """PTX: codes n (low half) and n + 4 (high half) of word ``src`` as bf16x2 2^-126 * value:
-    signs (bits 4n + 3, 4n + 19) to 15 / 31, magnitudes (4n..4n + 2) to 6..8 / 22..24."""
+    signs (bits 4n + 3, 4n + 19) to 15 / 31, magnitudes (4n..4n + 2) to 6..8 / 22..24. With
+    ``src8`` (src >> 8), codes 2 and 3 shift it left instead of shifting src right (the mask
+    drops what the byte shift cleared): left shifts can run on the FMA pipe, right ones not."""
     s_sh, m_sh = 12 - 4 * n, 6 - 4 * n
     sign = (f"shl.b32 s, {src}, {s_sh}; and.b32 s, s, 0x80008000;" if s_sh
             else f"and.b32 s, {src}, 0x80008000;")
-    mag = f"shl.b32 m, {src}, {m_sh};" if m_sh >= 0 else f"shr.u32 m, {src}, {-m_sh};"
+    if m_sh >= 0:
+        mag = f"shl.b32 m, {src}, {m_sh};"
+    elif src8:
+        mag = f"shl.b32 m, {src8}, {m_sh + 8};"
+    else:
+        mag = f"shr.u32 m, {src}, {-m_sh};"
     return f"{sign} {mag} and.b32 m, m, 0x01C001C0; or.b32 {dst}, m, s;\n"
 
 
-def _mma_ptx() -> str:
+def _mma_ptx(shr8: bool = False) -> str:
     """pack=4 block: D (4 fp32) of 8 chained mmas over a thread's 4 words of row g ($4..$7) and
     row g + 8 ($8..$11) with B registers ($12.. four per word: x pairs (0, 4), (1, 5), (2, 6),
-    (3, 7) of the word's 8 elements)."""
-    body = ["{", ".reg .b32 s, m, a0, a1, a2, a3;",
+    (3, 7) of the word's 8 elements). shr8: one right shift a word (see _pair_ptx)."""
+    body = ["{", ".reg .b32 s, m, a0, a1, a2, a3, r8lo, r8hi;",
             "mov.f32 $0, 0f00000000; mov.f32 $1, 0f00000000;",
             "mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000;"]
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     for u in range(4):
         lo, hi = f"${4 + u}", f"${8 + u}"
+        lo8, hi8 = ("r8lo", "r8hi") if shr8 else (None, None)
+        if shr8:
+            body.append(f"shr.u32 r8lo, {lo}, 8; shr.u32 r8hi, {hi}, 8;")
         b = [f"${12 + 4 * j + u}" for j in range(4)]  # B tensors A, B, C, D: arg-major
         for half in range(2):  # codes (0, 4, 1, 5) then (2, 6, 3, 7)
             n0, n1 = 2 * half, 2 * half + 1
-            body += [_pair_ptx("a0", lo, n0), _pair_ptx("a1", hi, n0),
-                     _pair_ptx("a2", lo, n1), _pair_ptx("a3", hi, n1)]
+            body += [_pair_ptx("a0", lo, n0, lo8), _pair_ptx("a1", hi, n0, hi8),
+                     _pair_ptx("a2", lo, n1, lo8), _pair_ptx("a3", hi, n1, hi8)]
             body.append(f"{mma} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, "
                         f"{{{b[2 * half]}, {b[2 * half + 1]}}}, {{$0, $1, $2, $3}};")
     body.append("}")
@@ -76,6 +87,7 @@ def _mma_ptx() -> str:
 
 
 MMA_PTX = tl.constexpr(_mma_ptx())
+MMA_PTX_SHR8 = tl.constexpr(_mma_ptx(shr8=True))
 # x words 0..3 of a K word (bf16 pairs (0,1), (2,3), (4,5), (6,7)) -> B pairs (0,4), (1,5), (2,6),
 # (3,7), each times 2^100 (bf16 0x7180; fma with -0 keeps the sign of zero products harmless)
 X_PAIRS_PTX = tl.constexpr("""{
@@ -125,7 +137,7 @@ def _emulate_rows(b_w, b_x, R: tl.constexpr):
 
 
 @triton.jit
-def _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R: tl.constexpr):
+def _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R: tl.constexpr, X_SCALED: tl.constexpr = False):
     """Interpreter stand-in for the MMA_PTX blocks: D [256, R, 4] fp32 of every thread, computed
     from the fragments' lanes. b_lo / b_hi [256, R, 4] words of rows g / g + 8; x0..x3 [256, 4]
     the x words 0..3 of each K word (0 on lanes without x).
@@ -134,7 +146,10 @@ def _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R: tl.constexpr):
     B row of x element n: (0, 4, 1, 5) in the first mma, (2, 6, 3, 7) in the second), held by
     the lane of column g, so D[row g, column c] = sum over t, u, n of code n of lane (g, t)'s
     word u times x element n of lane (c, t)'s word u."""
-    xv = tl.reshape(_x_elements(x0, x1, x2, x3) * X_MUL, [2, 4, 8, 4, 1, 4, 8])
+    xv = _x_elements(x0, x1, x2, x3)
+    if not X_SCALED:
+        xv = xv * X_MUL
+    xv = tl.reshape(xv, [2, 4, 8, 4, 1, 4, 8])
     b_x = xv[:, :, None, :, :, :, :]  # (h, warp, 1, column g, t, 1, u, n)
     d_lo = _emulate_rows(b_lo, b_x, R)
     d_hi = _emulate_rows(b_hi, b_x, R)
@@ -158,22 +173,25 @@ def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
 
 
 @triton.jit
-def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr):
-    """D [256, 4] fp32 of one row tile: MMA_PTX on the thread's words (ASM) or the emulation."""
+def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
+         X_SCALED: tl.constexpr = False, SHR8: tl.constexpr = False):
+    """D [256, 4] fp32 of one row tile: MMA_PTX on the thread's words (ASM) or the emulation
+    (x0..x3 the raw x words, times 2^100 where X_SCALED)."""
     if ASM:
-        d = tl.inline_asm_elementwise(MMA_PTX, "=f,=f,=f,=f" + ",r" * 24,
-                                      [b_lo, b_hi, b_a, b_b, b_c, b_d],
+        d = tl.inline_asm_elementwise(MMA_PTX_SHR8 if SHR8 else MMA_PTX,
+                                      "=f,=f,=f,=f" + ",r" * 24, [b_lo, b_hi, b_a, b_b, b_c, b_d],
                                       dtype=tl.float32, is_pure=True, pack=4)
     else:
-        d = tl.reshape(_mma_emulate(b_lo[:, None, :], b_hi[:, None, :], x0, x1, x2, x3, 1),
-                       [256, 4])
+        d = tl.reshape(_mma_emulate(b_lo[:, None, :], b_hi[:, None, :], x0, x1, x2, x3, 1,
+                                    X_SCALED), [256, 4])
     return d
 
 
 @triton.jit
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
-                 ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1):
+                 ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
+                 X_PREPARED: tl.constexpr = False, SHR8: tl.constexpr = False):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
     past row_lim + r * LIM_R.
 
@@ -187,7 +205,9 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     (compiled) or the interpreter's emulation; PREFETCH > 0 (compiled): each K iteration first
     asks L2 for the weight lines PREFETCH iterations ahead (prefetch.global.L2: no registers
     held, so more bytes in flight than the loads alone); KSPLIT > 1: only the i_k-th of KSPLIT
-    consecutive shares of the K steps (the caller adds the partial sums). Launch with 4 warps.
+    consecutive shares of the K steps (the caller adds the partial sums). X_PREPARED: p_x holds
+    mma_prepare_x(x) (the B pairs, already times 2^100), so no per-step permute and scale; SHR8:
+    the decode with one right shift a word (_pair_ptx). Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
@@ -246,16 +266,20 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)
         b_a, b_b, b_c, b_d = x0, x1, x2, x3  # the emulation reads x0..x3 itself
-        if ASM:
+        if X_PREPARED:  # words (x0, x4), (x1, x5), (x2, x6), (x3, x7) * 2^100: already B
+            if not ASM:  # the emulation takes the raw pairs back
+                x0, x1, x2, x3 = (b_a & 65535) | (b_b << 16), (b_c & 65535) | (b_d << 16), \
+                    ((b_a >> 16) & 65535) | (b_b & -65536), ((b_c >> 16) & 65535) | (b_d & -65536)
+        elif ASM:
             b_a, b_b, b_c, b_d = tl.inline_asm_elementwise(
                 X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         # row tile 0 (and 1): the B registers serve both
         b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS)
-        d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM)
+        d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED, SHR8)
         if R == 2:
             b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS)
-            d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM)
+            d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED, SHR8)
             d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:
             d = d[:, None, :]
@@ -272,6 +296,18 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     y = tl.sum(tl.reshape(acc, [WN, WARPS_K, 8, 4, R, 2, 2]), axis=6)
     y = tl.sum(tl.sum(y, axis=3), axis=1)  # [WN, 8 (g), R, 2 (chi)]
     return tl.reshape(tl.permute(y, [2, 0, 3, 1]), [R, WN * 16])
+
+
+def mma_prepare_x(x):
+    """x (bf16 [..., K], K a multiple of 8) as fp4_mma_gemv's X_PREPARED operand: in each word of
+    8 elements the order (0, 4, 1, 5, 2, 6, 3, 7), times 2^100 (exact for |x| < 2^28), bf16."""
+    import torch
+
+    if x.dtype != torch.bfloat16 or x.shape[-1] % 8:
+        raise ValueError(f"x: expected bf16 [..., K] with K a multiple of 8, got {x.dtype} "
+                         f"{list(x.shape)}")
+    w = x.reshape(*x.shape[:-1], -1, 2, 4).transpose(-1, -2)
+    return (w.float() * 2.0 ** X_SCALE_EXP).to(torch.bfloat16).reshape(x.shape).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

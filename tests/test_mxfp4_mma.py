@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.mxfp4_mma import fp4_mma_gemv
+from k3lab.kernels.mxfp4_mma import fp4_mma_gemv, mma_prepare_x
 from k3lab.weights import make_generator, mxfp4_quantize, randn
 
 # fp32 sums of exact products in another order than the reference's
@@ -19,24 +19,26 @@ ATOL, RTOL = 1e-5, 1e-5
 
 @triton.jit
 def _gemv_kernel(p_x, p_w, p_s, p_y, N, N_GROUPS, R: tl.constexpr, WARPS_K: tl.constexpr,
-                 ASM: tl.constexpr, KSPLIT: tl.constexpr):
+                 ASM: tl.constexpr, KSPLIT: tl.constexpr, X_PREPARED: tl.constexpr = False,
+                 SHR8: tl.constexpr = False):
     """y[rows of program 0's tiles] = w @ x, rows in R tiles of 16 * (4 // WARPS_K); the K
     shares of KSPLIT are the second grid axis and add atomically."""
     WN: tl.constexpr = 4 // WARPS_K
     row0 = tl.program_id(0) * (R * WN * 16)
     y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, N_GROUPS, R, WARPS_K, 0, ASM, 0,
-                     tl.program_id(1), KSPLIT)
+                     tl.program_id(1), KSPLIT, X_PREPARED, SHR8)
     o = row0 + tl.arange(0, R)[:, None] * (WN * 16) + tl.arange(0, WN * 16)[None, :]
     tl.atomic_add(p_y + o, y, mask=o < N)
 
 
-def _gemv(x, q, r, warps_k, ksplit):
+def _gemv(x, q, r, warps_k, ksplit, prepared=False, shr8=False):
     n, k = q.shape
     y = torch.zeros(n, device=x.device, dtype=torch.float32)
     rows = r * (4 // warps_k) * 16
     _gemv_kernel[(triton.cdiv(n, rows), ksplit)](
-        x.view(torch.int32), q.packed.view(torch.int32), q.scales, y, n, k // 32, r, warps_k,
-        os.environ.get("TRITON_INTERPRET") != "1", ksplit, num_warps=4)
+        (mma_prepare_x(x) if prepared else x).view(torch.int32), q.packed.view(torch.int32),
+        q.scales, y, n, k // 32, r, warps_k, os.environ.get("TRITON_INTERPRET") != "1", ksplit,
+        prepared, shr8, num_warps=4)
     return y
 
 
@@ -64,6 +66,33 @@ def test_tile_split_k(ksplit, device):
     torch.testing.assert_close(_gemv(x, q, 2, 2, ksplit), want, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("prepared,shr8", [(True, False), (False, True), (True, True)],
+                         ids=["x-prepared", "shr8", "x-prepared-shr8"])
+@pytest.mark.parametrize("r,warps_k", [(2, 1), (1, 2)], ids=["R2-WK1", "R1-WK2"])
+def test_tile_options(r, warps_k, prepared, shr8, device):
+    """X_PREPARED (x permuted and scaled by mma_prepare_x) and SHR8 (the decode's byte shift)
+    give the same sums; 72 rows, K = 640 (two full steps and a partial one)."""
+    gen = make_generator(11, device)
+    q = mxfp4_quantize(randn((72, 640), gen, std=0.05))
+    x = randn((640,), gen)
+    want = q.dequantize() @ x.float()
+    torch.testing.assert_close(_gemv(x, q, r, warps_k, 1, prepared, shr8), want, atol=ATOL,
+                               rtol=RTOL)
+
+
+def test_prepare_x_layout_and_errors():
+    """mma_prepare_x: each word of 8 in the order (0, 4, 1, 5, 2, 6, 3, 7), times 2^100; bad
+    input named."""
+    x = torch.arange(16, dtype=torch.bfloat16)
+    want = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7], dtype=torch.float32)
+    got = mma_prepare_x(x).float() / 2.0 ** 100
+    assert torch.equal(got, torch.cat([want, want + 8]))
+    with pytest.raises(ValueError, match="x: expected bf16"):
+        mma_prepare_x(torch.zeros(12, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x: expected bf16"):
+        mma_prepare_x(torch.zeros(16))
+
+
 def test_zero_weights_and_x_give_zero(device):
     """All-zero codes (and an all-zero x) give exact zeros: no stray B columns or scales."""
     q = mxfp4_quantize(torch.zeros((32, 256), device=device))
@@ -81,15 +110,20 @@ from triton.compiler import ASTSource
 from test_mxfp4_mma import TILES, _gemv_kernel
 from k3lab.kernels.mxfp4_mma import mma_layout_problem
 sig = {"p_x": "*i32", "p_w": "*i32", "p_s": "*u8", "p_y": "*fp32", "N": "i32", "N_GROUPS": "i32",
-       "R": "constexpr", "WARPS_K": "constexpr", "ASM": "constexpr", "KSPLIT": "constexpr"}
+       "R": "constexpr", "WARPS_K": "constexpr", "ASM": "constexpr", "KSPLIT": "constexpr",
+       "X_PREPARED": "constexpr", "SHR8": "constexpr"}
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # N_GROUPS: any value
 out = {}
 for r, wk in TILES:
     src = ASTSource(_gemv_kernel, signature=sig, attrs=attrs,
-                    constexprs={"R": r, "WARPS_K": wk, "ASM": True, "KSPLIT": 2})
+                    constexprs={"R": r, "WARPS_K": wk, "ASM": True, "KSPLIT": 2,
+                                "X_PREPARED": False, "SHR8": False})
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    except Exception as e:
+    except triton.compiler.errors.CompilationError as e:  # the kernel's fault: fail
+        print(json.dumps({"error": str(e)[:400]}))
+        sys.exit(0)
+    except Exception as e:  # no sm_90 toolchain here (ptxas): skip
         print(json.dumps({"skip": f"{type(e).__name__}: {str(e)[:200]}"}))
         sys.exit(0)
     out[f"R{r}-WK{wk}"] = mma_layout_problem(ck.asm["ttgir"])
@@ -112,6 +146,7 @@ def test_compiled_layout_is_the_fragment_layout():
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "error" not in got, got.get("error")
     if "skip" in got:
         pytest.skip(f"cannot compile for sm_90 here: {got['skip']}")
     assert got == {f"R{r}-WK{w}": None for r, w in TILES}
