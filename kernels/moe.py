@@ -132,9 +132,11 @@ FP4_SCALE_BIAS = tl.constexpr(62)
 # FP4_MMA (one token a tile: B1 stage 1 and the atomic stage 2): the tensor-core tiles of
 #   kernels/mxfp4_mma.py instead of K-lane tiles: codes decoded to bf16x2 A fragments of
 #   mma.sync.m16n8k16, x spread over the step's 8 groups as B, each group's E8M0 factor on D.
-#   K loop about 2.9 instructions an element (K-lane: 4.8; session 5's f16x2 K-lane variant,
+#   K loop about 3.0 instructions an element (K-lane: 4.8; session 5's f16x2 K-lane variant,
 #   FP4_F16_PAIRS, reached 4.1 and was removed: these tiles are faster on the same one-token
-#   tiles and sum in fp32). A tile is (R 16-row tiles a warp, WARPS_K warps splitting K, L2
+#   tiles and sum in fp32). Tried on the H200 and dropped (benchmarks/session7/README.md):
+#   Triton pipelining of the K loop, two mma accumulator chains, persistent runs of tiles.
+#   A tile is (R 16-row tiles a warp, WARPS_K warps splitting K, L2
 #   prefetch distance); stage 1's R is 2 (its gate and up tiles). FP4_MMA_TILES: None picks
 #   per stage the largest tile of FP4_MMA_CANDIDATES that still launches TARGET_PROGRAMS
 #   programs (else the smallest), or {stage: tile} fixes them. H200 (session 6,

@@ -45,36 +45,32 @@ SCALE_BIAS = tl.constexpr(127 - X_SCALE_EXP - 1)  # 2^(s - 127) * 2^26 has fp32 
 X_MUL = tl.constexpr(2.0 ** X_SCALE_EXP)
 
 
-def _pair_ptx(dst: str, src: str, n: int, src8: str | None = None) -> str:
+def _pair_ptx(dst: str, src: str, n: int, src8: str) -> str:
     """PTX: codes n (low half) and n + 4 (high half) of word ``src`` as bf16x2 2^-126 * value:
-    signs (bits 4n + 3, 4n + 19) to 15 / 31, magnitudes (4n..4n + 2) to 6..8 / 22..24. With
-    ``src8`` (src >> 8), codes 2 and 3 shift it left instead of shifting src right (the mask
-    drops what the byte shift cleared): left shifts can run on the FMA pipe, right ones not."""
+    signs (bits 4n + 3, 4n + 19) to 15 / 31, magnitudes (4n..4n + 2) to 6..8 / 22..24. Codes 2
+    and 3 take their magnitudes from ``src8`` (src >> 8, one right shift a word) shifted left,
+    the mask dropping what the byte shift cleared: ptxas runs left shifts on the FMA pipe
+    (IMAD.SHL) and right shifts on the ALU pipe, which the LOP3s keep busiest (Nsight Compute,
+    session 7). H200, session 7 call 4: 2-5 % faster than a right shift for each of codes 2, 3."""
     s_sh, m_sh = 12 - 4 * n, 6 - 4 * n
     sign = (f"shl.b32 s, {src}, {s_sh}; and.b32 s, s, 0x80008000;" if s_sh
             else f"and.b32 s, {src}, 0x80008000;")
-    if m_sh >= 0:
-        mag = f"shl.b32 m, {src}, {m_sh};"
-    elif src8:
-        mag = f"shl.b32 m, {src8}, {m_sh + 8};"
-    else:
-        mag = f"shr.u32 m, {src}, {-m_sh};"
+    mag = f"shl.b32 m, {src}, {m_sh};" if m_sh >= 0 else f"shl.b32 m, {src8}, {m_sh + 8};"
     return f"{sign} {mag} and.b32 m, m, 0x01C001C0; or.b32 {dst}, m, s;\n"
 
 
-def _mma_ptx(shr8: bool = False) -> str:
+def _mma_ptx() -> str:
     """pack=4 block: D (4 fp32) of 8 chained mmas over a thread's 4 words of row g ($4..$7) and
     row g + 8 ($8..$11) with B registers ($12.. four per word: x pairs (0, 4), (1, 5), (2, 6),
-    (3, 7) of the word's 8 elements). shr8: one right shift a word (see _pair_ptx)."""
+    (3, 7) of the word's 8 elements)."""
     body = ["{", ".reg .b32 s, m, a0, a1, a2, a3, r8lo, r8hi;",
             "mov.f32 $0, 0f00000000; mov.f32 $1, 0f00000000;",
             "mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000;"]
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     for u in range(4):
         lo, hi = f"${4 + u}", f"${8 + u}"
-        lo8, hi8 = ("r8lo", "r8hi") if shr8 else (None, None)
-        if shr8:
-            body.append(f"shr.u32 r8lo, {lo}, 8; shr.u32 r8hi, {hi}, 8;")
+        lo8, hi8 = "r8lo", "r8hi"
+        body.append(f"shr.u32 r8lo, {lo}, 8; shr.u32 r8hi, {hi}, 8;")
         b = [f"${12 + 4 * j + u}" for j in range(4)]  # B tensors A, B, C, D: arg-major
         for half in range(2):  # codes (0, 4, 1, 5) then (2, 6, 3, 7)
             n0, n1 = 2 * half, 2 * half + 1
@@ -87,7 +83,6 @@ def _mma_ptx(shr8: bool = False) -> str:
 
 
 MMA_PTX = tl.constexpr(_mma_ptx())
-MMA_PTX_SHR8 = tl.constexpr(_mma_ptx(shr8=True))
 # x words 0..3 of a K word (bf16 pairs (0,1), (2,3), (4,5), (6,7)) -> B pairs (0,4), (1,5), (2,6),
 # (3,7), each times 2^100 (bf16 0x7180; fma with -0 keeps the sign of zero products harmless)
 X_PAIRS_PTX = tl.constexpr("""{
@@ -174,12 +169,12 @@ def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
 
 @triton.jit
 def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
-         X_SCALED: tl.constexpr = False, SHR8: tl.constexpr = False):
+         X_SCALED: tl.constexpr = False):
     """D [256, 4] fp32 of one row tile: MMA_PTX on the thread's words (ASM) or the emulation
     (x0..x3 the raw x words, times 2^100 where X_SCALED)."""
     if ASM:
-        d = tl.inline_asm_elementwise(MMA_PTX_SHR8 if SHR8 else MMA_PTX,
-                                      "=f,=f,=f,=f" + ",r" * 24, [b_lo, b_hi, b_a, b_b, b_c, b_d],
+        d = tl.inline_asm_elementwise(MMA_PTX, "=f,=f,=f,=f" + ",r" * 24,
+                                      [b_lo, b_hi, b_a, b_b, b_c, b_d],
                                       dtype=tl.float32, is_pure=True, pack=4)
     else:
         d = tl.reshape(_mma_emulate(b_lo[:, None, :], b_hi[:, None, :], x0, x1, x2, x3, 1,
@@ -191,7 +186,7 @@ def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
                  ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
-                 X_PREPARED: tl.constexpr = False, SHR8: tl.constexpr = False):
+                 X_PREPARED: tl.constexpr = False):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
     past row_lim + r * LIM_R.
 
@@ -206,8 +201,9 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     asks L2 for the weight lines PREFETCH iterations ahead (prefetch.global.L2: no registers
     held, so more bytes in flight than the loads alone); KSPLIT > 1: only the i_k-th of KSPLIT
     consecutive shares of the K steps (the caller adds the partial sums). X_PREPARED: p_x holds
-    mma_prepare_x(x) (the B pairs, already times 2^100), so no per-step permute and scale; SHR8:
-    the decode with one right shift a word (_pair_ptx). Launch with 4 warps.
+    mma_prepare_x(x) (the B pairs, already times 2^100), so no per-step permute and scale (H200,
+    session 7 call 4: 2-6 % faster; the stages take plain bf16 x, so they do not use it yet).
+    Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
@@ -276,10 +272,10 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         # row tile 0 (and 1): the B registers serve both
         b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS)
-        d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED, SHR8)
+        d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
         if R == 2:
             b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS)
-            d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED, SHR8)
+            d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
             d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:
             d = d[:, None, :]

@@ -19,26 +19,25 @@ ATOL, RTOL = 1e-5, 1e-5
 
 @triton.jit
 def _gemv_kernel(p_x, p_w, p_s, p_y, N, N_GROUPS, R: tl.constexpr, WARPS_K: tl.constexpr,
-                 ASM: tl.constexpr, KSPLIT: tl.constexpr, X_PREPARED: tl.constexpr = False,
-                 SHR8: tl.constexpr = False):
+                 ASM: tl.constexpr, KSPLIT: tl.constexpr, X_PREPARED: tl.constexpr = False):
     """y[rows of program 0's tiles] = w @ x, rows in R tiles of 16 * (4 // WARPS_K); the K
     shares of KSPLIT are the second grid axis and add atomically."""
     WN: tl.constexpr = 4 // WARPS_K
     row0 = tl.program_id(0) * (R * WN * 16)
     y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, N_GROUPS, R, WARPS_K, 0, ASM, 0,
-                     tl.program_id(1), KSPLIT, X_PREPARED, SHR8)
+                     tl.program_id(1), KSPLIT, X_PREPARED)
     o = row0 + tl.arange(0, R)[:, None] * (WN * 16) + tl.arange(0, WN * 16)[None, :]
     tl.atomic_add(p_y + o, y, mask=o < N)
 
 
-def _gemv(x, q, r, warps_k, ksplit, prepared=False, shr8=False):
+def _gemv(x, q, r, warps_k, ksplit, prepared=False):
     n, k = q.shape
     y = torch.zeros(n, device=x.device, dtype=torch.float32)
     rows = r * (4 // warps_k) * 16
     _gemv_kernel[(triton.cdiv(n, rows), ksplit)](
         (mma_prepare_x(x) if prepared else x).view(torch.int32), q.packed.view(torch.int32),
         q.scales, y, n, k // 32, r, warps_k, os.environ.get("TRITON_INTERPRET") != "1", ksplit,
-        prepared, shr8, num_warps=4)
+        prepared, num_warps=4)
     return y
 
 
@@ -66,18 +65,15 @@ def test_tile_split_k(ksplit, device):
     torch.testing.assert_close(_gemv(x, q, 2, 2, ksplit), want, atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("prepared,shr8", [(True, False), (False, True), (True, True)],
-                         ids=["x-prepared", "shr8", "x-prepared-shr8"])
 @pytest.mark.parametrize("r,warps_k", [(2, 1), (1, 2)], ids=["R2-WK1", "R1-WK2"])
-def test_tile_options(r, warps_k, prepared, shr8, device):
-    """X_PREPARED (x permuted and scaled by mma_prepare_x) and SHR8 (the decode's byte shift)
-    give the same sums; 72 rows, K = 640 (two full steps and a partial one)."""
+def test_tile_x_prepared(r, warps_k, device):
+    """X_PREPARED (x permuted and scaled by mma_prepare_x) gives the same sums; 72 rows, K =
+    640 (two full steps and a partial one)."""
     gen = make_generator(11, device)
     q = mxfp4_quantize(randn((72, 640), gen, std=0.05))
     x = randn((640,), gen)
     want = q.dequantize() @ x.float()
-    torch.testing.assert_close(_gemv(x, q, r, warps_k, 1, prepared, shr8), want, atol=ATOL,
-                               rtol=RTOL)
+    torch.testing.assert_close(_gemv(x, q, r, warps_k, 1, True), want, atol=ATOL, rtol=RTOL)
 
 
 def test_prepare_x_layout_and_errors():
@@ -111,13 +107,13 @@ from test_mxfp4_mma import TILES, _gemv_kernel
 from k3lab.kernels.mxfp4_mma import mma_layout_problem
 sig = {"p_x": "*i32", "p_w": "*i32", "p_s": "*u8", "p_y": "*fp32", "N": "i32", "N_GROUPS": "i32",
        "R": "constexpr", "WARPS_K": "constexpr", "ASM": "constexpr", "KSPLIT": "constexpr",
-       "X_PREPARED": "constexpr", "SHR8": "constexpr"}
+       "X_PREPARED": "constexpr"}
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # N_GROUPS: any value
 out = {}
 for r, wk in TILES:
     src = ASTSource(_gemv_kernel, signature=sig, attrs=attrs,
                     constexprs={"R": r, "WARPS_K": wk, "ASM": True, "KSPLIT": 2,
-                                "X_PREPARED": False, "SHR8": False})
+                                "X_PREPARED": False})
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     except triton.compiler.errors.CompilationError as e:  # the kernel's fault: fail

@@ -4,14 +4,14 @@ K3 B1, graph replay, cold copies, tp 1 and tp 8.
 
 Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
 metric), and correctness against the fp32 reference at the tests' tolerances. Run from the repo
-root: SWEEP=call3 python3 benchmarks/session7/moe_tiles_sweep.py
+root: SWEEP=call5 python3 benchmarks/session7/moe_tiles_sweep.py
 
-Call 1 ran this script at c4ac329 (then moe_pipe_sweep.py), where the fifth tile entry was the K
-loop's pipeline stages (tl.range num_stages); that option was reverted after it (ef2e2f6). Call 2
-ran it at cc1d28c, where the fifth entry was the mma dependency chains a block (1 or 2); that
-option was reverted after it too. Call 3 ran it at 63cc6a8 with FP4_MMA_PERSISTENT (persistent
-runs of tiles), reverted after it. The options' code is in those commits; at HEAD the tiles take
-(R, WARPS_K, prefetch[, split]) and the variants below document what was run.
+Calls 1-3 tried options that were reverted after them; their code is in the commits named:
+- call 1 at c4ac329 (then moe_pipe_sweep.py): a fifth tile entry, the K loop's pipeline stages
+  (tl.range num_stages), reverted by ef2e2f6;
+- call 2 at cc1d28c: a fifth tile entry, the mma dependency chains a block (1 or 2);
+- call 3 at 63cc6a8: FP4_MMA_PERSISTENT, persistent runs of tiles.
+Call 5 timed HEAD's tiles (R, WARPS_K, prefetch[, split]) three times: SWEEP=call5.
 """
 
 import dataclasses
@@ -58,11 +58,12 @@ CALLS = {
         "P4-wk2/wk2-again": dict(FP4_MMA_PERSISTENT=4,
                                  FP4_MMA_TILES={1: (2, 2, 1), 2: (2, 2, 1)}),
     },
+    "call5": {"auto": None, "auto-again": None, "auto-third": None},  # HEAD's tiles, thrice
 }
 TP8 = {"call2": ("auto", "chains2"), "call3": ("auto", "P4-wk2/wk2", "P4-wk2/wk1",
-                                               "P4-wk4/r1wk1")}
+                                               "P4-wk4/r1wk1"), "call5": ("auto", "auto-again")}
 KNOBS = {"FP4_MMA_TILES": None, "FP4_MMA_PERSISTENT": 0}
-SWEEP = os.environ.get("SWEEP", "call3")
+SWEEP = os.environ.get("SWEEP", "call5")
 VARIANTS = CALLS[SWEEP]
 TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}  # tests/test_moe.py A_ / Y_
 
