@@ -589,7 +589,10 @@ def test_fused_tail_ptx_orders_memory():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True,
                          text=True, timeout=600)
-    if run.returncode and re.search(r"ptxas|nvidia|backend", run.stderr[-2000:], re.I):
+    tail = run.stderr[-2000:]
+    # skip only for a missing toolchain (ptxas not found); a kernel that fails to compile fails
+    if (run.returncode and re.search(r"FileNotFoundError|No such file|not found", tail)
+            and "CompilationError" not in tail):
         pytest.skip(f"no CUDA compiler backend here: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-3000:]
     ptx = run.stdout
