@@ -33,6 +33,7 @@ tests cover the indexing.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -297,8 +298,6 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
 def mma_prepare_x(x):
     """x (bf16 [..., K], K a multiple of 8) as fp4_mma_gemv's X_PREPARED operand: in each word of
     8 elements the order (0, 4, 1, 5, 2, 6, 3, 7), times 2^100 (exact for |x| < 2^28), bf16."""
-    import torch
-
     if x.dtype != torch.bfloat16 or x.shape[-1] % 8:
         raise ValueError(f"x: expected bf16 [..., K] with K a multiple of 8, got {x.dtype} "
                          f"{list(x.shape)}")

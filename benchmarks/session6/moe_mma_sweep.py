@@ -8,7 +8,6 @@ session-5 sweeps. Run from the repo root (< 90 s):
     python3 benchmarks/session6/moe_mma_sweep.py
 """
 
-import dataclasses
 import importlib
 import os
 import sys
@@ -19,10 +18,9 @@ import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump, gt, kdur, rec  # noqa: E402
+from moe_stages import check_stage, stage_setup  # noqa: E402
 
 from k3lab.boundaries import moe as MB  # noqa: E402
-from k3lab.config import preset  # noqa: E402
-from k3lab.reference import moe as ref  # noqa: E402
 
 moe = importlib.import_module("k3lab.kernels.moe")
 T0 = time.time()
@@ -69,7 +67,6 @@ if RUN == "call8":
 VARIANTS["mma-auto-again"] = {}
 if RUN == "call10":
     TP8_VARIANTS = ("mma-auto", "mma-auto-again")
-TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}  # tests/test_moe.py A_ / Y_
 
 
 def setknobs(knobs):
@@ -77,31 +74,9 @@ def setknobs(knobs):
         setattr(moe, k, knobs.get(k, DEFAULTS[k]))
 
 
-def check(stage, fn, inp, want):
-    try:
-        if stage == "stage2":
-            inp["plan"].out.zero_()
-        got = fn(inp).float()
-        atol, rtol = TOL[stage]
-        err = (got - want).abs()
-        ok = bool((err <= atol + rtol * want.abs()).all()) and bool(torch.isfinite(got).all())
-        return ok, float(err.max()), float(want.abs().max())
-    except Exception as e:  # noqa: BLE001 - report and go on
-        print("CHECK ERR", repr(e)[:300], flush=True)
-        return False, float("nan"), float("nan")
-
-
 def run(tp, variants, n_copies):
-    cfg = preset("kimi-k3", tp)
-    if tp == 1:
-        cfg = dataclasses.replace(cfg, n_experts=48)
-    base = MB.make_inputs(cfg, "cuda", 0, M=1, expert_format="mxfp4")
-    copies = [MB.stage_inputs(c) for c in MB.copies_sharing_experts(base, n_copies)]
+    copies, wants = stage_setup(tp, n_copies)
     c0 = copies[0]
-    wants = {"stage1": ref.moe_stage1_reference(
-        c0["z"], c0["plan"], c0["weights"]["w13"], activation=cfg.activation,
-        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta),
-        "stage2": ref.moe_stage2_reference(c0["a"], c0["plan"], c0["weights"]["w2"])}
     for name in variants:
         if time.time() - T0 > (TP1_BUDGET_S if tp == 1 else TP8_BUDGET_S):
             print("SKIP (time budget)", tp, name, flush=True)
@@ -111,7 +86,7 @@ def run(tp, variants, n_copies):
             nbytes = MB.stage_bytes(stage, c0)
             setknobs(VARIANTS[name])
             try:
-                ok, err, scale = check(stage, fns["fused"], c0, wants[stage])
+                ok, err, scale = check_stage(stage, fns["fused"], c0, wants[stage])
                 us = gt(fns["fused"], copies, repeats=10)
                 rec(k="moe_mma", tp=tp, M=1, fmt="mxfp4", stage=stage, variant=name, us=us,
                     frac=nbytes / bw * 1e6 / us, ok=ok, max_err=err, max_ref=scale,
@@ -121,7 +96,7 @@ def run(tp, variants, n_copies):
                 rec(k="moe_mma", tp=tp, M=1, fmt="mxfp4", stage=stage, variant=name,
                     us=float("nan"), ok=False)
             setknobs({})
-    del copies, base, c0
+    del copies, c0
     torch.cuda.empty_cache()
     dump("moe_mma.json")
 

@@ -14,7 +14,6 @@ Calls 1-3 tried options that were reverted after them; their code is in the comm
 Call 5 timed HEAD's tiles (R, WARPS_K, prefetch[, split]) three times: SWEEP=call5.
 """
 
-import dataclasses
 import importlib
 import os
 import sys
@@ -25,10 +24,9 @@ import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump, gt, rec  # noqa: E402
+from moe_stages import check_stage, stage_setup  # noqa: E402
 
 from k3lab.boundaries import moe as MB  # noqa: E402
-from k3lab.config import preset  # noqa: E402
-from k3lab.reference import moe as ref  # noqa: E402
 
 moe = importlib.import_module("k3lab.kernels.moe")
 T0 = time.time()
@@ -62,50 +60,35 @@ CALLS = {
 }
 TP8 = {"call2": ("auto", "chains2"), "call3": ("auto", "P4-wk2/wk2", "P4-wk2/wk1",
                                                "P4-wk4/r1wk1"), "call5": ("auto", "auto-again")}
-KNOBS = {"FP4_MMA_TILES": None, "FP4_MMA_PERSISTENT": 0}
+KNOBS = {"FP4_MMA_TILES": None}  # call 3 also set FP4_MMA_PERSISTENT (63cc6a8 only)
 SWEEP = os.environ.get("SWEEP", "call5")
 VARIANTS = CALLS[SWEEP]
-TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}  # tests/test_moe.py A_ / Y_
 
 
-def check(stage, fn, inp, want):
-    if stage == "stage2":
-        inp["plan"].out.zero_()
-    got = fn(inp).float()
-    atol, rtol = TOL[stage]
-    err = (got - want).abs()
-    ok = bool((err <= atol + rtol * want.abs()).all()) and bool(torch.isfinite(got).all())
-    return ok, float(err.max())
+def set_knobs(knobs):
+    """KNOBS overridden by a variant (FP4_MMA_TILES alone, or a dict of knobs)."""
+    knobs = knobs if isinstance(knobs, dict) and "FP4_MMA_TILES" in knobs else {
+        "FP4_MMA_TILES": knobs}
+    for k, v in {**KNOBS, **knobs}.items():
+        if not hasattr(moe, k):
+            raise SystemExit(f"kernels/moe.py has no {k} in this checkout: see the docstring "
+                             "for the commit its call ran at")
+        setattr(moe, k, v)
 
 
 def run(tp, names, n_copies):
-    cfg = preset("kimi-k3", tp)
-    if tp == 1:
-        cfg = dataclasses.replace(cfg, n_experts=48)  # 3 rotated copies of 16 experts
-    base = MB.make_inputs(cfg, "cuda", 0, M=1, expert_format="mxfp4")
-    copies = [MB.stage_inputs(c) for c in MB.copies_sharing_experts(base, n_copies)]
+    copies, wants = stage_setup(tp, n_copies)
     c0 = copies[0]
-    wants = {"stage1": ref.moe_stage1_reference(
-        c0["z"], c0["plan"], c0["weights"]["w13"], activation=cfg.activation,
-        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta),
-        "stage2": ref.moe_stage2_reference(c0["a"], c0["plan"], c0["weights"]["w2"])}
     for name in names:
         if time.time() - T0 > BUDGET_S:
             print("SKIP (time budget)", tp, name, flush=True)
             continue
-        knobs = VARIANTS[name]
-        knobs = knobs if isinstance(knobs, dict) and "FP4_MMA_TILES" in knobs else {
-            "FP4_MMA_TILES": knobs}
-        for k, v in {**{k: v for k, v in KNOBS.items() if hasattr(moe, k)}, **knobs}.items():
-            if not hasattr(moe, k):
-                raise SystemExit(f"kernels/moe.py has no {k} in this checkout: call 3 ran at "
-                                 "63cc6a8 (see the docstring)")
-            setattr(moe, k, v)
+        set_knobs(VARIANTS[name])
         for stage in ("stage1", "stage2"):
             fn = MB.stage_fns(stage)["fused"]
             nbytes = MB.stage_bytes(stage, c0)
             try:
-                ok, err = check(stage, fn, c0, wants[stage])
+                ok, err, _ = check_stage(stage, fn, c0, wants[stage])
                 us = gt(fn, copies, repeats=10)
                 rec(k="moe_tiles", tp=tp, stage=stage, variant=name, us=round(us, 2),
                     frac=round(nbytes / bw * 1e6 / us, 3), ok=ok, max_err=err,
@@ -113,10 +96,8 @@ def run(tp, names, n_copies):
             except Exception:
                 traceback.print_exc()
                 rec(k="moe_tiles", tp=tp, stage=stage, variant=name, us=float("nan"), ok=False)
-        for k, v in KNOBS.items():
-            if hasattr(moe, k):
-                setattr(moe, k, v)
-    del copies, base, c0
+        set_knobs(None)
+    del copies, c0
     torch.cuda.empty_cache()
 
 

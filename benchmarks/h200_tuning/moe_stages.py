@@ -1,0 +1,43 @@
+"""What the MoE stage sweeps share (benchmarks/session6/moe_mma_sweep.py,
+benchmarks/session7/moe_tiles_sweep.py): K3 B1 MXFP4 stage inputs in cold copies with the fp32
+reference outputs, and the correctness check at the tests' tolerances."""
+
+import dataclasses
+
+import torch
+
+from k3lab.boundaries import moe as MB
+from k3lab.config import preset
+from k3lab.reference import moe as ref
+
+# tests/test_moe.py's A_ATOL / A_RTOL (stage 1's bf16 activations) and Y_ATOL / Y_RTOL (stage 2)
+STAGE_TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}
+
+
+def stage_setup(tp: int, n_copies: int, name: str = "kimi-k3", device: str = "cuda"):
+    """(copies, wants): ``n_copies`` stage inputs (k3lab.boundaries.moe.stage_inputs) sharing
+    nothing but their experts' layout, M = 1, MXFP4 experts; tp 1 keeps 48 experts so that 3
+    copies of 16 rotate cold. wants: {stage: fp32 reference output of copy 0}."""
+    cfg = preset(name, tp)
+    if tp == 1:
+        cfg = dataclasses.replace(cfg, n_experts=48)
+    base = MB.make_inputs(cfg, device, 0, M=1, expert_format="mxfp4")
+    copies = [MB.stage_inputs(c) for c in MB.copies_sharing_experts(base, n_copies)]
+    c0 = copies[0]
+    wants = {"stage1": ref.moe_stage1_reference(
+        c0["z"], c0["plan"], c0["weights"]["w13"], activation=cfg.activation,
+        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta),
+        "stage2": ref.moe_stage2_reference(c0["a"], c0["plan"], c0["weights"]["w2"])}
+    return copies, wants
+
+
+def check_stage(stage: str, fn, inp, want):
+    """(ok, max abs error, max abs reference) of stage function ``fn`` on ``inp`` against
+    ``want`` at STAGE_TOL (stage 2 first zeroes the plan's accumulator)."""
+    if stage == "stage2":
+        inp["plan"].out.zero_()
+    got = fn(inp).float()
+    atol, rtol = STAGE_TOL[stage]
+    err = (got - want).abs()
+    ok = bool((err <= atol + rtol * want.abs()).all()) and bool(torch.isfinite(got).all())
+    return ok, float(err.max()), float(want.abs().max())
