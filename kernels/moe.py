@@ -153,12 +153,6 @@ FP4_MMA_TILES = None
 FP4_MMA_CANDIDATES = {1: ((2, 1, 1), (2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
 _MMA_BASE = 4096  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
 FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
-# FP4_MMA_EVEN: where the shapes give full tiles (rows a multiple of the program's rows, K of
-# 256, each K share's steps of WARPS_K; K3 at tp 1, not tp 8), the tiles load weights and scales
-# unmasked (mxfp4_mma EVEN), so ptxas does not zero their registers before each load.
-FP4_MMA_EVEN = True
-_MMA_EVEN = 8192  # the EVEN bit of an FP4 code
-MMA_EVEN_BIT = tl.constexpr(_MMA_EVEN)
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -435,7 +429,7 @@ def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.con
     16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x (K share i_k of KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
-                        MODE // 512 % 8 + 1, False, MODE // MMA_EVEN_BIT % 2 == 1)
+                        MODE // 512 % 8 + 1)
 
 
 @triton.jit
@@ -759,27 +753,14 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
         return 0
     k_steps = triton.cdiv(w.shape[-1], 256)
     if FP4_MMA_TILES is not None:
-        return _mma_even(_mma_code(FP4_MMA_TILES[stage], stage, k_steps), stage,
-                         w.shape[-1], rows)
+        return _mma_code(FP4_MMA_TILES[stage], stage, k_steps)
     codes = [_mma_code(t, stage, k_steps) for t in FP4_MMA_CANDIDATES[stage]]
     codes.sort(key=lambda c: -_mma_block_n(c, stage))
     target = INTERPRETER_TARGET_PROGRAMS if _fast_interpreter() else TARGET_PROGRAMS
     for code in codes:
         if programs_per_tile * triton.cdiv(rows, _mma_block_n(code, stage)) >= target:
-            return _mma_even(code, stage, w.shape[-1], rows)
-    return _mma_even(codes[-1], stage, w.shape[-1], rows)
-
-
-def _mma_even(code: int, stage: int, k: int, rows: int) -> int:
-    """``code`` plus the EVEN bit (FP4_MMA_EVEN) when its tiles are all full: ``rows`` (gate rows
-    for stage 1, output rows for stage 2) a multiple of the program's rows, ``k`` of 256, and
-    every K share's steps a multiple of WARPS_K."""
-    k_steps = k // 256
-    split, warps_k = code // 512 % 8 + 1, 1 << (code // 16 % 4)
-    if (FP4_MMA_EVEN and k % 256 == 0 and rows % _mma_block_n(code, stage) == 0
-            and k_steps % split == 0 and k_steps // split % warps_k == 0):
-        return code + _MMA_EVEN
-    return code
+            return code
+    return codes[-1]
 
 
 def _mma_block_n(mode: int, stage: int) -> int:

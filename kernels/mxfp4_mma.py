@@ -52,8 +52,9 @@ def _pair_ptx(dst: str, src: str, n: int, src8: str | None) -> str:
     and 3 take their magnitudes from ``src8`` (src >> 8, one right shift a word) shifted left,
     the mask dropping what the byte shift cleared: ptxas runs left shifts on the FMA pipe
     (IMAD.SHL) and right shifts on the ALU pipe, which the LOP3s keep busiest (Nsight Compute,
-    session 7). H200, session 7 call 4: 2-5 % faster than a right shift for each of codes 2, 3.
-    src8 None: the previous decode (a right shift for each of codes 2, 3), for A/B timing."""
+    session 7). H200, session 7 call 4: 2-5 % faster than a right shift for each of codes 2, 3;
+    session 8 call 1, in the stage kernels: 3-6 %. src8 None: the previous decode (a right
+    shift for each of codes 2, 3), kept for A/B timing."""
     s_sh, m_sh = 12 - 4 * n, 6 - 4 * n
     sign = (f"shl.b32 s, {src}, {s_sh}; and.b32 s, s, 0x80008000;" if s_sh
             else f"and.b32 s, {src}, 0x80008000;")
@@ -69,9 +70,8 @@ def _pair_ptx(dst: str, src: str, n: int, src8: str | None) -> str:
 def _mma_ptx(byte_shift: bool = True) -> str:
     """pack=4 block: D (4 fp32) of 8 chained mmas over a thread's 4 words of row g ($4..$7) and
     row g + 8 ($8..$11) with B registers ($12.. four per word: x pairs (0, 4), (1, 5), (2, 6),
-    (3, 7) of the word's 8 elements). byte_shift: codes 2 and 3 from one src >> 8 (_pair_ptx;
-    False: the previous decode, for A/B timing: ``MMA_PTX = tl.constexpr(_mma_ptx(False))``
-    before the first compile)."""
+    (3, 7) of the word's 8 elements). byte_shift False: the previous decode, for A/B timing
+    (``MMA_PTX = tl.constexpr(_mma_ptx(False))`` before the first compile)."""
     body = ["{", ".reg .b32 s, m, a0, a1, a2, a3, r8lo, r8hi;",
             "mov.f32 $0, 0f00000000; mov.f32 $1, 0f00000000;",
             "mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000;"]
@@ -166,19 +166,14 @@ def _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R: tl.constexpr, X_SCALED: tl.const
 
 
 @triton.jit
-def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS, EVEN: tl.constexpr):
+def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
     """Words of rows g / g + 8 of one row tile [256, 4] int32: thread i's 4 consecutive words
     from o_w[i] (2-D, so that the only contiguous dimension is the last: the layout then puts
-    lanes along the first dimension in every Triton version). EVEN: every row and word in
-    bounds, unmasked loads."""
+    lanes along the first dimension in every Triton version)."""
     o_u = tl.arange(0, 4)
     p_lo = p_w + (row * K_WORDS + o_w)[:, None] + o_u[None, :]
-    if EVEN:
-        b_lo = tl.load(p_lo)
-        b_hi = tl.load(p_lo + 8 * K_WORDS)
-    else:
-        b_lo = tl.load(p_lo, mask=(m_lo & m_w)[:, None], other=0)
-        b_hi = tl.load(p_lo + 8 * K_WORDS, mask=(m_hi & m_w)[:, None], other=0)
+    b_lo = tl.load(p_lo, mask=(m_lo & m_w)[:, None], other=0)
+    b_hi = tl.load(p_lo + 8 * K_WORDS, mask=(m_hi & m_w)[:, None], other=0)
     return b_lo, b_hi
 
 
@@ -201,7 +196,7 @@ def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
                  ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
-                 X_PREPARED: tl.constexpr = False, EVEN: tl.constexpr = False):
+                 X_PREPARED: tl.constexpr = False):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
     past row_lim + r * LIM_R.
 
@@ -218,9 +213,7 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     consecutive shares of the K steps (the caller adds the partial sums). X_PREPARED: p_x holds
     mma_prepare_x(x) (the B pairs, already times 2^100), so no per-step permute and scale (H200,
     session 7 call 4: 2-6 % faster; the stages take plain bf16 x, so they do not use it yet).
-    EVEN: the caller guarantees full tiles (every row of both R tiles below its limit, K a
-    multiple of 256, this share's K steps a multiple of WARPS_K): weight and scale loads
-    unmasked, so their registers are not zeroed first. Launch with 4 warps.
+    Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
@@ -273,11 +266,8 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
         m_w = (step < n_steps) & (o_w < K_WORDS)
         # x pairs 4 (4 grp + u) + v of the words, on the lanes of column g == grp
-        m_x = g == grp
-        if not EVEN:
-            m_x = m_x & m_w
         b_x = tl.load(p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None]
-                      + o_u[None, None, :], mask=m_x[:, None, None], other=0)
+                      + o_u[None, None, :], mask=(m_w & (g == grp))[:, None, None], other=0)
         x_even, x_odd = tl.split(tl.reshape(b_x, [256, 4, 2, 2]))  # x word v = 2 v1 + v0
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)
@@ -291,11 +281,10 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                 X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         # row tile 0 (and 1): the B registers serve both
-        b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS, EVEN)
+        b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS)
         d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
         if R == 2:
-            b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS,
-                                      EVEN)
+            b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS)
             d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
             d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:
@@ -304,13 +293,9 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         q_step = step0 + it * WARPS_K + q_wk
         q_grp = q_step * 8 + 2 * (o_q % 4)  # [128]: group of clo = 0
         p_q = p_s + q_row * N_GROUPS + q_grp[:, None, None]
-        if EVEN:
-            b_s0 = tl.load(p_q).to(tl.int32)
-            b_s1 = tl.load(p_q + 1).to(tl.int32)
-        else:
-            m_g = (q_step < n_steps)[:, None, None] & (q_grp[:, None, None] < N_GROUPS)
-            b_s0 = tl.load(p_q, mask=m_q & m_g, other=0).to(tl.int32)
-            b_s1 = tl.load(p_q + 1, mask=m_q & m_g, other=0).to(tl.int32)
+        m_g = (q_step < n_steps)[:, None, None] & (q_grp[:, None, None] < N_GROUPS)
+        b_s0 = tl.load(p_q, mask=m_q & m_g, other=0).to(tl.int32)
+        b_s1 = tl.load(p_q + 1, mask=m_q & m_g, other=0).to(tl.int32)
         b_s = tl.reshape(tl.join(b_s0, b_s1), [128, R, 4])
         acc += d * ((b_s + SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
     # rows: sum over the K warps, the lanes' groups t and the element's column half clo

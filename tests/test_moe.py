@@ -361,40 +361,6 @@ def test_mma_stage2_split_k(split, device, monkeypatch):
     assert_close("y", y, ref.moe_stage2_reference(a, plan, w2), atol=Y_ATOL, rtol=Y_RTOL)
 
 
-@pytest.mark.parametrize("even", [True, False], ids=["even", "masked"])
-def test_mma_stages_full_tiles(even, device, monkeypatch):
-    """Tensor-core stages on shapes whose tiles are all full (D = I = 256, tiles (2, 1, 0): one
-    K step, 64 / 128-row programs): the launchers pick the unmasked EVEN tiles when
-    FP4_MMA_EVEN is on (the code carries the bit; an uneven shape does not), and both stages
-    match the reference either way."""
-    monkeypatch.setattr(kmoe, "FP4_MMA", True)
-    monkeypatch.setattr(kmoe, "INTERPRETER_MMA", True)
-    monkeypatch.setattr(kmoe, "FP4_MMA_EVEN", even)
-    monkeypatch.setattr(kmoe, "FP4_MMA_TILES", {1: (2, 1, 0), 2: (2, 1, 0)})
-    gen = make_generator(5, device)
-    m, d, i = 2, 256, 256
-    w13 = mxfp4_quantize(randn((2, 2 * i, d), gen, std=0.05))
-    w2 = mxfp4_quantize(randn((2, d, i), gen, std=0.05))
-    for stage, w, rows in ((1, w13, i), (2, w2, d)):
-        code = kmoe._mma_mode(w, stage, 1, 1, rows)
-        assert (code // kmoe._MMA_EVEN % 2 == 1) == even, (stage, code)
-        assert kmoe._mma_mode(w, stage, 1, 1, rows - 16) // kmoe._MMA_EVEN % 2 == 0
-    ids = torch.arange(m, device=device).to(torch.int32)[:, None]
-    plan = RoutePlan(topk_ids=ids, topk_weights=torch.rand((m, 1), generator=gen, device=device),
-                     sorted_ids=torch.arange(m, dtype=torch.int32, device=device),
-                     sorted_weights=torch.zeros(m, device=device),
-                     block_expert_ids=ids[:, 0].contiguous(),
-                     num_valid=torch.tensor([m], dtype=torch.int32, device=device),
-                     out=torch.zeros((m, d), device=device), block_m=1)
-    plan.sorted_weights.copy_(plan.topk_weights[:, 0])
-    z = randn((m, d), gen)
-    a = moe_stage1(z, plan, w13, activation="silu")
-    assert_close("a", a, ref.moe_stage1_reference(z, plan, w13, activation="silu"),
-                 atol=A_ATOL, rtol=A_RTOL)
-    assert_close("y", moe_stage2(a, plan, w2), ref.moe_stage2_reference(a, plan, w2),
-                 atol=Y_ATOL, rtol=Y_RTOL)
-
-
 def test_stage2_without_plan_buffer(device):
     cfg, w, x = _setup(device, M=2)
     plan = _plan(cfg, x, w, out=False)

@@ -19,26 +19,25 @@ ATOL, RTOL = 1e-5, 1e-5
 
 @triton.jit
 def _gemv_kernel(p_x, p_w, p_s, p_y, N, N_GROUPS, R: tl.constexpr, WARPS_K: tl.constexpr,
-                 ASM: tl.constexpr, KSPLIT: tl.constexpr, X_PREPARED: tl.constexpr = False,
-                 EVEN: tl.constexpr = False):
+                 ASM: tl.constexpr, KSPLIT: tl.constexpr, X_PREPARED: tl.constexpr = False):
     """y[rows of program 0's tiles] = w @ x, rows in R tiles of 16 * (4 // WARPS_K); the K
-    shares of KSPLIT are the second grid axis and add atomically. EVEN: full tiles only."""
+    shares of KSPLIT are the second grid axis and add atomically."""
     WN: tl.constexpr = 4 // WARPS_K
     row0 = tl.program_id(0) * (R * WN * 16)
     y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, N_GROUPS, R, WARPS_K, 0, ASM, 0,
-                     tl.program_id(1), KSPLIT, X_PREPARED, EVEN)
+                     tl.program_id(1), KSPLIT, X_PREPARED)
     o = row0 + tl.arange(0, R)[:, None] * (WN * 16) + tl.arange(0, WN * 16)[None, :]
     tl.atomic_add(p_y + o, y, mask=o < N)
 
 
-def _gemv(x, q, r, warps_k, ksplit, prepared=False, even=False):
+def _gemv(x, q, r, warps_k, ksplit, prepared=False):
     n, k = q.shape
     y = torch.zeros(n, device=x.device, dtype=torch.float32)
     rows = r * (4 // warps_k) * 16
     _gemv_kernel[(triton.cdiv(n, rows), ksplit)](
         (mma_prepare_x(x) if prepared else x).view(torch.int32), q.packed.view(torch.int32),
         q.scales, y, n, k // 32, r, warps_k, os.environ.get("TRITON_INTERPRET") != "1", ksplit,
-        prepared, even, num_warps=4)
+        prepared, num_warps=4)
     return y
 
 
@@ -77,24 +76,6 @@ def test_tile_x_prepared(r, warps_k, device):
     torch.testing.assert_close(_gemv(x, q, r, warps_k, 1, True), want, atol=ATOL, rtol=RTOL)
 
 
-EVEN_TILES = [(2, 1, 1), (2, 2, 1), (1, 4, 1), (2, 2, 2)]
-
-
-@pytest.mark.parametrize("r,warps_k,ksplit", EVEN_TILES,
-                         ids=[f"R{r}-WK{w}-S{s}" for r, w, s in EVEN_TILES])
-def test_tile_even(r, warps_k, ksplit, device):
-    """EVEN (unmasked loads) on full tiles: two programs of whole row tiles, K = 1024 (4 steps,
-    a multiple of WARPS_K in every share), the same sums as the masked tile and the reference."""
-    rows = r * (4 // warps_k) * 16
-    gen = make_generator(13 + rows, device)
-    q = mxfp4_quantize(randn((2 * rows, 1024), gen, std=0.05))
-    x = randn((1024,), gen)
-    want = q.dequantize() @ x.float()
-    got = _gemv(x, q, r, warps_k, ksplit, even=True)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(got, _gemv(x, q, r, warps_k, ksplit), atol=ATOL, rtol=RTOL)
-
-
 def test_prepare_x_layout_and_errors():
     """mma_prepare_x: each word of 8 in the order (0, 4, 1, 5, 2, 6, 3, 7), times 2^100; bad
     input named."""
@@ -126,13 +107,13 @@ from test_mxfp4_mma import TILES, _gemv_kernel
 from k3lab.kernels.mxfp4_mma import mma_layout_problem
 sig = {"p_x": "*i32", "p_w": "*i32", "p_s": "*u8", "p_y": "*fp32", "N": "i32", "N_GROUPS": "i32",
        "R": "constexpr", "WARPS_K": "constexpr", "ASM": "constexpr", "KSPLIT": "constexpr",
-       "X_PREPARED": "constexpr", "EVEN": "constexpr"}
+       "X_PREPARED": "constexpr"}
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # N_GROUPS: any value
 out = {}
-for (r, wk), even in [(t, False) for t in TILES] + [((2, 2), True), ((2, 1), True)]:
+for r, wk in TILES:
     src = ASTSource(_gemv_kernel, signature=sig, attrs=attrs,
                     constexprs={"R": r, "WARPS_K": wk, "ASM": True, "KSPLIT": 2,
-                                "X_PREPARED": False, "EVEN": even})
+                                "X_PREPARED": False})
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     except triton.compiler.errors.CompilationError as e:  # the kernel's fault: fail
@@ -141,7 +122,7 @@ for (r, wk), even in [(t, False) for t in TILES] + [((2, 2), True), ((2, 1), Tru
     except Exception as e:  # no sm_90 toolchain here (ptxas): skip
         print(json.dumps({"skip": f"{type(e).__name__}: {str(e)[:200]}"}))
         sys.exit(0)
-    out[f"R{r}-WK{wk}" + ("-even" if even else "")] = mma_layout_problem(ck.asm["ttgir"])
+    out[f"R{r}-WK{wk}"] = mma_layout_problem(ck.asm["ttgir"])
 print(json.dumps(out))
 """
 
@@ -164,8 +145,7 @@ def test_compiled_layout_is_the_fragment_layout():
     assert "error" not in got, got.get("error")
     if "skip" in got:
         pytest.skip(f"cannot compile for sm_90 here: {got['skip']}")
-    assert got == {**{f"R{r}-WK{w}": None for r, w in TILES}, "R2-WK2-even": None,
-                   "R2-WK1-even": None}
+    assert got == {f"R{r}-WK{w}": None for r, w in TILES}
 
 
 def test_layout_check_flags_another_layout():

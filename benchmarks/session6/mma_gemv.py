@@ -24,11 +24,11 @@ from k3lab.kernels.mxfp4_mma import fp4_mma_gemv, mma_prepare_x
 @triton.jit
 def mma_gemv_kernel(p_x, p_w, p_s, p_y, N, N_GROUPS, R: tl.constexpr, WARPS_K: tl.constexpr,
                     STAGES: tl.constexpr, ASM: tl.constexpr, PF: tl.constexpr,
-                    XP: tl.constexpr = False, EV: tl.constexpr = False):
+                    XP: tl.constexpr = False):
     WN: tl.constexpr = 4 // WARPS_K
     row0 = tl.program_id(0) * (R * WN * 16)
     y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, N_GROUPS, R, WARPS_K, STAGES, ASM, PF,
-                     X_PREPARED=XP, EVEN=EV)
+                     X_PREPARED=XP)
     o = row0 + tl.arange(0, R)[:, None] * (WN * 16) + tl.arange(0, WN * 16)[None, :]
     tl.store(p_y + o, y, mask=o < N)
 
@@ -67,7 +67,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["check"]:
     check()
 
 
-def sass(r=2, warps_k=1, stages=0, pf=0, xp=0, ev=0):
+def sass(r=2, warps_k=1, stages=0, pf=0, xp=0):
     """Offline sm_90 compile (Triton 3.6 on PYTHONPATH): registers, TTGIR / PTX / SASS under
     OUT_DIR and the K loop's opcode mix per weight element (SASS helpers of
     benchmarks/next/aot_moe.py)."""
@@ -77,22 +77,21 @@ def sass(r=2, warps_k=1, stages=0, pf=0, xp=0, ev=0):
     from triton.compiler import ASTSource
     sig = {"p_x": "*i32", "p_w": "*i32", "p_s": "*u8", "p_y": "*fp32", "N": "i32",
            "N_GROUPS": "i32", "R": "constexpr", "WARPS_K": "constexpr", "STAGES": "constexpr",
-           "ASM": "constexpr", "PF": "constexpr", "XP": "constexpr", "EV": "constexpr"}
+           "ASM": "constexpr", "PF": "constexpr", "XP": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     ck = triton.compile(ASTSource(mma_gemv_kernel, signature=sig, constexprs={
-        "R": r, "WARPS_K": warps_k, "STAGES": stages, "ASM": True, "PF": pf, "XP": bool(xp),
-        "EV": bool(ev)},
+        "R": r, "WARPS_K": warps_k, "STAGES": stages, "ASM": True, "PF": pf, "XP": bool(xp)},
         attrs=attrs),
         target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
     text, regs = sass_of(ck)
     out = os.environ.get("OUT_DIR", "/tmp/mma_sass")
     os.makedirs(out, exist_ok=True)
     for key, body in (("ttgir", ck.asm["ttgir"]), ("ptx", ck.asm["ptx"]), ("sass", text)):
-        with open(f"{out}/r{r}_wk{warps_k}_s{stages}_pf{pf}_xp{xp}_ev{ev}.{key}", "w") as fh:
+        with open(f"{out}/r{r}_wk{warps_k}_s{stages}_pf{pf}_xp{xp}.{key}", "w") as fh:
             fh.write(body)
     c = mix(text, *loop_bodies(text)[-1])  # the longest loop: the K loop
     per_thread = r * (4 // warps_k) * 16 * 256 * warps_k / 128  # elements a thread an iteration
-    print(f"R {r} WK {warps_k} S {stages} PF {pf} XP {xp} EV {ev}: {regs}")
+    print(f"R {r} WK {warps_k} S {stages} PF {pf} XP {xp}: {regs}")
     print(f"  loop {sum(c.values())} instr / {per_thread:.0f} el = "
           f"{sum(c.values()) / per_thread:.2f}: " + ", ".join(f"{k} {v}" for k, v in
                                                             c.most_common()))

@@ -1,7 +1,8 @@
-"""H200, issue 4 (session 8): the MXFP4 tensor-core stages with and without the unmasked full
-tiles (kernels/moe.py FP4_MMA_EVEN), under the byte-shift decode (SHR8=1, HEAD's) or the
-previous one (SHR8=0: kernels/mxfp4_mma._mma_ptx(False), set before the first compile, so each
-decode is its own process). K3 B1, graph replay, cold copies; tp 1: 48 experts, 3 copies of 16.
+"""H200, issue 4 (session 8, call 1 at 95d23d7): the MXFP4 tensor-core stages with and without
+the unmasked full tiles (kernels/moe.py FP4_MMA_EVEN, at 95d23d7 only: slower, reverted), under
+the byte-shift decode (SHR8=1, HEAD's) or the previous one (SHR8=0:
+kernels/mxfp4_mma._mma_ptx(False), set before the first compile, so each decode is its own
+process). K3 B1, graph replay, cold copies; tp 1: 48 experts, 3 copies of 16.
 
 Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
 metric), correctness against the fp32 reference at the tests' tolerances. From the repo root:
@@ -23,6 +24,8 @@ from moe_stages import check_stage, stage_setup  # noqa: E402
 from k3lab.boundaries import moe as MB  # noqa: E402
 from k3lab.kernels import moe, mxfp4_mma  # noqa: E402
 
+if not hasattr(moe, "FP4_MMA_EVEN"):
+    raise SystemExit("kernels/moe.py has no FP4_MMA_EVEN in this checkout: check out 95d23d7")
 SHR8 = os.environ.get("SHR8", "1") == "1"
 if not SHR8:
     mxfp4_mma.MMA_PTX = tl.constexpr(mxfp4_mma._mma_ptx(False))
