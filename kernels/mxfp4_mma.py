@@ -196,7 +196,7 @@ def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
                  ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
-                 X_PREPARED: tl.constexpr = False, BULK_PREFETCH: tl.constexpr = False):
+                 X_PREPARED: tl.constexpr = False):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
     past row_lim + r * LIM_R.
 
@@ -213,9 +213,7 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     consecutive shares of the K steps (the caller adds the partial sums). X_PREPARED: p_x holds
     mma_prepare_x(x) (the B pairs, already times 2^100), so no per-step permute and scale (H200,
     session 7 call 4: 2-6 % faster; the stages take plain bf16 x, so they do not use it yet).
-    BULK_PREFETCH (compiled): before the K loop, each of the program's rows asks L2 for its
-    whole K share in one bulk prefetch (cp.async.bulk.prefetch.L2, sm_90) and its scales' line,
-    so the loop's loads find their lines in L2 or on their way. Launch with 4 warps.
+    Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
@@ -253,21 +251,6 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         pf_r = 2 * o_j[None, :] + (o_q % 32 // 16)[:, None]  # [128, RP]
         pf_row = row0 + pf_r * ROW_R + (o_q // 32 // WARPS_K * 16 + o_q % 16)[:, None]
         m_pf = (pf_r < R) & (pf_row < row_lim + pf_r * LIM_R)
-    if BULK_PREFETCH and ASM:  # thread t: row t of each row tile, its K share and scale line
-        o_t = tl.arange(0, 128)
-        nbytes = (tl.minimum(n_steps * 32, K_WORDS) - step0 * 32) * 4 + o_t * 0
-        for r in tl.static_range(R):
-            b_row = row0 + r * ROW_R + o_t
-            m_b = ((o_t < WN * 16) & (b_row < row_lim + r * LIM_R)).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }", "=r,l,r,r",
-                [p_w + b_row * K_WORDS + step0 * 32, m_b, nbytes],
-                dtype=tl.int32, is_pure=False, pack=1)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                "mov.b32 $0, 0; }", "=r,l,r", [p_s + b_row * N_GROUPS + step0 * 8, m_b],
-                dtype=tl.int32, is_pure=False, pack=1)
     acc = tl.zeros([128, R, 4], dtype=tl.float32)
     for it in tl.range(0, tl.cdiv(n_steps - step0, WARPS_K),
                        num_stages=STAGES if STAGES > 0 else None):

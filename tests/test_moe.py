@@ -249,8 +249,6 @@ MMA_VARIANTS = {
     "mma-wk4-r1": {"FP4_MMA_TILES": {1: (2, 4, 2), 2: (1, 4, 2)}},
     "mma-r1wk1": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (1, 1, 1)}},
     "mma-split3": {"FP4_MMA_TILES": {1: (2, 2, 1), 2: (1, 1, 0, 3)}},
-    "mma-bulk": {"FP4_MMA_BULK_PREFETCH": {1: True, 2: True},
-                 "FP4_MMA_TILES": {1: (2, 2, 0), 2: (1, 1, 0, 3)}},
 }
 
 
