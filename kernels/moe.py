@@ -153,6 +153,12 @@ FP4_MMA_TILES = None
 FP4_MMA_CANDIDATES = {1: ((2, 1, 1), (2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
 _MMA_BASE = 4096  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
 FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
+# _PROBE_X_PREPARED {stage: bool}, a measurement probe (benchmarks/session8): the tiles read
+# their activations (z for stage 1, a for stage 2) as mxfp4_mma.mma_prepare_x wrote them. The
+# caller must pass prepared tensors; no public API does yet.
+_PROBE_X_PREPARED = {1: False, 2: False}
+_MMA_XP = 8192  # the X_PREPARED bit of an FP4 code
+MMA_XP_BIT = tl.constexpr(_MMA_XP)
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -429,7 +435,7 @@ def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.con
     16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x (K share i_k of KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
-                        MODE // 512 % 8 + 1)
+                        MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1)
 
 
 @triton.jit
@@ -752,15 +758,16 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
     if _fast_interpreter() and not INTERPRETER_MMA:
         return 0
     k_steps = triton.cdiv(w.shape[-1], 256)
+    xp = _MMA_XP if _PROBE_X_PREPARED.get(stage, False) else 0
     if FP4_MMA_TILES is not None:
-        return _mma_code(FP4_MMA_TILES[stage], stage, k_steps)
+        return _mma_code(FP4_MMA_TILES[stage], stage, k_steps) + xp
     codes = [_mma_code(t, stage, k_steps) for t in FP4_MMA_CANDIDATES[stage]]
     codes.sort(key=lambda c: -_mma_block_n(c, stage))
     target = INTERPRETER_TARGET_PROGRAMS if _fast_interpreter() else TARGET_PROGRAMS
     for code in codes:
         if programs_per_tile * triton.cdiv(rows, _mma_block_n(code, stage)) >= target:
-            return code
-    return codes[-1]
+            return code + xp
+    return codes[-1] + xp
 
 
 def _mma_block_n(mode: int, stage: int) -> int:

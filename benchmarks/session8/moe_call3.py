@@ -1,0 +1,64 @@
+"""H200, issue 4 (session 8, call 3): the MXFP4 tensor-core stages at HEAD, with the prepared
+activations probe (kernels/moe.py _PROBE_X_PREPARED: z / a passed through
+mxfp4_mma.mma_prepare_x, as a producer would write them), K3 B1, graph replay, cold copies; tp 1:
+48 experts, 3 copies of 16; tp 8: 8 copies. Each variant twice, interleaved.
+
+Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
+metric), correctness against the fp32 reference at the tests' tolerances. From the repo root:
+    TAG=head python3 benchmarks/session8/moe_call3.py        # writes $OUT/moe_call3_<TAG>.json
+"""
+
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, "benchmarks/h200_tuning")
+from common import bw, dump, gt, rec  # noqa: E402
+from moe_stages import check_stage, stage_setup  # noqa: E402
+
+from k3lab.boundaries import moe as MB  # noqa: E402
+from k3lab.kernels import moe  # noqa: E402
+from k3lab.kernels.mxfp4_mma import mma_prepare_x  # noqa: E402
+
+TAG = os.environ.get("TAG", "head")
+T0 = time.time()
+print(f"copy bw {bw / 1e12:.3f} TB/s, {TAG}", flush=True)
+ORDER = ("plain", "prepared", "plain", "prepared")
+KEY = {"stage1": "z", "stage2": "a"}
+
+
+def run(tp, n_copies, order):
+    copies, wants = stage_setup(tp, n_copies)
+    prepared = [{**c, "z": mma_prepare_x(c["z"]), "a": mma_prepare_x(c["a"])} for c in copies]
+    for variant in order:
+        xp = variant == "prepared"
+        moe._PROBE_X_PREPARED = {1: xp, 2: xp}
+        inputs = prepared if xp else copies
+        for stage in ("stage1", "stage2"):
+            fn = MB.stage_fns(stage)["fused"]
+            nbytes = MB.stage_bytes(stage, copies[0])
+            try:
+                ok, err, _ = check_stage(stage, fn, inputs[0], wants[stage])
+                us = gt(fn, inputs, repeats=10)
+                rec(k="moe_call3", tag=TAG, tp=tp, stage=stage, variant=variant,
+                    us=round(us, 2), frac=round(nbytes / bw * 1e6 / us, 3), ok=ok, max_err=err,
+                    t=round(time.time() - T0, 1))
+            except Exception:
+                traceback.print_exc()
+                rec(k="moe_call3", tag=TAG, tp=tp, stage=stage, variant=variant,
+                    us=float("nan"), ok=False)
+    moe._PROBE_X_PREPARED = {1: False, 2: False}
+    del copies, prepared
+    torch.cuda.empty_cache()
+
+
+for args in ((1, 3, ORDER), (8, 8, ORDER[:2])):
+    try:
+        run(*args)
+    except Exception:
+        traceback.print_exc()
+    dump(f"moe_call3_{TAG}.json")
+print("done", round(time.time() - T0, 1), flush=True)
