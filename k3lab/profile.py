@@ -46,6 +46,11 @@ _NOT_LAUNCHES = {
 
 DEFAULT_REPEATS = {"cpu": 3, "cuda": 50}
 DEFAULT_WARMUP = {"cpu": 1, "cuda": 5}
+# Warm-up also lasts at least this long on the GPU (untimed, synchronized): the first timing of a
+# process after its setup ran ~12 % slow at 5 warm-up replays (H200, session 8 call 3: MoE stage
+# 1, 0.595-0.604 of the copy bandwidth first, 0.679-0.685 after), the way a GPU's clocks and
+# translation caches need some milliseconds of work before they settle.
+WARMUP_SECONDS = {"cpu": 0.0, "cuda": 0.1}
 MAX_COLD_COPIES = 512  # small boundaries (AttnRes at B1: ~0.2 MB a call) need hundreds
 # A graph replay has a fixed cost (~10-20 us on an H200) that a decode step's graph of hundreds of
 # kernels pays once. Graph timing therefore captures at least this many calls (cycling through the
@@ -237,6 +242,17 @@ def _summary(samples_us: list[float], **kw) -> Timing:
     return Timing(statistics.median(samples_us), q[0], q[-1], len(samples_us), **kw)
 
 
+def _warm(run: Callable[[], Any], device: torch.device) -> None:
+    """Call ``run`` (a batch of warm-up calls) until WARMUP_SECONDS of wall time have passed,
+    at least once, synchronizing after each batch (before any timed region)."""
+    t0 = time.perf_counter()
+    while True:
+        run()
+        _sync(device)
+        if time.perf_counter() - t0 >= WARMUP_SECONDS.get(device.type, 0.0):
+            return
+
+
 def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "eager",
                  repeats: int | None = None, warmup: int | None = None,
                  cold: bool | None = None, min_calls: int = MIN_GRAPH_CALLS) -> Timing:
@@ -263,9 +279,7 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
         raise ValueError("mode: 'graph' needs a CUDA device")
 
     if mode == "eager":
-        for i in range(max(warmup, 1)):
-            fn(inputs_list[i % n])
-        _sync(device)
+        _warm(lambda: [fn(inputs_list[i % n]) for i in range(max(warmup, 1))], device)
         if device.type != "cuda":
             samples = []
             for i in range(repeats):
@@ -303,8 +317,11 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
         for _ in range(passes):
             for inputs in inputs_list:
                 fn(inputs)
-    for _ in range(max(warmup, 1)):
-        graph.replay()
+    def replay_batch(g=graph):
+        for _ in range(max(warmup, 1)):
+            g.replay()
+
+    _warm(replay_batch, device)
     replays = max(5, repeats // 2)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]

@@ -118,3 +118,17 @@ def test_cuda_graph_timing_and_kernel_count():
     t = profile.time_variant(fused_double, [x], mode="graph", repeats=10)
     assert t.mode == "graph" and 0 < t.median_us < 1000
     assert profile.copy_bandwidth("cuda") > 1e11
+
+
+def test_warm_up_lasts_its_time(monkeypatch):
+    """Warm-up runs its batch at least once, and repeats it until WARMUP_SECONDS have passed."""
+    import time as _time
+
+    calls = []
+    monkeypatch.setitem(profile.WARMUP_SECONDS, "cpu", 0.0)
+    profile._warm(lambda: calls.append(1), torch.device("cpu"))
+    assert len(calls) == 1
+    monkeypatch.setitem(profile.WARMUP_SECONDS, "cpu", 0.05)
+    t0 = _time.perf_counter()
+    profile._warm(lambda: (calls.append(1), _time.sleep(0.01)), torch.device("cpu"))
+    assert _time.perf_counter() - t0 >= 0.05 and len(calls) >= 1 + 5
