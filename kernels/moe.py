@@ -153,12 +153,16 @@ FP4_MMA_TILES = None
 FP4_MMA_CANDIDATES = {1: ((2, 1, 1), (2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
 _MMA_BASE = 4096  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
 FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
-# _PROBE_X_PREPARED {stage: bool}, a measurement probe (benchmarks/session8): the tiles read
-# their activations (z for stage 1, a for stage 2) as mxfp4_mma.mma_prepare_x wrote them. The
-# caller must pass prepared tensors; no public API does yet.
-_PROBE_X_PREPARED = {1: False, 2: False}
+# Prepared activations: the tensor-core tiles read x already permuted and scaled as
+#   mxfp4_mma.mma_prepare_x writes it (X_PREPARED: no permute and scale a K step) when the
+#   caller passes such a copy (moe_stage1's z_mma, moe_stage2's a_mma); the producers write it
+#   beside their plain output (latent_down's z_mma_out, moe_stage1's a_mma_out), and moe_block
+#   chains them. H200, session 8 (benchmarks/session8/README.md, K3 tp 1, graph, cold):
+#   stage 1 +1.5 %, stage 2 +3 %. FP4_MMA_X_PREPARED False ignores the copies.
+FP4_MMA_X_PREPARED = True
 _MMA_XP = 8192  # the X_PREPARED bit of an FP4 code
 MMA_XP_BIT = tl.constexpr(_MMA_XP)
+X_PREPARED_MUL = tl.constexpr(2.0 ** 100)  # mxfp4_mma.X_SCALE_EXP
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -195,6 +199,16 @@ def _to_bf16(x):
     b = x.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
     return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _store_prepared(p, o_row, o_col, N, b_bf16, mask):
+    """Store bf16 [rows, cols] values at columns o_col of rows o_row of a [.., N] tensor in the
+    layout of mxfp4_mma.mma_prepare_x: in each word of 8 columns, column c at 2 (c % 4) + c // 4
+    of the word (the order (0, 4, 1, 5, 2, 6, 3, 7)), times 2^100 (exact)."""
+    o_p = o_col - o_col % 8 + 2 * (o_col % 4) + o_col % 8 // 4
+    tl.store(p + o_row[:, None] * N + o_p[None, :],
+             (b_bf16.to(tl.float32) * X_PREPARED_MUL).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -474,11 +488,13 @@ def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _moe_front_kernel(p_x, p_down, p_z, p_sw13, p_sa, M, H_PAIRS, D, S, n_shared_tiles,
+def _moe_front_kernel(p_x, p_down, p_z, p_zp, p_sw13, p_sa, M, H_PAIRS, D, S, n_shared_tiles,
                       beta, linear_beta, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
+                      PREPARED: tl.constexpr = False):
     """Programs [0, n_shared_tiles): shared gate/up + act -> a_s [M, S] bf16; the rest:
-    latent down-projection -> z [M, D] bf16. Both read x [M, H] bf16."""
+    latent down-projection -> z [M, D] bf16 (and, PREPARED, its mma_prepare_x copy at p_zp).
+    Both read x [M, H] bf16."""
     i_p = tl.program_id(0)
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < M
@@ -494,19 +510,24 @@ def _moe_front_kernel(p_x, p_down, p_z, p_sw13, p_sa, M, H_PAIRS, D, S, n_shared
         m_n = o_n < D
         b_z = _gemv(p_x, o_m, m_m, p_x, p_down, p_down, o_n, m_n, H_PAIRS, 0,
                     BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False, TOKEN_LOOP)
-        tl.store(p_z + o_m[:, None] * D + o_n[None, :], _to_bf16(b_z),
-                 mask=m_m[:, None] & m_n[None, :])
+        b_zb = _to_bf16(b_z)
+        tl.store(p_z + o_m[:, None] * D + o_n[None, :], b_zb, mask=m_m[:, None] & m_n[None, :])
+        if PREPARED:
+            _store_prepared(p_zp, o_m, o_n, D, b_zb, m_m[:, None] & m_n[None, :])
 
 
 @triton.jit
-def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_out, p_sync,
-                       n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta, linear_beta,
-                       ACT: tl.constexpr, FP4: tl.constexpr, ZERO_OUT: tl.constexpr,
-                       ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr):
-    """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T).
-    Side jobs: zero stage 2's accumulator (a slice per program) and the stage-2 + tail launch's
-    two counters (program 0)."""
+def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_ap, p_out,
+                       p_sync, n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta,
+                       linear_beta, ACT: tl.constexpr, FP4: tl.constexpr,
+                       ZERO_OUT: tl.constexpr, ZERO_SYNC: tl.constexpr,
+                       ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
+                       PREPARED: tl.constexpr = False):
+    """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T) (z as
+    mma_prepare_x wrote it where the FP4 code has the X_PREPARED bit); PREPARED: also a's
+    mma_prepare_x copy at p_ap. Side jobs: zero stage 2's accumulator (a slice per program) and
+    the stage-2 + tail launch's two counters (program 0)."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     if ZERO_OUT:
         o_o = (i_b * tl.num_programs(1) + i_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
@@ -532,8 +553,11 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
         else:
             b_a = _gate_up_act(p_z, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D_PAIRS, beta,
                                linear_beta, ACT, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, TOKEN_LOOP)
-        tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], _to_bf16(b_a),
+        b_ab = _to_bf16(b_a)
+        tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], b_ab,
                  mask=m_ent[:, None] & m_n[None, :])
+        if PREPARED:
+            _store_prepared(p_ap, b_ent, o_n, N_I, b_ab, m_ent[:, None] & m_n[None, :])
 
 
 @triton.jit
@@ -749,16 +773,18 @@ def _mma_code(tile, stage: int, k_steps: int = 1) -> int:
             + 64 * (r - 1) + 512 * (split - 1))
 
 
-def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int = 1) -> int:
+def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int = 1,
+              prepared: bool = False) -> int:
     """FP4 code of the tensor-core tiles (FP4_MMA) for stage 1 or the atomic stage 2 (stage 2)
     with one token a plan tile, else 0 (see FP4_MMA_TILES; ``rows`` a GEMV's output rows, gate
-    rows for stage 1, launched for ``programs_per_tile`` plan tiles)."""
+    rows for stage 1, launched for ``programs_per_tile`` plan tiles; ``prepared``: the caller
+    passes x as mma_prepare_x wrote it, so the code gets the X_PREPARED bit)."""
     if not (FP4_MMA and isinstance(w, MXFP4) and stage in (1, 2) and block_m == 1):
         return 0
     if _fast_interpreter() and not INTERPRETER_MMA:
         return 0
     k_steps = triton.cdiv(w.shape[-1], 256)
-    xp = _MMA_XP if _PROBE_X_PREPARED.get(stage, False) else 0
+    xp = _MMA_XP if prepared and FP4_MMA_X_PREPARED else 0
     if FP4_MMA_TILES is not None:
         return _mma_code(FP4_MMA_TILES[stage], stage, k_steps) + xp
     codes = [_mma_code(t, stage, k_steps) for t in FP4_MMA_CANDIDATES[stage]]
@@ -925,6 +951,18 @@ def _check_plan(plan, m, n_experts, device, out_dim=None):
     return top_k, block_m, min(cap // block_m, m * top_k)
 
 
+def _check_prepared(name, t, shape, device):
+    """A prepared activation copy (mxfp4_mma.mma_prepare_x layout) or an output buffer for one:
+    bf16, contiguous, of ``shape``, on ``device``; None passes."""
+    if t is None:
+        return None
+    _check_tensor(name, t, dtypes=(torch.bfloat16,), dim=len(shape), device=device)
+    if tuple(t.shape) != tuple(shape) or not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous bf16 {list(shape)} (the layout of "
+                         f"mma_prepare_x), got {list(t.shape)} strides {t.stride()}")
+    return t
+
+
 def _check_activation(activation):
     if activation not in ACT_CODES:
         raise ValueError(f"activation: expected one of {sorted(ACT_CODES)}, got {activation!r}")
@@ -937,13 +975,15 @@ def _check_activation(activation):
 
 def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
                 shared_w13: torch.Tensor | None = None, *, activation: str = "situ",
-                situ_beta: float = 4.0, situ_linear_beta: float = 25.0):
+                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                z_mma_out: torch.Tensor | None = None):
     """The MoE's front launch: latent down-projection and the shared MLP's gate/up, both GEMVs of
     x, in one kernel.
 
     x: bf16 [M, H]; down_weight: bf16 [D, H] or None (no latent); shared_w13: bf16 [2S, H] (gate
     rows then up rows) or None. Returns (z bf16 [M, D] or None, a_s bf16 [M, S] or None) with
-    a_s = act(x @ Ws1^T, x @ Ws3^T).
+    a_s = act(x @ Ws1^T, x @ Ws3^T). z_mma_out: bf16 [M, D] (D a multiple of 8) that also gets
+    ``mma_prepare_x(z)``, for moe_stage1's z_mma (needs down_weight).
     """
     _check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
     m, h = x.shape
@@ -963,6 +1003,9 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
         s = shared_w13.shape[0] // 2
     if not d and not s:
         return None, None
+    if z_mma_out is not None and (not d or d % 8):
+        raise ValueError(f"z_mma_out: needs down_weight with D a multiple of 8, got D={d}")
+    _check_prepared("z_mma_out", z_mma_out, (m, d), x.device)
     z = torch.empty((m, d), device=x.device, dtype=torch.bfloat16) if d else None
     a_s = torch.empty((m, s), device=x.device, dtype=torch.bfloat16) if s else None
     block_m = triton.next_power_of_2(m)
@@ -972,10 +1015,11 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
     dummy = x_p
     _moe_front_kernel[grid](
         x_p, _pairs("down_weight", down_weight) if d else dummy, z if d else dummy,
+        z_mma_out if z_mma_out is not None else dummy,
         _pairs("shared_w13", shared_w13) if s else dummy, a_s if s else dummy,
         m, h // 2, d, s, n_shared, float(situ_beta), float(situ_linear_beta),
         ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp, TOKEN_LOOP=_token_loop(),
-        num_warps=NUM_WARPS)
+        PREPARED=z_mma_out is not None, num_warps=NUM_WARPS)
     return z, a_s
 
 
@@ -1007,12 +1051,15 @@ def _check_mma_layout(kernel, grid, args: tuple, kwargs: dict) -> None:
             "set k3lab.kernels.moe.FP4_MMA = False to use the K-lane tiles")
 
 
-def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync=None):
+def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync=None,
+                   z_mma=None, a_mma_out=None):
     m, d = z.shape
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
     block_mp = triton.next_power_of_2(block_m)
-    mode = _mma_mode(w13, 1, block_m, n_tiles, i)
+    mode = _mma_mode(w13, 1, block_m, n_tiles, i, prepared=z_mma is not None)
+    if mode & _MMA_XP:
+        z = z_mma  # the tiles read the prepared copy
     if mode:
         block_n, block_kp = _mma_block_n(mode, 1), MIN_PAIRS
     else:
@@ -1025,12 +1072,14 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
                                             triton.cdiv(m * d, grid[0] * grid[1])))
     w_v, w_s = _expert_ptrs(w13)
     args = (z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids,
-            plan.num_valid, a, out if out is not None else a,
+            plan.num_valid, a, a_mma_out if a_mma_out is not None else a,
+            out if out is not None else a,
             sync if sync is not None else plan.num_valid, m * top_k, block_m, top_k, i, d // 2,
             m * d, float(situ_beta), float(situ_linear_beta))
     kwargs = dict(ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
                   ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
-                  TOKEN_LOOP=_token_loop(), num_warps=NUM_WARPS, **_reg_cap(mode, 1))
+                  TOKEN_LOOP=_token_loop(), PREPARED=a_mma_out is not None, num_warps=NUM_WARPS,
+                  **_reg_cap(mode, 1))
     if mode >= _MMA_BASE:
         _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
     _moe_stage1_kernel[grid](*args, **kwargs)
@@ -1038,7 +1087,9 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
 
 
 def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ",
-               situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
+               situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+               z_mma: torch.Tensor | None = None,
+               a_mma_out: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 1 "direct tile": a[t * top_k + k] = act(z[t] @ W1[e]^T, z[t] @ W3[e]^T),
     e = plan.topk_ids[t, k], computed along the plan's expert-sorted tiles.
 
@@ -1047,6 +1098,10 @@ def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ
     [M, D] or None). w13: bf16 [E, 2I, D] (rows [0, I) gate, [I, 2I) up) or MXFP4 (packed uint8
     [E, 2I, D/2], scales uint8 [E, 2I, D/32]). Returns a: bf16 [M * top_k, I]. Side effect:
     zeroes plan.out (stage 2's accumulator) when present.
+    z_mma: optional ``mma_prepare_x(z)`` (as latent_down's z_mma_out writes it), read instead of
+    z by the MXFP4 tensor-core tiles (ignored by the other paths; the caller vouches that it is
+    z's copy). a_mma_out: optional bf16 [M * top_k, I] that also gets ``mma_prepare_x(a)``,
+    for moe_stage2's a_mma.
     """
     _check_tensor("z", z, dtypes=(torch.bfloat16,), dim=2)
     m, d = z.shape
@@ -1057,11 +1112,17 @@ def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ
         raise ValueError(f"w13: expected [E, 2I, D={d}] with I even, got {list(w13.shape)}")
     _pairs("z", z)
     _, _, n_tiles = _check_plan(plan, m, e, z.device, out_dim=d)
-    return _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles)
+    _check_prepared("z_mma", z_mma, (m, d), z.device)
+    if a_mma_out is not None and (two_i // 2) % 8:
+        raise ValueError(f"a_mma_out: needs I a multiple of 8, got I={two_i // 2}")
+    _check_prepared("a_mma_out", a_mma_out, (m * plan.topk_ids.shape[1], two_i // 2), z.device)
+    return _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles,
+                          z_mma=z_mma, a_mma_out=a_mma_out)
 
 
-def _stage2_args(a, plan, w2, deterministic, n_tiles):
-    """Stage-2 kernel arguments (validated inputs); returns (kwargs, programs, y)."""
+def _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma=None):
+    """Stage-2 kernel arguments (validated inputs; a_mma: a's mma_prepare_x copy or None);
+    returns (kwargs, programs, y)."""
     top_k, block_m = plan.topk_ids.shape[1], plan.block_m
     m, i = a.shape[0] // top_k, a.shape[1]
     d = w2.shape[1]
@@ -1071,7 +1132,9 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles):
                                                             dtype=torch.float32)
     block_mp = 1 if deterministic else triton.next_power_of_2(block_m)
     rows = m if deterministic else n_tiles
-    mode = _mma_mode(w2, 0 if deterministic else 2, block_m, rows, d)
+    mode = _mma_mode(w2, 0 if deterministic else 2, block_m, rows, d, prepared=a_mma is not None)
+    if mode & _MMA_XP:
+        a = a_mma  # the tiles read the prepared copy
     if mode:
         block_n, block_kp, split = _mma_block_n(mode, 2), MIN_PAIRS, mode // 512 % 8 + 1
     else:
@@ -1148,8 +1211,8 @@ def _launch_stage2_tail(stage2, tail, sync=None):
     _moe_stage2_tail_kernel[(n,)](**kw)
 
 
-def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False
-               ) -> torch.Tensor:
+def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False,
+               a_mma: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 2: out[t] = sum_k topk_weights[t, k] * (a[t * top_k + k] @ W2[e]^T) in fp32.
 
     a: bf16 [M * top_k, I] (stage 1's output). plan: as for moe_stage1; its ``out`` fp32 [M, D]
@@ -1158,7 +1221,8 @@ def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = Fa
     Atomic (default): one program per (expert tile of the plan, D tile), fp32 atomic adds; the
     order of the adds varies between runs. deterministic=True: one program per (token, D tile)
     adding its top_k slots in slot order (bitwise reproducible; out is overwritten, not added to).
-    Returns fp32 [M, D].
+    a_mma: optional ``mma_prepare_x(a)`` (as moe_stage1's a_mma_out writes it), read instead of a
+    by the MXFP4 tensor-core tiles (ignored by the other paths). Returns fp32 [M, D].
     """
     _check_tensor("a", a, dtypes=(torch.bfloat16,), dim=2)
     e, d, i, _ = _check_experts("w2", w2, a.device)
@@ -1173,7 +1237,8 @@ def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = Fa
         raise ValueError(f"a: expected M * top_k rows (top_k={top_k}), got {a.shape[0]}")
     _check_tokens("a", m)
     _, _, n_tiles = _check_plan(plan, m, e, a.device, out_dim=d)
-    stage2 = _stage2_args(a, plan, w2, deterministic, n_tiles)
+    _check_prepared("a_mma", a_mma, tuple(a.shape), a.device)
+    stage2 = _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma)
     _launch_stage2_tail(stage2, None)
     return stage2[2]
 
@@ -1306,12 +1371,23 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
         raise ValueError("plan.out: moe_block needs the plan's zeroed fp32 [M, D] buffer "
                          "(route_sort(..., out_dim=D))")
     shared_w13 = weights["shared_w13"] if cfg.shared_intermediate else None
+    # prepared activations for the tensor-core tiles: the front kernel writes z's copy, stage 1
+    # a's (latent presets; K2-style stage 1 reads x itself)
+    i = two_i // 2
+    prep1 = (FP4_MMA_X_PREPARED and cfg.latent and d % 8 == 0
+             and _mma_mode(w13, 1, plan.block_m, n_tiles, i) > 0)
+    prep2 = (FP4_MMA_X_PREPARED and i % 8 == 0
+             and _mma_mode(w2, 0 if deterministic else 2, plan.block_m, n_tiles, d) > 0)
+    z_mma = torch.empty((m, d), device=x.device, dtype=torch.bfloat16) if prep1 else None
+    a_mma = (torch.empty((m * plan.topk_ids.shape[1], i), device=x.device, dtype=torch.bfloat16)
+             if prep2 else None)
     z, shared_a = latent_down(x, weights["latent_down"] if cfg.latent else None, shared_w13,
                               activation=cfg.activation, situ_beta=betas[0],
-                              situ_linear_beta=betas[1])
+                              situ_linear_beta=betas[1], z_mma_out=z_mma)
     sync = torch.empty(2, device=x.device, dtype=torch.int32)
-    a = _launch_stage1(z if cfg.latent else x, plan, w13, act, *betas, n_tiles, sync=sync)
-    stage2 = _stage2_args(a, plan, w2, deterministic, n_tiles)
+    a = _launch_stage1(z if cfg.latent else x, plan, w13, act, *betas, n_tiles, sync=sync,
+                       z_mma=z_mma, a_mma_out=a_mma)
+    stage2 = _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma)
     if not cfg.latent and shared_a is None:  # K2-style without shared experts: y is the output
         _launch_stage2_tail(stage2, None)
         return stage2[2].to(torch.bfloat16)

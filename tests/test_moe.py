@@ -361,6 +361,68 @@ def test_mma_stage2_split_k(split, device, monkeypatch):
     assert_close("y", y, ref.moe_stage2_reference(a, plan, w2), atol=Y_ATOL, rtol=Y_RTOL)
 
 
+def _mma_gpu_tiles(monkeypatch):
+    """The tensor-core tiles as the GPU picks them (the interpreter emulates the mma)."""
+    monkeypatch.setattr(kmoe, "FP4_MMA", True)
+    monkeypatch.setattr(kmoe, "INTERPRETER_MMA", True)
+    monkeypatch.setattr(kmoe, "INTERPRETER_BIG_TILES", False)
+    monkeypatch.setattr(kmoe, "TARGET_PROGRAMS", 1)
+
+
+def test_mma_prepared_copies(device, monkeypatch):
+    """The producers write mma_prepare_x's layout exactly (latent_down's z_mma_out, stage 1's
+    a_mma_out) and the tensor-core tiles reading those copies (X_PREPARED bit in the FP4 code)
+    give the same stage outputs as the plain inputs."""
+    from k3lab.kernels.mxfp4_mma import mma_prepare_x
+
+    _mma_gpu_tiles(monkeypatch)
+    cfg, w, x = _setup(device, M=1, fmt="mxfp4")
+    plan = _plan(cfg, x, w)
+    zp = torch.empty((1, cfg.moe_in), device=device, dtype=torch.bfloat16)
+    z, _ = latent_down(x, w["latent_down"], None, z_mma_out=zp)
+    assert torch.equal(zp, mma_prepare_x(z))
+    i = cfg.moe_intermediate
+    assert kmoe._mma_mode(w["w13"], 1, 1, 1, i, prepared=True) & kmoe._MMA_XP
+    assert kmoe._mma_mode(w["w2"], 2, 1, 1, cfg.moe_in, prepared=True) & kmoe._MMA_XP
+    a = moe_stage1(z, plan, w["w13"], **_act(cfg))
+    ap = torch.empty_like(a)
+    a2 = moe_stage1(z, plan, w["w13"], z_mma=zp, a_mma_out=ap, **_act(cfg))
+    assert torch.equal(a2, a)
+    assert torch.equal(ap, mma_prepare_x(a))
+    y = moe_stage2(a, plan, w["w2"]).clone()
+    plan.out.zero_()
+    y2 = moe_stage2(a, plan, w["w2"], a_mma=ap)
+    assert_close("y", y2, y, atol=Y_ATOL, rtol=Y_RTOL)
+    assert_close("y", y2, ref.moe_stage2_reference(a, plan, w["w2"]), atol=Y_ATOL, rtol=Y_RTOL)
+
+
+def test_mma_prepared_block(device, monkeypatch):
+    """moe_block chains the prepared copies (front -> stage 1 -> stage 2) when the tensor-core
+    tiles run: the same output as with FP4_MMA_X_PREPARED off."""
+    _mma_gpu_tiles(monkeypatch)
+    cfg, w, x = _setup(device, M=1, fmt="mxfp4")
+    plan = _plan(cfg, x, w)
+    got = moe_block(x, w, cfg=cfg, plan=plan, deterministic=False)
+    monkeypatch.setattr(kmoe, "FP4_MMA_X_PREPARED", False)
+    plain = moe_block(x, w, cfg=cfg, plan=plan, deterministic=False)
+    assert_close("out", got.float(), plain.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_prepared_copies_bad_input(device):
+    cfg, w, x = _setup(device, M=1, fmt="mxfp4")
+    plan = _plan(cfg, x, w)
+    z, _ = latent_down(x, w["latent_down"], None)
+    with pytest.raises(ValueError, match="z_mma: expected a contiguous bf16"):
+        moe_stage1(z, plan, w["w13"], z_mma=z[:, :8].contiguous(), **_act(cfg))
+    with pytest.raises(ValueError, match="a_mma_out"):
+        moe_stage1(z, plan, w["w13"], a_mma_out=torch.empty(3, device=device), **_act(cfg))
+    a = moe_stage1(z, plan, w["w13"], **_act(cfg))
+    with pytest.raises(ValueError, match="a_mma"):
+        moe_stage2(a, plan, w["w2"], a_mma=a.float())
+    with pytest.raises(ValueError, match="z_mma_out"):
+        latent_down(x, None, w["shared_w13"], z_mma_out=z)
+
+
 def test_stage2_without_plan_buffer(device):
     cfg, w, x = _setup(device, M=2)
     plan = _plan(cfg, x, w, out=False)

@@ -1,7 +1,9 @@
-"""H200, issue 4 (session 8, call 3): the MXFP4 tensor-core stages at HEAD, with the prepared
-activations probe (kernels/moe.py _PROBE_X_PREPARED: z / a passed through
-mxfp4_mma.mma_prepare_x, as a producer would write them), K3 B1, graph replay, cold copies; tp 1:
-48 experts, 3 copies of 16; tp 8: 8 copies. Each variant twice, interleaved.
+"""H200, issue 4 (session 8, calls 3, 4 and 7): the MXFP4 tensor-core stages with plain and with
+prepared activations (z / a in mxfp4_mma.mma_prepare_x's layout, as the producers write them),
+K3 B1, graph replay, cold copies; tp 1: 48 experts, 3 copies of 16; tp 8: 8 copies. Each variant
+twice, interleaved. Calls 3 and 4 (07ac0ae, 2382648) passed the copies through a private probe
+switch of kernels/moe.py; since then the stage APIs take them (moe_stage1's z_mma, moe_stage2's
+a_mma), which this script calls: the same kernels.
 
 Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
 metric), correctness against the fp32 reference at the tests' tolerances. From the repo root:
@@ -20,25 +22,29 @@ from common import bw, dump, gt, rec  # noqa: E402
 from moe_stages import check_stage, stage_setup  # noqa: E402
 
 from k3lab.boundaries import moe as MB  # noqa: E402
-from k3lab.kernels import moe  # noqa: E402
-from k3lab.kernels.mxfp4_mma import mma_prepare_x  # noqa: E402
+from k3lab.kernels import moe_stage1, moe_stage2  # noqa: E402
 
 TAG = os.environ.get("TAG", "head")
 T0 = time.time()
 print(f"copy bw {bw / 1e12:.3f} TB/s, {TAG}", flush=True)
 ORDER = ("plain", "prepared", "plain", "prepared")
-KEY = {"stage1": "z", "stage2": "a"}
+
+
+def plain_fns(stage):
+    """The stage without its prepared input (stage_inputs' copies dropped)."""
+    if stage == "stage1":
+        return lambda i: moe_stage1(i["z"], i["plan"], i["weights"]["w13"],
+                                    activation=i["cfg"].activation, situ_beta=i["cfg"].situ_beta,
+                                    situ_linear_beta=i["cfg"].situ_linear_beta)
+    return lambda i: moe_stage2(i["a"], i["plan"], i["weights"]["w2"])
 
 
 def run(tp, n_copies, order):
     copies, wants = stage_setup(tp, n_copies)
-    prepared = [{**c, "z": mma_prepare_x(c["z"]), "a": mma_prepare_x(c["a"])} for c in copies]
     for variant in order:
-        xp = variant == "prepared"
-        moe._PROBE_X_PREPARED = {1: xp, 2: xp}
-        inputs = prepared if xp else copies
+        inputs = copies
         for stage in ("stage1", "stage2"):
-            fn = MB.stage_fns(stage)["fused"]
+            fn = MB.stage_fns(stage)["fused"] if variant == "prepared" else plain_fns(stage)
             nbytes = MB.stage_bytes(stage, copies[0])
             try:
                 ok, err, _ = check_stage(stage, fn, inputs[0], wants[stage])
@@ -50,8 +56,7 @@ def run(tp, n_copies, order):
                 traceback.print_exc()
                 rec(k="moe_call3", tag=TAG, tp=tp, stage=stage, variant=variant,
                     us=float("nan"), ok=False)
-    moe._PROBE_X_PREPARED = {1: False, 2: False}
-    del copies, prepared
+    del copies
     torch.cuda.empty_cache()
 
 

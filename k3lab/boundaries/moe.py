@@ -257,17 +257,26 @@ STAGE_TITLES = {
 
 def stage_inputs(inputs: dict) -> dict:
     """inputs plus each stage's own inputs, computed once by the grouped eager path: z, shared_a
-    (front), a (stage 1), y (stage 2)."""
+    (front), a (stage 1), y (stage 2); z_mma and a_mma, the copies of z and a that the fused
+    front and stage 1 write for the tensor-core tiles (``mma_prepare_x``; None where the size is
+    not a multiple of 8)."""
+    from k3lab.kernels.mxfp4_mma import mma_prepare_x
+
     w, cfg, plan = inputs["weights"], inputs["cfg"], inputs["plan"]
     z, sa = grouped_front(inputs["x"], w, cfg)
     a = grouped_stage1(z, plan, w["w13"], cfg)
     y = grouped_stage2(a, plan, w["w2"])
-    return {**inputs, "z": z.contiguous(), "shared_a": sa, "a": a.contiguous(), "y": y}
+    z, a = z.contiguous(), a.contiguous()
+    return {**inputs, "z": z, "shared_a": sa, "a": a, "y": y,
+            "z_mma": mma_prepare_x(z) if z.shape[-1] % 8 == 0 else None,
+            "a_mma": mma_prepare_x(a) if a.shape[-1] % 8 == 0 else None}
 
 
 def stage_fns(stage: str) -> dict:
     """{variant name: fn(stage inputs)} for one of STAGES: reference (bf16 model numerics, loop),
-    grouped (eager bmm / cuBLAS) and fused (this boundary's kernel for that stage)."""
+    grouped (eager bmm / cuBLAS) and fused (this boundary's kernel for that stage; as in
+    moe_block, the fused front and stage 1 also write the prepared copies of z and a that the
+    next stage's tensor-core tiles read)."""
     from k3lab.kernels import latent_down, latent_moe_tail, moe_stage1, moe_stage2
 
     def act(cfg):
@@ -277,7 +286,10 @@ def stage_fns(stage: str) -> dict:
     if stage == "front":
         def fused(i):
             w = i["weights"]
-            return latent_down(i["x"], w.get("latent_down"), w.get("shared_w13"), **act(i["cfg"]))
+            zp = (torch.empty_like(i["z_mma"]) if i.get("z_mma") is not None
+                  and w.get("latent_down") is not None else None)
+            return latent_down(i["x"], w.get("latent_down"), w.get("shared_w13"),
+                               z_mma_out=zp, **act(i["cfg"]))
 
         def eager(i):
             return grouped_front(i["x"], i["weights"], i["cfg"])
@@ -287,14 +299,18 @@ def stage_fns(stage: str) -> dict:
             "reference": lambda i: moe_stage1_reference(i["z"], i["plan"], i["weights"]["w13"],
                                                         dtype=torch.bfloat16, **act(i["cfg"])),
             "grouped": lambda i: grouped_stage1(i["z"], i["plan"], i["weights"]["w13"], i["cfg"]),
-            "fused": lambda i: moe_stage1(i["z"], i["plan"], i["weights"]["w13"], **act(i["cfg"])),
+            "fused": lambda i: moe_stage1(
+                i["z"], i["plan"], i["weights"]["w13"], z_mma=i.get("z_mma"),
+                a_mma_out=None if i.get("a_mma") is None else torch.empty_like(i["a_mma"]),
+                **act(i["cfg"])),
         }
     if stage == "stage2":
         return {
             "reference": lambda i: moe_stage2_reference(i["a"], i["plan"], i["weights"]["w2"],
                                                         dtype=torch.bfloat16),
             "grouped": lambda i: grouped_stage2(i["a"], i["plan"], i["weights"]["w2"]),
-            "fused": lambda i: moe_stage2(i["a"], i["plan"], i["weights"]["w2"]),
+            "fused": lambda i: moe_stage2(i["a"], i["plan"], i["weights"]["w2"],
+                                          a_mma=i.get("a_mma")),
         }
     if stage == "tail":
         def fused(i):
