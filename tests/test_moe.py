@@ -979,3 +979,19 @@ def test_gpu_device_mismatch():
     z, _ = latent_down(x, w["latent_down"])
     with pytest.raises(ValueError, match="w13"):
         moe_stage1(z, plan, w["w13"].cpu())
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_stage_inputs_prepare_only_for_mxfp4(fmt, device):
+    """The per-stage inputs carry the prepared copies only where the MXFP4 tensor-core tiles read
+    them (a request for bf16 experts would only change how stage 1 compiles)."""
+    from k3lab.boundaries import moe as bmoe
+    from k3lab.kernels.mxfp4_mma import mma_prepare_x
+
+    cfg = preset("tiny", 1)
+    s = bmoe.stage_inputs(bmoe.make_inputs(cfg, device, 0, M=1, expert_format=fmt))
+    if fmt == "bf16":
+        assert s["z_mma"] is None and s["a_mma"] is None
+    else:
+        assert torch.equal(s["z_mma"], mma_prepare_x(s["z"]))
+        assert torch.equal(s["a_mma"], mma_prepare_x(s["a"]))

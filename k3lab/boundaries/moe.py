@@ -258,8 +258,8 @@ STAGE_TITLES = {
 def stage_inputs(inputs: dict) -> dict:
     """inputs plus each stage's own inputs, computed once by the grouped eager path: z, shared_a
     (front), a (stage 1), y (stage 2); z_mma and a_mma, the copies of z and a that the fused
-    front and stage 1 write for the tensor-core tiles (``mma_prepare_x``; None where the size is
-    not a multiple of 8)."""
+    front and stage 1 write for the MXFP4 tensor-core tiles (``mma_prepare_x``; None for bf16
+    experts, which nothing would read them for, or where the size is not a multiple of 8)."""
     from k3lab.kernels.mxfp4_mma import mma_prepare_x
 
     w, cfg, plan = inputs["weights"], inputs["cfg"], inputs["plan"]
@@ -267,9 +267,13 @@ def stage_inputs(inputs: dict) -> dict:
     a = grouped_stage1(z, plan, w["w13"], cfg)
     y = grouped_stage2(a, plan, w["w2"])
     z, a = z.contiguous(), a.contiguous()
+
+    def prepared(t, experts):
+        return mma_prepare_x(t) if isinstance(experts, MXFP4) and t.shape[-1] % 8 == 0 else None
+
     return {**inputs, "z": z, "shared_a": sa, "a": a, "y": y,
-            "z_mma": mma_prepare_x(z) if z.shape[-1] % 8 == 0 else None,
-            "a_mma": mma_prepare_x(a) if a.shape[-1] % 8 == 0 else None}
+            "z_mma": prepared(z, w["w13"]) if cfg.latent else None,
+            "a_mma": prepared(a, w["w2"])}
 
 
 def stage_fns(stage: str) -> dict:
