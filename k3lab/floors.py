@@ -42,6 +42,16 @@ REPEATS = 20
 
 
 @triton.jit
+def _chunk_sum(p, base, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """fp32 sum of p[base : base + CHUNK] (below n), CHUNK / BLOCK loads unrolled."""
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(0, CHUNK, BLOCK):
+        o = base + j + tl.arange(0, BLOCK)
+        acc += tl.load(p + o, mask=o < n, other=0.0).to(tl.float32)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
 def _stream_kernel(p, partial, counter, result, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                    LAST: tl.constexpr, TRIGGER: tl.constexpr, NP2: tl.constexpr):
     """Program i sums elements [i * CHUNK, (i + 1) * CHUNK) of p (CHUNK / BLOCK unrolled loads)
@@ -50,12 +60,7 @@ def _stream_kernel(p, partial, counter, result, n, CHUNK: tl.constexpr, BLOCK: t
     pid = tl.program_id(0)
     if TRIGGER:
         gdc_launch_dependents()
-    base = pid.to(tl.int64) * CHUNK
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(0, CHUNK, BLOCK):
-        o = base + j + tl.arange(0, BLOCK)
-        acc += tl.load(p + o, mask=o < n, other=0.0).to(tl.float32)
-    tl.store(partial + pid, tl.sum(acc, 0))
+    tl.store(partial + pid, _chunk_sum(p, pid.to(tl.int64) * CHUNK, n, CHUNK, BLOCK))
     if LAST:
         tl.debug_barrier()
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -90,12 +95,8 @@ def _update_kernel(state, w, partial, n_state, n_w, STATE_PROGRAMS, CHUNK: tl.co
             m = o < n_state
             tl.store(state + o, tl.load(state + o, mask=m) * 0.5 + 1.0, mask=m)
     else:
-        base = (pid - STATE_PROGRAMS).to(tl.int64) * CHUNK
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for j in tl.static_range(0, CHUNK, BLOCK):
-            o = base + j + tl.arange(0, BLOCK)
-            acc += tl.load(w + o, mask=o < n_w, other=0.0).to(tl.float32)
-        tl.store(partial + pid, tl.sum(acc, 0))
+        tl.store(partial + pid, _chunk_sum(w, (pid - STATE_PROGRAMS).to(tl.int64) * CHUNK, n_w,
+                                           CHUNK, BLOCK))
 
 
 class _Stream:

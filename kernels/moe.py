@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.mxfp4_mma import MMA_WARPS, fp4_mma_gemv, mma_layout_problem
+from k3lab.kernels.mxfp4_mma import MMA_WARPS, fp4_mma_gemv, mma_layout_problem, store_prepared_x
 from k3lab.plan import RoutePlan
 from k3lab.weights import MXFP4
 
@@ -162,7 +162,6 @@ FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
 FP4_MMA_X_PREPARED = True
 _MMA_XP = 8192  # the X_PREPARED bit of an FP4 code
 MMA_XP_BIT = tl.constexpr(_MMA_XP)
-X_PREPARED_MUL = tl.constexpr(2.0 ** 100)  # mxfp4_mma.X_SCALE_EXP
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -199,16 +198,6 @@ def _to_bf16(x):
     b = x.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
     return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
-
-
-@triton.jit
-def _store_prepared(p, o_row, o_col, N, b_bf16, mask):
-    """Store bf16 [rows, cols] values at columns o_col of rows o_row of a [.., N] tensor in the
-    layout of mxfp4_mma.mma_prepare_x: in each word of 8 columns, column c at 2 (c % 4) + c // 4
-    of the word (the order (0, 4, 1, 5, 2, 6, 3, 7)), times 2^100 (exact)."""
-    o_p = o_col - o_col % 8 + 2 * (o_col % 4) + o_col % 8 // 4
-    tl.store(p + o_row[:, None] * N + o_p[None, :],
-             (b_bf16.to(tl.float32) * X_PREPARED_MUL).to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -513,7 +502,7 @@ def _moe_front_kernel(p_x, p_down, p_z, p_zp, p_sw13, p_sa, M, H_PAIRS, D, S, n_
         b_zb = _to_bf16(b_z)
         tl.store(p_z + o_m[:, None] * D + o_n[None, :], b_zb, mask=m_m[:, None] & m_n[None, :])
         if PREPARED:
-            _store_prepared(p_zp, o_m, o_n, D, b_zb, m_m[:, None] & m_n[None, :])
+            store_prepared_x(p_zp, o_m, o_n, D, b_zb, m_m[:, None] & m_n[None, :])
 
 
 @triton.jit
@@ -557,7 +546,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
         tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], b_ab,
                  mask=m_ent[:, None] & m_n[None, :])
         if PREPARED:
-            _store_prepared(p_ap, b_ent, o_n, N_I, b_ab, m_ent[:, None] & m_n[None, :])
+            store_prepared_x(p_ap, b_ent, o_n, N_I, b_ab, m_ent[:, None] & m_n[None, :])
 
 
 @triton.jit

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fp4_mma_gemv", "mma_prepare_x", "mma_layout_problem", "MMA_WARPS",
+__all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "mma_layout_problem", "MMA_WARPS",
            "MMA_OPERAND_LAYOUT"]
 
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
@@ -305,6 +305,17 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     y = tl.sum(tl.reshape(acc, [WN, WARPS_K, 8, 4, R, 2, 2]), axis=6)
     y = tl.sum(tl.sum(y, axis=3), axis=1)  # [WN, 8 (g), R, 2 (chi)]
     return tl.reshape(tl.permute(y, [2, 0, 3, 1]), [R, WN * 16])
+
+
+@triton.jit
+def store_prepared_x(p, o_row, o_col, N, b_bf16, mask):
+    """In-kernel counterpart of mma_prepare_x, for a producer writing the copy beside its output:
+    bf16 values [rows, cols] of columns o_col of rows o_row of a [.., N] tensor, stored with
+    column c of each word of 8 at 2 (c % 4) + c // 4 (the order (0, 4, 1, 5, 2, 6, 3, 7)) and
+    times 2^100 (exact)."""
+    o_p = o_col - o_col % 8 + 2 * (o_col % 4) + o_col % 8 // 4
+    tl.store(p + o_row[:, None] * N + o_p[None, :],
+             (b_bf16.to(tl.float32) * X_MUL).to(tl.bfloat16), mask=mask)
 
 
 def mma_prepare_x(x):
