@@ -67,25 +67,68 @@ def _pair_ptx(dst: str, src: str, n: int, src8: str | None) -> str:
     return f"{sign} {mag} and.b32 m, m, 0x01C001C0; or.b32 {dst}, m, s;\n"
 
 
-def _mma_ptx(byte_shift: bool = True) -> str:
+# bits of a bf16x2 pair taken from the magnitude source in the bit-select decode: the two
+# magnitude fields (6..8, 22..24) and the positions (3, 11, 19, 27) where the shifted sign word
+# holds other codes' signs (and the magnitude source, by the code parity, zeros)
+SELECT_MAG = 0x09C809C8
+
+
+def _select_pair_ptx(dst: str, signs: str, mags: str, n: int, right_shift: str) -> str:
+    """PTX: codes n (low half) and n + 4 (high half) as bf16x2 2^-126 * value by bit select:
+    ``signs`` (the word's 8 sign bits, in place) shifted so that codes n / n + 4 have theirs at
+    15 / 31, ``mags`` (the magnitudes of the codes of n's parity, the others zeroed) shifted so
+    that theirs are at 6..8 / 22..24; one LOP3 takes SELECT_MAG's bits from the magnitudes and
+    the rest from the signs. The other codes' sign bits land on positions 3 + 4j: those outside
+    15 / 31 are selected from the magnitudes, where the codes of the other parity (zeroed) would
+    be. right_shift: 'shr' or 'mul.hi' (a multiply's high word: the FMA pipe instead of the
+    ALU's)."""
+    s_sh, m_sh = 12 - 4 * n, 6 - 4 * n
+    sign = f"shl.b32 s, {signs}, {s_sh};" if s_sh else f"mov.b32 s, {signs};"
+    if m_sh >= 0:
+        mag = f"shl.b32 m, {mags}, {m_sh};"
+    elif right_shift == "shr":
+        mag = f"shr.u32 m, {mags}, {-m_sh};"
+    else:
+        mag = f"mul.hi.u32 m, {mags}, {1 << (32 + m_sh)};"
+    # lop3 LUT: a = m (0xF0), b = s (0xCC), c = mask (0xAA): (a & c) | (b & ~c) = 0xE4
+    return f"{sign} {mag} lop3.b32 {dst}, m, s, msk, 0xE4;\n"
+
+
+def _mma_ptx(decode: str = "select", right_shift: str = "mul.hi") -> str:
     """pack=4 block: D (4 fp32) of 8 chained mmas over a thread's 4 words of row g ($4..$7) and
     row g + 8 ($8..$11) with B registers ($12.. four per word: x pairs (0, 4), (1, 5), (2, 6),
-    (3, 7) of the word's 8 elements). byte_shift False: the previous decode, for A/B timing
-    (``MMA_PTX = tl.constexpr(_mma_ptx(False))`` before the first compile)."""
-    body = ["{", ".reg .b32 s, m, a0, a1, a2, a3, r8lo, r8hi;",
+    (3, 7) of the word's 8 elements). decode: 'select' (three masks a word, then a shift pair
+    and one bit-select LOP3 a code pair: 7 ALU-pipe instructions a word), 'byte_shift' (the
+    previous one, 9), 'shift' (the one before, 9 with a right shift each for codes 2, 3); the
+    older ones are kept for A/B timing (``MMA_PTX = tl.constexpr(_mma_ptx('byte_shift'))``
+    before the first compile)."""
+    if decode not in ("select", "byte_shift", "shift"):
+        raise ValueError(f"decode: expected 'select', 'byte_shift' or 'shift', got {decode!r}")
+    body = ["{", ".reg .b32 s, m, a0, a1, a2, a3, r8lo, r8hi, sl, el, ol, sh, eh, oh, msk;",
+            f"mov.b32 msk, {SELECT_MAG};",
             "mov.f32 $0, 0f00000000; mov.f32 $1, 0f00000000;",
             "mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000;"]
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
     for u in range(4):
         lo, hi = f"${4 + u}", f"${8 + u}"
-        lo8, hi8 = ("r8lo", "r8hi") if byte_shift else (None, None)
-        if byte_shift:
+        if decode == "select":
+            body.append(f"and.b32 sl, {lo}, 0x88888888; and.b32 el, {lo}, 0x07070707; "
+                        f"and.b32 ol, {lo}, 0x70707070; and.b32 sh, {hi}, 0x88888888; "
+                        f"and.b32 eh, {hi}, 0x07070707; and.b32 oh, {hi}, 0x70707070;")
+        elif decode == "byte_shift":
             body.append(f"shr.u32 r8lo, {lo}, 8; shr.u32 r8hi, {hi}, 8;")
+        lo8, hi8 = ("r8lo", "r8hi") if decode == "byte_shift" else (None, None)
         b = [f"${12 + 4 * j + u}" for j in range(4)]  # B tensors A, B, C, D: arg-major
         for half in range(2):  # codes (0, 4, 1, 5) then (2, 6, 3, 7)
             n0, n1 = 2 * half, 2 * half + 1
-            body += [_pair_ptx("a0", lo, n0, lo8), _pair_ptx("a1", hi, n0, hi8),
-                     _pair_ptx("a2", lo, n1, lo8), _pair_ptx("a3", hi, n1, hi8)]
+            if decode == "select":  # even n from the even codes' magnitudes, odd n the odd
+                body += [_select_pair_ptx("a0", "sl", "el", n0, right_shift),
+                         _select_pair_ptx("a1", "sh", "eh", n0, right_shift),
+                         _select_pair_ptx("a2", "sl", "ol", n1, right_shift),
+                         _select_pair_ptx("a3", "sh", "oh", n1, right_shift)]
+            else:
+                body += [_pair_ptx("a0", lo, n0, lo8), _pair_ptx("a1", hi, n0, hi8),
+                         _pair_ptx("a2", lo, n1, lo8), _pair_ptx("a3", hi, n1, hi8)]
             body.append(f"{mma} {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, "
                         f"{{{b[2 * half]}, {b[2 * half + 1]}}}, {{$0, $1, $2, $3}};")
     body.append("}")

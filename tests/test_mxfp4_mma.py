@@ -158,3 +158,100 @@ def test_layout_check_flags_another_layout():
            "(tensor<256x2x4xi32, #blocked2>) -> tensor<256x2x4xf32, #blocked2>\n")
     assert "threadsPerWarp = [16, 2, 1]" in mma_layout_problem(bad)
     assert mma_layout_problem("no kernel here") == "no mma inline asm in the kernel"
+
+
+# ---------------------------------------------------------------------------------------------
+# the inline PTX's decode, executed on CPU: the interpreter runs the emulation instead of the PTX,
+# so this runs the PTX text itself (its integer instructions, on numpy words) and checks every
+# mma's A fragment against the E2M1 codes
+
+
+def _run_decode_ptx(ptx, lo, hi):
+    """[(A registers, B operand names)] of each mma in the MMA_PTX block ``ptx`` with the words
+    $4..$7 = lo[:, u], $8..$11 = hi[:, u] (uint32 arrays [n, 4])."""
+    import re
+
+    import numpy as np
+
+    regs = {f"${4 + u}": lo[:, u] for u in range(4)} | {f"${8 + u}": hi[:, u] for u in range(4)}
+    mask = np.uint64(0xFFFFFFFF)
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    mmas = []
+    for stmt in re.split(r";\s*", ptx.replace("\n", " ")):
+        stmt = stmt.strip(" {}")
+        if not stmt or stmt.startswith(".reg") or stmt.startswith("mov.f32"):
+            continue
+        op, args = stmt.split(None, 1)
+        if op.startswith("mma."):
+            a_regs, b_regs = re.findall(r"\{([^}]*)\}", args)[1:3]
+            mmas.append(([regs[r.strip()] for r in a_regs.split(",")],
+                         [r.strip() for r in b_regs.split(",")]))
+            continue
+        dst, *src = [t.strip() for t in args.split(",")]
+        v = [val(t) for t in src]
+        w = [np.asarray(x, dtype=np.uint64) for x in v]
+        if op == "mov.b32":
+            out = w[0]
+        elif op == "and.b32":
+            out = w[0] & w[1]
+        elif op == "or.b32":
+            out = w[0] | w[1]
+        elif op == "shl.b32":
+            out = (w[0] << w[1]) & mask
+        elif op == "shr.u32":
+            out = w[0] >> w[1]
+        elif op == "mul.hi.u32":
+            out = (w[0] * w[1]) >> np.uint64(32)
+        elif op == "lop3.b32":
+            lut = int(src[3], 0)
+            out = np.zeros_like(w[0] | w[1] | w[2])
+            for bits in range(8):  # the LUT index is a << 2 | b << 1 | c, a bit at a time
+                a, b, c = (w[0] if bits & 4 else ~w[0]), (w[1] if bits & 2 else ~w[1]), \
+                    (w[2] if bits & 1 else ~w[2])
+                if lut >> bits & 1:
+                    out |= a & b & c
+            out &= mask
+        else:
+            raise AssertionError(f"unsimulated PTX instruction {op!r}")
+        regs[dst] = np.asarray(out, dtype=np.uint64).astype(np.uint32)
+    return mmas
+
+
+def _pair_truth(words, n):
+    """bf16x2 bits of 2^-126 x the E2M1 values of codes n (low half) and n + 4 (high half)."""
+    import numpy as np
+
+    out = np.zeros_like(words)
+    for half, c in ((0, n), (1, n + 4)):
+        code = (words >> np.uint32(4 * c)) & np.uint32(15)
+        out |= (((code & np.uint32(8)) << np.uint32(12))
+                | ((code & np.uint32(7)) << np.uint32(6))) << np.uint32(16 * half)
+    return out
+
+
+@pytest.mark.parametrize("decode,right_shift", [("select", "mul.hi"), ("select", "shr"),
+                                                 ("byte_shift", "mul.hi"), ("shift", "mul.hi")],
+                         ids=["select-mulhi", "select-shr", "byte_shift", "shift"])
+def test_ptx_decode_gives_the_codes(decode, right_shift):
+    import numpy as np
+
+    from k3lab.kernels import mxfp4_mma
+
+    rng = np.random.default_rng(7)
+    words = rng.integers(0, 1 << 32, size=(2, 4096, 4), dtype=np.uint64).astype(np.uint32)
+    words[:, :4] = np.array([0, 0xFFFFFFFF, 0x88888888, 0x77777777], dtype=np.uint32)[:, None]
+    mmas = _run_decode_ptx(mxfp4_mma._mma_ptx(decode, right_shift), words[0], words[1])
+    assert len(mmas) == 8
+    for i, (a, b) in enumerate(mmas):
+        u, half = divmod(i, 2)
+        for reg, (row, n) in zip(a, ((0, 2 * half), (1, 2 * half), (0, 2 * half + 1),
+                                     (1, 2 * half + 1)), strict=True):
+            np.testing.assert_array_equal(reg, _pair_truth(words[row][:, u], n))
+        assert b == [f"${12 + 4 * (2 * half) + u}", f"${12 + 4 * (2 * half + 1) + u}"]
+    assert mxfp4_mma.MMA_PTX.value == mxfp4_mma._mma_ptx()
+    with pytest.raises(ValueError, match="decode"):
+        mxfp4_mma._mma_ptx("lut")

@@ -1,0 +1,53 @@
+"""H200, issue 4 (session 9): the MXFP4 tensor-core stages under each E2M1 decode of
+kernels/mxfp4_mma._mma_ptx (DECODE=select: three masks a word and one bit-select LOP3 a code pair,
+the right shifts as RS=mul.hi or RS=shr; DECODE=byte_shift: session 8's), set before the first
+compile, so each decode is its own process; within one, the stage tiles (auto, stage 1 with
+WARPS_K 2, stage 2 with WARPS_K 4), each twice, interleaved. K3 B1, tp 1 (48 experts, 3 cold
+copies of 16), prepared activations (the stage APIs' z_mma / a_mma, as moe_block runs them),
+graph replay, median of 10.
+
+Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
+metric), correctness against the fp32 reference at the tests' tolerances. From the repo root:
+    DECODE=select RS=mul.hi python3 benchmarks/session9/moe_decode.py   # $OUT/moe_decode_<tag>.json
+"""
+
+import os
+import sys
+import time
+import traceback
+
+import triton.language as tl
+
+sys.path.insert(0, "benchmarks/h200_tuning")
+from common import bw, dump, gt, rec  # noqa: E402
+from moe_stages import check_stage, stage_setup  # noqa: E402
+
+from k3lab.boundaries import moe as MB  # noqa: E402
+from k3lab.kernels import moe, mxfp4_mma  # noqa: E402
+
+DECODE, RS = os.environ.get("DECODE", "select"), os.environ.get("RS", "mul.hi")
+TAG = f"{DECODE}_{RS.replace('.', '')}" + os.environ.get("RUN", "")
+mxfp4_mma.MMA_PTX = tl.constexpr(mxfp4_mma._mma_ptx(DECODE, RS))
+TILES = {"auto": None, "s1wk2": {1: (2, 2, 1), 2: (2, 2, 1)}, "s2wk4": {1: (2, 1, 1), 2: (2, 4, 1)}}
+ORDER = ("auto", "s1wk2", "s2wk4", "auto", "s1wk2", "s2wk4")
+T0 = time.time()
+print(f"copy bw {bw / 1e12:.3f} TB/s, {TAG}", flush=True)
+
+copies, wants = stage_setup(1, 3)
+for tiles in ORDER:
+    moe.FP4_MMA_TILES = TILES[tiles]
+    for stage in ("stage1", "stage2"):
+        fn = MB.stage_fns(stage)["fused"]
+        nbytes = MB.stage_bytes(stage, copies[0])
+        try:
+            ok, err, _ = check_stage(stage, fn, copies[0], wants[stage])
+            us = gt(fn, copies, repeats=10)
+            rec(k="moe_decode", tag=TAG, decode=DECODE, rs=RS, tiles=tiles, stage=stage,
+                us=round(us, 2), frac=round(nbytes / bw * 1e6 / us, 3), ok=ok, max_err=err,
+                t=round(time.time() - T0, 1))
+        except Exception:
+            traceback.print_exc()
+            rec(k="moe_decode", tag=TAG, tiles=tiles, stage=stage, us=float("nan"), ok=False)
+moe.FP4_MMA_TILES = None
+dump(f"moe_decode_{TAG}.json")
+print("done", round(time.time() - T0, 1), flush=True)
