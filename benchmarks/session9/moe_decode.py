@@ -1,14 +1,16 @@
 """H200, issue 4 (session 9): the MXFP4 tensor-core stages under each E2M1 decode of
 kernels/mxfp4_mma._mma_ptx (DECODE=select: three masks a word and one bit-select LOP3 a code pair,
 the right shifts as RS=mul.hi or RS=shr; DECODE=byte_shift: session 8's), set before the first
-compile, so each decode is its own process; within one, the stage tiles (auto, stage 1 with
-WARPS_K 2, stage 2 with WARPS_K 4), each twice, interleaved. K3 B1, tp 1 (48 experts, 3 cold
+compile, so each decode is its own process; within one, the stage tiles named in ORDER (keys of
+TILES; FP4_MMA_TILES (R, WARPS_K, prefetch) per stage), interleaved. K3 B1, tp 1 (48 experts, 3 cold
 copies of 16), prepared activations (the stage APIs' z_mma / a_mma, as moe_block runs them),
 graph replay, median of 10.
 
 Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
 metric), correctness against the fp32 reference at the tests' tolerances. From the repo root:
-    DECODE=select RS=mul.hi python3 benchmarks/session9/moe_decode.py   # $OUT/moe_decode_<tag>.json
+    DECODE=select RS=shr RUN=a ORDER="auto s1wk2 auto s1wk2" \
+        python3 benchmarks/session9/moe_decode.py            # writes $OUT/moe_decode_<tag>.json
+Call 1 ran the default ORDER; call 2 the ORDER in benchmarks/session9/README.md.
 """
 
 import os
@@ -27,9 +29,12 @@ from k3lab.kernels import moe, mxfp4_mma  # noqa: E402
 
 DECODE, RS = os.environ.get("DECODE", "select"), os.environ.get("RS", "mul.hi")
 TAG = f"{DECODE}_{RS.replace('.', '')}" + os.environ.get("RUN", "")
-mxfp4_mma.MMA_PTX = tl.constexpr(mxfp4_mma._mma_ptx(DECODE, RS))
-TILES = {"auto": None, "s1wk2": {1: (2, 2, 1), 2: (2, 2, 1)}, "s2wk4": {1: (2, 1, 1), 2: (2, 4, 1)}}
-ORDER = ("auto", "s1wk2", "s2wk4", "auto", "s1wk2", "s2wk4")
+mxfp4_mma.MMA_PTX = tl.constexpr(mxfp4_mma._mma_ptx(DECODE, RS, os.environ.get("SIGNS", "and")))
+TILES = {"auto": None, "s1wk2": {1: (2, 2, 1), 2: (2, 2, 1)}, "s2wk4": {1: (2, 1, 1), 2: (2, 4, 1)},
+         "s2pf2": {1: (2, 1, 1), 2: (2, 2, 2)}, "s2pf0": {1: (2, 1, 1), 2: (2, 2, 0)},
+         "s2r1": {1: (2, 1, 1), 2: (1, 1, 1)}, "s2r1wk2": {1: (2, 1, 1), 2: (1, 2, 1)},
+         "s2wk1": {1: (2, 1, 1), 2: (2, 1, 1)}}
+ORDER = tuple(os.environ.get("ORDER", "auto s1wk2 s2wk4 auto s1wk2 s2wk4").split())
 T0 = time.time()
 print(f"copy bw {bw / 1e12:.3f} TB/s, {TAG}", flush=True)
 
