@@ -94,7 +94,7 @@ def _select_pair_ptx(dst: str, signs: str, mags: str, n: int, right_shift: str) 
     return f"{sign} {mag} lop3.b32 {dst}, m, s, msk, 0xE4;\n"
 
 
-def _mma_ptx(decode: str = "select", right_shift: str = "shr", signs: str = "and") -> str:
+def _mma_ptx(decode: str = "select", right_shift: str = "shr") -> str:
     """pack=4 block: D (4 fp32) of 8 chained mmas over a thread's 4 words of row g ($4..$7) and
     row g + 8 ($8..$11) with B registers ($12.. four per word: x pairs (0, 4), (1, 5), (2, 6),
     (3, 7) of the word's 8 elements). decode: 'select' (three masks a word, then a shift pair
@@ -113,9 +113,8 @@ def _mma_ptx(decode: str = "select", right_shift: str = "shr", signs: str = "and
         lo, hi = f"${4 + u}", f"${8 + u}"
         if decode == "select":
             for w, sg, ev, od in ((lo, "sl", "el", "ol"), (hi, "sh", "eh", "oh")):
-                body.append(f"and.b32 {ev}, {w}, 0x07070707; and.b32 {od}, {w}, 0x70707070; "
-                            + (f"and.b32 {sg}, {w}, 0x88888888;" if signs == "and" else
-                               f"mad.lo.u32 {sg}, {ev}, -1, {w}; mad.lo.u32 {sg}, {od}, -1, {sg};"))
+                body.append(f"and.b32 {sg}, {w}, 0x88888888; and.b32 {ev}, {w}, 0x07070707; "
+                            f"and.b32 {od}, {w}, 0x70707070;")
         elif decode == "byte_shift":
             body.append(f"shr.u32 r8lo, {lo}, 8; shr.u32 r8hi, {hi}, 8;")
         lo8, hi8 = ("r8lo", "r8hi") if decode == "byte_shift" else (None, None)
