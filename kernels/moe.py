@@ -162,6 +162,13 @@ FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
 FP4_MMA_X_PREPARED = True
 _MMA_XP = 8192  # the X_PREPARED bit of an FP4 code
 MMA_XP_BIT = tl.constexpr(_MMA_XP)
+# PLAN_LOADS_VOLATILE: the stage kernels read the plan (count, entries, expert, stage 2's router
+#   weights) with volatile loads, which the compiler keeps where they are written, before the
+#   validity branch: one round trip before the first weight load. Plain loads get sunk into the
+#   branch where they are used: the entries and the expert then wait for the count (a second
+#   round trip before the weights) and stage 2's router weights come after the K loop (a third,
+#   before the atomics). Offline sm_90 SASS, Triton 3.6; H200 timing: benchmarks/session9.
+PLAN_LOADS_VOLATILE = True
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -463,11 +470,13 @@ def _gate_up_act(p_x, o_xrow, m_xrow, p_w, p_s, o_n, m_n, N_HALF, K_PAIRS, beta,
 
 
 @triton.jit
-def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr):
-    """Entries (token * top_k + slot), their tokens and validity for plan tile i_b."""
+def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr,
+               VOLATILE: tl.constexpr = True):
+    """Entries (token * top_k + slot), their tokens and validity for plan tile i_b (VOLATILE:
+    see PLAN_LOADS_VOLATILE)."""
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < block_m
-    b_ent = tl.load(p_sorted + i_b * block_m + o_m, mask=m_m, other=n_entries)
+    b_ent = tl.load(p_sorted + i_b * block_m + o_m, mask=m_m, other=n_entries, volatile=VOLATILE)
     m_ent = b_ent < n_entries
     return b_ent, b_ent // top_k, m_ent
 
@@ -512,7 +521,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
                        ZERO_OUT: tl.constexpr, ZERO_SYNC: tl.constexpr,
                        ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
-                       PREPARED: tl.constexpr = False):
+                       PREPARED: tl.constexpr = False, PLAN_VOLATILE: tl.constexpr = True):
     """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T) (z as
     mma_prepare_x wrote it where the FP4 code has the X_PREPARED bit); PREPARED: also a's
     mma_prepare_x copy at p_ap. Side jobs: zero stage 2's accumulator (a slice per program) and
@@ -525,10 +534,11 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
         o_s = tl.arange(0, 2)
         tl.store(p_sync + o_s, tl.zeros([2], dtype=tl.int32), mask=(i_b + i_n + o_s * 0) == 0)
     # the plan's count, entries and expert in one round trip (all in bounds for every tile):
-    # the weight addresses wait for them
-    n_valid = tl.load(p_num_valid)
-    b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
-    i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+    # the weight addresses wait for them (PLAN_VOLATILE: see PLAN_LOADS_VOLATILE)
+    n_valid = tl.load(p_num_valid, volatile=PLAN_VOLATILE)
+    b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M,
+                                     PLAN_VOLATILE)
+    i_e = tl.load(p_block_expert + i_b, volatile=PLAN_VOLATILE).to(tl.int64)
     if i_b * block_m < n_valid:
         p_we = p_w + i_e * (2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS))
         p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
@@ -553,7 +563,8 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
 def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                  p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
                  FP4: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
+                 PLAN_VOLATILE: tl.constexpr = True):
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
     slot order and stores."""
@@ -580,9 +591,15 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
         tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
     else:
-        n_valid = tl.load(p_num_valid)  # with the entries and expert: one round trip
-        b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
-        i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+        # the plan's count, entries, expert and router weights in one round trip (PLAN_VOLATILE:
+        # see PLAN_LOADS_VOLATILE)
+        n_valid = tl.load(p_num_valid, volatile=PLAN_VOLATILE)
+        b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M,
+                                         PLAN_VOLATILE)
+        i_e = tl.load(p_block_expert + i_b, volatile=PLAN_VOLATILE).to(tl.int64)
+        o_m = tl.arange(0, BLOCK_M)
+        b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0,
+                      volatile=PLAN_VOLATILE)
         if i_b * block_m < n_valid:
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
             p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
@@ -594,8 +611,6 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             else:
                 b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
                             BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
-            o_m = tl.arange(0, BLOCK_M)
-            b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
             tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
                           mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
 
@@ -656,7 +671,7 @@ def _moe_stage2_tail_kernel(
         DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
         BLOCK_KP2: tl.constexpr, LATENT: tl.constexpr, SHARED: tl.constexpr,
         BLOCK_MT: tl.constexpr, BLOCK_NT: tl.constexpr, BLOCK_KPT: tl.constexpr,
-        BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr):
+        BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr, PLAN_VOLATILE: tl.constexpr = True):
     """Stage 2, the tail, or both in one launch. Both: each program takes a ticket (atomic
     counter p_sync[0]); tickets [0, n_stage2) run stage-2 tiles and then count themselves done in
     p_sync[1] (release); later tickets run tail tiles, which wait for all stage-2 tiles
@@ -667,7 +682,8 @@ def _moe_stage2_tail_kernel(
         if i_t < n_stage2:
             _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                          p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
-                         n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2, TOKEN_LOOP)
+                         n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2, TOKEN_LOOP,
+                         PLAN_VOLATILE)
             tl.debug_barrier()  # every thread's adds issued before the release below
             tl.atomic_add(p_sync + 1, 1, sem="release")
         else:
@@ -678,7 +694,7 @@ def _moe_stage2_tail_kernel(
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
                      I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2,
-                     TOKEN_LOOP)
+                     TOKEN_LOOP, PLAN_VOLATILE)
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
@@ -1067,8 +1083,8 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
             m * d, float(situ_beta), float(situ_linear_beta))
     kwargs = dict(ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
                   ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
-                  TOKEN_LOOP=_token_loop(), PREPARED=a_mma_out is not None, num_warps=NUM_WARPS,
-                  **_reg_cap(mode, 1))
+                  TOKEN_LOOP=_token_loop(), PREPARED=a_mma_out is not None,
+                  PLAN_VOLATILE=PLAN_LOADS_VOLATILE, num_warps=NUM_WARPS, **_reg_cap(mode, 1))
     if mode >= _MMA_BASE:
         _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
     _moe_stage1_kernel[grid](*args, **kwargs)
@@ -1187,7 +1203,8 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
         kw["p_y"] = tail[0]["p_y"] if stage2 is None else stage2[2]
     n = (stage2[1] if stage2 else 0) + (tail[1] if tail else 0)
     kw["p_sync"] = sync if sync is not None else kw["p_y"]
-    kw.update(STAGE2=stage2 is not None, TAIL=tail is not None, TOKEN_LOOP=_token_loop())
+    kw.update(STAGE2=stage2 is not None, TAIL=tail is not None, TOKEN_LOOP=_token_loop(),
+              PLAN_VOLATILE=PLAN_LOADS_VOLATILE)
     return kw, n
 
 

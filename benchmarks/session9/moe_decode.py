@@ -2,7 +2,8 @@
 kernels/mxfp4_mma._mma_ptx (DECODE=select: three masks a word and one bit-select LOP3 a code pair,
 the right shifts as RS=mul.hi or RS=shr; DECODE=byte_shift: session 8's), set before the first
 compile, so each decode is its own process; within one, the stage tiles named in ORDER (keys of
-TILES; FP4_MMA_TILES (R, WARPS_K, prefetch) per stage), interleaved. K3 B1, tp 1 (48 experts, 3 cold
+TILES; FP4_MMA_TILES (R, WARPS_K, prefetch) per stage; a ":novol" suffix: the plan read with
+plain loads, kernels/moe.PLAN_LOADS_VOLATILE off), interleaved. K3 B1, tp 1 (48 experts, 3 cold
 copies of 16), prepared activations (the stage APIs' z_mma / a_mma, as moe_block runs them),
 graph replay, median of 10.
 
@@ -39,20 +40,22 @@ T0 = time.time()
 print(f"copy bw {bw / 1e12:.3f} TB/s, {TAG}", flush=True)
 
 copies, wants = stage_setup(1, 3)
-for tiles in ORDER:
+for name in ORDER:  # "tiles" or "tiles:novol" (the plan read with plain loads)
+    tiles, _, vol = name.partition(":")
     moe.FP4_MMA_TILES = TILES[tiles]
+    moe.PLAN_LOADS_VOLATILE = vol != "novol"
     for stage in ("stage1", "stage2"):
         fn = MB.stage_fns(stage)["fused"]
         nbytes = MB.stage_bytes(stage, copies[0])
         try:
             ok, err, _ = check_stage(stage, fn, copies[0], wants[stage])
             us = gt(fn, copies, repeats=10)
-            rec(k="moe_decode", tag=TAG, decode=DECODE, rs=RS, tiles=tiles, stage=stage,
+            rec(k="moe_decode", tag=TAG, decode=DECODE, rs=RS, tiles=name, stage=stage,
                 us=round(us, 2), frac=round(nbytes / bw * 1e6 / us, 3), ok=ok, max_err=err,
                 t=round(time.time() - T0, 1))
         except Exception:
             traceback.print_exc()
-            rec(k="moe_decode", tag=TAG, tiles=tiles, stage=stage, us=float("nan"), ok=False)
-moe.FP4_MMA_TILES = None
+            rec(k="moe_decode", tag=TAG, tiles=name, stage=stage, us=float("nan"), ok=False)
+moe.FP4_MMA_TILES, moe.PLAN_LOADS_VOLATILE = None, True
 dump(f"moe_decode_{TAG}.json")
 print("done", round(time.time() - T0, 1), flush=True)
