@@ -31,7 +31,8 @@ from k3lab.kernels import moe, mxfp4_mma  # noqa: E402
 DECODE, RS = os.environ.get("DECODE", "select"), os.environ.get("RS", "mul.hi")
 TAG = f"{DECODE}_{RS.replace('.', '')}" + os.environ.get("RUN", "")
 mxfp4_mma.MMA_PTX = tl.constexpr(mxfp4_mma._mma_ptx(DECODE, RS))
-TILES = {"auto": None, "s1wk2": {1: (2, 2, 1), 2: (2, 2, 1)}, "s2wk4": {1: (2, 1, 1), 2: (2, 4, 1)},
+TILES = {"auto": None, "s1wk1": {1: (2, 1, 1), 2: (2, 2, 1)}, "s1wk2": {1: (2, 2, 1), 2: (2, 2, 1)},
+         "s2wk4": {1: (2, 1, 1), 2: (2, 4, 1)},
          "s2pf2": {1: (2, 1, 1), 2: (2, 2, 2)}, "s2pf0": {1: (2, 1, 1), 2: (2, 2, 0)},
          "s2r1": {1: (2, 1, 1), 2: (1, 1, 1)}, "s2r1wk2": {1: (2, 1, 1), 2: (1, 2, 1)},
          "s2wk1": {1: (2, 1, 1), 2: (2, 1, 1)}}
