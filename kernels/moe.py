@@ -162,13 +162,14 @@ FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
 FP4_MMA_X_PREPARED = True
 _MMA_XP = 8192  # the X_PREPARED bit of an FP4 code
 MMA_XP_BIT = tl.constexpr(_MMA_XP)
-# PLAN_LOADS_VOLATILE: the stage kernels read the plan (count, entries, expert, stage 2's router
-#   weights) with volatile loads, which the compiler keeps where they are written, before the
-#   validity branch: one round trip before the first weight load. Plain loads get sunk into the
-#   branch where they are used: the entries and the expert then wait for the count (a second
-#   round trip before the weights) and stage 2's router weights come after the K loop (a third,
-#   before the atomics). Offline sm_90 SASS, Triton 3.6; H200 timing: benchmarks/session9.
-PLAN_LOADS_VOLATILE = True
+# PLAN_ONE_TRIP: the stage kernels' validity test also asks whether the tile's expert and an
+#   entry are real (always so within the plan's count), so that the compiler loads them before
+#   the branch, with the count: one round trip before the first weight load. Otherwise it sinks
+#   them into the branch, behind the count's load (two). Stage 2's tensor-core tiles also fold
+#   the router weight into the group factors, so that its load joins them instead of following
+#   the K loop (a third round trip, before the atomics). Offline sm_90 SASS, Triton 3.6; H200
+#   timing: benchmarks/session9 (volatile loads, tried first, kept the order too but were slower).
+PLAN_ONE_TRIP = True
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -440,12 +441,14 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
 
 
 @triton.jit
-def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr, i_k=0):
+def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr, i_k=0,
+              factor=1.0):
     """kernels/mxfp4_mma.fp4_mma_gemv with the tile of FP4 code MODE (see _mma_mode): [R,
-    16 * 4 // WARPS_K] fp32, y[r, j] = w[row0 + r * ROW_R + j] . x (K share i_k of KSPLIT)."""
+    16 * 4 // WARPS_K] fp32, y[r, j] = factor * (w[row0 + r * ROW_R + j] . x) (K share i_k of
+    KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
-                        MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1)
+                        MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1, factor)
 
 
 @triton.jit
@@ -470,13 +473,21 @@ def _gate_up_act(p_x, o_xrow, m_xrow, p_w, p_s, o_n, m_n, N_HALF, K_PAIRS, beta,
 
 
 @triton.jit
-def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr,
-               VOLATILE: tl.constexpr = True):
-    """Entries (token * top_k + slot), their tokens and validity for plan tile i_b (VOLATILE:
-    see PLAN_LOADS_VOLATILE)."""
+def _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent, ONE_TRIP: tl.constexpr):
+    """Whether plan tile i_b has work: within the plan's count (ONE_TRIP: and its expert and an
+    entry are real, which holds for every tile within the count; asking makes the compiler load
+    them before the branch, with the count, in one round trip: see PLAN_ONE_TRIP)."""
+    if ONE_TRIP:
+        return (i_b * block_m < n_valid) & (i_e >= 0) & (tl.max(m_ent.to(tl.int32)) > 0)
+    return i_b * block_m < n_valid
+
+
+@triton.jit
+def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr):
+    """Entries (token * top_k + slot), their tokens and validity for plan tile i_b."""
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < block_m
-    b_ent = tl.load(p_sorted + i_b * block_m + o_m, mask=m_m, other=n_entries, volatile=VOLATILE)
+    b_ent = tl.load(p_sorted + i_b * block_m + o_m, mask=m_m, other=n_entries)
     m_ent = b_ent < n_entries
     return b_ent, b_ent // top_k, m_ent
 
@@ -521,7 +532,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
                        ZERO_OUT: tl.constexpr, ZERO_SYNC: tl.constexpr,
                        ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
-                       PREPARED: tl.constexpr = False, PLAN_VOLATILE: tl.constexpr = True):
+                       PREPARED: tl.constexpr = False, ONE_TRIP: tl.constexpr = True):
     """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T) (z as
     mma_prepare_x wrote it where the FP4 code has the X_PREPARED bit); PREPARED: also a's
     mma_prepare_x copy at p_ap. Side jobs: zero stage 2's accumulator (a slice per program) and
@@ -534,12 +545,11 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
         o_s = tl.arange(0, 2)
         tl.store(p_sync + o_s, tl.zeros([2], dtype=tl.int32), mask=(i_b + i_n + o_s * 0) == 0)
     # the plan's count, entries and expert in one round trip (all in bounds for every tile):
-    # the weight addresses wait for them (PLAN_VOLATILE: see PLAN_LOADS_VOLATILE)
-    n_valid = tl.load(p_num_valid, volatile=PLAN_VOLATILE)
-    b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M,
-                                     PLAN_VOLATILE)
-    i_e = tl.load(p_block_expert + i_b, volatile=PLAN_VOLATILE).to(tl.int64)
-    if i_b * block_m < n_valid:
+    # the weight addresses wait for them
+    n_valid = tl.load(p_num_valid)
+    b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
+    i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+    if _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent, ONE_TRIP):
         p_we = p_w + i_e * (2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS))
         p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -564,7 +574,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                  p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
                  FP4: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
-                 PLAN_VOLATILE: tl.constexpr = True):
+                 ONE_TRIP: tl.constexpr = True):
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
     slot order and stores."""
@@ -591,27 +601,32 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
         tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
     else:
-        # the plan's count, entries, expert and router weights in one round trip (PLAN_VOLATILE:
-        # see PLAN_LOADS_VOLATILE)
-        n_valid = tl.load(p_num_valid, volatile=PLAN_VOLATILE)
-        b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M,
-                                         PLAN_VOLATILE)
-        i_e = tl.load(p_block_expert + i_b, volatile=PLAN_VOLATILE).to(tl.int64)
+        n_valid = tl.load(p_num_valid)  # with the entries and expert: one round trip
+        b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
+        i_e = tl.load(p_block_expert + i_b).to(tl.int64)
         o_m = tl.arange(0, BLOCK_M)
-        b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0,
-                      volatile=PLAN_VOLATILE)
-        if i_b * block_m < n_valid:
+        b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
+        if _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent, ONE_TRIP):
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
             p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
             if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N consecutive rows
                 p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
+                # ONE_TRIP: the router weight rides on the group factors, so that its load is
+                # issued with the plan's (the compiler puts a load used after the K loop there)
+                if ONE_TRIP:
+                    w_in = tl.sum(tl.where(m_ent, b_w, 0.0))
+                    b_wy = tl.full([BLOCK_M], 1.0, tl.float32)
+                else:
+                    w_in = 1.0
+                    b_wy = b_w
                 b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
                                            BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 16,
-                                           FP4, i_k), [1, BLOCK_N])
+                                           FP4, i_k, w_in), [1, BLOCK_N])
             else:
                 b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
                             BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
-            tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
+                b_wy = b_w
+            tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_wy[:, None],
                           mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
 
 
@@ -671,7 +686,7 @@ def _moe_stage2_tail_kernel(
         DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
         BLOCK_KP2: tl.constexpr, LATENT: tl.constexpr, SHARED: tl.constexpr,
         BLOCK_MT: tl.constexpr, BLOCK_NT: tl.constexpr, BLOCK_KPT: tl.constexpr,
-        BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr, PLAN_VOLATILE: tl.constexpr = True):
+        BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr, ONE_TRIP: tl.constexpr = True):
     """Stage 2, the tail, or both in one launch. Both: each program takes a ticket (atomic
     counter p_sync[0]); tickets [0, n_stage2) run stage-2 tiles and then count themselves done in
     p_sync[1] (release); later tickets run tail tiles, which wait for all stage-2 tiles
@@ -683,7 +698,7 @@ def _moe_stage2_tail_kernel(
             _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                          p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
                          n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2, TOKEN_LOOP,
-                         PLAN_VOLATILE)
+                         ONE_TRIP)
             tl.debug_barrier()  # every thread's adds issued before the release below
             tl.atomic_add(p_sync + 1, 1, sem="release")
         else:
@@ -694,7 +709,7 @@ def _moe_stage2_tail_kernel(
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
                      I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2,
-                     TOKEN_LOOP, PLAN_VOLATILE)
+                     TOKEN_LOOP, ONE_TRIP)
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
@@ -1084,7 +1099,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     kwargs = dict(ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
                   ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
                   TOKEN_LOOP=_token_loop(), PREPARED=a_mma_out is not None,
-                  PLAN_VOLATILE=PLAN_LOADS_VOLATILE, num_warps=NUM_WARPS, **_reg_cap(mode, 1))
+                  ONE_TRIP=PLAN_ONE_TRIP, num_warps=NUM_WARPS, **_reg_cap(mode, 1))
     if mode >= _MMA_BASE:
         _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
     _moe_stage1_kernel[grid](*args, **kwargs)
@@ -1204,7 +1219,7 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
     n = (stage2[1] if stage2 else 0) + (tail[1] if tail else 0)
     kw["p_sync"] = sync if sync is not None else kw["p_y"]
     kw.update(STAGE2=stage2 is not None, TAIL=tail is not None, TOKEN_LOOP=_token_loop(),
-              PLAN_VOLATILE=PLAN_LOADS_VOLATILE)
+              ONE_TRIP=PLAN_ONE_TRIP)
     return kw, n
 
 

@@ -243,9 +243,9 @@ def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
                  ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
-                 X_PREPARED: tl.constexpr = False):
-    """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = w[row0 + r * ROW_R + j] . x, 0 for rows at or
-    past row_lim + r * LIM_R.
+                 X_PREPARED: tl.constexpr = False, factor=1.0):
+    """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = factor * (w[row0 + r * ROW_R + j] . x), 0 for
+    rows at or past row_lim + r * LIM_R (factor, fp32: multiplies every group's E8M0 factor).
 
     p_x: one token's x, bf16 viewed as int32 pairs [N_GROUPS * 16]; p_w: MXFP4 codes viewed as
     int32 words [rows, 4 * N_GROUPS] (8 codes a word); p_s: E8M0 scales uint8 [rows, N_GROUPS].
@@ -344,7 +344,7 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         b_s0 = tl.load(p_q, mask=m_q & m_g, other=0).to(tl.int32)
         b_s1 = tl.load(p_q + 1, mask=m_q & m_g, other=0).to(tl.int32)
         b_s = tl.reshape(tl.join(b_s0, b_s1), [128, R, 4])
-        acc += d * ((b_s + SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
+        acc += d * (((b_s + SCALE_BIAS) << 23).to(tl.float32, bitcast=True) * factor)
     # rows: sum over the K warps, the lanes' groups t and the element's column half clo
     y = tl.sum(tl.reshape(acc, [WN, WARPS_K, 8, 4, R, 2, 2]), axis=6)
     y = tl.sum(tl.sum(y, axis=3), axis=1)  # [WN, 8 (g), R, 2 (chi)]

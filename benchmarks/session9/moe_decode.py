@@ -2,10 +2,11 @@
 kernels/mxfp4_mma._mma_ptx (DECODE=select: three masks a word and one bit-select LOP3 a code pair,
 the right shifts as RS=mul.hi or RS=shr; DECODE=byte_shift: session 8's), set before the first
 compile, so each decode is its own process; within one, the stage tiles named in ORDER (keys of
-TILES; FP4_MMA_TILES (R, WARPS_K, prefetch) per stage; a ":novol" suffix: the plan read with
-plain loads, kernels/moe.PLAN_LOADS_VOLATILE off), interleaved. K3 B1, tp 1 (48 experts, 3 cold
-copies of 16), prepared activations (the stage APIs' z_mma / a_mma, as moe_block runs them),
-graph replay, median of 10.
+TILES; FP4_MMA_TILES (R, WARPS_K, prefetch) per stage; a ":twotrip" suffix: kernels/moe.py's
+PLAN_ONE_TRIP off), interleaved. Call 3 ran this script at 97eb11c, whose ":novol" suffix turned
+off that commit's volatile plan loads (PLAN_LOADS_VOLATILE, since replaced by PLAN_ONE_TRIP).
+K3 B1, tp 1 (48 experts, 3 cold copies of 16), prepared activations (the stage APIs' z_mma /
+a_mma, as moe_block runs them), graph replay, median of 10.
 
 Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
 metric), correctness against the fp32 reference at the tests' tolerances. From the repo root:
@@ -41,10 +42,10 @@ T0 = time.time()
 print(f"copy bw {bw / 1e12:.3f} TB/s, {TAG}", flush=True)
 
 copies, wants = stage_setup(1, 3)
-for name in ORDER:  # "tiles" or "tiles:novol" (the plan read with plain loads)
-    tiles, _, vol = name.partition(":")
+for name in ORDER:  # "tiles" or "tiles:twotrip" (kernels/moe.PLAN_ONE_TRIP off)
+    tiles, _, trip = name.partition(":")
     moe.FP4_MMA_TILES = TILES[tiles]
-    moe.PLAN_LOADS_VOLATILE = vol != "novol"
+    moe.PLAN_ONE_TRIP = trip != "twotrip"
     for stage in ("stage1", "stage2"):
         fn = MB.stage_fns(stage)["fused"]
         nbytes = MB.stage_bytes(stage, copies[0])
@@ -57,6 +58,6 @@ for name in ORDER:  # "tiles" or "tiles:novol" (the plan read with plain loads)
         except Exception:
             traceback.print_exc()
             rec(k="moe_decode", tag=TAG, tiles=name, stage=stage, us=float("nan"), ok=False)
-moe.FP4_MMA_TILES, moe.PLAN_LOADS_VOLATILE = None, True
+moe.FP4_MMA_TILES, moe.PLAN_ONE_TRIP = None, True
 dump(f"moe_decode_{TAG}.json")
 print("done", round(time.time() - T0, 1), flush=True)
