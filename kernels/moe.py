@@ -139,9 +139,11 @@ FP4_SCALE_BIAS = tl.constexpr(62)
 #   A tile is (R 16-row tiles a warp, WARPS_K warps splitting K, L2
 #   prefetch distance); stage 1's R is 2 (its gate and up tiles). FP4_MMA_TILES: None picks
 #   per stage the largest tile of FP4_MMA_CANDIDATES that still launches TARGET_PROGRAMS
-#   programs (else the smallest), or {stage: tile} fixes them. H200 (session 6,
-#   benchmarks/session6/README.md; K3 B1, graph, cold): that picks what the sweep found best at
-#   tp 1 (stage 1 WARPS_K 1, stage 2 (2, 2)) and at tp 8 (stage 1 WARPS_K 4, stage 2 (2, 2)).
+#   programs (else the smallest), or {stage: tile} fixes them. H200 (K3 B1, graph, cold): at
+#   tp 1 stage 1 (2, 2) and stage 2 (2, 2), at tp 8 stage 1 (2, 4) and stage 2 (2, 2). Stage 1
+#   was (2, 1) at tp 1 until session 9 (benchmarks/session9/README.md): with PLAN_ONE_TRIP its
+#   (2, 2) tile compiles to 128 registers (4 programs an SM; 130 without) and measured 0.72 of
+#   the copy bandwidth against 0.68-0.70.
 #   Interpreter: the same tiles with the mma emulated.
 FP4_MMA = True
 # Under the interpreter's big tiles (INTERPRETER_BIG_TILES) the lane-by-lane mma emulation runs
@@ -150,7 +152,7 @@ FP4_MMA = True
 # (INTERPRETER_BIG_TILES off) the interpreter runs the tensor-core tiles as the GPU does.
 INTERPRETER_MMA = False
 FP4_MMA_TILES = None
-FP4_MMA_CANDIDATES = {1: ((2, 1, 1), (2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
+FP4_MMA_CANDIDATES = {1: ((2, 2, 1), (2, 4, 1)), 2: ((2, 1, 1), (2, 2, 1), (2, 4, 1))}
 _MMA_BASE = 4096  # FP4 constexpr codes at or above: tensor-core tiles (see _mma_mode)
 FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
 # Prepared activations: the tensor-core tiles read x already permuted and scaled as

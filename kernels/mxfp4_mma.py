@@ -94,15 +94,18 @@ def _select_pair_ptx(dst: str, signs: str, mags: str, n: int, right_shift: str) 
     return f"{sign} {mag} lop3.b32 {dst}, m, s, msk, 0xE4;\n"
 
 
-def _mma_ptx(decode: str = "select", right_shift: str = "shr") -> str:
+def _mma_ptx(decode: str = "byte_shift", right_shift: str = "shr") -> str:
     """pack=4 block: D (4 fp32) of 8 chained mmas over a thread's 4 words of row g ($4..$7) and
     row g + 8 ($8..$11) with B registers ($12.. four per word: x pairs (0, 4), (1, 5), (2, 6),
-    (3, 7) of the word's 8 elements). decode: 'select' (three masks a word, then a shift of each
-    and one bit-select LOP3 a code pair: per word 7 LOP3, 2 right and 5 left shifts, offline
-    sm_90), 'byte_shift' (the previous one: 8 LOP3, 1 right and 7 left shifts), 'shift' (the one
-    before). right_shift: how 'select' shifts right ('shr', or 'mul.hi': H200, session 9 call 1,
-    both stages ~10 % slower). The older ones are kept for A/B timing
-    (``MMA_PTX = tl.constexpr(_mma_ptx('byte_shift'))`` before the first compile)."""
+    (3, 7) of the word's 8 elements). decode: 'byte_shift' (per word 8 LOP3, 1 right and 7 left
+    shifts, offline sm_90), 'select' (three masks a word, then a shift of each and one bit-select
+    LOP3 a code pair: 7 LOP3, 2 right and 5 left shifts) or 'shift' (byte_shift's predecessor).
+    right_shift: how 'select' shifts right ('shr', or 'mul.hi': H200, session 9 call 1, both
+    stages ~10 % slower). 'select' has 8 % fewer instructions in the stages' K loops, but with it
+    ptxas issues some weight loads later in the loop, and it was not faster on the H200 (session
+    9 calls 1-4: the same within the noise, or slower); the default stays 'byte_shift'. The others
+    are kept for A/B timing (``MMA_PTX = tl.constexpr(_mma_ptx('select'))`` before the first
+    compile)."""
     if decode not in ("select", "byte_shift", "shift"):
         raise ValueError(f"decode: expected 'select', 'byte_shift' or 'shift', got {decode!r}")
     body = ["{", ".reg .b32 s, m, a0, a1, a2, a3, r8lo, r8hi, sl, el, ol, sh, eh, oh, msk;",
