@@ -1,8 +1,9 @@
 """H200, issue 4 (session 8, call 1 at 95d23d7): the MXFP4 tensor-core stages with and without
 the unmasked full tiles (kernels/moe.py FP4_MMA_EVEN, at 95d23d7 only: slower, reverted), under
 the byte-shift decode (SHR8=1, HEAD's) or the previous one (SHR8=0:
-kernels/mxfp4_mma._mma_ptx(False), set before the first compile, so each decode is its own
-process). K3 B1, graph replay, cold copies; tp 1: 48 experts, 3 copies of 16.
+kernels/mxfp4_mma._mma_ptx(False) at 95d23d7, _mma_ptx("shift") since session 9, set before the
+first compile, so each decode is its own process). K3 B1, graph replay, cold copies; tp 1: 48
+experts, 3 copies of 16.
 
 Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
 metric), correctness against the fp32 reference at the tests' tolerances. From the repo root:
@@ -28,7 +29,7 @@ if not hasattr(moe, "FP4_MMA_EVEN"):
     raise SystemExit("kernels/moe.py has no FP4_MMA_EVEN in this checkout: check out 95d23d7")
 SHR8 = os.environ.get("SHR8", "1") == "1"
 if not SHR8:
-    mxfp4_mma.MMA_PTX = tl.constexpr(mxfp4_mma._mma_ptx(False))
+    mxfp4_mma.MMA_PTX = tl.constexpr(mxfp4_mma._mma_ptx("shift"))
 T0 = time.time()
 print(f"copy bw {bw / 1e12:.3f} TB/s, SHR8 {SHR8}", flush=True)
 # EVEN on and off, interleaved, twice at tp 1; once each at tp 8 (where no tile is even)
