@@ -617,18 +617,16 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                 # issued with the plan's (the compiler puts a load used after the K loop there)
                 if ONE_TRIP:
                     w_in = tl.sum(tl.where(m_ent, b_w, 0.0))
-                    b_wy = tl.full([BLOCK_M], 1.0, tl.float32)
+                    b_w = tl.full([BLOCK_M], 1.0, tl.float32)  # applied in the factors
                 else:
                     w_in = 1.0
-                    b_wy = b_w
                 b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
                                            BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 16,
                                            FP4, i_k, w_in), [1, BLOCK_N])
             else:
                 b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
                             BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
-                b_wy = b_w
-            tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_wy[:, None],
+            tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
                           mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
 
 

@@ -108,8 +108,10 @@ def _mma_ptx(decode: str = "byte_shift", right_shift: str = "shr") -> str:
     compile)."""
     if decode not in ("select", "byte_shift", "shift"):
         raise ValueError(f"decode: expected 'select', 'byte_shift' or 'shift', got {decode!r}")
-    body = ["{", ".reg .b32 s, m, a0, a1, a2, a3, r8lo, r8hi, sl, el, ol, sh, eh, oh, msk;",
-            f"mov.b32 msk, {SELECT_MAG};",
+    body = ["{", ".reg .b32 s, m, a0, a1, a2, a3;",
+            ".reg .b32 r8lo, r8hi;" if decode == "byte_shift" else "",
+            f".reg .b32 sl, el, ol, sh, eh, oh, msk; mov.b32 msk, {SELECT_MAG};"
+            if decode == "select" else "",
             "mov.f32 $0, 0f00000000; mov.f32 $1, 0f00000000;",
             "mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000;"]
     mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"

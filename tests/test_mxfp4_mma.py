@@ -4,7 +4,9 @@ and K that ends inside a step of 256. On CPU the mma is the interpreter's lane-b
 on CUDA it is the inline PTX (the same test, compiled)."""
 
 import os
+import re
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -169,10 +171,6 @@ def test_layout_check_flags_another_layout():
 def _run_decode_ptx(ptx, lo, hi):
     """[(A registers, B operand names)] of each mma in the MMA_PTX block ``ptx`` with the words
     $4..$7 = lo[:, u], $8..$11 = hi[:, u] (uint32 arrays [n, 4])."""
-    import re
-
-    import numpy as np
-
     regs = {f"${4 + u}": lo[:, u] for u in range(4)} | {f"${8 + u}": hi[:, u] for u in range(4)}
     mask = np.uint64(0xFFFFFFFF)
 
@@ -223,8 +221,6 @@ def _run_decode_ptx(ptx, lo, hi):
 
 def _pair_truth(words, n):
     """bf16x2 bits of 2^-126 x the E2M1 values of codes n (low half) and n + 4 (high half)."""
-    import numpy as np
-
     out = np.zeros_like(words)
     for half, c in ((0, n), (1, n + 4)):
         code = (words >> np.uint32(4 * c)) & np.uint32(15)
@@ -237,8 +233,6 @@ def _pair_truth(words, n):
                                                  ("byte_shift", "mul.hi"), ("shift", "mul.hi")],
                          ids=["select-mulhi", "select-shr", "byte_shift", "shift"])
 def test_ptx_decode_gives_the_codes(decode, right_shift):
-    import numpy as np
-
     from k3lab.kernels import mxfp4_mma
 
     rng = np.random.default_rng(7)
