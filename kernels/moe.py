@@ -43,6 +43,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from k3lab.kernels.mxfp4_mma import MMA_WARPS, fp4_mma_gemv, mma_layout_problem, store_prepared_x
 from k3lab.plan import RoutePlan
@@ -172,6 +173,15 @@ MMA_XP_BIT = tl.constexpr(_MMA_XP)
 #   the K loop (a third round trip, before the atomics). Offline sm_90 SASS, Triton 3.6; H200
 #   timing: benchmarks/session9 (volatile loads, tried first, kept the order too but were slower).
 PLAN_ONE_TRIP = True
+# PDL_STEPS (compiled on CUDA; None: off): n >= 0 launches the MXFP4 tensor-core stage kernels
+#   (stage 1, and stage 2 launched without the tail) with programmatic dependent launch: each
+#   program reads the plan, asks L2 for the first n K steps of its tile's weight lines (and the
+#   rows' scales), and only then waits for the previous launch (griddepcontrol.wait) and lets
+#   the next one start (launch_dependents). A launch's programs can then start while the
+#   previous launch's last wave runs, with their weights in flight. The plan is read before the
+#   wait, so it must have been written at least two launches earlier (the caller's promise:
+#   see moe_stage1's ``pdl``).
+PDL_STEPS = None
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -494,6 +504,38 @@ def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr):
     return b_ent, b_ent // top_k, m_ent
 
 
+@triton.jit
+def _prefetch_l2(ptrs, mask):
+    """prefetch.global.L2 of the line of each pointer where mask (no registers held)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_prefetch(p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr,
+                  STEPS: tl.constexpr):
+    """Ask L2 for the first STEPS K steps of the rows of tensor-core tile MODE at row0 (as
+    _mma_gemv reads them: R runs of 16 * WN rows, ROW_R apart; a step of a row is one 128-byte
+    line of p_w, int32 words) and for the rows' scales (p_s, N_GROUPS bytes a row). STEPS 0:
+    nothing."""
+    if STEPS > 0:
+        R: tl.constexpr = MODE // 64 % 4 + 1
+        ROWS: tl.constexpr = 16 * (4 >> (MODE // 16 % 4))  # 16 * WN (4 warps)
+        K_WORDS = N_GROUPS * 4
+        o_j = tl.arange(0, R * ROWS)
+        r = o_j // ROWS
+        row = row0 + r * ROW_R + o_j % ROWS
+        m_row = row < row_lim + r * LIM_R
+        o_2 = tl.arange(0, 2)
+        for s0 in tl.static_range(0, STEPS, 2):
+            step = s0 + o_2
+            _prefetch_l2(p_w + row[:, None] * K_WORDS + step[None, :] * 32,
+                         m_row[:, None] & ((step < STEPS) & (step * 32 < K_WORDS))[None, :])
+        _prefetch_l2(p_s + row[:, None] * N_GROUPS + o_2[None, :] * (N_GROUPS - 1),
+                     m_row[:, None])
+
+
 # ---------------------------------------------------------------------------------------------
 # kernels
 
@@ -528,32 +570,50 @@ def _moe_front_kernel(p_x, p_down, p_z, p_zp, p_sw13, p_sa, M, H_PAIRS, D, S, n_
 
 
 @triton.jit
-def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_ap, p_out,
-                       p_sync, n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta,
-                       linear_beta, ACT: tl.constexpr, FP4: tl.constexpr,
-                       ZERO_OUT: tl.constexpr, ZERO_SYNC: tl.constexpr,
-                       ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
-                       PREPARED: tl.constexpr = False, ONE_TRIP: tl.constexpr = True):
-    """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T) (z as
-    mma_prepare_x wrote it where the FP4 code has the X_PREPARED bit); PREPARED: also a's
-    mma_prepare_x copy at p_ap. Side jobs: zero stage 2's accumulator (a slice per program) and
-    the stage-2 + tail launch's two counters (program 0)."""
-    i_b, i_n = tl.program_id(0), tl.program_id(1)
+def _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT: tl.constexpr,
+                      ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+    """Stage 1's side jobs: zero a slice of stage 2's accumulator, and (program 0) the stage-2 +
+    tail launch's two counters."""
     if ZERO_OUT:
         o_o = (i_b * tl.num_programs(1) + i_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
         tl.store(p_out + o_o, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=o_o < n_zero)
     if ZERO_SYNC:
         o_s = tl.arange(0, 2)
         tl.store(p_sync + o_s, tl.zeros([2], dtype=tl.int32), mask=(i_b + i_n + o_s * 0) == 0)
+
+
+@triton.jit
+def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_ap, p_out,
+                       p_sync, n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta,
+                       linear_beta, ACT: tl.constexpr, FP4: tl.constexpr,
+                       ZERO_OUT: tl.constexpr, ZERO_SYNC: tl.constexpr,
+                       ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
+                       PREPARED: tl.constexpr = False, ONE_TRIP: tl.constexpr = True,
+                       PDL: tl.constexpr = False, PDL_STEPS: tl.constexpr = 0):
+    """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T) (z as
+    mma_prepare_x wrote it where the FP4 code has the X_PREPARED bit); PREPARED: also a's
+    mma_prepare_x copy at p_ap. Side jobs: zero stage 2's accumulator (a slice per program) and
+    the stage-2 + tail launch's two counters (program 0). PDL: see PDL_STEPS (the side jobs
+    come after the wait)."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    if not PDL:
+        _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
     # the plan's count, entries and expert in one round trip (all in bounds for every tile):
     # the weight addresses wait for them
     n_valid = tl.load(p_num_valid)
     b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
     i_e = tl.load(p_block_expert + i_b).to(tl.int64)
-    if _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent, ONE_TRIP):
-        p_we = p_w + i_e * (2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS))
-        p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
+    runs = _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent, ONE_TRIP)
+    p_we = p_w + i_e * (2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS))
+    p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
+    if PDL:
+        if runs:
+            _mma_prefetch(p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16, FP4, PDL_STEPS)
+        gdc_wait()
+        gdc_launch_dependents()
+        _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
+    if runs:
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N_I
         if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N gate rows and their up rows
@@ -576,10 +636,11 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                  p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
                  FP4: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
-                 ONE_TRIP: tl.constexpr = True):
+                 ONE_TRIP: tl.constexpr = True, PDL: tl.constexpr = False,
+                 PDL_STEPS: tl.constexpr = 0):
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
-    slot order and stores."""
+    slot order and stores. PDL (atomic tensor-core tiles): see PDL_STEPS."""
     i_k = 0
     # K-lane split K (atomic path): pid = (tile, split)
     if FP4 >= 34 and FP4 < FP4_MMA_BASE and (FP4 - 2) // 32 % 16 > 0:
@@ -608,9 +669,16 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
         i_e = tl.load(p_block_expert + i_b).to(tl.int64)
         o_m = tl.arange(0, BLOCK_M)
         b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
-        if _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent, ONE_TRIP):
-            p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
-            p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
+        runs = _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent, ONE_TRIP)
+        p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
+        p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
+        if PDL:
+            if runs:
+                _mma_prefetch(p_we, p_se, i_n * BLOCK_N, BLOCK_N // (FP4 // 64 % 4 + 1), D, 0,
+                              I_PAIRS // 16, FP4, PDL_STEPS)
+            gdc_wait()
+            gdc_launch_dependents()
+        if runs:
             if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N consecutive rows
                 p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
                 # ONE_TRIP: the router weight rides on the group factors, so that its load is
@@ -686,12 +754,14 @@ def _moe_stage2_tail_kernel(
         DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
         BLOCK_KP2: tl.constexpr, LATENT: tl.constexpr, SHARED: tl.constexpr,
         BLOCK_MT: tl.constexpr, BLOCK_NT: tl.constexpr, BLOCK_KPT: tl.constexpr,
-        BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr, ONE_TRIP: tl.constexpr = True):
+        BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr, ONE_TRIP: tl.constexpr = True,
+        PDL: tl.constexpr = False, PDL_STEPS: tl.constexpr = 0):
     """Stage 2, the tail, or both in one launch. Both: each program takes a ticket (atomic
     counter p_sync[0]); tickets [0, n_stage2) run stage-2 tiles and then count themselves done in
     p_sync[1] (release); later tickets run tail tiles, which wait for all stage-2 tiles
     (acquire). Tickets follow the order programs actually start, so every stage-2 tile a tail
-    tile waits for is already running: no deadlock whatever the scheduling."""
+    tile waits for is already running: no deadlock whatever the scheduling. PDL: stage 2
+    alone (see PDL_STEPS)."""
     if STAGE2 and TAIL:
         i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
         if i_t < n_stage2:
@@ -709,7 +779,7 @@ def _moe_stage2_tail_kernel(
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
                      I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2,
-                     TOKEN_LOOP, ONE_TRIP)
+                     TOKEN_LOOP, ONE_TRIP, PDL, PDL_STEPS)
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
@@ -852,6 +922,14 @@ def _reg_cap(mode: int, stage: int) -> dict:
     if mode < 2 or cap is None:
         return {}
     return {"maxnreg": int(cap)}
+
+
+def _pdl(mode: int) -> dict:
+    """Kernel and launch options of PDL_STEPS for a stage launch in FP4 mode ``mode``: only
+    compiled tensor-core tiles (inline PTX) take it."""
+    if PDL_STEPS is None or mode < _MMA_BASE or not mode & 1:
+        return {}
+    return dict(PDL=True, PDL_STEPS=int(PDL_STEPS), launch_pdl=True)
 
 
 def _expert_tiles(programs_per_tile: int, rows: int, k_pairs: int, block_m: int, mode: int
@@ -1099,7 +1177,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     kwargs = dict(ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
                   ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
                   TOKEN_LOOP=_token_loop(), PREPARED=a_mma_out is not None,
-                  ONE_TRIP=PLAN_ONE_TRIP, num_warps=NUM_WARPS, **_reg_cap(mode, 1))
+                  ONE_TRIP=PLAN_ONE_TRIP, num_warps=NUM_WARPS, **_reg_cap(mode, 1), **_pdl(mode))
     if mode >= _MMA_BASE:
         _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
     _moe_stage1_kernel[grid](*args, **kwargs)
@@ -1227,6 +1305,8 @@ def _launch_stage2_tail(stage2, tail, sync=None):
     """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs)."""
     kw, n = _stage2_tail_kwargs(stage2, tail, sync)
     kw.update(num_warps=NUM_WARPS, **_reg_cap(kw["FP4"], 2))
+    if tail is None and not kw["DETERMINISTIC"]:
+        kw.update(_pdl(kw["FP4"]))
     if kw["FP4"] >= _MMA_BASE:
         _check_mma_layout(_moe_stage2_tail_kernel, (n,), (), kw)
     _moe_stage2_tail_kernel[(n,)](**kw)

@@ -1,0 +1,83 @@
+"""H200, issue 4 (session 10): the MXFP4 stages with programmatic dependent launch
+(kernels/moe.PDL_STEPS), and the stages' speed against their grid's waves.
+
+1. PDL: K3 B1 tp 1 (48 experts, 3 cold copies of 16), prepared activations (as moe_block runs
+   the stages), graph replay (each replay a run of back-to-back calls over the copies: with PDL
+   a call's programs may start during the previous call's last wave), median of 10, for
+   PDL_STEPS in STEPS ("off" = None), interleaved, twice.
+2. WAVES: stage 2 (and stage 1) with PDL off at other latent sizes D (stage 2's grid is
+   16 * D / 64 programs of the (2, 2) tile, against 132 SMs x 4 programs = 528 slots: 3072 ->
+   1.45 waves, 3584 -> 1.70, 4096 -> 1.94): whether a partial last wave costs what the
+   stage-2 gap is.
+
+Each row: median graph us, fraction of the copy bandwidth on the stage's bytes (the report's
+metric), correctness against the fp32 reference at the tests' tolerances. From the repo root:
+    python3 benchmarks/session10/moe_pdl.py        # writes $OUT/moe_pdl.json
+"""
+
+import dataclasses
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, "benchmarks/h200_tuning")
+from common import bw, dump, gt, rec  # noqa: E402
+from moe_stages import check_stage  # noqa: E402
+
+from k3lab.boundaries import moe as MB  # noqa: E402
+from k3lab.config import preset  # noqa: E402
+from k3lab.kernels import moe  # noqa: E402
+from k3lab.reference import moe as ref  # noqa: E402
+
+STEPS = [None if s == "off" else int(s)
+         for s in os.environ.get("STEPS", "off 0 2 4 14").split()]
+WAVES = [int(d) for d in os.environ.get("WAVES", "3072 4096").split()]
+T0 = time.time()
+print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
+
+
+def setup(latent=None):
+    cfg = dataclasses.replace(preset("kimi-k3", 1), n_experts=48)
+    if latent:
+        cfg = dataclasses.replace(cfg, latent=latent)
+    base = MB.make_inputs(cfg, "cuda", 0, M=1, expert_format="mxfp4")
+    copies = [MB.stage_inputs(c) for c in MB.copies_sharing_experts(base, 3)]
+    c0 = copies[0]
+    wants = {"stage1": ref.moe_stage1_reference(
+        c0["z"], c0["plan"], c0["weights"]["w13"], activation=cfg.activation,
+        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta),
+        "stage2": ref.moe_stage2_reference(c0["a"], c0["plan"], c0["weights"]["w2"])}
+    return copies, wants
+
+
+def row(copies, wants, **tags):
+    for stage in ("stage1", "stage2"):
+        fn = MB.stage_fns(stage)["fused"]
+        nbytes = MB.stage_bytes(stage, copies[0])
+        try:
+            ok, err, _ = check_stage(stage, fn, copies[0], wants[stage])
+            us = gt(fn, copies, repeats=10)
+            rec(k="moe_pdl", stage=stage, us=round(us, 2), frac=round(nbytes / bw * 1e6 / us, 3),
+                ok=ok, max_err=err, t=round(time.time() - T0, 1), **tags)
+        except Exception:
+            traceback.print_exc()
+            rec(k="moe_pdl", stage=stage, us=float("nan"), ok=False, **tags)
+
+
+copies, wants = setup()
+for rep in range(2):
+    for steps in STEPS:
+        moe.PDL_STEPS = steps
+        row(copies, wants, pdl="off" if steps is None else steps, latent=3584, rep=rep)
+moe.PDL_STEPS = None
+del copies, wants
+for latent in WAVES:
+    torch.cuda.empty_cache()
+    copies, wants = setup(latent)
+    row(copies, wants, pdl="off", latent=latent, rep=0)
+    del copies, wants
+dump("moe_pdl.json")
+print("done", round(time.time() - T0, 1), flush=True)
