@@ -173,15 +173,16 @@ MMA_XP_BIT = tl.constexpr(_MMA_XP)
 #   the K loop (a third round trip, before the atomics). Offline sm_90 SASS, Triton 3.6; H200
 #   timing: benchmarks/session9 (volatile loads, tried first, kept the order too but were slower).
 PLAN_ONE_TRIP = True
-# PDL_STEPS (compiled on CUDA; None: off): n >= 0 launches the MXFP4 tensor-core stage kernels
-#   (stage 1, and stage 2 launched without the tail) with programmatic dependent launch: each
-#   program reads the plan, asks L2 for the first n K steps of its tile's weight lines (and the
-#   rows' scales), and only then waits for the previous launch (griddepcontrol.wait) and lets
-#   the next one start (launch_dependents). A launch's programs can then start while the
-#   previous launch's last wave runs, with their weights in flight. The plan is read before the
-#   wait, so it must have been written at least two launches earlier (the caller's promise:
-#   see moe_stage1's ``pdl``).
-PDL_STEPS = None
+# Programmatic dependent launch (``pdl=True`` of the stage launchers; moe_block uses it where
+#   it is safe): the compiled MXFP4 tensor-core stage kernels (stage 1, and stage 2 launched
+#   without the tail) are launched so that their programs may start while the previous launch's
+#   last wave runs. Each program reads the plan, asks L2 for the first PDL_STEPS K steps of its
+#   tile's weight lines (and the rows' scales), and only then waits for the previous launch
+#   (griddepcontrol.wait) and lets the next one start (launch_dependents). The plan is read
+#   before the wait, so it must have been written at least two launches earlier. The tail
+#   launched alone with pdl runs the shared experts' down GEMV (its input from the front
+#   launch, three launches earlier) before its wait. None: no PDL anywhere.
+PDL_STEPS = 2
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -702,11 +703,12 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
 def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait, M, D, H,
                S_PAIRS, eps, LATENT: tl.constexpr, SHARED: tl.constexpr, WAIT: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
-               BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr):
+               BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr, PDL: tl.constexpr = False):
     """Tail program pid (H tile): out = rstd * ((y * g) @ W_up^T) (LATENT) or y, plus the shared
     output (SHARED 1: add a computed [M, H] tensor; 2: a_s @ Ws2^T computed here). WAIT: the
-    shared GEMV first, then wait until n_wait stage-2 programs have signalled p_done. y is read
-    through L2 only (.cg): it was written by other programs' atomics."""
+    shared GEMV first, then wait until n_wait stage-2 programs have signalled p_done. PDL: the
+    shared GEMV (SHARED 2) first, then wait for the previous launch. y is read through L2 only
+    (.cg): it was written by other programs' atomics."""
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < M
     o_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -716,6 +718,9 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
     if SHARED == 2:
         b_o += _gemv(p_sa, o_m, m_m, p_sa, p_sw2, p_sw2, o_n, m_n, S_PAIRS, 0,
                      BLOCK_M, BLOCK_N, BLOCK_KP, False, False, False, TOKEN_LOOP)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     if SHARED == 1:
         b_o += tl.load(p_shared + o_m[:, None] * H + o_n[None, :], mask=m_o, other=0.0).to(
             tl.float32)
@@ -761,7 +766,7 @@ def _moe_stage2_tail_kernel(
     p_sync[1] (release); later tickets run tail tiles, which wait for all stage-2 tiles
     (acquire). Tickets follow the order programs actually start, so every stage-2 tile a tail
     tile waits for is already running: no deadlock whatever the scheduling. PDL: stage 2
-    alone (see PDL_STEPS)."""
+    alone or the tail alone (see PDL_STEPS)."""
     if STAGE2 and TAIL:
         i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
         if i_t < n_stage2:
@@ -783,7 +788,7 @@ def _moe_stage2_tail_kernel(
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
-                   BLOCK_KPT, BLOCK_SS, TOKEN_LOOP)
+                   BLOCK_KPT, BLOCK_SS, TOKEN_LOOP, PDL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -924,10 +929,15 @@ def _reg_cap(mode: int, stage: int) -> dict:
     return {"maxnreg": int(cap)}
 
 
-def _pdl(mode: int) -> dict:
-    """Kernel and launch options of PDL_STEPS for a stage launch in FP4 mode ``mode``: only
-    compiled tensor-core tiles (inline PTX) take it."""
-    if PDL_STEPS is None or mode < _MMA_BASE or not mode & 1:
+def _pdl(pdl: bool, mode: int | None = None) -> dict:
+    """Kernel and launch options of programmatic dependent launch (see PDL_STEPS) for a stage
+    launch in FP4 mode ``mode`` (only compiled tensor-core tiles take it) or a tail launch
+    (mode None; compiled only)."""
+    if not pdl or PDL_STEPS is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return {}
+    if mode is None:
+        return dict(PDL=True, launch_pdl=True)
+    if mode < _MMA_BASE or not mode & 1:
         return {}
     return dict(PDL=True, PDL_STEPS=int(PDL_STEPS), launch_pdl=True)
 
@@ -1150,7 +1160,7 @@ def _check_mma_layout(kernel, grid, args: tuple, kwargs: dict) -> None:
 
 
 def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync=None,
-                   z_mma=None, a_mma_out=None):
+                   z_mma=None, a_mma_out=None, pdl=False):
     m, d = z.shape
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
@@ -1177,7 +1187,8 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     kwargs = dict(ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
                   ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
                   TOKEN_LOOP=_token_loop(), PREPARED=a_mma_out is not None,
-                  ONE_TRIP=PLAN_ONE_TRIP, num_warps=NUM_WARPS, **_reg_cap(mode, 1), **_pdl(mode))
+                  ONE_TRIP=PLAN_ONE_TRIP, num_warps=NUM_WARPS, **_reg_cap(mode, 1),
+                  **_pdl(pdl, mode))
     if mode >= _MMA_BASE:
         _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
     _moe_stage1_kernel[grid](*args, **kwargs)
@@ -1187,7 +1198,7 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
 def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ",
                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                z_mma: torch.Tensor | None = None,
-               a_mma_out: torch.Tensor | None = None) -> torch.Tensor:
+               a_mma_out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Stage 1 "direct tile": a[t * top_k + k] = act(z[t] @ W1[e]^T, z[t] @ W3[e]^T),
     e = plan.topk_ids[t, k], computed along the plan's expert-sorted tiles.
 
@@ -1200,6 +1211,10 @@ def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ
     z by the MXFP4 tensor-core tiles (ignored by the other paths; the caller vouches that it is
     z's copy). a_mma_out: optional bf16 [M * top_k, I] that also gets ``mma_prepare_x(a)``,
     for moe_stage2's a_mma.
+    pdl: launch with programmatic dependent launch (compiled MXFP4 tensor-core tiles; ignored
+    otherwise): the kernel may start during the previous launch and reads the plan before
+    waiting for it, so the plan must have been written at least two launches before this one
+    (see PDL_STEPS).
     """
     _check_tensor("z", z, dtypes=(torch.bfloat16,), dim=2)
     m, d = z.shape
@@ -1215,7 +1230,7 @@ def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ
         raise ValueError(f"a_mma_out: needs I a multiple of 8, got I={two_i // 2}")
     _check_prepared("a_mma_out", a_mma_out, (m * plan.topk_ids.shape[1], two_i // 2), z.device)
     return _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles,
-                          z_mma=z_mma, a_mma_out=a_mma_out)
+                          z_mma=z_mma, a_mma_out=a_mma_out, pdl=pdl)
 
 
 def _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma=None):
@@ -1301,19 +1316,22 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
     return kw, n
 
 
-def _launch_stage2_tail(stage2, tail, sync=None):
-    """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs)."""
+def _launch_stage2_tail(stage2, tail, sync=None, pdl=False):
+    """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs); pdl: stage 2 alone
+    or the tail alone with programmatic dependent launch (see PDL_STEPS)."""
     kw, n = _stage2_tail_kwargs(stage2, tail, sync)
     kw.update(num_warps=NUM_WARPS, **_reg_cap(kw["FP4"], 2))
     if tail is None and not kw["DETERMINISTIC"]:
-        kw.update(_pdl(kw["FP4"]))
+        kw.update(_pdl(pdl, kw["FP4"]))
+    elif stage2 is None:
+        kw.update(_pdl(pdl))
     if kw["FP4"] >= _MMA_BASE:
         _check_mma_layout(_moe_stage2_tail_kernel, (n,), (), kw)
     _moe_stage2_tail_kernel[(n,)](**kw)
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False,
-               a_mma: torch.Tensor | None = None) -> torch.Tensor:
+               a_mma: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Stage 2: out[t] = sum_k topk_weights[t, k] * (a[t * top_k + k] @ W2[e]^T) in fp32.
 
     a: bf16 [M * top_k, I] (stage 1's output). plan: as for moe_stage1; its ``out`` fp32 [M, D]
@@ -1323,7 +1341,8 @@ def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = Fa
     order of the adds varies between runs. deterministic=True: one program per (token, D tile)
     adding its top_k slots in slot order (bitwise reproducible; out is overwritten, not added to).
     a_mma: optional ``mma_prepare_x(a)`` (as moe_stage1's a_mma_out writes it), read instead of a
-    by the MXFP4 tensor-core tiles (ignored by the other paths). Returns fp32 [M, D].
+    by the MXFP4 tensor-core tiles (ignored by the other paths). pdl: as for moe_stage1 (the
+    atomic tensor-core tiles only). Returns fp32 [M, D].
     """
     _check_tensor("a", a, dtypes=(torch.bfloat16,), dim=2)
     e, d, i, _ = _check_experts("w2", w2, a.device)
@@ -1340,7 +1359,7 @@ def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = Fa
     _, _, n_tiles = _check_plan(plan, m, e, a.device, out_dim=d)
     _check_prepared("a_mma", a_mma, tuple(a.shape), a.device)
     stage2 = _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma)
-    _launch_stage2_tail(stage2, None)
+    _launch_stage2_tail(stage2, None, pdl=pdl)
     return stage2[2]
 
 
@@ -1422,7 +1441,7 @@ def latent_moe_tail(y: torch.Tensor, norm_weight: torch.Tensor | None,
 
 def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
               block_m: int = 1, deterministic: bool = False,
-              fuse_tail: bool = True) -> torch.Tensor:
+              fuse_tail: bool = True, pdl: bool = True) -> torch.Tensor:
     """The latent MoE block of ARCHITECTURE.md section 4: route_sort (unless ``plan`` is given),
     front (latent down + shared gate/up), stage 1, then stage 2 and the tail (+ shared down) as
     one ticket-ordered launch: 3 launches given a plan, route_sort's plus 3 with routing.
@@ -1430,6 +1449,8 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     fuse_tail=False launches stage 2 and the tail separately (4 launches given a plan): no
     waiting across programs inside a kernel (see the module docstring for why the fused launch
     cannot deadlock and restarts from zeroed counters on every call and graph replay).
+    pdl: programmatic dependent launch where it is safe (see PDL_STEPS): stage 1 when the front
+    launch comes between the plan's writer and it; stage 2 and the tail when launched apart.
 
     x: bf16 [M, H], M <= MAX_TOKENS. weights: the dict of ``k3lab.weights.moe_weights``
     (gate_weight, correction_bias; latent_down [D, H], latent_norm [D], latent_up [H, D] when
@@ -1486,11 +1507,12 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
                               activation=cfg.activation, situ_beta=betas[0],
                               situ_linear_beta=betas[1], z_mma_out=z_mma)
     sync = torch.empty(2, device=x.device, dtype=torch.int32)
+    front = z is not None or shared_a is not None  # a launch between the plan and stage 1
     a = _launch_stage1(z if cfg.latent else x, plan, w13, act, *betas, n_tiles, sync=sync,
-                       z_mma=z_mma, a_mma_out=a_mma)
+                       z_mma=z_mma, a_mma_out=a_mma, pdl=pdl and front)
     stage2 = _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma)
     if not cfg.latent and shared_a is None:  # K2-style without shared experts: y is the output
-        _launch_stage2_tail(stage2, None)
+        _launch_stage2_tail(stage2, None, pdl=pdl)
         return stage2[2].to(torch.bfloat16)
     shared_w2 = weights["shared_w2"] if shared_a is not None else None
     if shared_w2 is not None:
@@ -1512,6 +1534,6 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     if fuse_tail:
         _launch_stage2_tail(stage2, tail, sync)
     else:
-        _launch_stage2_tail(stage2, None)
-        _launch_stage2_tail(None, tail)
+        _launch_stage2_tail(stage2, None, pdl=pdl)
+        _launch_stage2_tail(None, tail, pdl=pdl)
     return tail[2]

@@ -67,17 +67,22 @@ def row(copies, wants, **tags):
             rec(k="moe_pdl", stage=stage, us=float("nan"), ok=False, **tags)
 
 
-copies, wants = setup()
-for rep in range(2):
-    for steps in STEPS:
-        moe.PDL_STEPS = steps
-        row(copies, wants, pdl="off" if steps is None else steps, latent=3584, rep=rep)
-moe.PDL_STEPS = None
-del copies, wants
-for latent in WAVES:
-    torch.cuda.empty_cache()
-    copies, wants = setup(latent)
-    row(copies, wants, pdl="off", latent=latent, rep=0)
+def main():
+    copies, wants = setup()
+    for rep in range(2):
+        for steps in STEPS:
+            moe.PDL_STEPS = steps
+            row(copies, wants, pdl="off" if steps is None else steps, latent=3584, rep=rep)
+    moe.PDL_STEPS = None
     del copies, wants
-dump("moe_pdl.json")
-print("done", round(time.time() - T0, 1), flush=True)
+    for latent in WAVES:
+        torch.cuda.empty_cache()
+        copies, wants = setup(latent)
+        row(copies, wants, pdl="off", latent=latent, rep=0)
+        del copies, wants
+    dump("moe_pdl.json")
+    print("done", round(time.time() - T0, 1), flush=True)
+
+
+if __name__ == "__main__":
+    main()

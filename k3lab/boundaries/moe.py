@@ -106,11 +106,14 @@ def _reference(inputs: dict, dtype=torch.bfloat16) -> torch.Tensor:
                                           inputs["cfg"], dtype=dtype)
 
 
+FUSE_TAIL = True  # the fused variant's moe_block(fuse_tail=)
+
+
 def _fused(inputs: dict) -> torch.Tensor:
     from k3lab.kernels import moe_block
     plan = None if inputs["route"] else inputs["plan"]
     return moe_block(inputs["x"], inputs["weights"], cfg=inputs["cfg"], plan=plan,
-                     block_m=inputs["block_m"], fuse_tail=True)
+                     block_m=inputs["block_m"], fuse_tail=FUSE_TAIL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,7 +309,7 @@ def stage_fns(stage: str) -> dict:
             "fused": lambda i: moe_stage1(
                 i["z"], i["plan"], i["weights"]["w13"], z_mma=i.get("z_mma"),
                 a_mma_out=None if i.get("a_mma") is None else torch.empty_like(i["a_mma"]),
-                **act(i["cfg"])),
+                pdl=True, **act(i["cfg"])),
         }
     if stage == "stage2":
         return {
@@ -314,7 +317,7 @@ def stage_fns(stage: str) -> dict:
                                                         dtype=torch.bfloat16),
             "grouped": lambda i: grouped_stage2(i["a"], i["plan"], i["weights"]["w2"]),
             "fused": lambda i: moe_stage2(i["a"], i["plan"], i["weights"]["w2"],
-                                          a_mma=i.get("a_mma")),
+                                          a_mma=i.get("a_mma"), pdl=True),
         }
     if stage == "tail":
         def fused(i):
