@@ -183,6 +183,13 @@ PLAN_ONE_TRIP = True
 #   launched alone with pdl runs the shared experts' down GEMV (its input from the front
 #   launch, three launches earlier) before its wait. None: no PDL anywhere.
 PDL_STEPS = 2
+# Where moe_block uses it (session 10 call 3 experiments): PDL_BLOCK_STAGE1 launches stage 1
+#   with PDL (after the front launch); PDL_FRONT_TRIGGER lets the front launch's programs
+#   trigger the next launch (stage 1 with PDL) as they start; PDL_STAGE1_TRIGGER lets stage 1's
+#   programs trigger the next launch as they start when stage 1 itself is launched without PDL.
+PDL_BLOCK_STAGE1 = True
+PDL_FRONT_TRIGGER = False
+PDL_STAGE1_TRIGGER = False
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -545,10 +552,12 @@ def _mma_prefetch(p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.cons
 def _moe_front_kernel(p_x, p_down, p_z, p_zp, p_sw13, p_sa, M, H_PAIRS, D, S, n_shared_tiles,
                       beta, linear_beta, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
-                      PREPARED: tl.constexpr = False):
+                      PREPARED: tl.constexpr = False, TRIGGER: tl.constexpr = False):
     """Programs [0, n_shared_tiles): shared gate/up + act -> a_s [M, S] bf16; the rest:
     latent down-projection -> z [M, D] bf16 (and, PREPARED, its mma_prepare_x copy at p_zp).
-    Both read x [M, H] bf16."""
+    Both read x [M, H] bf16. TRIGGER: let the next launch start (PDL) as programs start."""
+    if TRIGGER:
+        gdc_launch_dependents()
     i_p = tl.program_id(0)
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < M
@@ -591,13 +600,16 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
                        ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
                        PREPARED: tl.constexpr = False, ONE_TRIP: tl.constexpr = True,
-                       PDL: tl.constexpr = False, PDL_STEPS: tl.constexpr = 0):
+                       PDL: tl.constexpr = False, PDL_STEPS: tl.constexpr = 0,
+                       TRIGGER: tl.constexpr = False):
     """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T) (z as
     mma_prepare_x wrote it where the FP4 code has the X_PREPARED bit); PREPARED: also a's
     mma_prepare_x copy at p_ap. Side jobs: zero stage 2's accumulator (a slice per program) and
     the stage-2 + tail launch's two counters (program 0). PDL: see PDL_STEPS (the side jobs
     come after the wait)."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
+    if TRIGGER and not PDL:  # let the next launch start (PDL) as programs start
+        gdc_launch_dependents()
     if not PDL:
         _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
     # the plan's count, entries and expert in one round trip (all in bounds for every tile):
@@ -1127,7 +1139,9 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
         _pairs("shared_w13", shared_w13) if s else dummy, a_s if s else dummy,
         m, h // 2, d, s, n_shared, float(situ_beta), float(situ_linear_beta),
         ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp, TOKEN_LOOP=_token_loop(),
-        PREPARED=z_mma_out is not None, num_warps=NUM_WARPS)
+        PREPARED=z_mma_out is not None, num_warps=NUM_WARPS,
+        TRIGGER=PDL_FRONT_TRIGGER and PDL_STEPS is not None
+        and os.environ.get("TRITON_INTERPRET") != "1")
     return z, a_s
 
 
@@ -1188,7 +1202,8 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
                   ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
                   TOKEN_LOOP=_token_loop(), PREPARED=a_mma_out is not None,
                   ONE_TRIP=PLAN_ONE_TRIP, num_warps=NUM_WARPS, **_reg_cap(mode, 1),
-                  **_pdl(pdl, mode))
+                  **(_pdl(pdl, mode)
+                     or dict(TRIGGER=PDL_STAGE1_TRIGGER and bool(_pdl(True, mode)))))
     if mode >= _MMA_BASE:
         _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
     _moe_stage1_kernel[grid](*args, **kwargs)
@@ -1509,7 +1524,7 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     sync = torch.empty(2, device=x.device, dtype=torch.int32)
     front = z is not None or shared_a is not None  # a launch between the plan and stage 1
     a = _launch_stage1(z if cfg.latent else x, plan, w13, act, *betas, n_tiles, sync=sync,
-                       z_mma=z_mma, a_mma_out=a_mma, pdl=pdl and front)
+                       z_mma=z_mma, a_mma_out=a_mma, pdl=pdl and front and PDL_BLOCK_STAGE1)
     stage2 = _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma)
     if not cfg.latent and shared_a is None:  # K2-style without shared experts: y is the output
         _launch_stage2_tail(stage2, None, pdl=pdl)
