@@ -182,14 +182,20 @@ PLAN_ONE_TRIP = True
 #   before the wait, so it must have been written at least two launches earlier. The tail
 #   launched alone with pdl runs the shared experts' down GEMV (its input from the front
 #   launch, three launches earlier) before its wait. None: no PDL anywhere.
+#   H200, session 10 (benchmarks/session10/README.md; K3 B1, graph, cold): back to back, stage 2
+#   0.662 -> 0.676 of the copy bandwidth (medians of 7; single runs 0.659-0.702), stage 1 0.706
+#   -> 0.727; PDL_STEPS 0-3 alike, 14 (the whole tile) 0.53-0.58. moe_block(fuse_tail=False)
+#   with routing, as configured below: tp 1 210 us, tp 8 95 us, against 211 / 99 us for the
+#   fused launch (call 3) and 216 / 97 us apart without PDL (call 2).
 PDL_STEPS = 2
-# Where moe_block uses it (session 10 call 3 experiments): PDL_BLOCK_STAGE1 launches stage 1
-#   with PDL (after the front launch); PDL_FRONT_TRIGGER lets the front launch's programs
-#   trigger the next launch (stage 1 with PDL) as they start; PDL_STAGE1_TRIGGER lets stage 1's
-#   programs trigger the next launch as they start when stage 1 itself is launched without PDL.
-PDL_BLOCK_STAGE1 = True
+# Which of moe_block's launches take it (session 10 call 3): PDL_BLOCK_STAGE1 launches stage 1
+#   with PDL after the front launch (tp 1: 4-5 us slower in the block, though faster back to
+#   back: off); PDL_FRONT_TRIGGER lets the front's programs trigger stage 1 as they start (only
+#   with PDL_BLOCK_STAGE1; no gain at tp 1); PDL_STAGE1_TRIGGER lets stage 1's programs, launched
+#   without PDL, trigger the next launch (stage 2 with PDL) as they start (about 1 us faster).
+PDL_BLOCK_STAGE1 = False
 PDL_FRONT_TRIGGER = False
-PDL_STAGE1_TRIGGER = False
+PDL_STAGE1_TRIGGER = True
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
 MAX_SPIN = tl.constexpr(1 << 24)
@@ -1327,7 +1333,7 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
     n = (stage2[1] if stage2 else 0) + (tail[1] if tail else 0)
     kw["p_sync"] = sync if sync is not None else kw["p_y"]
     kw.update(STAGE2=stage2 is not None, TAIL=tail is not None, TOKEN_LOOP=_token_loop(),
-              ONE_TRIP=PLAN_ONE_TRIP)
+              ONE_TRIP=PLAN_ONE_TRIP, PDL=False, PDL_STEPS=0)
     return kw, n
 
 
@@ -1464,8 +1470,9 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     fuse_tail=False launches stage 2 and the tail separately (4 launches given a plan): no
     waiting across programs inside a kernel (see the module docstring for why the fused launch
     cannot deadlock and restarts from zeroed counters on every call and graph replay).
-    pdl: programmatic dependent launch where it is safe (see PDL_STEPS): stage 1 when the front
-    launch comes between the plan's writer and it; stage 2 and the tail when launched apart.
+    pdl: programmatic dependent launch where it is safe and faster (see PDL_STEPS and
+    PDL_BLOCK_STAGE1): stage 2 and the tail when launched apart (H200, K3 B1 with routing,
+    session 10 call 3: tp 1 210 us, tp 8 95 us, against 211 / 99 us fused).
 
     x: bf16 [M, H], M <= MAX_TOKENS. weights: the dict of ``k3lab.weights.moe_weights``
     (gate_weight, correction_bias; latent_down [D, H], latent_norm [D], latent_up [H, D] when

@@ -639,17 +639,72 @@ print(k.asm["ptx"])
 """
 
 
-def test_fused_tail_ptx_orders_memory():
-    """The compiled stage-2 + tail launch keeps its ordering: stage-2 tiles signal with a release
-    RMW, tail tiles poll and then acquire before reading y. (Triton 3.6, the H200's, drops an
-    acquire atomic_add of 0 whose value is unused: the poll then had no acquire at all.)"""
+def test_pdl_launch_options(monkeypatch):
+    """Programmatic dependent launch only where asked for, on compiled tensor-core tiles (the
+    stage kernels) or compiled tails, never under the interpreter or with PDL_STEPS None."""
+    compiled_mma, interp_mma = kmoe._MMA_BASE + 1, kmoe._MMA_BASE
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(kmoe, "PDL_STEPS", 3)
+    assert kmoe._pdl(True, compiled_mma) == dict(PDL=True, PDL_STEPS=3, launch_pdl=True)
+    assert kmoe._pdl(True) == dict(PDL=True, launch_pdl=True)
+    assert kmoe._pdl(False, compiled_mma) == {} and kmoe._pdl(False) == {}
+    assert kmoe._pdl(True, interp_mma) == {} and kmoe._pdl(True, 2) == {}
+    monkeypatch.setattr(kmoe, "PDL_STEPS", None)
+    assert kmoe._pdl(True, compiled_mma) == {} and kmoe._pdl(True) == {}
+    monkeypatch.setattr(kmoe, "PDL_STEPS", 3)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kmoe._pdl(True, compiled_mma) == {} and kmoe._pdl(True) == {}
+
+
+_PDL_PTX_SCRIPT = r"""
+import sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3lab.config import preset
+from k3lab.kernels import moe as kmoe
+from k3lab.reference.route_sort import route_sort_reference
+from k3lab.weights import make_generator, moe_weights, hidden_states, randn
+
+cfg = preset("tiny")
+gen = make_generator(0, "cpu")
+w = moe_weights(cfg, gen, expert_format="mxfp4")
+x = hidden_states(cfg, 1, gen)
+plan = route_sort_reference(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
+                            n_group=cfg.n_group, topk_group=cfg.topk_group, block_m=1,
+                            out_dim=cfg.moe_in)
+a = randn((cfg.top_k, cfg.moe_intermediate), gen)
+stage2 = kmoe._stage2_args(a, plan, w["w2"], False, cfg.top_k)
+kw, _ = kmoe._stage2_tail_kwargs(stage2, None)
+assert kw["FP4"] >= kmoe._MMA_BASE and kw["FP4"] & 1, kw["FP4"]  # compiled tensor-core tiles
+kw.update(kmoe._pdl(True, kw["FP4"]))
+kw.pop("launch_pdl")
+fn = kmoe._moe_stage2_tail_kernel
+names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.uint8: "u8"}
+sig, const = {}, {}
+for p in fn.params:
+    v = kw[p.name]
+    if p.is_constexpr:
+        sig[p.name], const[p.name] = "constexpr", v
+    elif isinstance(v, torch.Tensor):
+        sig[p.name] = "*" + names[v.dtype]
+    else:
+        sig[p.name] = "fp32" if isinstance(v, float) else "i32"
+k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": kmoe.NUM_WARPS})
+print(k.asm["ptx"])
+"""
+
+
+def _ptx_of(script):
+    """PTX printed by ``script`` (compiled for sm_90 without a GPU); skips without a toolchain."""
     import os
     import re
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=600)
     tail = run.stderr[-2000:]
     # skip only for a missing toolchain (ptxas not found); a kernel that fails to compile fails
@@ -657,7 +712,35 @@ def test_fused_tail_ptx_orders_memory():
             and "CompilationError" not in tail):
         pytest.skip(f"no CUDA compiler backend here: {run.stderr.strip().splitlines()[-1]}")
     assert run.returncode == 0, run.stderr[-3000:]
-    ptx = run.stdout
+    return run.stdout
+
+
+def test_pdl_ptx_orders_the_wait():
+    """Stage 2 launched with PDL (compiled, sm_90): the plan's loads and the L2 prefetches come
+    before griddepcontrol.wait, every other load (the K loop's weights and activations) and
+    every atomic after it, and the next launch is let go after it."""
+    lines = _ptx_of(_PDL_PTX_SCRIPT).splitlines()
+    # (the compiler may copy the wait into both sides of the tile's branch)
+    wait = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    go = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+    assert wait and len(go) == len(wait), (wait, go)
+    assert all(g > w for g, w in zip(go, wait, strict=True)), (wait, go)
+    before, after = lines[:wait[0]], lines[wait[0]:]
+    loads_before = [ln for ln in before if "ld.global" in ln]
+    # the plan: its count, the tile's entry, expert and router weight; nothing else
+    assert 1 <= len(loads_before) <= 4, loads_before
+    assert any("prefetch.global.L2" in ln for ln in before)
+    assert not any("atom" in ln or "red." in ln for ln in before)
+    assert any("atom" in ln or "red." in ln for ln in after)
+
+
+def test_fused_tail_ptx_orders_memory():
+    """The compiled stage-2 + tail launch keeps its ordering: stage-2 tiles signal with a release
+    RMW, tail tiles poll and then acquire before reading y. (Triton 3.6, the H200's, drops an
+    acquire atomic_add of 0 whose value is unused: the poll then had no acquire at all.)"""
+    import re
+
+    ptx = _ptx_of(_PTX_SCRIPT)
     assert re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx), "no release RMW"
     assert re.search(r"(atom\.global\.gpu\.acquire|ld\.global\.gpu\.acquire)", ptx), (
         "no acquire after the poll")
@@ -970,6 +1053,48 @@ def test_gpu_cuda_graph(fmt, fuse_tail):
         torch.cuda.synchronize()
         want = ref.latent_moe_from_plan_reference(x, _fused_plan(cfg, x, w), w, cfg)
         assert_close("out", out, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switches", [(False, False, True), (True, True, False)],
+                         ids=["stage1-plain", "stage1-pdl-front-trigger"])
+def test_gpu_pdl_back_to_back(switches, monkeypatch):
+    """Programmatic dependent launch (kmoe.PDL_STEPS): launches that start during the previous
+    one's last wave and read the plan before their wait. Two blocks of different tokens captured
+    back to back in one graph and replayed (stage 2 and the tail apart, with PDL; stage 1 with
+    or without it), and two stage-2 calls with pdl=True back to back, each against the
+    reference: a missed wait would read the other call's activations or accumulator."""
+    block_stage1, front_trigger, stage1_trigger = switches
+    monkeypatch.setattr(kmoe, "PDL_BLOCK_STAGE1", block_stage1)
+    monkeypatch.setattr(kmoe, "PDL_FRONT_TRIGGER", front_trigger)
+    monkeypatch.setattr(kmoe, "PDL_STAGE1_TRIGGER", stage1_trigger)
+    cfg, w, _ = _gpu_k3("mxfp4", 1)
+    xs = [hidden_states(cfg, 1, make_generator(seed, "cuda")) for seed in (1, 2)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for x in xs:
+            moe_block(x, w, cfg=cfg, fuse_tail=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [moe_block(x, w, cfg=cfg, fuse_tail=False) for x in xs]
+    for seed in (3, 4):
+        for k, x in enumerate(xs):
+            x.copy_(hidden_states(cfg, 1, make_generator(10 * seed + k, "cuda")))
+        graph.replay()
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, out in zip(xs, outs, strict=True):
+            want = ref.latent_moe_from_plan_reference(x, _fused_plan(cfg, x, w), w, cfg)
+            assert_close("out", out, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
+    plans = [_fused_plan(cfg, x, w) for x in xs]
+    zs = [randn((1, cfg.moe_in), make_generator(seed, "cuda")) for seed in (5, 6)]
+    acts = [moe_stage1(z, plan, w["w13"]) for z, plan in zip(zs, plans, strict=True)]
+    ys = [moe_stage2(a, plan, w["w2"], pdl=True) for a, plan in zip(acts, plans, strict=True)]
+    for a, plan, y in zip(acts, plans, ys, strict=True):
+        assert_close("y", y, ref.moe_stage2_reference(a, plan, w["w2"]), atol=Y_ATOL,
+                     rtol=Y_RTOL)
 
 
 @pytest.mark.gpu
