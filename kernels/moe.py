@@ -182,19 +182,22 @@ PLAN_ONE_TRIP = True
 #   before the wait, so it must have been written at least two launches earlier. The tail
 #   launched alone with pdl runs the shared experts' down GEMV (its input from the front
 #   launch, three launches earlier) before its wait. None: no PDL anywhere.
-#   H200, session 10 (benchmarks/session10/README.md; K3 B1, graph, cold): back to back, stage 2
-#   0.662 -> 0.676 of the copy bandwidth (medians of 7; single runs 0.659-0.702), stage 1 0.706
-#   -> 0.727; PDL_STEPS 0-3 alike, 14 (the whole tile) 0.53-0.58. moe_block(fuse_tail=False)
-#   with routing, as configured below: tp 1 210 us, tp 8 95 us, against 211 / 99 us for the
-#   fused launch (call 3) and 216 / 97 us apart without PDL (call 2).
-PDL_STEPS = 2
-# Which of moe_block's launches take it (session 10 call 3): PDL_BLOCK_STAGE1 launches stage 1
-#   with PDL after the front launch (tp 1: 4-5 us slower in the block, though faster back to
-#   back: off); PDL_FRONT_TRIGGER lets the front's programs trigger stage 1 as they start (only
-#   with PDL_BLOCK_STAGE1; no gain at tp 1); PDL_STAGE1_TRIGGER lets stage 1's programs, launched
-#   without PDL, trigger the next launch (stage 2 with PDL) as they start (about 1 us faster).
-PDL_BLOCK_STAGE1 = False
-PDL_FRONT_TRIGGER = False
+#   H200, session 10 (benchmarks/session10/README.md; K3 tp 1 B1, graph, cold, fraction of the
+#   copy bandwidth back to back, medians of calls 1-3): stage 2 0.662 without PDL, 0.696 with
+#   PDL_STEPS 0, 0.676 with 2; stage 1 0.706, 0.718, 0.727; PDL_STEPS 14 (the whole tile)
+#   0.53-0.58. The prefetch lengthens the K loop (offline sm_90: 725 -> 729 instructions, the
+#   loads later) and costs where programs do not wait: stage 1 inside moe_block, after a front
+#   launch that lets it go only at its end, 61-64 us with PDL_STEPS 0 and without PDL, 67-69
+#   us with 2 (call 8's graph timelines).
+PDL_STEPS = 0
+# Which of moe_block's launches take it: PDL_BLOCK_STAGE1 launches stage 1 with PDL after the
+#   front launch, and PDL_FRONT_TRIGGER lets the front's programs let stage 1 go as they start
+#   (so stage 1's programs start during the front's last wave); PDL_STAGE1_TRIGGER lets stage
+#   1's programs, when stage 1 is launched without PDL, let the next launch go as they start.
+#   Stage 2 and the tail take PDL when launched apart (fuse_tail=False): their programs start
+#   about 17 us before the previous launch ends (call 8).
+PDL_BLOCK_STAGE1 = True
+PDL_FRONT_TRIGGER = True
 PDL_STAGE1_TRIGGER = True
 # A tail program waiting for stage 2 gives up after this many polls (seconds of spinning): a
 # scheduling bug then shows as a wrong result in the tests instead of a hung GPU.
@@ -1470,9 +1473,8 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     fuse_tail=False launches stage 2 and the tail separately (4 launches given a plan): no
     waiting across programs inside a kernel (see the module docstring for why the fused launch
     cannot deadlock and restarts from zeroed counters on every call and graph replay).
-    pdl: programmatic dependent launch where it is safe and faster (see PDL_STEPS and
-    PDL_BLOCK_STAGE1): stage 2 and the tail when launched apart (H200, K3 B1 with routing,
-    session 10 call 3: tp 1 210 us, tp 8 95 us, against 211 / 99 us fused).
+    pdl: programmatic dependent launch where it is safe (see PDL_STEPS and PDL_BLOCK_STAGE1):
+    stage 1 after the front launch, and stage 2 and the tail when launched apart.
 
     x: bf16 [M, H], M <= MAX_TOKENS. weights: the dict of ``k3lab.weights.moe_weights``
     (gate_weight, correction_bias; latent_down [D, H], latent_norm [D], latent_up [H, D] when

@@ -684,6 +684,7 @@ a = randn((cfg.top_k, cfg.moe_intermediate), gen)
 stage2 = kmoe._stage2_args(a, plan, w["w2"], False, cfg.top_k)
 kw, _ = kmoe._stage2_tail_kwargs(stage2, None)
 assert kw["FP4"] >= kmoe._MMA_BASE and kw["FP4"] & 1, kw["FP4"]  # compiled tensor-core tiles
+kmoe.PDL_STEPS = 2  # with the prefetch before the wait
 kw.update(kmoe._pdl(True, kw["FP4"]))
 kw.pop("launch_pdl")
 fn = kmoe._moe_stage2_tail_kernel

@@ -283,10 +283,11 @@ def stage_fns(stage: str) -> dict:
     """{variant name: fn(stage inputs)} for one of STAGES: reference (bf16 model numerics, loop),
     grouped (eager bmm / cuBLAS) and fused (this boundary's kernel for that stage; as in
     moe_block, the fused front and stage 1 also write the prepared copies of z and a that the
-    next stage's tensor-core tiles read). Stage 2's fused variant is launched with programmatic
-    dependent launch (``pdl=True``, as moe_block(fuse_tail=False) launches it after stage 1):
-    back to back, a call's programs start during the previous call's last wave; "fused (no
-    PDL)" is the same kernel launched plainly."""
+    next stage's tensor-core tiles read). The fused stages 1 and 2 are launched with
+    programmatic dependent launch (``pdl=True``, as moe_block launches stage 1 after the front,
+    and stage 2 after stage 1 with fuse_tail=False): back to back, a call's programs start
+    during the previous call's last wave; "fused (no PDL)" is the same kernel launched
+    plainly."""
     from k3lab.kernels import latent_down, latent_moe_tail, moe_stage1, moe_stage2
 
     def act(cfg):
@@ -310,6 +311,10 @@ def stage_fns(stage: str) -> dict:
                                                         dtype=torch.bfloat16, **act(i["cfg"])),
             "grouped": lambda i: grouped_stage1(i["z"], i["plan"], i["weights"]["w13"], i["cfg"]),
             "fused": lambda i: moe_stage1(
+                i["z"], i["plan"], i["weights"]["w13"], z_mma=i.get("z_mma"),
+                a_mma_out=None if i.get("a_mma") is None else torch.empty_like(i["a_mma"]),
+                pdl=True, **act(i["cfg"])),
+            "fused (no PDL)": lambda i: moe_stage1(
                 i["z"], i["plan"], i["weights"]["w13"], z_mma=i.get("z_mma"),
                 a_mma_out=None if i.get("a_mma") is None else torch.empty_like(i["a_mma"]),
                 **act(i["cfg"])),
