@@ -34,6 +34,11 @@ taken by a running program, so every tile a tail tile waits for is already runni
 under any scheduling. Stage 1 zeroes the two counters (program 0) and stage 2's accumulator, so
 every call and every CUDA-graph replay starts from zero. ``fuse_tail=False`` launches stage 2 and
 the tail separately (one launch more, no cross-program waiting).
+
+Programmatic dependent launch (PDL_STEPS): stage 1 (after the front), and stage 2 and the tail
+when apart, may start while the previous launch's last wave runs; they read only the plan (and
+the tail its shared-expert input), written two or more launches earlier, before
+``griddepcontrol.wait``.
 """
 
 from __future__ import annotations
@@ -183,12 +188,12 @@ PLAN_ONE_TRIP = True
 #   launched alone with pdl runs the shared experts' down GEMV (its input from the front
 #   launch, three launches earlier) before its wait. None: no PDL anywhere.
 #   H200, session 10 (benchmarks/session10/README.md; K3 tp 1 B1, graph, cold, fraction of the
-#   copy bandwidth back to back, medians of calls 1-3): stage 2 0.662 without PDL, 0.696 with
-#   PDL_STEPS 0, 0.676 with 2; stage 1 0.706, 0.718, 0.727; PDL_STEPS 14 (the whole tile)
-#   0.53-0.58. The prefetch lengthens the K loop (offline sm_90: 725 -> 729 instructions, the
-#   loads later) and costs where programs do not wait: stage 1 inside moe_block, after a front
-#   launch that lets it go only at its end, 61-64 us with PDL_STEPS 0 and without PDL, 67-69
-#   us with 2 (call 8's graph timelines).
+#   copy bandwidth back to back, medians over calls 1, 2, 3, 9): stage 2 0.661 without PDL
+#   (0.626-0.666, 10 runs), 0.674 with PDL_STEPS 0 (0.659-0.704, 8), 0.676 with 2; stage 1
+#   0.699, 0.711, 0.727; PDL_STEPS 14 (the whole tile) 0.53-0.58. The prefetch lengthens the K
+#   loop (offline sm_90: 725 -> 729 instructions, the loads later) and costs where programs do
+#   not wait: stage 1 inside moe_block, after the front launch, 61-64 us with PDL_STEPS 0 and
+#   without PDL, 67-69 us with 2 (call 8's graph timelines).
 PDL_STEPS = 0
 # Which of moe_block's launches take it: PDL_BLOCK_STAGE1 launches stage 1 with PDL after the
 #   front launch, and PDL_FRONT_TRIGGER lets the front's programs let stage 1 go as they start
