@@ -605,9 +605,10 @@ def test_boundary_stages(device):
                              rtol=BLOCK_RTOL)
 
 
-# Compiles the stage-2 + tail kernel (both roles) for sm_90 without a GPU and prints its PTX: the
-# memory ordering the fused launch relies on must survive the Triton version in use.
-_PTX_SCRIPT = r"""
+# Scripts that compile the stage-2 + tail kernel for sm_90 without a GPU and print its PTX (the
+# memory ordering the launches rely on must survive the Triton version in use): the imports, the
+# kernel's arguments kw, then the compile.
+_PTX_IMPORTS = r"""
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -616,19 +617,8 @@ from k3lab.kernels import moe as kmoe
 from k3lab.reference.route_sort import route_sort_reference
 from k3lab.weights import make_generator, moe_weights, hidden_states, randn
 
-cfg = preset("tiny")
-gen = make_generator(0, "cpu")
-w = moe_weights(cfg, gen, expert_format="mxfp4")
-x = hidden_states(cfg, 2, gen)
-plan = route_sort_reference(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
-                            n_group=cfg.n_group, topk_group=cfg.topk_group, block_m=2,
-                            out_dim=cfg.moe_in)
-a = randn((2 * cfg.top_k, cfg.moe_intermediate), gen)
-stage2 = kmoe._stage2_args(a, plan, w["w2"], False, 2 * cfg.top_k)
-sa = randn((2, cfg.shared_intermediate), gen)
-tail = kmoe._tail_args(stage2[2], w["latent_norm"], w["latent_up"], None, sa, w["shared_w2"],
-                       cfg.rms_eps)
-kw, _ = kmoe._stage2_tail_kwargs(stage2, tail, torch.zeros(2, dtype=torch.int32))
+"""
+_PTX_COMPILE = r"""
 fn = kmoe._moe_stage2_tail_kernel
 names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.uint8: "u8"}
 sig, const = {}, {}
@@ -644,6 +634,21 @@ k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": kmoe.NUM_WARPS})
 print(k.asm["ptx"])
 """
+_PTX_SCRIPT = _PTX_IMPORTS + r"""
+cfg = preset("tiny")
+gen = make_generator(0, "cpu")
+w = moe_weights(cfg, gen, expert_format="mxfp4")
+x = hidden_states(cfg, 2, gen)
+plan = route_sort_reference(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
+                            n_group=cfg.n_group, topk_group=cfg.topk_group, block_m=2,
+                            out_dim=cfg.moe_in)
+a = randn((2 * cfg.top_k, cfg.moe_intermediate), gen)
+stage2 = kmoe._stage2_args(a, plan, w["w2"], False, 2 * cfg.top_k)
+sa = randn((2, cfg.shared_intermediate), gen)
+tail = kmoe._tail_args(stage2[2], w["latent_norm"], w["latent_up"], None, sa, w["shared_w2"],
+                       cfg.rms_eps)
+kw, _ = kmoe._stage2_tail_kwargs(stage2, tail, torch.zeros(2, dtype=torch.int32))
+""" + _PTX_COMPILE
 
 
 def test_pdl_launch_options(monkeypatch):
@@ -663,16 +668,7 @@ def test_pdl_launch_options(monkeypatch):
     assert kmoe._pdl(True, compiled_mma) == {} and kmoe._pdl(True) == {}
 
 
-_PDL_PTX_SCRIPT = r"""
-import sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from k3lab.config import preset
-from k3lab.kernels import moe as kmoe
-from k3lab.reference.route_sort import route_sort_reference
-from k3lab.weights import make_generator, moe_weights, hidden_states, randn
-
+_PDL_PTX_SCRIPT = _PTX_IMPORTS + r"""
 cfg = preset("tiny")
 gen = make_generator(0, "cpu")
 w = moe_weights(cfg, gen, expert_format="mxfp4")
@@ -687,21 +683,7 @@ assert kw["FP4"] >= kmoe._MMA_BASE and kw["FP4"] & 1, kw["FP4"]  # compiled tens
 kmoe.PDL_STEPS = 2  # with the prefetch before the wait
 kw.update(kmoe._pdl(True, kw["FP4"]))
 kw.pop("launch_pdl")
-fn = kmoe._moe_stage2_tail_kernel
-names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32", torch.uint8: "u8"}
-sig, const = {}, {}
-for p in fn.params:
-    v = kw[p.name]
-    if p.is_constexpr:
-        sig[p.name], const[p.name] = "constexpr", v
-    elif isinstance(v, torch.Tensor):
-        sig[p.name] = "*" + names[v.dtype]
-    else:
-        sig[p.name] = "fp32" if isinstance(v, float) else "i32"
-k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": kmoe.NUM_WARPS})
-print(k.asm["ptx"])
-"""
+""" + _PTX_COMPILE
 
 
 def _ptx_of(script):

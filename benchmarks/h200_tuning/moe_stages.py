@@ -14,13 +14,17 @@ from k3lab.reference import moe as ref
 STAGE_TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}
 
 
-def stage_setup(tp: int, n_copies: int, name: str = "kimi-k3", device: str = "cuda"):
+def stage_setup(tp: int, n_copies: int, name: str = "kimi-k3", device: str = "cuda",
+                latent: int | None = None):
     """(copies, wants): ``n_copies`` stage inputs (k3lab.boundaries.moe.stage_inputs) sharing
     nothing but their experts' layout, M = 1, MXFP4 experts; tp 1 keeps 48 experts so that 3
-    copies of 16 rotate cold. wants: {stage: fp32 reference output of copy 0}."""
+    copies of 16 rotate cold; latent: another latent size D. wants: {stage: fp32 reference
+    output of copy 0}."""
     cfg = preset(name, tp)
     if tp == 1:
         cfg = dataclasses.replace(cfg, n_experts=48)
+    if latent:
+        cfg = dataclasses.replace(cfg, latent=latent)
     base = MB.make_inputs(cfg, device, 0, M=1, expert_format="mxfp4")
     copies = [MB.stage_inputs(c) for c in MB.copies_sharing_experts(base, n_copies)]
     c0 = copies[0]

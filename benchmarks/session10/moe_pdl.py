@@ -25,12 +25,12 @@ import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump, gt, rec  # noqa: E402
-from moe_stages import check_stage  # noqa: E402
+from moe_stages import check_stage, stage_setup  # noqa: E402
 
+from k3lab import profile  # noqa: E402
 from k3lab.boundaries import moe as MB  # noqa: E402
 from k3lab.config import preset  # noqa: E402
 from k3lab.kernels import moe  # noqa: E402
-from k3lab.reference import moe as ref  # noqa: E402
 
 STEPS = [None if s == "off" else int(s)
          for s in os.environ.get("STEPS", "off 0 2 4 14").split()]
@@ -40,17 +40,47 @@ print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 
 
 def setup(latent=None):
-    cfg = dataclasses.replace(preset("kimi-k3", 1), n_experts=48)
-    if latent:
-        cfg = dataclasses.replace(cfg, latent=latent)
-    base = MB.make_inputs(cfg, "cuda", 0, M=1, expert_format="mxfp4")
-    copies = [MB.stage_inputs(c) for c in MB.copies_sharing_experts(base, 3)]
-    c0 = copies[0]
-    wants = {"stage1": ref.moe_stage1_reference(
-        c0["z"], c0["plan"], c0["weights"]["w13"], activation=cfg.activation,
-        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta),
-        "stage2": ref.moe_stage2_reference(c0["a"], c0["plan"], c0["weights"]["w2"])}
-    return copies, wants
+    """(copies, wants) of K3 tp 1 (48 experts, 3 cold copies), at another latent size D."""
+    return stage_setup(1, 3, latent=latent)
+
+
+def block_copies(tp):
+    """moe_block inputs with routing, MXFP4, cold copies: K3 tp 1 (48 experts, 3 copies) or
+    tp 8 (4 copies)."""
+    cfg = preset("kimi-k3", tp)
+    if tp == 1:
+        cfg = dataclasses.replace(cfg, n_experts=48)
+    base = MB.make_inputs(cfg, "cuda", 0, M=1, expert_format="mxfp4", route=True)
+    return MB.copies_sharing_experts(base, 3 if tp == 1 else 4)
+
+
+def block_row(copies, **tags):
+    """One row of the fused block (k3lab.boundaries.moe's, with routing): checked against the
+    fp32 truth, launches, median graph us."""
+    try:
+        err = MB.check(MB._fused(copies[0]), None, copies[0])["out"]
+        launches = profile.count_launches(MB._fused, copies[0]).count
+        us = gt(MB._fused, copies, repeats=10)
+        rec(k="moe_pdl_block", us=round(us, 2), err=err, launches=launches,
+            t=round(time.time() - T0, 1), **tags)
+    except Exception:
+        traceback.print_exc()
+        rec(k="moe_pdl_block", us=float("nan"), **tags)
+
+
+def block_sweep(steps):
+    """The block at tp 1 and 8, fused tail or apart, PDL off or PDL_STEPS ``steps``, twice."""
+    for tp in (1, 8):
+        copies = block_copies(tp)
+        for rep in range(2):
+            for fuse in (True, False):
+                for pdl in (None, steps):
+                    MB.FUSE_TAIL, moe.PDL_STEPS = fuse, pdl
+                    block_row(copies, tp=tp, fuse_tail=fuse, pdl="off" if pdl is None else pdl,
+                              rep=rep)
+        del copies
+        torch.cuda.empty_cache()
+    MB.FUSE_TAIL = True
 
 
 def row(copies, wants, **tags):

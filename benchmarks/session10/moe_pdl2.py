@@ -13,22 +13,17 @@ K steps asked of L2 before the wait, and the whole block fused or not.
     python3 benchmarks/session10/moe_pdl2.py        # writes $OUT/moe_pdl2.json
 """
 
-import dataclasses
 import os
 import sys
 import time
-import traceback
 
 import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 sys.path.insert(0, "benchmarks/session10")
-from common import bw, dump, gt, rec  # noqa: E402
-from moe_pdl import row, setup  # noqa: E402
+from common import bw, dump  # noqa: E402
+from moe_pdl import block_sweep, row, setup  # noqa: E402
 
-from k3lab import profile  # noqa: E402
-from k3lab.boundaries import moe as MB  # noqa: E402
-from k3lab.config import preset  # noqa: E402
 from k3lab.kernels import moe  # noqa: E402
 
 STEPS = [None if s == "off" else int(s) for s in os.environ.get("STEPS", "off 0 1 2 3").split()]
@@ -43,29 +38,7 @@ for rep in range(REPS):
 del copies, wants
 torch.cuda.empty_cache()
 
-for tp in (1, 8):
-    cfg = preset("kimi-k3", tp)
-    if tp == 1:
-        cfg = dataclasses.replace(cfg, n_experts=48)
-    base = MB.make_inputs(cfg, "cuda", 0, M=1, expert_format="mxfp4", route=True)
-    copies = MB.copies_sharing_experts(base, 3 if tp == 1 else 4)
-    for rep in range(2):
-        for fuse in (True, False):
-            for steps in (None, 2):
-                MB.FUSE_TAIL, moe.PDL_STEPS = fuse, steps
-                tags = dict(tp=tp, fuse_tail=fuse, pdl="off" if steps is None else steps, rep=rep)
-                try:
-                    err = MB.check(MB._fused(copies[0]), None, copies[0])["out"]
-                    launches = profile.count_launches(MB._fused, copies[0]).count
-                    us = gt(MB._fused, copies, repeats=10)
-                    rec(k="moe_pdl_block", us=round(us, 2), err=err, launches=launches,
-                        t=round(time.time() - T0, 1), **tags)
-                except Exception:
-                    traceback.print_exc()
-                    rec(k="moe_pdl_block", us=float("nan"), **tags)
-    del base, copies
-    torch.cuda.empty_cache()
-MB.FUSE_TAIL, moe.PDL_STEPS = True, 2
+block_sweep(2)
 print(f"copy bw {bw / 1e12:.3f} TB/s")
 dump("moe_pdl2.json")
 print("done", round(time.time() - T0, 1), flush=True)
