@@ -50,7 +50,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from k3lab.kernels.mxfp4_mma import MMA_WARPS, fp4_mma_gemv, mma_layout_problem, store_prepared_x
+from k3lab.kernels.mxfp4_mma import (
+    MMA_WARPS,
+    fp4_mma_gemv,
+    mma_layout_problem,
+    prefetch_l2,
+    store_prepared_x,
+)
 from k3lab.plan import RoutePlan
 from k3lab.weights import MXFP4
 
@@ -527,14 +533,6 @@ def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, mask):
-    """prefetch.global.L2 of the line of each pointer where mask (no registers held)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _mma_prefetch(p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr,
                   STEPS: tl.constexpr):
     """Ask L2 for the first STEPS K steps of the rows of tensor-core tile MODE at row0 (as
@@ -552,9 +550,9 @@ def _mma_prefetch(p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.cons
         o_2 = tl.arange(0, 2)
         for s0 in tl.static_range(0, STEPS, 2):
             step = s0 + o_2
-            _prefetch_l2(p_w + row[:, None] * K_WORDS + step[None, :] * 32,
+            prefetch_l2(p_w + row[:, None] * K_WORDS + step[None, :] * 32,
                          m_row[:, None] & ((step < STEPS) & (step * 32 < K_WORDS))[None, :])
-        _prefetch_l2(p_s + row[:, None] * N_GROUPS + o_2[None, :] * (N_GROUPS - 1),
+        prefetch_l2(p_s + row[:, None] * N_GROUPS + o_2[None, :] * (N_GROUPS - 1),
                      m_row[:, None])
 
 
@@ -1154,8 +1152,7 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
         m, h // 2, d, s, n_shared, float(situ_beta), float(situ_linear_beta),
         ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp, TOKEN_LOOP=_token_loop(),
         PREPARED=z_mma_out is not None, num_warps=NUM_WARPS,
-        TRIGGER=PDL_FRONT_TRIGGER and PDL_STEPS is not None
-        and os.environ.get("TRITON_INTERPRET") != "1")
+        TRIGGER=PDL_FRONT_TRIGGER and bool(_pdl(True)))
     return z, a_s
 
 

@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "mma_layout_problem", "MMA_WARPS",
-           "MMA_OPERAND_LAYOUT"]
+__all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2", "mma_layout_problem",
+           "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
 
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
 X_SCALE_EXP = 100  # x * 2^100 in bf16: products 2^-126 w * 2^100 x = 2^-26 w x
@@ -215,6 +215,15 @@ def _mma_emulate(b_lo, b_hi, x0, x1, x2, x3, R: tl.constexpr, X_SCALED: tl.const
 
 
 @triton.jit
+def prefetch_l2(ptrs, mask):
+    """prefetch.global.L2 of the line of each pointer where mask (no registers held; compiled
+    only: inline PTX)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
     """Words of rows g / g + 8 of one row tile [256, 4] int32: thread i's 4 consecutive words
     from o_w[i] (2-D, so that the only contiguous dimension is the last: the layout then puts
@@ -308,12 +317,8 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                        num_stages=STAGES if STAGES > 0 else None):
         if PREFETCH > 0 and ASM:
             pf_step = step0 + (it + PREFETCH) * WARPS_K + q_wk  # [128]
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                "mov.b32 $0, 0; }", "=r,l,r",
-                [p_w + pf_row * K_WORDS + (pf_step * 32)[:, None],
-                 (m_pf & (pf_step < n_steps)[:, None]).to(tl.int32)],
-                dtype=tl.int32, is_pure=False, pack=1)
+            prefetch_l2(p_w + pf_row * K_WORDS + (pf_step * 32)[:, None],
+                        m_pf & (pf_step < n_steps)[:, None])
         step = step0 + it * WARPS_K + wk
         o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
         m_w = (step < n_steps) & (o_w < K_WORDS)

@@ -19,7 +19,8 @@ for steps in [None, *[int(a) for a in sys.argv[1:] or ("0", "2", "12")]]:
     for name, kernel, _grid, args, kwargs in aot_moe.capture(d=3584, i=3072):
         kw = dict(kwargs)
         kw["FP4"] |= 1 | moe._MMA_XP  # inline PTX, as on the GPU; prepared x, as moe_block runs
-        kw.update(moe._pdl(kw["FP4"]) if steps is not None else {})
+        if steps is not None:  # as moe._pdl gives a compiled launch (aot_moe sets the
+            kw.update(PDL=True, PDL_STEPS=steps, launch_pdl=True)  # interpreter flag)
         sass, res = aot_moe.sass_of(aot_moe.compile_captured(kernel, args, kw))
         rows = aot_moe.parse_sass(sass)
         lo, hi = max(aot_moe.loop_bodies(sass), key=lambda b: b[1] - b[0])

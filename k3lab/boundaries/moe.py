@@ -294,6 +294,14 @@ def stage_fns(stage: str) -> dict:
         return dict(activation=cfg.activation, situ_beta=cfg.situ_beta,
                     situ_linear_beta=cfg.situ_linear_beta)
 
+    def stage1(i, pdl):
+        return moe_stage1(i["z"], i["plan"], i["weights"]["w13"], z_mma=i.get("z_mma"),
+                          a_mma_out=None if i.get("a_mma") is None
+                          else torch.empty_like(i["a_mma"]), pdl=pdl, **act(i["cfg"]))
+
+    def stage2(i, pdl):
+        return moe_stage2(i["a"], i["plan"], i["weights"]["w2"], a_mma=i.get("a_mma"), pdl=pdl)
+
     if stage == "front":
         def fused(i):
             w = i["weights"]
@@ -310,24 +318,16 @@ def stage_fns(stage: str) -> dict:
             "reference": lambda i: moe_stage1_reference(i["z"], i["plan"], i["weights"]["w13"],
                                                         dtype=torch.bfloat16, **act(i["cfg"])),
             "grouped": lambda i: grouped_stage1(i["z"], i["plan"], i["weights"]["w13"], i["cfg"]),
-            "fused": lambda i: moe_stage1(
-                i["z"], i["plan"], i["weights"]["w13"], z_mma=i.get("z_mma"),
-                a_mma_out=None if i.get("a_mma") is None else torch.empty_like(i["a_mma"]),
-                pdl=True, **act(i["cfg"])),
-            "fused (no PDL)": lambda i: moe_stage1(
-                i["z"], i["plan"], i["weights"]["w13"], z_mma=i.get("z_mma"),
-                a_mma_out=None if i.get("a_mma") is None else torch.empty_like(i["a_mma"]),
-                **act(i["cfg"])),
+            "fused": lambda i: stage1(i, True),
+            "fused (no PDL)": lambda i: stage1(i, False),
         }
     if stage == "stage2":
         return {
             "reference": lambda i: moe_stage2_reference(i["a"], i["plan"], i["weights"]["w2"],
                                                         dtype=torch.bfloat16),
             "grouped": lambda i: grouped_stage2(i["a"], i["plan"], i["weights"]["w2"]),
-            "fused": lambda i: moe_stage2(i["a"], i["plan"], i["weights"]["w2"],
-                                          a_mma=i.get("a_mma"), pdl=True),
-            "fused (no PDL)": lambda i: moe_stage2(i["a"], i["plan"], i["weights"]["w2"],
-                                                   a_mma=i.get("a_mma")),
+            "fused": lambda i: stage2(i, True),
+            "fused (no PDL)": lambda i: stage2(i, False),
         }
     if stage == "tail":
         def fused(i):
