@@ -158,6 +158,7 @@ FP4_SCALE_BIAS = tl.constexpr(62)
 #   the copy bandwidth against 0.68-0.70.
 #   Interpreter: the same tiles with the mma emulated.
 FP4_MMA = True
+_K3ST = tl.constexpr(int(os.environ.get("K3_ST", "0")))
 # Under the interpreter's big tiles (INTERPRETER_BIG_TILES) the lane-by-lane mma emulation runs
 # one 64-128-row program at a time (a K3 tp 8 block: about a minute on CPU), so the one-token
 # MXFP4 tiles take the K-lane path there unless INTERPRETER_MMA is set; with the GPU tiling
@@ -487,7 +488,7 @@ def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.con
     16 * 4 // WARPS_K] fp32, y[r, j] = factor * (w[row0 + r * ROW_R + j] . x) (K share i_k of
     KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
-                        1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
+                        1 << (MODE // 16 % 4), _K3ST, MODE % 2 == 1, MODE // 2 % 8, i_k,
                         MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1, factor)
 
 

@@ -224,6 +224,18 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
+def _ld_v4(ptrs, mask):
+    """int32 values at ``ptrs`` (0 where not mask), 4 consecutive 16-byte-aligned words a thread
+    in one ld.global.v4: inline PTX, which Triton's pipeliner leaves alone (x stays out of the
+    shared-memory stages that the weights take)."""
+    m = tl.broadcast_to(mask, ptrs.shape).to(tl.int32)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $8, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
+        "mov.b32 $3, 0; @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4]; }",
+        "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs, m], dtype=tl.int32, is_pure=True, pack=4)
+
+
+@triton.jit
 def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
     """Words of rows g / g + 8 of one row tile [256, 4] int32: thread i's 4 consecutive words
     from o_w[i] (2-D, so that the only contiguous dimension is the last: the layout then puts
@@ -323,8 +335,12 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
         m_w = (step < n_steps) & (o_w < K_WORDS)
         # x pairs 4 (4 grp + u) + v of the words, on the lanes of column g == grp
-        b_x = tl.load(p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None]
-                      + o_u[None, None, :], mask=(m_w & (g == grp))[:, None, None], other=0)
+        p_xs = p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None] + o_u[None, None, :]
+        m_xs = (m_w & (g == grp))[:, None, None]
+        if STAGES > 0 and ASM:
+            b_x = _ld_v4(p_xs, m_xs)
+        else:
+            b_x = tl.load(p_xs, mask=m_xs, other=0)
         x_even, x_odd = tl.split(tl.reshape(b_x, [256, 4, 2, 2]))  # x word v = 2 v1 + v0
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)

@@ -37,6 +37,8 @@ print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 
 
 def row(copies, wants, stage, **tags):
+    """One stage row: checked against the fp32 reference, median graph us, fraction of the copy
+    bandwidth on the stage's bytes."""
     fn = MB.stage_fns(stage)["fused"]
     nbytes = MB.stage_bytes(stage, copies[0])
     try:
