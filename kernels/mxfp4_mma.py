@@ -40,6 +40,10 @@ import triton.language as tl
 __all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2", "mma_layout_problem",
            "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
 
+import os as _os  # noqa: E402
+_CO = tl.constexpr(int(_os.environ.get("K3_CO", "0")))
+_CM = tl.constexpr(_os.environ.get("K3_CM", ""))
+_EV = tl.constexpr(_os.environ.get("K3_EV", ""))
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
 X_SCALE_EXP = 100  # x * 2^100 in bf16: products 2^-126 w * 2^100 x = 2^-26 w x
 SCALE_BIAS = tl.constexpr(127 - X_SCALE_EXP - 1)  # 2^(s - 127) * 2^26 has fp32 exponent s + 26
@@ -236,6 +240,24 @@ def _ld_v4(ptrs, mask):
 
 
 @triton.jit
+def _load_block(p_w, row_b, lim_b, step_b0, n_steps, K_WORDS, WN: tl.constexpr,
+                WK: tl.constexpr):
+    """Words of rows g / g + 8 of one row tile [256, 4] int32 for every warp, loaded as one
+    [WN * 16 rows, WK * 32 words] block (the program's rows, the WK steps its K warps take)
+    whose lanes run along K (contiguous bytes of a row), then permuted into the fragments:
+    i = 128 h + 32 (WK wn + wk) + 4 g + t holds words 32 wk + 4 (t + 4 h) .. + 3 of row
+    16 wn + g (lo) and 16 wn + 8 + g (hi) of the block."""
+    o_rb = tl.arange(0, WN * 16)
+    o_wb = tl.arange(0, WK * 32)
+    step_b = step_b0 + o_wb // 32
+    word_b = step_b * 32 + o_wb % 32
+    m_b = ((row_b + o_rb) < lim_b)[:, None] & ((step_b < n_steps) & (word_b < K_WORDS))[None, :]
+    blk = tl.load(p_w + (row_b + o_rb)[:, None] * K_WORDS + word_b[None, :], mask=m_b, other=0)
+    f = tl.permute(tl.reshape(blk, [WN, 2, 8, WK, 2, 4, 4]), [4, 0, 3, 2, 5, 6, 1])
+    return tl.split(tl.reshape(f, [256, 4, 2]))
+
+
+@triton.jit
 def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
     """Words of rows g / g + 8 of one row tile [256, 4] int32: thread i's 4 consecutive words
     from o_w[i] (2-D, so that the only contiguous dimension is the last: the layout then puts
@@ -244,9 +266,10 @@ def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
     iteration than adding them in 2-D)."""
     o_u = tl.arange(0, 4)
     p_lo = p_w + row * K_WORDS + o_w
-    b_lo = tl.load(p_lo[:, None] + o_u[None, :], mask=(m_lo & m_w)[:, None], other=0)
+    b_lo = tl.load(p_lo[:, None] + o_u[None, :], mask=(m_lo & m_w)[:, None], other=0,
+                   cache_modifier=_CM, eviction_policy=_EV)
     b_hi = tl.load((p_lo + 8 * K_WORDS)[:, None] + o_u[None, :], mask=(m_hi & m_w)[:, None],
-                   other=0)
+                   other=0, cache_modifier=_CM, eviction_policy=_EV)
     return b_lo, b_hi
 
 
@@ -354,10 +377,18 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                 X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         # row tile 0 (and 1): the B registers serve both
-        b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS)
+        if _CO:
+            b_lo, b_hi = _load_block(p_w, row0, row_lim, step0 + it * WARPS_K, n_steps,
+                                     K_WORDS, WN, WARPS_K)
+        else:
+            b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS)
         d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
         if R == 2:
-            b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS)
+            if _CO:
+                b_lo, b_hi = _load_block(p_w, row0 + ROW_R, row_lim + LIM_R,
+                                         step0 + it * WARPS_K, n_steps, K_WORDS, WN, WARPS_K)
+            else:
+                b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS)
             d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
             d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:

@@ -2,9 +2,10 @@
 weight-load pattern or their arithmetic? Load-only kernels over stage 2's weight bytes at K3
 tp 1 (16 experts x 3584 rows x 1536 bytes, 3 cold copies), graph replay, median of 10:
 
-- "mma": the tensor-core tile's loads exactly (mxfp4_mma._load_words, the (2, 2) tile's index
-  math: per K step a warp reads one 128-byte line of each of its 2 x 16 rows; K warps take
-  alternate steps), optional L2 prefetch of the lines PF steps ahead, words XOR-folded;
+- "mma": the tensor-core tile's loads (mxfp4_mma._load_words' addresses, the (2, 2) tile's
+  index math: per K step a warp reads one 128-byte line of each of its 2 x 16 rows; K warps take
+  alternate steps), optional L2 prefetch of the lines PF steps ahead (every thread its own
+  line: 8 prefetches a line), optional cache modifier / eviction policy, words XOR-folded;
 - "rows": the same program's 64 rows read as [16, 128]-word blocks, lanes along K (512
   contiguous bytes a row a load);
 - "linear": the same program's 96 KB read front to back.
@@ -23,13 +24,14 @@ import triton.language as tl
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump, gt, rec  # noqa: E402
 
-from k3lab.kernels.mxfp4_mma import _load_words, prefetch_l2  # noqa: E402
+from k3lab.kernels.mxfp4_mma import prefetch_l2  # noqa: E402
 
 ROWS, K_WORDS, EXPERTS = 3584, 384, 16  # stage 2 at K3 tp 1: D rows of I / 8 words
 
 
 @triton.jit
-def _mma_pattern(p_w, p_out, K_WORDS, TILES, PF: tl.constexpr):
+def _mma_pattern(p_w, p_out, K_WORDS, TILES, PF: tl.constexpr, CM: tl.constexpr = "",
+                 EV: tl.constexpr = ""):
     pid = tl.program_id(0)
     row0 = pid * 64  # a program's 64 rows: (2, 2) tile, rows wn * 16 + g and + 32 (ROW_R)
     o_i = tl.arange(0, 256)
@@ -38,7 +40,6 @@ def _mma_pattern(p_w, p_out, K_WORDS, TILES, PF: tl.constexpr):
     wn, wk = warp // 2, warp % 2
     grp = t + 4 * h
     row0_i = row0 + wn * 16 + g
-    m = row0_i >= 0
     acc = tl.zeros([256, 4], dtype=tl.int32)
     n_steps = K_WORDS // 32
     for it in range(0, n_steps // 2):
@@ -50,8 +51,15 @@ def _mma_pattern(p_w, p_out, K_WORDS, TILES, PF: tl.constexpr):
             prefetch_l2(p_w + (row0_i + 32) * K_WORDS + pf, pf < K_WORDS)
             prefetch_l2(p_w + (row0_i + 40) * K_WORDS + pf, pf < K_WORDS)
         o_w = step * 32 + 4 * grp
-        b_lo, b_hi = _load_words(p_w, row0_i, m, m, o_w, m, K_WORDS)
-        c_lo, c_hi = _load_words(p_w, row0_i + 32, m, m, o_w, m, K_WORDS)
+        o_u = tl.arange(0, 4)
+        p0 = p_w + row0_i * K_WORDS + o_w
+        b_lo = tl.load(p0[:, None] + o_u[None, :], cache_modifier=CM, eviction_policy=EV)
+        b_hi = tl.load((p0 + 8 * K_WORDS)[:, None] + o_u[None, :], cache_modifier=CM,
+                       eviction_policy=EV)
+        c_lo = tl.load((p0 + 32 * K_WORDS)[:, None] + o_u[None, :], cache_modifier=CM,
+                       eviction_policy=EV)
+        c_hi = tl.load((p0 + 40 * K_WORDS)[:, None] + o_u[None, :], cache_modifier=CM,
+                       eviction_policy=EV)
         acc ^= b_lo ^ b_hi ^ c_lo ^ c_hi
     tl.store(p_out + pid, tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
 
@@ -91,6 +99,12 @@ def main():
         "mma": lambda c: _mma_pattern[(tiles,)](c["w"], c["out"], K_WORDS, tiles, 0, num_warps=4),
         "mma pf1": lambda c: _mma_pattern[(tiles,)](c["w"], c["out"], K_WORDS, tiles, 1,
                                                     num_warps=4),
+        "mma .cg": lambda c: _mma_pattern[(tiles,)](c["w"], c["out"], K_WORDS, tiles, 0, ".cg",
+                                                    num_warps=4),
+        "mma evict_first": lambda c: _mma_pattern[(tiles,)](c["w"], c["out"], K_WORDS, tiles, 0,
+                                                            "", "evict_first", num_warps=4),
+        "mma .cg evict_first": lambda c: _mma_pattern[(tiles,)](
+            c["w"], c["out"], K_WORDS, tiles, 0, ".cg", "evict_first", num_warps=4),
         "rows 128": lambda c: _rows_pattern[(tiles,)](c["w"], c["out"], K_WORDS, tiles, 128,
                                                       num_warps=4),
         "rows 64": lambda c: _rows_pattern[(tiles,)](c["w"], c["out"], K_WORDS, tiles, 64,
