@@ -44,6 +44,7 @@ import os as _os  # noqa: E402
 _CO = tl.constexpr(int(_os.environ.get("K3_CO", "0")))
 _CM = tl.constexpr(_os.environ.get("K3_CM", ""))
 _EV = tl.constexpr(_os.environ.get("K3_EV", ""))
+_XEV = tl.constexpr(_os.environ.get("K3_XEV", ""))
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
 X_SCALE_EXP = 100  # x * 2^100 in bf16: products 2^-126 w * 2^100 x = 2^-26 w x
 SCALE_BIAS = tl.constexpr(127 - X_SCALE_EXP - 1)  # 2^(s - 127) * 2^26 has fp32 exponent s + 26
@@ -363,7 +364,7 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         if STAGES > 0 and ASM:
             b_x = _ld_v4(p_xs, m_xs)
         else:
-            b_x = tl.load(p_xs, mask=m_xs, other=0)
+            b_x = tl.load(p_xs, mask=m_xs, other=0, eviction_policy=_XEV)
         x_even, x_odd = tl.split(tl.reshape(b_x, [256, 4, 2, 2]))  # x word v = 2 v1 + v0
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)

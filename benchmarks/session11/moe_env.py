@@ -1,6 +1,6 @@
 """H200, issue 4 (session 11): the MXFP4 stages under build switches that kernels/mxfp4_mma.py
 and kernels/moe.py read at import (experiments: K3_CM the weight loads' cache modifier, K3_EV
-their eviction policy, K3_ST the K loop's stages, K3_CO block loads), one child process per
+their eviction policy, K3_XEV the x loads', K3_TILE2 stage 2's tile as R/WARPS_K/prefetch, K3_ST the K loop's stages, K3_CO block loads), one child process per
 configuration in CONFIGS (space-separated; a configuration is comma-separated VAR=value, or
 "head"). Each child: K3 B1 tp 1 (48 experts, 3 cold copies of 16), prepared activations, graph
 replay back to back, median of 10, PDL off and PDL_STEPS 0, REPS times, checked against the fp32
@@ -42,6 +42,8 @@ from moe_tiles import row  # noqa: E402
 
 from k3lab.kernels import moe  # noqa: E402
 
+if os.environ.get("K3_TILE2"):  # stage 2's tile (R,WARPS_K,prefetch), stage 1 the default's
+    moe.FP4_MMA_TILES = {1: (2, 2, 1), 2: tuple(int(v) for v in os.environ["K3_TILE2"].split("/"))}
 copies, wants = stage_setup(1, 3)
 for rep in range(int(os.environ.get("REPS", "2"))):
     for steps in (None, 0):
