@@ -158,7 +158,6 @@ FP4_SCALE_BIAS = tl.constexpr(62)
 #   the copy bandwidth against 0.68-0.70.
 #   Interpreter: the same tiles with the mma emulated.
 FP4_MMA = True
-_K3ST = tl.constexpr(int(os.environ.get("K3_ST", "0")))
 # Under the interpreter's big tiles (INTERPRETER_BIG_TILES) the lane-by-lane mma emulation runs
 # one 64-128-row program at a time (a K3 tp 8 block: about a minute on CPU), so the one-token
 # MXFP4 tiles take the K-lane path there unless INTERPRETER_MMA is set; with the GPU tiling
@@ -177,6 +176,16 @@ FP4_MMA_BASE = tl.constexpr(_MMA_BASE)
 FP4_MMA_X_PREPARED = True
 _MMA_XP = 8192  # the X_PREPARED bit of an FP4 code
 MMA_XP_BIT = tl.constexpr(_MMA_XP)
+# FP4_MMA_EVICT_FIRST (stage 1, stage 2): the tensor-core tiles load that stage's expert weights
+#   with eviction_policy="evict_first" (PTX L1::evict_first and an L2 evict_first cache hint):
+#   read once, they then leave L2 to what is read or added to again (x, and stage 2's fp32
+#   accumulator, whose atomics L2 performs). H200, session 11 calls 4-5
+#   (benchmarks/session11/README.md; K3 tp 1 B1, graph, cold, back to back, fraction of the copy
+#   bandwidth): stage 2 with PDL 0.673-0.680 -> 0.696-0.726 (4 runs), without PDL 0.646-0.652
+#   -> 0.668-0.694; stage 1 with PDL 0.719-0.723 -> 0.695-0.709 (so stage 1 keeps the default).
+FP4_MMA_EVICT_FIRST = (False, True)
+_MMA_EVICT = 256  # the bit of an FP4 code (tensor-core tiles) for FP4_MMA_EVICT_FIRST
+MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)
 # PLAN_ONE_TRIP: the stage kernels' validity test also asks whether the tile's expert and an
 #   entry are real (always so within the plan's count), so that the compiler loads them before
 #   the branch, with the count: one round trip before the first weight load. Otherwise it sinks
@@ -488,8 +497,9 @@ def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.con
     16 * 4 // WARPS_K] fp32, y[r, j] = factor * (w[row0 + r * ROW_R + j] . x) (K share i_k of
     KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
-                        1 << (MODE // 16 % 4), _K3ST, MODE % 2 == 1, MODE // 2 % 8, i_k,
-                        MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1, factor)
+                        1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
+                        MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1, factor,
+                        "evict_first" if MODE // MMA_EVICT_BIT % 2 == 1 else "")
 
 
 @triton.jit
@@ -905,6 +915,7 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
         return 0
     k_steps = triton.cdiv(w.shape[-1], 256)
     xp = _MMA_XP if prepared and FP4_MMA_X_PREPARED else 0
+    xp += _MMA_EVICT if _per_stage(FP4_MMA_EVICT_FIRST, stage) else 0
     if FP4_MMA_TILES is not None:
         return _mma_code(FP4_MMA_TILES[stage], stage, k_steps) + xp
     codes = [_mma_code(t, stage, k_steps) for t in FP4_MMA_CANDIDATES[stage]]

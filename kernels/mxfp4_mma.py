@@ -40,11 +40,6 @@ import triton.language as tl
 __all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2", "mma_layout_problem",
            "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
 
-import os as _os  # noqa: E402
-_CO = tl.constexpr(int(_os.environ.get("K3_CO", "0")))
-_CM = tl.constexpr(_os.environ.get("K3_CM", ""))
-_EV = tl.constexpr(_os.environ.get("K3_EV", ""))
-_XEV = tl.constexpr(_os.environ.get("K3_XEV", ""))
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
 X_SCALE_EXP = 100  # x * 2^100 in bf16: products 2^-126 w * 2^100 x = 2^-26 w x
 SCALE_BIAS = tl.constexpr(127 - X_SCALE_EXP - 1)  # 2^(s - 127) * 2^26 has fp32 exponent s + 26
@@ -229,48 +224,19 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _ld_v4(ptrs, mask):
-    """int32 values at ``ptrs`` (0 where not mask), 4 consecutive 16-byte-aligned words a thread
-    in one ld.global.v4: inline PTX, which Triton's pipeliner leaves alone (x stays out of the
-    shared-memory stages that the weights take)."""
-    m = tl.broadcast_to(mask, ptrs.shape).to(tl.int32)
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $8, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
-        "mov.b32 $3, 0; @p ld.global.v4.b32 {$0, $1, $2, $3}, [$4]; }",
-        "=r,=r,=r,=r,l,l,l,l,r,r,r,r", [ptrs, m], dtype=tl.int32, is_pure=True, pack=4)
-
-
-@triton.jit
-def _load_block(p_w, row_b, lim_b, step_b0, n_steps, K_WORDS, WN: tl.constexpr,
-                WK: tl.constexpr):
-    """Words of rows g / g + 8 of one row tile [256, 4] int32 for every warp, loaded as one
-    [WN * 16 rows, WK * 32 words] block (the program's rows, the WK steps its K warps take)
-    whose lanes run along K (contiguous bytes of a row), then permuted into the fragments:
-    i = 128 h + 32 (WK wn + wk) + 4 g + t holds words 32 wk + 4 (t + 4 h) .. + 3 of row
-    16 wn + g (lo) and 16 wn + 8 + g (hi) of the block."""
-    o_rb = tl.arange(0, WN * 16)
-    o_wb = tl.arange(0, WK * 32)
-    step_b = step_b0 + o_wb // 32
-    word_b = step_b * 32 + o_wb % 32
-    m_b = ((row_b + o_rb) < lim_b)[:, None] & ((step_b < n_steps) & (word_b < K_WORDS))[None, :]
-    blk = tl.load(p_w + (row_b + o_rb)[:, None] * K_WORDS + word_b[None, :], mask=m_b, other=0)
-    f = tl.permute(tl.reshape(blk, [WN, 2, 8, WK, 2, 4, 4]), [4, 0, 3, 2, 5, 6, 1])
-    return tl.split(tl.reshape(f, [256, 4, 2]))
-
-
-@triton.jit
-def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS):
+def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS, EVICT: tl.constexpr = ""):
     """Words of rows g / g + 8 of one row tile [256, 4] int32: thread i's 4 consecutive words
     from o_w[i] (2-D, so that the only contiguous dimension is the last: the layout then puts
     lanes along the first dimension in every Triton version). The row offsets are summed in
     1-D before the column offsets are added (offline sm_90: 10 fewer address instructions a K
-    iteration than adding them in 2-D)."""
+    iteration than adding them in 2-D). EVICT: the loads' eviction policy ("" or
+    "evict_first": Triton emits L1::evict_first with an L2 evict_first cache hint)."""
     o_u = tl.arange(0, 4)
     p_lo = p_w + row * K_WORDS + o_w
     b_lo = tl.load(p_lo[:, None] + o_u[None, :], mask=(m_lo & m_w)[:, None], other=0,
-                   cache_modifier=_CM, eviction_policy=_EV)
+                   eviction_policy=EVICT)
     b_hi = tl.load((p_lo + 8 * K_WORDS)[:, None] + o_u[None, :], mask=(m_hi & m_w)[:, None],
-                   other=0, cache_modifier=_CM, eviction_policy=_EV)
+                   other=0, eviction_policy=EVICT)
     return b_lo, b_hi
 
 
@@ -293,7 +259,7 @@ def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
                  ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
-                 X_PREPARED: tl.constexpr = False, factor=1.0):
+                 X_PREPARED: tl.constexpr = False, factor=1.0, W_EVICT: tl.constexpr = ""):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = factor * (w[row0 + r * ROW_R + j] . x), 0 for
     rows at or past row_lim + r * LIM_R (factor, fp32: multiplies every group's E8M0 factor).
 
@@ -309,8 +275,9 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     held, so more bytes in flight than the loads alone); KSPLIT > 1: only the i_k-th of KSPLIT
     consecutive shares of the K steps (the caller adds the partial sums). X_PREPARED: p_x holds
     mma_prepare_x(x) (the B pairs, already times 2^100), so no per-step permute and scale (H200,
-    session 7 call 4: 2-6 % faster; the stages take plain bf16 x, so they do not use it yet).
-    Launch with 4 warps.
+    session 7 call 4: 2-6 % faster). W_EVICT: the weight loads' eviction policy ("" or
+    "evict_first", which leaves L2 to what the program reads or adds to again: x, the
+    accumulator of atomic callers). Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
@@ -359,12 +326,8 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
         m_w = (step < n_steps) & (o_w < K_WORDS)
         # x pairs 4 (4 grp + u) + v of the words, on the lanes of column g == grp
-        p_xs = p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None] + o_u[None, None, :]
-        m_xs = (m_w & (g == grp))[:, None, None]
-        if STAGES > 0 and ASM:
-            b_x = _ld_v4(p_xs, m_xs)
-        else:
-            b_x = tl.load(p_xs, mask=m_xs, other=0, eviction_policy=_XEV)
+        b_x = tl.load(p_x + (o_w * 4)[:, None, None] + 4 * o_u[None, :, None]
+                      + o_u[None, None, :], mask=(m_w & (g == grp))[:, None, None], other=0)
         x_even, x_odd = tl.split(tl.reshape(b_x, [256, 4, 2, 2]))  # x word v = 2 v1 + v0
         x0, x2 = tl.split(x_even)
         x1, x3 = tl.split(x_odd)
@@ -378,18 +341,11 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                 X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         # row tile 0 (and 1): the B registers serve both
-        if _CO:
-            b_lo, b_hi = _load_block(p_w, row0, row_lim, step0 + it * WARPS_K, n_steps,
-                                     K_WORDS, WN, WARPS_K)
-        else:
-            b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS)
+        b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS, W_EVICT)
         d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
         if R == 2:
-            if _CO:
-                b_lo, b_hi = _load_block(p_w, row0 + ROW_R, row_lim + LIM_R,
-                                         step0 + it * WARPS_K, n_steps, K_WORDS, WN, WARPS_K)
-            else:
-                b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS)
+            b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS,
+                                     W_EVICT)
             d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
             d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:

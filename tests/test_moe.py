@@ -743,6 +743,56 @@ def test_pdl_ptx_orders_the_wait():
     assert any(touches(ln) and ("atom." in ln or "red." in ln) for ln in after)
 
 
+_EVICT_PTX_SCRIPT = _PTX_IMPORTS + r"""
+kmoe.FP4_MMA_EVICT_FIRST = (False, __EVICT__)
+cfg = preset("tiny")
+gen = make_generator(0, "cpu")
+w = moe_weights(cfg, gen, expert_format="mxfp4")
+x = hidden_states(cfg, 1, gen)
+plan = route_sort_reference(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
+                            n_group=cfg.n_group, topk_group=cfg.topk_group, block_m=1,
+                            out_dim=cfg.moe_in)
+a = randn((cfg.top_k, cfg.moe_intermediate), gen)
+stage2 = kmoe._stage2_args(a, plan, w["w2"], False, cfg.top_k)
+kw, _ = kmoe._stage2_tail_kwargs(stage2, None)
+assert kw["FP4"] >= kmoe._MMA_BASE and kw["FP4"] & 1, kw["FP4"]  # compiled tensor-core tiles
+""" + _PTX_COMPILE
+
+
+@pytest.mark.parametrize("evict", [True, False], ids=["evict_first", "default"])
+def test_stage2_weight_loads_evict_first(evict):
+    """FP4_MMA_EVICT_FIRST[1] (stage 2, compiled tensor-core tiles, sm_90): every load of the
+    expert weights (parameter p_w) carries the L1 evict_first policy and an L2
+    evict_first cache hint, and the activations' loads (p_a) do not; switched off, none does.
+    (At the tiny preset the loads are 4-byte ones; at K3 sizes 16-byte ones.)"""
+    lines = _ptx_of(_EVICT_PTX_SCRIPT.replace("__EVICT__", str(evict))).splitlines()
+    kernel = "_moe_stage2_tail_kernel"
+    from_w = _derived_registers(lines, kernel, (1,)) - _derived_registers(lines, kernel, (0,))
+    from_a = _derived_registers(lines, kernel, (0,))
+
+    def loads(regs):
+        return [ln for ln in lines if "ld.global" in ln
+                and (m := re.search(r"\[\s*(%\w+)", ln)) and m.group(1) in regs]
+    w_loads, a_loads = loads(from_w), loads(from_a)
+    assert w_loads and a_loads
+    hinted = ["L1::evict_first.L2::cache_hint" in ln for ln in w_loads]
+    assert all(hinted) if evict else not any(hinted), w_loads
+    assert not any("evict_first" in ln for ln in a_loads), a_loads
+    assert ("createpolicy.fractional.L2::evict_first" in "\n".join(lines)) == evict
+
+
+def test_mma_evict_first_code(monkeypatch):
+    """FP4_MMA_EVICT_FIRST sets the eviction bit of each stage's tensor-core FP4 code."""
+    _mma_gpu_tiles(monkeypatch)
+    cfg, w, _ = _setup("cpu", M=1, fmt="mxfp4")
+    monkeypatch.setattr(kmoe, "FP4_MMA_EVICT_FIRST", (False, True))
+    assert not kmoe._mma_mode(w["w13"], 1, 1, 1, cfg.moe_intermediate) & kmoe._MMA_EVICT
+    assert kmoe._mma_mode(w["w2"], 2, 1, 1, cfg.moe_in) & kmoe._MMA_EVICT
+    monkeypatch.setattr(kmoe, "FP4_MMA_EVICT_FIRST", (True, False))
+    assert kmoe._mma_mode(w["w13"], 1, 1, 1, cfg.moe_intermediate) & kmoe._MMA_EVICT
+    assert not kmoe._mma_mode(w["w2"], 2, 1, 1, cfg.moe_in) & kmoe._MMA_EVICT
+
+
 def test_fused_tail_ptx_orders_memory():
     """The compiled stage-2 + tail launch keeps its ordering: stage-2 tiles signal with a release
     RMW, tail tiles poll and then acquire before reading y. (Triton 3.6, the H200's, drops an

@@ -1,12 +1,14 @@
-"""H200, issue 4 (session 11): the MXFP4 stages under build switches that kernels/mxfp4_mma.py
-and kernels/moe.py read at import (experiments: K3_CM the weight loads' cache modifier, K3_EV
-their eviction policy, K3_XEV the x loads', K3_TILE2 stage 2's tile as R/WARPS_K/prefetch, K3_ST the K loop's stages, K3_CO block loads), one child process per
-configuration in CONFIGS (space-separated; a configuration is comma-separated VAR=value, or
-"head"). Each child: K3 B1 tp 1 (48 experts, 3 cold copies of 16), prepared activations, graph
-replay back to back, median of 10, PDL off and PDL_STEPS 0, REPS times, checked against the fp32
-reference at the tests' tolerances.
+"""H200, issue 4 (session 11, calls 4-5): the MXFP4 stages under build switches, one child
+process per configuration in CONFIGS (space-separated; a configuration is comma-separated
+VAR=value, or "head"). The switches K3_CM (the weight loads' cache modifier), K3_EV (their
+eviction policy) and K3_XEV (the x loads') were read at import by kernels/mxfp4_mma.py at the
+experiment commits eb4bcea / 8f2e1b4 only; K3_EV=evict_first became FP4_MMA_EVICT_FIRST (stage
+2) afterwards, so at later commits only "head" and K3_TILE2 (stage 2's tile as
+R/WARPS_K/prefetch) mean anything. Each child: K3 B1 tp 1 (48 experts, 3 cold copies of 16),
+prepared activations, graph replay back to back, median of 10, PDL off and PDL_STEPS 0, REPS
+times, checked against the fp32 reference at the tests' tolerances.
 
-    CONFIGS="head K3_CM=.cg" python3 benchmarks/session11/moe_env.py   # $OUT/moe_env.json
+    CONFIGS="head K3_TILE2=2/2/0" python3 benchmarks/session11/moe_env.py   # $OUT/moe_env.json
 """
 
 import json
