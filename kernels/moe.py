@@ -157,6 +157,10 @@ FP4_SCALE_BIAS = tl.constexpr(62)
 #   (2, 2) tile compiles to 128 registers (4 programs an SM; 130 without) and measured 0.72 of
 #   the copy bandwidth against 0.68-0.70.
 #   Interpreter: the same tiles with the mma emulated.
+#   The tiles' load pattern (a warp's 16-byte loads cover 64 bytes of each of 8 rows, as the
+#   mma fragments ask) is itself a ceiling: load-only kernels over stage 2's weights (H200,
+#   session 11 call 3) reach 0.83 of the copy bandwidth with it, 0.97 reading 256-512
+#   contiguous bytes a row a load.
 FP4_MMA = True
 # Under the interpreter's big tiles (INTERPRETER_BIG_TILES) the lane-by-lane mma emulation runs
 # one 64-128-row program at a time (a K3 tp 8 block: about a minute on CPU), so the one-token
@@ -183,6 +187,8 @@ MMA_XP_BIT = tl.constexpr(_MMA_XP)
 #   (benchmarks/session11/README.md; K3 tp 1 B1, graph, cold, back to back, fraction of the copy
 #   bandwidth): stage 2 with PDL 0.673-0.680 -> 0.696-0.726 (4 runs), without PDL 0.646-0.652
 #   -> 0.668-0.694; stage 1 with PDL 0.719-0.723 -> 0.695-0.709 (so stage 1 keeps the default).
+#   Call 7, in the 20_moe report's conditions (all 896 experts, 2 copies): stage 2 without PDL
+#   0.642-0.667 -> 0.655-0.680, with PDL 0.659-0.703 -> 0.664-0.709 (bimodal either way).
 FP4_MMA_EVICT_FIRST = (False, True)
 _MMA_EVICT = 256  # the bit of an FP4 code (tensor-core tiles) for FP4_MMA_EVICT_FIRST
 MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)

@@ -5,7 +5,8 @@ tp 1 (16 experts x 3584 rows x 1536 bytes, 3 cold copies), graph replay, median 
 - "mma": the tensor-core tile's loads (mxfp4_mma._load_words' addresses, the (2, 2) tile's
   index math: per K step a warp reads one 128-byte line of each of its 2 x 16 rows; K warps take
   alternate steps), optional L2 prefetch of the lines PF steps ahead (every thread its own
-  line: 8 prefetches a line), optional cache modifier / eviction policy, words XOR-folded;
+  line: 8 prefetches a line), optional cache modifier or eviction policy (ptxas refuses the
+  two together), words XOR-folded;
 - "rows": the same program's 64 rows read as [16, 128]-word blocks, lanes along K (512
   contiguous bytes a row a load);
 - "linear": the same program's 96 KB read front to back.
@@ -103,8 +104,6 @@ def main():
                                                     num_warps=4),
         "mma evict_first": lambda c: _mma_pattern[(tiles,)](c["w"], c["out"], K_WORDS, tiles, 0,
                                                             "", "evict_first", num_warps=4),
-        "mma .cg evict_first": lambda c: _mma_pattern[(tiles,)](
-            c["w"], c["out"], K_WORDS, tiles, 0, ".cg", "evict_first", num_warps=4),
         "rows 128": lambda c: _rows_pattern[(tiles,)](c["w"], c["out"], K_WORDS, tiles, 128,
                                                       num_warps=4),
         "rows 64": lambda c: _rows_pattern[(tiles,)](c["w"], c["out"], K_WORDS, tiles, 64,
