@@ -505,7 +505,7 @@ def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.con
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
                         MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1, factor,
-                        "evict_first" if MODE // MMA_EVICT_BIT % 2 == 1 else "")
+                        MODE // MMA_EVICT_BIT % 2 == 1)
 
 
 @triton.jit

@@ -224,19 +224,19 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS, EVICT: tl.constexpr = ""):
+def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS, EVICT_FIRST: tl.constexpr = False):
     """Words of rows g / g + 8 of one row tile [256, 4] int32: thread i's 4 consecutive words
     from o_w[i] (2-D, so that the only contiguous dimension is the last: the layout then puts
     lanes along the first dimension in every Triton version). The row offsets are summed in
     1-D before the column offsets are added (offline sm_90: 10 fewer address instructions a K
-    iteration than adding them in 2-D). EVICT: the loads' eviction policy ("" or
-    "evict_first": Triton emits L1::evict_first with an L2 evict_first cache hint)."""
+    iteration than adding them in 2-D). EVICT_FIRST: the loads' eviction policy is
+    "evict_first" (Triton emits L1::evict_first with an L2 evict_first cache hint)."""
     o_u = tl.arange(0, 4)
     p_lo = p_w + row * K_WORDS + o_w
     b_lo = tl.load(p_lo[:, None] + o_u[None, :], mask=(m_lo & m_w)[:, None], other=0,
-                   eviction_policy=EVICT)
+                   eviction_policy="evict_first" if EVICT_FIRST else "")
     b_hi = tl.load((p_lo + 8 * K_WORDS)[:, None] + o_u[None, :], mask=(m_hi & m_w)[:, None],
-                   other=0, eviction_policy=EVICT)
+                   other=0, eviction_policy="evict_first" if EVICT_FIRST else "")
     return b_lo, b_hi
 
 
@@ -259,7 +259,8 @@ def _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM: tl.constexpr,
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
                  ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
-                 X_PREPARED: tl.constexpr = False, factor=1.0, W_EVICT: tl.constexpr = ""):
+                 X_PREPARED: tl.constexpr = False, factor=1.0,
+                 W_EVICT_FIRST: tl.constexpr = False):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = factor * (w[row0 + r * ROW_R + j] . x), 0 for
     rows at or past row_lim + r * LIM_R (factor, fp32: multiplies every group's E8M0 factor).
 
@@ -275,9 +276,9 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     held, so more bytes in flight than the loads alone); KSPLIT > 1: only the i_k-th of KSPLIT
     consecutive shares of the K steps (the caller adds the partial sums). X_PREPARED: p_x holds
     mma_prepare_x(x) (the B pairs, already times 2^100), so no per-step permute and scale (H200,
-    session 7 call 4: 2-6 % faster). W_EVICT: the weight loads' eviction policy ("" or
-    "evict_first", which leaves L2 to what the program reads or adds to again: x, the
-    accumulator of atomic callers). Launch with 4 warps.
+    session 7 call 4: 2-6 % faster). W_EVICT_FIRST: the weight loads are "evict_first" (L2
+    is left to what the program reads or adds to again: x, the accumulator of atomic callers).
+    Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
@@ -341,11 +342,11 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                 X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         # row tile 0 (and 1): the B registers serve both
-        b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS, W_EVICT)
+        b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS, W_EVICT_FIRST)
         d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
         if R == 2:
             b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS,
-                                     W_EVICT)
+                                     W_EVICT_FIRST)
             d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
             d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:
