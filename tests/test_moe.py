@@ -668,7 +668,8 @@ def test_pdl_launch_options(monkeypatch):
     assert kmoe._pdl(True, compiled_mma) == {} and kmoe._pdl(True) == {}
 
 
-_PDL_PTX_SCRIPT = _PTX_IMPORTS + r"""
+# stage 2 alone at B1 (compiled tensor-core tiles): the kernel's arguments kw
+_STAGE2_B1_KW = r"""
 cfg = preset("tiny")
 gen = make_generator(0, "cpu")
 w = moe_weights(cfg, gen, expert_format="mxfp4")
@@ -680,6 +681,8 @@ a = randn((cfg.top_k, cfg.moe_intermediate), gen)
 stage2 = kmoe._stage2_args(a, plan, w["w2"], False, cfg.top_k)
 kw, _ = kmoe._stage2_tail_kwargs(stage2, None)
 assert kw["FP4"] >= kmoe._MMA_BASE and kw["FP4"] & 1, kw["FP4"]  # compiled tensor-core tiles
+"""
+_PDL_PTX_SCRIPT = _PTX_IMPORTS + _STAGE2_B1_KW + r"""
 kmoe.PDL_STEPS = 2  # with the prefetch before the wait
 kw.update(kmoe._pdl(True, kw["FP4"]))
 kw.pop("launch_pdl")
@@ -745,18 +748,7 @@ def test_pdl_ptx_orders_the_wait():
 
 _EVICT_PTX_SCRIPT = _PTX_IMPORTS + r"""
 kmoe.FP4_MMA_EVICT_FIRST = (False, __EVICT__)
-cfg = preset("tiny")
-gen = make_generator(0, "cpu")
-w = moe_weights(cfg, gen, expert_format="mxfp4")
-x = hidden_states(cfg, 1, gen)
-plan = route_sort_reference(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
-                            n_group=cfg.n_group, topk_group=cfg.topk_group, block_m=1,
-                            out_dim=cfg.moe_in)
-a = randn((cfg.top_k, cfg.moe_intermediate), gen)
-stage2 = kmoe._stage2_args(a, plan, w["w2"], False, cfg.top_k)
-kw, _ = kmoe._stage2_tail_kwargs(stage2, None)
-assert kw["FP4"] >= kmoe._MMA_BASE and kw["FP4"] & 1, kw["FP4"]  # compiled tensor-core tiles
-""" + _PTX_COMPILE
+""" + _STAGE2_B1_KW + _PTX_COMPILE
 
 
 @pytest.mark.parametrize("evict", [True, False], ids=["evict_first", "default"])

@@ -15,13 +15,13 @@ STAGE_TOL = {"stage1": (1e-3, 2 ** -8), "stage2": (2e-5, 1e-5)}
 
 
 def stage_setup(tp: int, n_copies: int, name: str = "kimi-k3", device: str = "cuda",
-                latent: int | None = None):
+                latent: int | None = None, all_experts: bool = False):
     """(copies, wants): ``n_copies`` stage inputs (k3lab.boundaries.moe.stage_inputs) sharing
     nothing but their experts' layout, M = 1, MXFP4 experts; tp 1 keeps 48 experts so that 3
-    copies of 16 rotate cold; latent: another latent size D. wants: {stage: fp32 reference
-    output of copy 0}."""
+    copies of 16 rotate cold (all_experts: the preset's, as the 20_moe report builds them);
+    latent: another latent size D. wants: {stage: fp32 reference output of copy 0}."""
     cfg = preset(name, tp)
-    if tp == 1:
+    if tp == 1 and not all_experts:
         cfg = dataclasses.replace(cfg, n_experts=48)
     if latent:
         cfg = dataclasses.replace(cfg, latent=latent)
@@ -45,3 +45,24 @@ def check_stage(stage: str, fn, inp, want):
     err = (got - want).abs()
     ok = bool((err <= atol + rtol * want.abs()).all()) and bool(torch.isfinite(got).all())
     return ok, float(err.max()), float(want.abs().max())
+
+
+def stage_row(copies, wants, stage: str, key: str, t0: float, **tags) -> None:
+    """One row of the fused ``stage`` (k3lab.boundaries.moe.stage_fns' "fused") over cold
+    ``copies``: checked against ``wants`` (check_stage), median graph us of 10, fraction of the
+    copy bandwidth on the stage's bytes; recorded under k=``key`` (a failed config as NaN)."""
+    import time
+    import traceback
+
+    from common import bw, gt, rec
+
+    fn = MB.stage_fns(stage)["fused"]
+    nbytes = MB.stage_bytes(stage, copies[0])
+    try:
+        ok, err, _ = check_stage(stage, fn, copies[0], wants[stage])
+        us = gt(fn, copies, repeats=10)
+        rec(k=key, stage=stage, us=round(us, 2), frac=round(nbytes / bw * 1e6 / us, 3), ok=ok,
+            max_err=err, t=round(time.time() - t0, 1), **tags)
+    except Exception:
+        traceback.print_exc()
+        rec(k=key, stage=stage, us=float("nan"), ok=False, **tags)

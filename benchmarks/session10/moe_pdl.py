@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump, gt, rec  # noqa: E402
-from moe_stages import check_stage, stage_setup  # noqa: E402
+from moe_stages import stage_row, stage_setup  # noqa: E402
 
 from k3lab import profile  # noqa: E402
 from k3lab.boundaries import moe as MB  # noqa: E402
@@ -85,16 +85,7 @@ def block_sweep(steps):
 
 def row(copies, wants, **tags):
     for stage in ("stage1", "stage2"):
-        fn = MB.stage_fns(stage)["fused"]
-        nbytes = MB.stage_bytes(stage, copies[0])
-        try:
-            ok, err, _ = check_stage(stage, fn, copies[0], wants[stage])
-            us = gt(fn, copies, repeats=10)
-            rec(k="moe_pdl", stage=stage, us=round(us, 2), frac=round(nbytes / bw * 1e6 / us, 3),
-                ok=ok, max_err=err, t=round(time.time() - T0, 1), **tags)
-        except Exception:
-            traceback.print_exc()
-            rec(k="moe_pdl", stage=stage, us=float("nan"), ok=False, **tags)
+        stage_row(copies, wants, stage, "moe_pdl", T0, **tags)
 
 
 def main():

@@ -19,27 +19,11 @@ from common import dump  # noqa: E402
 from moe_stages import stage_setup  # noqa: E402
 from moe_tiles import row  # noqa: E402
 
-from k3lab.boundaries import moe as MB  # noqa: E402
-from k3lab.config import preset  # noqa: E402
 from k3lab.kernels import moe  # noqa: E402
-from k3lab.reference import moe as ref  # noqa: E402
-
-
-def report_setup():
-    """(copies, wants) as 20_moe's tp sweep builds them: all experts, 2 copies."""
-    cfg = preset("kimi-k3", 1)
-    base = MB.make_inputs(cfg, "cuda", 0, M=1, expert_format="mxfp4")
-    copies = [MB.stage_inputs(c) for c in MB.copies_sharing_experts(base, 2, 0)]
-    c0 = copies[0]
-    wants = {"stage1": ref.moe_stage1_reference(
-        c0["z"], c0["plan"], c0["weights"]["w13"], activation=cfg.activation,
-        situ_beta=cfg.situ_beta, situ_linear_beta=cfg.situ_linear_beta),
-        "stage2": ref.moe_stage2_reference(c0["a"], c0["plan"], c0["weights"]["w2"])}
-    return copies, wants
-
 
 REPS = int(os.environ.get("REPS", "3"))
-for setup_name, setup in (("bench", lambda: stage_setup(1, 3)), ("report", report_setup)):
+for setup_name, setup in (("bench", lambda: stage_setup(1, 3)),
+                          ("report", lambda: stage_setup(1, 2, all_experts=True))):
     copies, wants = setup()
     for rep in range(REPS):
         for steps in (0, None):

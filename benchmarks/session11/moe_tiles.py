@@ -17,15 +17,13 @@ and with PDL_STEPS 0, interleaved, REPS times.
 import os
 import sys
 import time
-import traceback
 
 import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
-from common import bw, dump, gt, rec  # noqa: E402
-from moe_stages import check_stage, stage_setup  # noqa: E402
+from common import bw, dump  # noqa: E402
+from moe_stages import stage_row, stage_setup  # noqa: E402
 
-from k3lab.boundaries import moe as MB  # noqa: E402
 from k3lab.kernels import moe  # noqa: E402
 
 TILES = [tuple(int(v) for v in t.split(",")) for t in
@@ -37,18 +35,8 @@ print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 
 
 def row(copies, wants, stage, **tags):
-    """One stage row: checked against the fp32 reference, median graph us, fraction of the copy
-    bandwidth on the stage's bytes."""
-    fn = MB.stage_fns(stage)["fused"]
-    nbytes = MB.stage_bytes(stage, copies[0])
-    try:
-        ok, err, _ = check_stage(stage, fn, copies[0], wants[stage])
-        us = gt(fn, copies, repeats=10)
-        rec(k="moe_tiles", stage=stage, us=round(us, 2), frac=round(nbytes / bw * 1e6 / us, 3),
-            ok=ok, max_err=err, t=round(time.time() - T0, 1), **tags)
-    except Exception:
-        traceback.print_exc()
-        rec(k="moe_tiles", stage=stage, us=float("nan"), ok=False, **tags)
+    """One stage row (moe_stages.stage_row) under k="moe_tiles"."""
+    stage_row(copies, wants, stage, "moe_tiles", T0, **tags)
 
 
 def main():
