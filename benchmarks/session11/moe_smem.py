@@ -6,7 +6,8 @@ and without the tile's L2 prefetch.
 Offline sm_90 (Triton 3.6): STAGES 2 / 3 / 4 take 16 / 32 / 48 KB of shared memory a program and
 113-124 registers (4 programs an SM) against HEAD's 128 registers and no stages.
 
-The parent runs one child process per (STAGES, prefetch) (kernels/moe.py reads K3_ST at import);
+The parent runs one child process per (STAGES, prefetch) (kernels/moe.py read K3_ST at import at
+the experiment commit fb8880a only; checked out anywhere else, every child runs HEAD's kernels);
 each child times K3 B1 (tp 1: 48 experts, 3 cold copies of 16; tp 8: 4 copies), prepared
 activations, graph replay back to back, median of 10, PDL off and PDL_STEPS 0, REPS times,
 checked against the fp32 reference at the tests' tolerances.
