@@ -914,23 +914,24 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
     """FP4 code of the tensor-core tiles (FP4_MMA) for stage 1 or the atomic stage 2 (stage 2)
     with one token a plan tile, else 0 (see FP4_MMA_TILES; ``rows`` a GEMV's output rows, gate
     rows for stage 1, launched for ``programs_per_tile`` plan tiles; ``prepared``: the caller
-    passes x as mma_prepare_x wrote it, so the code gets the X_PREPARED bit)."""
+    passes x as mma_prepare_x wrote it, so the code gets the X_PREPARED bit; FP4_MMA_EVICT_FIRST
+    of the stage sets the eviction bit)."""
     if not (FP4_MMA and isinstance(w, MXFP4) and stage in (1, 2) and block_m == 1):
         return 0
     if _fast_interpreter() and not INTERPRETER_MMA:
         return 0
     k_steps = triton.cdiv(w.shape[-1], 256)
-    xp = _MMA_XP if prepared and FP4_MMA_X_PREPARED else 0
-    xp += _MMA_EVICT if _per_stage(FP4_MMA_EVICT_FIRST, stage) else 0
+    flags = ((_MMA_XP if prepared and FP4_MMA_X_PREPARED else 0)
+             + (_MMA_EVICT if _per_stage(FP4_MMA_EVICT_FIRST, stage) else 0))
     if FP4_MMA_TILES is not None:
-        return _mma_code(FP4_MMA_TILES[stage], stage, k_steps) + xp
+        return _mma_code(FP4_MMA_TILES[stage], stage, k_steps) + flags
     codes = [_mma_code(t, stage, k_steps) for t in FP4_MMA_CANDIDATES[stage]]
     codes.sort(key=lambda c: -_mma_block_n(c, stage))
     target = INTERPRETER_TARGET_PROGRAMS if _fast_interpreter() else TARGET_PROGRAMS
     for code in codes:
         if programs_per_tile * triton.cdiv(rows, _mma_block_n(code, stage)) >= target:
-            return code + xp
-    return codes[-1] + xp
+            return code + flags
+    return codes[-1] + flags
 
 
 def _mma_block_n(mode: int, stage: int) -> int:
