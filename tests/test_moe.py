@@ -634,16 +634,26 @@ k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": kmoe.NUM_WARPS})
 print(k.asm["ptx"])
 """
-_PTX_SCRIPT = _PTX_IMPORTS + r"""
+
+
+def _stage2_setup(m: int) -> str:
+    """Script lines: the tiny preset's MXFP4 experts, a plan of ``m`` tokens in tiles of ``m``,
+    and stage 2's arguments for them (``stage2``)."""
+    return f"""
 cfg = preset("tiny")
 gen = make_generator(0, "cpu")
 w = moe_weights(cfg, gen, expert_format="mxfp4")
-x = hidden_states(cfg, 2, gen)
+x = hidden_states(cfg, {m}, gen)
 plan = route_sort_reference(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
-                            n_group=cfg.n_group, topk_group=cfg.topk_group, block_m=2,
+                            n_group=cfg.n_group, topk_group=cfg.topk_group, block_m={m},
                             out_dim=cfg.moe_in)
-a = randn((2 * cfg.top_k, cfg.moe_intermediate), gen)
-stage2 = kmoe._stage2_args(a, plan, w["w2"], False, 2 * cfg.top_k)
+a = randn(({m} * cfg.top_k, cfg.moe_intermediate), gen)
+stage2 = kmoe._stage2_args(a, plan, w["w2"], False, {m} * cfg.top_k)
+"""
+
+
+# stage 2 and the tail in one launch, 2 tokens
+_PTX_SCRIPT = _PTX_IMPORTS + _stage2_setup(2) + r"""
 sa = randn((2, cfg.shared_intermediate), gen)
 tail = kmoe._tail_args(stage2[2], w["latent_norm"], w["latent_up"], None, sa, w["shared_w2"],
                        cfg.rms_eps)
@@ -669,16 +679,7 @@ def test_pdl_launch_options(monkeypatch):
 
 
 # stage 2 alone at B1 (compiled tensor-core tiles): the kernel's arguments kw
-_STAGE2_B1_KW = r"""
-cfg = preset("tiny")
-gen = make_generator(0, "cpu")
-w = moe_weights(cfg, gen, expert_format="mxfp4")
-x = hidden_states(cfg, 1, gen)
-plan = route_sort_reference(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
-                            n_group=cfg.n_group, topk_group=cfg.topk_group, block_m=1,
-                            out_dim=cfg.moe_in)
-a = randn((cfg.top_k, cfg.moe_intermediate), gen)
-stage2 = kmoe._stage2_args(a, plan, w["w2"], False, cfg.top_k)
+_STAGE2_B1_KW = _stage2_setup(1) + r"""
 kw, _ = kmoe._stage2_tail_kwargs(stage2, None)
 assert kw["FP4"] >= kmoe._MMA_BASE and kw["FP4"] & 1, kw["FP4"]  # compiled tensor-core tiles
 """
