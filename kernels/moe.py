@@ -192,6 +192,9 @@ MMA_XP_BIT = tl.constexpr(_MMA_XP)
 FP4_MMA_EVICT_FIRST = (False, True)
 _MMA_EVICT = 256  # the bit of an FP4 code (tensor-core tiles) for FP4_MMA_EVICT_FIRST
 MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)
+_MMA_TILED = 16384  # the bit of an FP4 code: the weights in the tiled layout (mma_tile_layout)
+MMA_TILED_BIT = tl.constexpr(_MMA_TILED)
+FP4_MMA_TILED = (False, False)  # experiment switch (session 12)
 # PLAN_ONE_TRIP: the stage kernels' validity test also asks whether the tile's expert and an
 #   entry are real (always so within the plan's count), so that the compiler loads them before
 #   the branch, with the count: one round trip before the first weight load. Otherwise it sinks
@@ -505,7 +508,7 @@ def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.con
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
                         MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1, factor,
-                        MODE // MMA_EVICT_BIT % 2 == 1)
+                        MODE // MMA_EVICT_BIT % 2 == 1, MODE // MMA_TILED_BIT % 2 == 1)
 
 
 @triton.jit
@@ -922,7 +925,8 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
         return 0
     k_steps = triton.cdiv(w.shape[-1], 256)
     flags = ((_MMA_XP if prepared and FP4_MMA_X_PREPARED else 0)
-             + (_MMA_EVICT if _per_stage(FP4_MMA_EVICT_FIRST, stage) else 0))
+             + (_MMA_EVICT if _per_stage(FP4_MMA_EVICT_FIRST, stage) else 0)
+             + (_MMA_TILED if _per_stage(FP4_MMA_TILED, stage) else 0))
     if FP4_MMA_TILES is not None:
         return _mma_code(FP4_MMA_TILES[stage], stage, k_steps) + flags
     codes = [_mma_code(t, stage, k_steps) for t in FP4_MMA_CANDIDATES[stage]]

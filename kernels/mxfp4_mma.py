@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2", "mma_layout_problem",
-           "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
+           "mma_tile_layout", "tiled_word_offset", "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
 
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
 X_SCALE_EXP = 100  # x * 2^100 in bf16: products 2^-126 w * 2^100 x = 2^-26 w x
@@ -224,20 +224,46 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def _load_words(p_w, row, m_lo, m_hi, o_w, m_w, K_WORDS, EVICT_FIRST: tl.constexpr = False):
+def tiled_word_offset(row, word, K_WORDS):
+    """Offset (int32 words) of word ``word`` (a multiple of 4) of row ``row`` in the tiled
+    layout (see mma_tile_layout): 16-row x 32-word blocks (one K step of a 16-row tile, 2 KB)
+    in (row tile, step) order, each holding the tile's four 512-byte loads (row half hi, step
+    half h) one after another, the lanes (4 g + t) 16 bytes apart."""
+    rr = row % 16
+    grp = word % 32 // 4
+    return (((row // 16) * (K_WORDS // 32) + word // 32) * 512
+            + (rr // 8 * 2 + grp // 4) * 128 + (rr % 8 * 4 + grp % 4) * 4)
+
+
+@triton.jit
+def _load_words(p_lo, p_hi, m_lo, m_hi, m_w, EVICT_FIRST: tl.constexpr = False):
     """Words of rows g / g + 8 of one row tile [256, 4] int32: thread i's 4 consecutive words
-    from o_w[i] (2-D, so that the only contiguous dimension is the last: the layout then puts
-    lanes along the first dimension in every Triton version). The row offsets are summed in
-    1-D before the column offsets are added (offline sm_90: 10 fewer address instructions a K
-    iteration than adding them in 2-D). EVICT_FIRST: the loads' eviction policy is
-    "evict_first" (Triton emits L1::evict_first with an L2 evict_first cache hint)."""
+    from p_lo[i] / p_hi[i] (2-D, so that the only contiguous dimension is the last: the layout
+    then puts lanes along the first dimension in every Triton version). EVICT_FIRST: the loads'
+    eviction policy is "evict_first" (Triton emits L1::evict_first with an L2 evict_first
+    cache hint)."""
     o_u = tl.arange(0, 4)
-    p_lo = p_w + row * K_WORDS + o_w
     b_lo = tl.load(p_lo[:, None] + o_u[None, :], mask=(m_lo & m_w)[:, None], other=0,
                    eviction_policy="evict_first" if EVICT_FIRST else "")
-    b_hi = tl.load((p_lo + 8 * K_WORDS)[:, None] + o_u[None, :], mask=(m_hi & m_w)[:, None],
-                   other=0, eviction_policy="evict_first" if EVICT_FIRST else "")
+    b_hi = tl.load(p_hi[:, None] + o_u[None, :], mask=(m_hi & m_w)[:, None], other=0,
+                   eviction_policy="evict_first" if EVICT_FIRST else "")
     return b_lo, b_hi
+
+
+@triton.jit
+def _word_ptrs(p_w, row, o_w, step, K_WORDS, t_lo, t_hi, TILED: tl.constexpr):
+    """Pointers of the words of rows g / g + 8 (``row``: row g of the thread's tile) at K word
+    o_w (step ``step``). Row layout: the row offsets are summed in 1-D before the column
+    offsets are added (offline sm_90: 10 fewer address instructions a K iteration than adding
+    them in 2-D). TILED: t_lo / t_hi are the thread's offsets at step 0 (tiled_word_offset),
+    a step is 512 words further."""
+    if TILED:
+        p_lo = p_w + t_lo + step * 512
+        p_hi = p_w + t_hi + step * 512
+    else:
+        p_lo = p_w + row * K_WORDS + o_w
+        p_hi = p_lo + 8 * K_WORDS
+    return p_lo, p_hi
 
 
 @triton.jit
@@ -260,7 +286,7 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
                  ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
                  X_PREPARED: tl.constexpr = False, factor=1.0,
-                 W_EVICT_FIRST: tl.constexpr = False):
+                 W_EVICT_FIRST: tl.constexpr = False, W_TILED: tl.constexpr = False):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = factor * (w[row0 + r * ROW_R + j] . x), 0 for
     rows at or past row_lim + r * LIM_R (factor, fp32: multiplies every group's E8M0 factor).
 
@@ -316,13 +342,23 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         pf_r = 2 * o_j[None, :] + (o_q % 32 // 16)[:, None]  # [128, RP]
         pf_row = row0 + pf_r * ROW_R + (o_q // 32 // WARPS_K * 16 + o_q % 16)[:, None]
         m_pf = (pf_r < R) & (pf_row < row_lim + pf_r * LIM_R)
+    t_lo0, t_hi0, t_lo1, t_hi1 = 0, 0, 0, 0
+    if W_TILED:  # the thread's word offsets at step 0
+        t_lo0 = tiled_word_offset(row0_i, 4 * grp, K_WORDS)
+        t_hi0 = tiled_word_offset(row0_i + 8, 4 * grp, K_WORDS)
+        t_lo1 = tiled_word_offset(row0_i + ROW_R, 4 * grp, K_WORDS)
+        t_hi1 = tiled_word_offset(row0_i + ROW_R + 8, 4 * grp, K_WORDS)
     acc = tl.zeros([128, R, 4], dtype=tl.float32)
     for it in tl.range(0, tl.cdiv(n_steps - step0, WARPS_K),
                        num_stages=STAGES if STAGES > 0 else None):
         if PREFETCH > 0 and ASM:
             pf_step = step0 + (it + PREFETCH) * WARPS_K + q_wk  # [128]
-            prefetch_l2(p_w + pf_row * K_WORDS + (pf_step * 32)[:, None],
-                        m_pf & (pf_step < n_steps)[:, None])
+            if W_TILED:  # lane l: line l % 16 of the tile's 2 KB block
+                p_pf = p_w + ((pf_row // 16) * (K_WORDS // 32) + pf_step[:, None]) * 512 \
+                    + pf_row % 16 * 32
+            else:
+                p_pf = p_w + pf_row * K_WORDS + (pf_step * 32)[:, None]
+            prefetch_l2(p_pf, m_pf & (pf_step < n_steps)[:, None])
         step = step0 + it * WARPS_K + wk
         o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
         m_w = (step < n_steps) & (o_w < K_WORDS)
@@ -342,11 +378,13 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                 X_PAIRS_PTX, "=r,=r,=r,=r,r,r,r,r", [x0, x1, x2, x3],
                 dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         # row tile 0 (and 1): the B registers serve both
-        b_lo, b_hi = _load_words(p_w, row0_i, m_lo0, m_hi0, o_w, m_w, K_WORDS, W_EVICT_FIRST)
+        p_lo, p_hi = _word_ptrs(p_w, row0_i, o_w, step, K_WORDS, t_lo0, t_hi0, W_TILED)
+        b_lo, b_hi = _load_words(p_lo, p_hi, m_lo0, m_hi0, m_w, W_EVICT_FIRST)
         d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
         if R == 2:
-            b_lo, b_hi = _load_words(p_w, row0_i + ROW_R, m_lo1, m_hi1, o_w, m_w, K_WORDS,
-                                     W_EVICT_FIRST)
+            p_lo, p_hi = _word_ptrs(p_w, row0_i + ROW_R, o_w, step, K_WORDS, t_lo1, t_hi1,
+                                    W_TILED)
+            b_lo, b_hi = _load_words(p_lo, p_hi, m_lo1, m_hi1, m_w, W_EVICT_FIRST)
             d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
             d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:
@@ -385,6 +423,34 @@ def mma_prepare_x(x):
                          f"{list(x.shape)}")
     w = x.reshape(*x.shape[:-1], -1, 2, 4).transpose(-1, -2)
     return (w.float() * 2.0 ** X_SCALE_EXP).to(torch.bfloat16).reshape(x.shape).contiguous()
+
+
+def _tile_view(n: int, words: int):
+    """[N, words] -> [N / 16, 2 (hi), 8 (g), words / 32 (step), 2 (h), 4 (t), 4 (u)]."""
+    return (n // 16, 2, 8, words // 32, 2, 4, 4)
+
+
+def mma_tile_layout(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """MXFP4 codes uint8 [..., N, K / 2] (N a multiple of 16, K of 256) in the tiled layout of
+    tiled_word_offset (a permutation of 16-byte pieces: the same bytes, so each 16-byte load of
+    the tensor-core tiles' K loop reads 512 contiguous bytes with its warp, not 64 bytes of each
+    of 8 rows); inverse: back to the row layout."""
+    *lead, n, kb = packed.shape
+    if packed.dtype != torch.uint8 or n % 16 or kb % 128:
+        raise ValueError(f"packed: expected uint8 [..., N, K / 2] with N a multiple of 16 and K "
+                         f"of 256, got {packed.dtype} {list(packed.shape)}")
+    words = packed.contiguous().view(torch.int32)
+    view = _tile_view(n, kb // 4)
+    order = (0, 3, 1, 4, 2, 5, 6)  # (tile, step, hi, h, g, t, u)
+    lead_ix = tuple(range(len(lead)))
+    shift = tuple(len(lead) + i for i in order)
+    if inverse:
+        tiled = (view[0], view[3], view[1], view[4], view[2], view[5], view[6])
+        inv = tuple(len(lead) + order.index(i) for i in range(7))
+        out = words.reshape(*lead, *tiled).permute(*lead_ix, *inv)
+    else:
+        out = words.reshape(*lead, *view).permute(*lead_ix, *shift)
+    return out.contiguous().reshape(*lead, n, kb // 4).view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------
