@@ -56,12 +56,13 @@ from k3lab.kernels.mxfp4_mma import (
     mma_layout_problem,
     prefetch_l2,
     store_prepared_x,
+    tiled_word_offset,
 )
 from k3lab.plan import RoutePlan
-from k3lab.weights import MXFP4
+from k3lab.weights import MXFP4, mxfp4_layout, mxfp4_tiled_ok
 
 __all__ = ["MAX_TOKENS", "latent_down", "moe_stage1", "moe_stage2", "latent_moe_tail",
-           "moe_block"]
+           "moe_block", "moe_kernel_weights"]
 
 # Decode-batch kernels: a GEMV tile serves its M tokens one after the other from registers, so the
 # work per weight byte grows with M; beyond a few tokens a tensor-core grouped GEMM wins.
@@ -192,9 +193,15 @@ MMA_XP_BIT = tl.constexpr(_MMA_XP)
 FP4_MMA_EVICT_FIRST = (False, True)
 _MMA_EVICT = 256  # the bit of an FP4 code (tensor-core tiles) for FP4_MMA_EVICT_FIRST
 MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)
-_MMA_TILED = 16384  # the bit of an FP4 code: the weights in the tiled layout (mma_tile_layout)
-MMA_TILED_BIT = tl.constexpr(_MMA_TILED)
-FP4_MMA_TILED = (False, False)  # experiment switch (session 12)
+# MXFP4_TILED: moe_kernel_weights lays MXFP4 experts out in the tiled layout
+#   (k3lab.weights.mxfp4_tiled_codes) where the shapes allow (N a multiple of 16, K of 256).
+#   Every kernel path reads either layout; the tensor-core tiles' loads then read 512
+#   contiguous bytes a warp instead of 64 bytes of each of 8 rows (session 11 call 3: that
+#   pattern alone reached 0.83 of the copy bandwidth in load-only kernels, contiguous reads
+#   0.97). H200, session 12 call 1 (benchmarks/session12/README.md; K3 tp 1 B1, graph, cold,
+#   fraction of the copy bandwidth, 3 runs each, the 20_moe report's conditions, PDL_STEPS 0):
+#   stage 1 0.665-0.700 -> 0.711-0.739, stage 2 0.649-0.683 -> 0.700-0.702.
+MXFP4_TILED = True
 # PLAN_ONE_TRIP: the stage kernels' validity test also asks whether the tile's expert and an
 #   entry are real (always so within the plan's count), so that the compiler loads them before
 #   the branch, with the count: one round trip before the first weight load. Otherwise it sinks
@@ -268,14 +275,25 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _fp4_load(p_w, p_s, o_row, m_row, o_g, m_g, N_GROUPS):
+def _code_words(row, word, N_WORDS, TILED: tl.constexpr):
+    """Offset of int32 word ``word`` (a multiple of 4: the first of a group's 4) of row ``row``
+    of MXFP4 codes [N, N_WORDS] in the row layout, or the tiled one (TILED: see
+    k3lab.weights.mxfp4_tiled_codes), where a group's 4 words stay together."""
+    if TILED:
+        return tiled_word_offset(row, word, N_WORDS)
+    return row * N_WORDS + word
+
+
+@triton.jit
+def _fp4_load(p_w, p_s, o_row, m_row, o_g, m_g, N_GROUPS, TILED: tl.constexpr = False):
     """MXFP4 tile of whole groups: words int32 [rows, groups, 4] (8 E2M1 codes each, element
     8q + j in nibble j of word q) and the groups' fp32 factors 2^(s-65) [rows, groups].
-    p_w: packed codes viewed as int32 [N, N_GROUPS * 4]; p_s: E8M0 scales uint8 [N, N_GROUPS]."""
+    p_w: packed codes viewed as int32 [N, N_GROUPS * 4] (TILED: in the tiled layout); p_s: E8M0
+    scales uint8 [N, N_GROUPS]."""
     o_q = tl.arange(0, 4)
     m = m_row[:, None] & m_g[None, :]
-    b_w = tl.load(p_w + o_row[:, None, None] * (N_GROUPS * 4) + o_g[None, :, None] * 4
-                  + o_q[None, None, :], mask=m[:, :, None], other=0)
+    b_w = tl.load(p_w + _code_words(o_row[:, None, None], o_g[None, :, None] * 4, N_GROUPS * 4,
+                                    TILED) + o_q[None, None, :], mask=m[:, :, None], other=0)
     b_s = tl.load(p_s + o_row[:, None] * N_GROUPS + o_g[None, :], mask=m, other=0)
     b_f = ((b_s.to(tl.int32) + FP4_SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
     return b_w, b_f
@@ -328,13 +346,20 @@ def _fp4_klane_part(b_w, p_x, o_row, m_row, o_w, m_w, K_PAIRS, BLOCK_N: tl.const
 
 
 @triton.jit
-def _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS, BLOCK_W: tl.constexpr):
-    """K-lane tile at word kw0: words int32 [rows, BLOCK_W] and E8M0 bytes as int32 [rows,
-    BLOCK_W // 4] (0 past the row's end). The scale bytes come out in the partial sums'
-    layout (no shared-memory conversion in Triton 3.6's sm_90 TTGIR)."""
+def _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS, BLOCK_W: tl.constexpr,
+                    TILED: tl.constexpr = False):
+    """K-lane tile at word kw0 (a multiple of 4): words int32 [rows, BLOCK_W] and E8M0 bytes as
+    int32 [rows, BLOCK_W // 4] (0 past the row's end). The scale bytes come out in the partial
+    sums' layout (no shared-memory conversion in Triton 3.6's sm_90 TTGIR). TILED: the codes
+    are in the tiled layout."""
     o_w = kw0 + tl.arange(0, BLOCK_W)
     o_g = kw0 // 4 + tl.arange(0, BLOCK_W // 4)
-    b_w = tl.load(p_w + o_wrow[:, None] * N_WORDS + o_w[None, :],
+    if TILED:
+        o_c = _code_words(o_wrow[:, None], o_w[None, :] // 4 * 4, N_WORDS, True) \
+            + (o_w % 4)[None, :]
+    else:
+        o_c = o_wrow[:, None] * N_WORDS + o_w[None, :]
+    b_w = tl.load(p_w + o_c,
                   mask=m_wrow[:, None] & (o_w < N_WORDS)[None, :], other=0)
     b_s = tl.load(p_s + o_wrow[:, None] * N_GROUPS + o_g[None, :],
                   mask=m_wrow[:, None] & (o_g < N_GROUPS)[None, :], other=0).to(tl.int32)
@@ -344,7 +369,8 @@ def _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS, BLOCK_W: t
 @triton.jit
 def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                    PREFETCH: tl.constexpr, STAGES: tl.constexpr, KSPLIT: tl.constexpr):
+                    PREFETCH: tl.constexpr, STAGES: tl.constexpr, KSPLIT: tl.constexpr,
+                    TILED: tl.constexpr = False):
     """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] @ w[o_wrow]^T for MXFP4 w in K-lane tiles (see
     FP4_LAYOUT): p_w packed codes viewed as int32 words [N, K_PAIRS // 4], p_s E8M0 scales uint8
     [N, K_PAIRS // 16], x bf16 viewed as int32 pairs [rows, K_PAIRS]; BLOCK_W words (4 per group)
@@ -354,7 +380,8 @@ def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
     the K loop is tl.range(num_stages=STAGES) (Triton pipelines its loads through shared
     memory; M = 1 only in practice: the token loop keeps the pipeliner out). KSPLIT > 1: only
     the i_k-th of KSPLIT consecutive shares of the K steps (cdiv(steps, KSPLIT) each; with
-    PREFETCH the share's last step also prefetches the next share's first, unused)."""
+    PREFETCH the share's last step also prefetches the next share's first, unused). TILED: the
+    codes are in the tiled layout."""
     N_WORDS = K_PAIRS // 4
     N_GROUPS = K_PAIRS // 16
     if KSPLIT > 1:  # this program's share of the K steps: split i_k of KSPLIT
@@ -370,7 +397,7 @@ def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
     acc_g = tl.zeros([BLOCK_N, BLOCK_W // 4], dtype=tl.float32)
     if PREFETCH:  # step 0's tile; each step then loads the next one before its arithmetic
         b_w_nx, b_s_nx = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, KW_LO, N_WORDS, N_GROUPS,
-                                         BLOCK_W)
+                                         BLOCK_W, TILED)
     for kw0 in tl.range(KW_LO, KW_HI, BLOCK_W, num_stages=STAGES if STAGES > 0 else None):
         o_w = kw0 + tl.arange(0, BLOCK_W)
         m_w = o_w < N_WORDS
@@ -378,10 +405,10 @@ def _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
             b_w, b_s = b_w_nx, b_s_nx
             # past the last step every lane is masked: no memory traffic
             b_w_nx, b_s_nx = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0 + BLOCK_W, N_WORDS,
-                                             N_GROUPS, BLOCK_W)
+                                             N_GROUPS, BLOCK_W, TILED)
         else:
             b_w, b_s = _fp4_klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS,
-                                       BLOCK_W)
+                                       BLOCK_W, TILED)
         b_f = ((b_s + FP4_SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
         if BLOCK_M == 1:
             acc_g += _fp4_klane_part(b_w, p_x, o_xrow, m_xrow, o_w, m_w, K_PAIRS, BLOCK_N,
@@ -437,13 +464,13 @@ def _token(o_xrow, m_xrow, o_m, i_m):
 def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
           FP4: tl.constexpr, X_FP32: tl.constexpr, HAS_XS: tl.constexpr,
-          TOKEN_LOOP: tl.constexpr):
+          TOKEN_LOOP: tl.constexpr, TILED: tl.constexpr = False):
     """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] (* xs) @ w[o_wrow]^T over K = 2 * K_PAIRS.
 
     xs (HAS_XS): an fp32 [2 * K_PAIRS] per-column factor on x (the RMSNorm weight).
-    FP4 (an int, see _fp4_mode): w is MXFP4 (p_w int32 words, p_s scales; see _fp4_load), x
-    bf16, no xs; FP4 >= 2: K-lane tiles (_fp4_gemv_klane, BLOCK_KP // 4 words a step; 3 with
-    the next step's loads issued first).
+    FP4 (an int, see _fp4_mode): w is MXFP4 (p_w int32 words, in the tiled layout where TILED;
+    p_s scales; see _fp4_load), x bf16, no xs; FP4 >= 2: K-lane tiles (_fp4_gemv_klane,
+    BLOCK_KP // 4 words a step; 3 with the next step's loads issued first).
     bf16 w with BLOCK_M > 1: TOKEN_LOOP reuses each [BLOCK_N, BLOCK_KP] weight tile for the tokens
     one at a time (compiled: registers stay at one tile); otherwise one [BLOCK_M, BLOCK_N,
     BLOCK_KP] broadcast product (interpreter: one vectorized op).
@@ -452,7 +479,7 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
     if FP4 >= 2:  # K-lane MXFP4 tiles (FP4_LAYOUT 1; the variant switches: see _fp4_mode)
         return _fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
                                BLOCK_M, BLOCK_N, BLOCK_KP // 4, (FP4 - 2) % 2 == 1,
-                               (FP4 - 2) // 2 % 8, (FP4 - 2) // 32 % 16 + 1)
+                               (FP4 - 2) // 2 % 8, (FP4 - 2) // 32 % 16 + 1, TILED)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     o_m = tl.arange(0, BLOCK_M)
     n_rows = tl.max(tl.where(m_xrow, o_m + 1, 0), axis=0)  # rows >= n_rows are all masked
@@ -460,7 +487,7 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
         if FP4:  # whole groups of 32 (16 pairs); always one token at a time
             o_g = kp0 // 16 + tl.arange(0, BLOCK_KP // 16)
             m_g = o_g < K_PAIRS // 16
-            b_w, b_f = _fp4_load(p_w, p_s, o_wrow, m_wrow, o_g, m_g, K_PAIRS // 16)
+            b_w, b_f = _fp4_load(p_w, p_s, o_wrow, m_wrow, o_g, m_g, K_PAIRS // 16, TILED)
             if BLOCK_M == 1:
                 acc += _fp4_dot(b_w, b_f, p_x, o_xrow, m_xrow, o_g, m_g, K_PAIRS, BLOCK_N,
                                 BLOCK_KP // 16)[None, :]
@@ -501,34 +528,36 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
 
 @triton.jit
 def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr, i_k=0,
-              factor=1.0):
+              factor=1.0, TILED: tl.constexpr = False):
     """kernels/mxfp4_mma.fp4_mma_gemv with the tile of FP4 code MODE (see _mma_mode): [R,
     16 * 4 // WARPS_K] fp32, y[r, j] = factor * (w[row0 + r * ROW_R + j] . x) (K share i_k of
     KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
                         MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1, factor,
-                        MODE // MMA_EVICT_BIT % 2 == 1, MODE // MMA_TILED_BIT % 2 == 1)
+                        MODE // MMA_EVICT_BIT % 2 == 1, TILED)
 
 
 @triton.jit
 def _gate_up_act(p_x, o_xrow, m_xrow, p_w, p_s, o_n, m_n, N_HALF, K_PAIRS, beta, linear_beta,
                  ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_KP: tl.constexpr, FP4: tl.constexpr, TOKEN_LOOP: tl.constexpr):
+                 BLOCK_KP: tl.constexpr, FP4: tl.constexpr, TOKEN_LOOP: tl.constexpr,
+                 TILED: tl.constexpr = False):
     """act(x @ w[o_n]^T, x @ w[N_HALF + o_n]^T): gate rows then up rows of one [2 * N_HALF, K]
-    weight. K-lane MXFP4 with the gate/up bit of FP4 (FP4_FUSE_GATE_UP): one GEMV over a tile
-    of 2 * BLOCK_N interleaved rows (gate n, up n, ...) instead of two after each other."""
+    weight (MXFP4 codes in the tiled layout where TILED). K-lane MXFP4 with the gate/up bit of
+    FP4 (FP4_FUSE_GATE_UP): one GEMV over a tile of 2 * BLOCK_N interleaved rows (gate n, up n,
+    ...) instead of two after each other."""
     if FP4 >= 18 and (FP4 - 2) // 16 % 2 == 1:
         o_r = tl.reshape(tl.join(o_n, o_n + N_HALF), [2 * BLOCK_N])
         m_r = tl.reshape(tl.join(m_n, m_n), [2 * BLOCK_N])
         b_gu = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_r, m_r, K_PAIRS, 0,
-                     BLOCK_M, 2 * BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
+                     BLOCK_M, 2 * BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP, TILED)
         b_g, b_u = tl.split(tl.reshape(b_gu, [BLOCK_M, BLOCK_N, 2]))
         return _act(b_g, b_u, beta, linear_beta, ACT)
     b_g = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n, m_n, K_PAIRS, 0,
-                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
+                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP, TILED)
     b_u = _gemv(p_x, o_xrow, m_xrow, p_x, p_w, p_s, o_n + N_HALF, m_n, K_PAIRS, 0,
-                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
+                BLOCK_M, BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP, TILED)
     return _act(b_g, b_u, beta, linear_beta, ACT)
 
 
@@ -554,11 +583,11 @@ def _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _mma_prefetch(p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr,
-                  STEPS: tl.constexpr):
+                  STEPS: tl.constexpr, TILED: tl.constexpr = False):
     """Ask L2 for the first STEPS K steps of the rows of tensor-core tile MODE at row0 (as
     _mma_gemv reads them: R runs of 16 * WN rows, ROW_R apart; a step of a row is one 128-byte
-    line of p_w, int32 words) and for the rows' scales (p_s, N_GROUPS bytes a row). STEPS 0:
-    nothing."""
+    line of p_w, int32 words; TILED: the 16 lines of the step's 2 KB block of each 16-row tile)
+    and for the rows' scales (p_s, N_GROUPS bytes a row). STEPS 0: nothing."""
     if STEPS > 0:
         R: tl.constexpr = MODE // 64 % 4 + 1
         ROWS: tl.constexpr = 16 * (4 >> (MODE // 16 % 4))  # 16 * WN (4 warps)
@@ -570,7 +599,12 @@ def _mma_prefetch(p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.cons
         o_2 = tl.arange(0, 2)
         for s0 in tl.static_range(0, STEPS, 2):
             step = s0 + o_2
-            prefetch_l2(p_w + row[:, None] * K_WORDS + step[None, :] * 32,
+            if TILED:  # line row % 16 of the tile's block of the step
+                o_l = ((row // 16) * (K_WORDS // 32))[:, None] * 512 + step[None, :] * 512 \
+                    + (row % 16 * 32)[:, None]
+            else:
+                o_l = row[:, None] * K_WORDS + step[None, :] * 32
+            prefetch_l2(p_w + o_l,
                          m_row[:, None] & ((step < STEPS) & (step * 32 < K_WORDS))[None, :])
         prefetch_l2(p_s + row[:, None] * N_GROUPS + o_2[None, :] * (N_GROUPS - 1),
                      m_row[:, None])
@@ -633,12 +667,12 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
                        BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
                        PREPARED: tl.constexpr = False, ONE_TRIP: tl.constexpr = True,
                        PDL: tl.constexpr = False, PDL_STEPS: tl.constexpr = 0,
-                       TRIGGER: tl.constexpr = False):
+                       TRIGGER: tl.constexpr = False, TILED: tl.constexpr = False):
     """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T) (z as
     mma_prepare_x wrote it where the FP4 code has the X_PREPARED bit); PREPARED: also a's
     mma_prepare_x copy at p_ap. Side jobs: zero stage 2's accumulator (a slice per program) and
     the stage-2 + tail launch's two counters (program 0). PDL: see PDL_STEPS (the side jobs
-    come after the wait)."""
+    come after the wait). TILED: MXFP4 codes in the tiled layout."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     if TRIGGER and not PDL:  # let the next launch start (PDL) as programs start
         gdc_launch_dependents()
@@ -654,7 +688,8 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
     p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
     if PDL:
         if runs:
-            _mma_prefetch(p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16, FP4, PDL_STEPS)
+            _mma_prefetch(p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16, FP4, PDL_STEPS,
+                          TILED)
         gdc_wait()
         gdc_launch_dependents()
         _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
@@ -663,12 +698,14 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
         m_n = o_n < N_I
         if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N gate rows and their up rows
             p_x = p_z + tl.sum(tl.where(m_ent, b_tok, 0)) * D_PAIRS
-            b_gu = _mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16, FP4)
+            b_gu = _mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16, FP4,
+                             0, 1.0, TILED)
             b_g, b_u = tl.split(tl.permute(b_gu, [1, 0]))
             b_a = _act(b_g, b_u, beta, linear_beta, ACT)[None, :]
         else:
             b_a = _gate_up_act(p_z, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D_PAIRS, beta,
-                               linear_beta, ACT, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, TOKEN_LOOP)
+                               linear_beta, ACT, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, TOKEN_LOOP,
+                               TILED)
         b_ab = _to_bf16(b_a)
         tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], b_ab,
                  mask=m_ent[:, None] & m_n[None, :])
@@ -682,10 +719,11 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                  FP4: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
                  ONE_TRIP: tl.constexpr = True, PDL: tl.constexpr = False,
-                 PDL_STEPS: tl.constexpr = 0):
+                 PDL_STEPS: tl.constexpr = 0, TILED: tl.constexpr = False):
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
-    slot order and stores. PDL (atomic tensor-core tiles): see PDL_STEPS."""
+    slot order and stores. PDL (atomic tensor-core tiles): see PDL_STEPS. TILED: MXFP4 codes
+    in the tiled layout."""
     i_k = 0
     # K-lane split K (atomic path): pid = (tile, split)
     if FP4 >= 34 and FP4 < FP4_MMA_BASE and (FP4 - 2) // 32 % 16 > 0:
@@ -705,7 +743,8 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
             p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
             b_p = _gemv(p_a, o_row, o_row < n_entries, p_a, p_we, p_se,
-                        o_n, m_n, I_PAIRS, 0, 1, BLOCK_N, BLOCK_KP, FP4, False, False, False)
+                        o_n, m_n, I_PAIRS, 0, 1, BLOCK_N, BLOCK_KP, FP4, False, False, False,
+                        TILED)
             b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
         tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
     else:
@@ -720,7 +759,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
         if PDL:
             if runs:
                 _mma_prefetch(p_we, p_se, i_n * BLOCK_N, BLOCK_N // (FP4 // 64 % 4 + 1), D, 0,
-                              I_PAIRS // 16, FP4, PDL_STEPS)
+                              I_PAIRS // 16, FP4, PDL_STEPS, TILED)
             gdc_wait()
             gdc_launch_dependents()
         if runs:
@@ -735,10 +774,10 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                     w_in = 1.0
                 b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
                                            BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 16,
-                                           FP4, i_k, w_in), [1, BLOCK_N])
+                                           FP4, i_k, w_in, TILED), [1, BLOCK_N])
             else:
                 b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
-                            BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP)
+                            BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP, TILED)
             tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
                           mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
 
@@ -804,8 +843,9 @@ def _moe_stage2_tail_kernel(
         BLOCK_KP2: tl.constexpr, LATENT: tl.constexpr, SHARED: tl.constexpr,
         BLOCK_MT: tl.constexpr, BLOCK_NT: tl.constexpr, BLOCK_KPT: tl.constexpr,
         BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr, ONE_TRIP: tl.constexpr = True,
-        PDL: tl.constexpr = False, PDL_STEPS: tl.constexpr = 0):
-    """Stage 2, the tail, or both in one launch. Both: each program takes a ticket (atomic
+        PDL: tl.constexpr = False, PDL_STEPS: tl.constexpr = 0, TILED: tl.constexpr = False):
+    """Stage 2, the tail, or both in one launch (TILED: stage 2's MXFP4 codes in the tiled
+    layout). Both: each program takes a ticket (atomic
     counter p_sync[0]); tickets [0, n_stage2) run stage-2 tiles and then count themselves done in
     p_sync[1] (release); later tickets run tail tiles, which wait for all stage-2 tiles
     (acquire). Tickets follow the order programs actually start, so every stage-2 tile a tail
@@ -817,7 +857,7 @@ def _moe_stage2_tail_kernel(
             _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                          p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
                          n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2, TOKEN_LOOP,
-                         ONE_TRIP)
+                         ONE_TRIP, False, 0, TILED)
             tl.debug_barrier()  # every thread's adds issued before the release below
             tl.atomic_add(p_sync + 1, 1, sem="release")
         else:
@@ -828,7 +868,7 @@ def _moe_stage2_tail_kernel(
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
                      I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2,
-                     TOKEN_LOOP, ONE_TRIP, PDL, PDL_STEPS)
+                     TOKEN_LOOP, ONE_TRIP, PDL, PDL_STEPS, TILED)
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
@@ -925,8 +965,7 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
         return 0
     k_steps = triton.cdiv(w.shape[-1], 256)
     flags = ((_MMA_XP if prepared and FP4_MMA_X_PREPARED else 0)
-             + (_MMA_EVICT if _per_stage(FP4_MMA_EVICT_FIRST, stage) else 0)
-             + (_MMA_TILED if _per_stage(FP4_MMA_TILED, stage) else 0))
+             + (_MMA_EVICT if _per_stage(FP4_MMA_EVICT_FIRST, stage) else 0))
     if FP4_MMA_TILES is not None:
         return _mma_code(FP4_MMA_TILES[stage], stage, k_steps) + flags
     codes = [_mma_code(t, stage, k_steps) for t in FP4_MMA_CANDIDATES[stage]]
@@ -1046,12 +1085,20 @@ def _check_experts(name, w, device):
             raise ValueError(f"{name}: MXFP4 scales must be [E, N, K/32] = {[e, n, k // 32]} with "
                              f"K a multiple of 32, got packed {tuple(w.packed.shape)}, scales "
                              f"{tuple(w.scales.shape)}")
+        if w.layout == "tiled" and not mxfp4_tiled_ok(w.shape):
+            raise ValueError(f"{name}: the tiled MXFP4 layout needs N a multiple of 16 and K of "
+                             f"256, got [E, N, K] = {[e, n, k]}")
         return e, n, k, True
     _check_tensor(name, w, dtypes=(torch.bfloat16,), dim=3, device=device)
     e, n, k = w.shape
     if k % 2:
         raise ValueError(f"{name}: expected an even input dimension K, got {k}")
     return e, n, k, False
+
+
+def _tiled(w) -> bool:
+    """Whether expert weight ``w`` is MXFP4 in the tiled layout."""
+    return isinstance(w, MXFP4) and w.layout == "tiled"
 
 
 def _expert_ptrs(w):
@@ -1126,6 +1173,20 @@ def _check_activation(activation):
 
 # ---------------------------------------------------------------------------------------------
 # launchers
+
+
+def moe_kernel_weights(weights: dict) -> dict:
+    """``weights`` (a dict of MoE weights, as k3lab.weights.moe_weights makes them) with the
+    expert weights w13 / w2 laid out as these kernels read them fastest: MXFP4 experts in the
+    tiled layout where the shapes allow and MXFP4_TILED is set (a copy of the codes, made once,
+    as an engine lays out its checkpoint at load time; the scales are shared), the rest as
+    given. Every launcher also takes either layout."""
+    out = dict(weights)
+    for name in ("w13", "w2"):
+        w = out.get(name)
+        if isinstance(w, MXFP4) and MXFP4_TILED and mxfp4_tiled_ok(w.shape):
+            out[name] = mxfp4_layout(w, "tiled")
+    return out
 
 
 def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
@@ -1235,7 +1296,8 @@ def _launch_stage1(z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync
     kwargs = dict(ACT=act, FP4=mode, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
                   ZERO_BLOCK=zero_block, BLOCK_M=block_mp, BLOCK_N=block_n, BLOCK_KP=block_kp,
                   TOKEN_LOOP=_token_loop(), PREPARED=a_mma_out is not None,
-                  ONE_TRIP=PLAN_ONE_TRIP, num_warps=NUM_WARPS, **_reg_cap(mode, 1),
+                  ONE_TRIP=PLAN_ONE_TRIP, TILED=_tiled(w13), num_warps=NUM_WARPS,
+                  **_reg_cap(mode, 1),
                   **(_pdl(pdl, mode)
                      or dict(TRIGGER=PDL_STAGE1_TRIGGER and bool(_pdl(True, mode)))))
     if mode >= _MMA_BASE:
@@ -1312,7 +1374,7 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma=None):
               p_y=y, n_entries=m * top_k, block_m=block_m, top_k=top_k, D=d, I_PAIRS=i // 2,
               n_d_tiles=n_d, n_stage2=rows * n_d * split, FP4=mode,
               DETERMINISTIC=bool(deterministic), BLOCK_M2=block_mp, BLOCK_N2=block_n,
-              BLOCK_KP2=block_kp)
+              BLOCK_KP2=block_kp, TILED=_tiled(w2))
     return kw, rows * n_d * split, y
 
 
@@ -1346,7 +1408,8 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
         kw.update(p_a=y, p_w=y, p_ws=y, p_sorted=y, p_sorted_w=y, p_block_expert=y,
                   p_num_valid=y, p_topk_ids=y, p_topk_w=y, n_entries=1, block_m=1, top_k=1,
                   D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0, FP4=0,
-                  DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS)
+                  DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS,
+                  TILED=False)
     else:
         kw.update(stage2[0])
     if tail is None:

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2", "mma_layout_problem",
-           "mma_tile_layout", "tiled_word_offset", "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
+           "tiled_word_offset", "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
 
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
 X_SCALE_EXP = 100  # x * 2^100 in bf16: products 2^-126 w * 2^100 x = 2^-26 w x
@@ -225,10 +225,10 @@ def prefetch_l2(ptrs, mask):
 
 @triton.jit
 def tiled_word_offset(row, word, K_WORDS):
-    """Offset (int32 words) of word ``word`` (a multiple of 4) of row ``row`` in the tiled
-    layout (see mma_tile_layout): 16-row x 32-word blocks (one K step of a 16-row tile, 2 KB)
-    in (row tile, step) order, each holding the tile's four 512-byte loads (row half hi, step
-    half h) one after another, the lanes (4 g + t) 16 bytes apart."""
+    """Offset (int32 words) of word ``word`` (a multiple of 4) of row ``row`` in MXFP4's tiled
+    layout (k3lab.weights.mxfp4_tiled_codes): 16-row x 32-word blocks (one K step of a 16-row
+    tile, 2 KB) in (row tile, step) order, each holding the tile's four 512-byte loads (row
+    half hi, step half h) one after another, the lanes (4 g + t) 16 bytes apart."""
     rr = row % 16
     grp = word % 32 // 4
     return (((row // 16) * (K_WORDS // 32) + word // 32) * 512
@@ -304,7 +304,9 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     mma_prepare_x(x) (the B pairs, already times 2^100), so no per-step permute and scale (H200,
     session 7 call 4: 2-6 % faster). W_EVICT_FIRST: the weight loads are "evict_first" (L2
     is left to what the program reads or adds to again: x, the accumulator of atomic callers).
-    Launch with 4 warps.
+    W_TILED: p_w holds the codes in MXFP4's tiled layout (k3lab.weights.mxfp4_tiled_codes;
+    rows a multiple of 16, K of 256), where each of a warp's 16-byte loads reads 512
+    contiguous bytes. Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
@@ -423,34 +425,6 @@ def mma_prepare_x(x):
                          f"{list(x.shape)}")
     w = x.reshape(*x.shape[:-1], -1, 2, 4).transpose(-1, -2)
     return (w.float() * 2.0 ** X_SCALE_EXP).to(torch.bfloat16).reshape(x.shape).contiguous()
-
-
-def _tile_view(n: int, words: int):
-    """[N, words] -> [N / 16, 2 (hi), 8 (g), words / 32 (step), 2 (h), 4 (t), 4 (u)]."""
-    return (n // 16, 2, 8, words // 32, 2, 4, 4)
-
-
-def mma_tile_layout(packed: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """MXFP4 codes uint8 [..., N, K / 2] (N a multiple of 16, K of 256) in the tiled layout of
-    tiled_word_offset (a permutation of 16-byte pieces: the same bytes, so each 16-byte load of
-    the tensor-core tiles' K loop reads 512 contiguous bytes with its warp, not 64 bytes of each
-    of 8 rows); inverse: back to the row layout."""
-    *lead, n, kb = packed.shape
-    if packed.dtype != torch.uint8 or n % 16 or kb % 128:
-        raise ValueError(f"packed: expected uint8 [..., N, K / 2] with N a multiple of 16 and K "
-                         f"of 256, got {packed.dtype} {list(packed.shape)}")
-    words = packed.contiguous().view(torch.int32)
-    view = _tile_view(n, kb // 4)
-    order = (0, 3, 1, 4, 2, 5, 6)  # (tile, step, hi, h, g, t, u)
-    lead_ix = tuple(range(len(lead)))
-    shift = tuple(len(lead) + i for i in order)
-    if inverse:
-        tiled = (view[0], view[3], view[1], view[4], view[2], view[5], view[6])
-        inv = tuple(len(lead) + order.index(i) for i in range(7))
-        out = words.reshape(*lead, *tiled).permute(*lead_ix, *inv)
-    else:
-        out = words.reshape(*lead, *view).permute(*lead_ix, *shift)
-    return out.contiguous().reshape(*lead, n, kb // 4).view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from k3lab.kernels import (
     latent_down,
     latent_moe_tail,
     moe_block,
+    moe_kernel_weights,
     moe_stage1,
     moe_stage2,
     route_sort,
@@ -975,6 +976,103 @@ def test_bad_input(case, device):
 
 
 # ---------------------------------------------------------------------------------------------
+# MXFP4 tiled layout (k3lab.weights.mxfp4_tiled_codes; moe_kernel_weights lays the experts out in
+# it): every kernel path reads it. tiny with K and N the layout's multiples (D = I = 256).
+
+TILED_CHANGES = dict(latent=256, moe_intermediate=256)
+TILED_PATHS = {
+    "mma-gpu-tiles": dict(FP4_MMA=True, INTERPRETER_MMA=True, INTERPRETER_BIG_TILES=False,
+                          TARGET_PROGRAMS=1),
+    "klane-gpu-tiles": dict(FP4_MMA=False, INTERPRETER_BIG_TILES=False, TARGET_PROGRAMS=1,
+                            FP4_KLANE_WORDS=8),
+    "klane-interpreter-tiles": dict(FP4_MMA=False),
+    "group-tiles": dict(FP4_MMA=False, FP4_LAYOUT=0),
+}
+
+
+# the tensor-core tiles take one-token plan tiles (block_m 1); the K-lane and group tiles also
+# several tokens a tile (the standalone tile's test covers every tensor-core tile shape)
+TILED_CASES = [("mma-gpu-tiles", 1, 1), ("klane-gpu-tiles", 1, 1),
+               ("klane-interpreter-tiles", 1, 1), ("klane-interpreter-tiles", 3, 4),
+               ("group-tiles", 3, 4)]
+
+
+@pytest.mark.parametrize("path,M,block_m", TILED_CASES,
+                         ids=[f"{p}-M{m}-bm{b}" for p, m, b in TILED_CASES])
+def test_tiled_layout_every_path(path, M, block_m, device, monkeypatch):
+    """Stage 1, the atomic and the deterministic stage 2, and the block on tiled codes give the
+    row layout's outputs (bitwise, but for the order of GPU atomics) and match the reference."""
+    for name, value in TILED_PATHS[path].items():
+        monkeypatch.setattr(kmoe, name, value)
+    cfg, w, x = _setup(device, M=M, fmt="mxfp4", **TILED_CHANGES)
+    wt = moe_kernel_weights(w)
+    assert wt["w13"].layout == wt["w2"].layout == "tiled" and w["w2"].layout == "rows"
+    plan = _plan(cfg, x, w, block_m)
+    z = randn((M, cfg.moe_in), make_generator(1, device))
+    a = moe_stage1(z, plan, w["w13"], **_act(cfg))
+    assert torch.equal(moe_stage1(z, plan, wt["w13"], **_act(cfg)), a)
+    assert_close("a", a, ref.moe_stage1_reference(z, plan, w["w13"], **_act(cfg)), atol=A_ATOL,
+                 rtol=A_RTOL)
+    y_ref = ref.moe_stage2_reference(a, plan, w["w2"])
+    for det in (False, True):
+        plan.out.zero_()
+        y = moe_stage2(a, plan, w["w2"], deterministic=det).clone()
+        plan.out.zero_()
+        yt = moe_stage2(a, plan, wt["w2"], deterministic=det).clone()
+        if det or device == "cpu":
+            assert torch.equal(yt, y)
+        assert_close("y", yt, y_ref, atol=Y_ATOL, rtol=Y_RTOL)
+    out = moe_block(x, w, cfg=cfg, plan=plan)
+    assert_close("out", moe_block(x, wt, cfg=cfg, plan=plan).float(), out.float(), atol=1e-6,
+                 rtol=0 if device == "cpu" else 2 ** -8)
+
+
+def test_moe_kernel_weights(device, monkeypatch):
+    """MXFP4 experts whose shapes allow it go to the tiled layout (a copy of the codes, the
+    scales shared); bf16 experts, other weights and other shapes stay as given; MXFP4_TILED off
+    leaves everything."""
+    _, w, _ = _setup(device, fmt="mxfp4", **TILED_CHANGES)
+    k = moe_kernel_weights(w)
+    assert k["w13"].layout == "tiled" and k["w13"].scales is w["w13"].scales
+    assert torch.equal(mxfp4_dequantize(k["w2"]), mxfp4_dequantize(w["w2"]))
+    assert k["latent_down"] is w["latent_down"] and w["w13"].layout == "rows"
+    _, w96, _ = _setup(device, fmt="mxfp4")  # K = 96: not a multiple of 256
+    assert moe_kernel_weights(w96)["w2"] is w96["w2"]
+    _, wb, _ = _setup(device, **TILED_CHANGES)
+    assert moe_kernel_weights(wb)["w13"] is wb["w13"]
+    monkeypatch.setattr(kmoe, "MXFP4_TILED", False)
+    assert moe_kernel_weights(w)["w13"] is w["w13"]
+
+
+def test_boundary_fused_reads_tiled_experts(device):
+    """The boundary's inputs hold the model's layout (reference, peers) and, for the fused
+    variant, the kernels' (Weights.fused): the same values, shared by the cold copies."""
+    from k3lab.boundaries import moe as bmoe
+
+    boundary = get("moe")
+    cfg = dataclasses.replace(preset("tiny"), **TILED_CHANGES)
+    inputs = boundary.make_inputs(cfg, device, 1, M=2, expert_format="mxfp4")
+    w = inputs["weights"]
+    assert w["w2"].layout == "rows" and w.fused["w2"].layout == "tiled"
+    assert w.fused["latent_up"] is w["latent_up"]
+    out_ref = boundary.reference.fn(inputs)
+    for name in ("fused", "grouped"):
+        assert boundary.check(boundary.variant(name).fn(inputs), out_ref, inputs)["out"] < 0.03
+    copies = bmoe.copies_sharing_experts(inputs, 2)
+    assert copies[1]["weights"].fused["w13"] is w.fused["w13"]
+
+
+def test_tiled_layout_bad_shape(device):
+    """Codes marked tiled whose shape the layout cannot have: a clear error naming the
+    weight."""
+    cfg, w, x = _setup(device, M=1, fmt="mxfp4")  # K = 96
+    plan = _plan(cfg, x, w)
+    a = randn((cfg.top_k, cfg.moe_intermediate), make_generator(2, device))
+    with pytest.raises(ValueError, match="w2: the tiled MXFP4 layout needs"):
+        moe_stage2(a, plan, dataclasses.replace(w["w2"], layout="tiled"))
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU
 
 
@@ -1057,6 +1155,33 @@ def test_gpu_k3_tp1_mxfp4_stages(M, layout, monkeypatch):
     y = moe_stage2(a, plan, w["w2"])
     y_ref = ref.moe_stage2_reference(a, plan, w["w2"])
     assert_close("y", y, y_ref, atol=Y_ATOL, rtol=Y_RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 8])
+@pytest.mark.parametrize("M", [1, 16])
+def test_gpu_k3_tiled_layout(tp, M):
+    """K3 MXFP4 experts in the kernels' layout (moe_kernel_weights: w13 and w2 tiled at tp 1, w13
+    at tp 8): stage 1 bitwise the row layout's, stage 2 and the block (stage 2 + tail fused, and
+    apart with PDL) against the reference."""
+    cfg = preset("kimi-k3", tp)
+    gen = make_generator(M, "cuda")
+    w = moe_weights(cfg, gen, expert_format="mxfp4")
+    wt = moe_kernel_weights(w)
+    assert wt["w13"].layout == "tiled" and wt["w2"].layout == ("tiled" if tp == 1 else "rows")
+    x = hidden_states(cfg, M, gen)
+    plan = _plan(cfg, x, w)
+    z = randn((M, cfg.moe_in), gen)
+    a = moe_stage1(z, plan, wt["w13"], **_act(cfg))
+    assert torch.equal(a, moe_stage1(z, plan, w["w13"], **_act(cfg)))
+    assert_close("a", a, ref.moe_stage1_reference(z, plan, w["w13"], **_act(cfg)), atol=A_ATOL,
+                 rtol=A_RTOL)
+    y = moe_stage2(a, plan, wt["w2"])
+    assert_close("y", y, ref.moe_stage2_reference(a, plan, w["w2"]), atol=Y_ATOL, rtol=Y_RTOL)
+    for fuse_tail in (True, False):
+        _check_block(x, wt, cfg, block_m=1, det=False, fuse_tail=fuse_tail)
+    del w, wt
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu

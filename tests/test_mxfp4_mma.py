@@ -3,6 +3,7 @@ fp32 reference, for every tile shape the MoE stages can pick, rows that end insi
 and K that ends inside a step of 256. On CPU the mma is the interpreter's lane-by-lane emulation;
 on CUDA it is the inline PTX (the same test, compiled)."""
 
+import dataclasses
 import os
 import re
 
@@ -12,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.kernels.mxfp4_mma import fp4_mma_gemv, mma_prepare_x
-from k3lab.weights import make_generator, mxfp4_quantize, randn
+from k3lab.kernels.mxfp4_mma import fp4_mma_gemv, mma_prepare_x, tiled_word_offset
+from k3lab.weights import make_generator, mxfp4_layout, mxfp4_quantize, mxfp4_tiled_codes, randn
 
 # fp32 sums of exact products in another order than the reference's
 ATOL, RTOL = 1e-5, 1e-5
@@ -21,13 +22,15 @@ ATOL, RTOL = 1e-5, 1e-5
 
 @triton.jit
 def _gemv_kernel(p_x, p_w, p_s, p_y, N, N_GROUPS, R: tl.constexpr, WARPS_K: tl.constexpr,
-                 ASM: tl.constexpr, KSPLIT: tl.constexpr, X_PREPARED: tl.constexpr = False):
+                 ASM: tl.constexpr, KSPLIT: tl.constexpr, X_PREPARED: tl.constexpr,
+                 TILED: tl.constexpr):
     """y[rows of program 0's tiles] = w @ x, rows in R tiles of 16 * (4 // WARPS_K); the K
-    shares of KSPLIT are the second grid axis and add atomically."""
+    shares of KSPLIT are the second grid axis and add atomically; TILED: w's codes in the tiled
+    layout."""
     WN: tl.constexpr = 4 // WARPS_K
     row0 = tl.program_id(0) * (R * WN * 16)
     y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, N_GROUPS, R, WARPS_K, 0, ASM, 0,
-                     tl.program_id(1), KSPLIT, X_PREPARED)
+                     tl.program_id(1), KSPLIT, X_PREPARED, 1.0, False, TILED)
     o = row0 + tl.arange(0, R)[:, None] * (WN * 16) + tl.arange(0, WN * 16)[None, :]
     tl.atomic_add(p_y + o, y, mask=o < N)
 
@@ -39,7 +42,7 @@ def _gemv(x, q, r, warps_k, ksplit, prepared=False):
     _gemv_kernel[(triton.cdiv(n, rows), ksplit)](
         (mma_prepare_x(x) if prepared else x).view(torch.int32), q.packed.view(torch.int32),
         q.scales, y, n, k // 32, r, warps_k, os.environ.get("TRITON_INTERPRET") != "1", ksplit,
-        prepared, num_warps=4)
+        prepared, q.layout == "tiled", num_warps=4)
     return y
 
 
@@ -65,6 +68,40 @@ def test_tile_split_k(ksplit, device):
     x = randn((800,), gen)
     want = q.dequantize() @ x.float()
     torch.testing.assert_close(_gemv(x, q, 2, 2, ksplit), want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("r,warps_k", TILES, ids=[f"R{r}-WK{w}" for r, w in TILES])
+@pytest.mark.parametrize("n,k", [(48, 512), (32, 768)], ids=["N48-K512", "N32-K768"])
+def test_tile_tiled_layout(n, k, r, warps_k, device):
+    """W_TILED on codes in the tiled layout gives bitwise the row layout's sums (the same
+    fragments, read from other addresses); the row layout read as tiled does not."""
+    gen = make_generator(n * k, device)
+    q = mxfp4_quantize(randn((n, k), gen, std=0.05))
+    x = randn((k,), gen)
+    rows = _gemv(x, q, r, warps_k, 1)
+    torch.testing.assert_close(rows, q.dequantize() @ x.float(), atol=ATOL, rtol=RTOL)
+    assert torch.equal(_gemv(x, mxfp4_layout(q, "tiled"), r, warps_k, 1), rows)
+    wrong = _gemv(x, dataclasses.replace(q, layout="tiled"), r, warps_k, 1)
+    assert not torch.allclose(wrong, rows, atol=1e-2, rtol=1e-2)
+
+
+@triton.jit
+def _offset_kernel(p_o, N, K_WORDS, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # (row, group) pairs
+    row, word = o // (K_WORDS // 4), o % (K_WORDS // 4) * 4
+    tl.store(p_o + o, tiled_word_offset(row, word, K_WORDS), mask=o < N * (K_WORDS // 4))
+
+
+def test_tiled_word_offset_is_the_tiled_codes_permutation(device):
+    """The kernels' address of each group (tiled_word_offset) is where k3lab.weights'
+    mxfp4_tiled_codes puts it: one definition of the layout, twice."""
+    n, k = 48, 768
+    words = torch.arange(n * k // 8, dtype=torch.int32, device=device).reshape(n, k // 8)
+    tiled = mxfp4_tiled_codes(words.view(torch.uint8)).view(torch.int32).reshape(-1)
+    got = torch.empty(n * k // 32, dtype=torch.int32, device=device)
+    _offset_kernel[(triton.cdiv(got.numel(), 256),)](got, n, k // 8, 256)
+    want = torch.arange(0, n * k // 8, 4, device=device, dtype=torch.int32)  # rows * words
+    assert torch.equal(tiled[got.long()], want)
 
 
 @pytest.mark.parametrize("r,warps_k", [(2, 1), (1, 2)], ids=["R2-WK1", "R1-WK2"])
@@ -109,13 +146,13 @@ from test_mxfp4_mma import TILES, _gemv_kernel
 from k3lab.kernels.mxfp4_mma import mma_layout_problem
 sig = {"p_x": "*i32", "p_w": "*i32", "p_s": "*u8", "p_y": "*fp32", "N": "i32", "N_GROUPS": "i32",
        "R": "constexpr", "WARPS_K": "constexpr", "ASM": "constexpr", "KSPLIT": "constexpr",
-       "X_PREPARED": "constexpr"}
+       "X_PREPARED": "constexpr", "TILED": "constexpr"}
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # N_GROUPS: any value
 out = {}
-for r, wk in TILES:
+for (r, wk), tiled in [(t, tiled) for t in TILES for tiled in (False, True)]:
     src = ASTSource(_gemv_kernel, signature=sig, attrs=attrs,
                     constexprs={"R": r, "WARPS_K": wk, "ASM": True, "KSPLIT": 2,
-                                "X_PREPARED": False})
+                                "X_PREPARED": False, "TILED": tiled})
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     except triton.compiler.errors.CompilationError as e:  # the kernel's fault: fail
@@ -124,7 +161,7 @@ for r, wk in TILES:
     except Exception as e:  # no sm_90 toolchain here (ptxas): skip
         print(json.dumps({"skip": f"{type(e).__name__}: {str(e)[:200]}"}))
         sys.exit(0)
-    out[f"R{r}-WK{wk}"] = mma_layout_problem(ck.asm["ttgir"])
+    out[f"R{r}-WK{wk}-{'tiled' if tiled else 'rows'}"] = mma_layout_problem(ck.asm["ttgir"])
 print(json.dumps(out))
 """
 
@@ -132,9 +169,9 @@ print(json.dumps(out))
 def test_compiled_layout_is_the_fragment_layout():
     """The installed Triton, compiling every tile for sm_90 (no GPU needed; a subprocess, since
     this session runs the interpreter), gives the mma operands the layout the fragments rely on
-    (mma_layout_problem); the MoE launchers check the same on the kernels they launch. Triton
-    3.9 broke a 3-D tile's tie between dimensions differently from 3.6: this catches such a
-    change in CI."""
+    (mma_layout_problem), reading either MXFP4 layout; the MoE launchers check the same on the
+    kernels they launch. Triton 3.9 broke a 3-D tile's tie between dimensions differently from
+    3.6: this catches such a change in CI."""
     import json
     import subprocess
     import sys
@@ -147,7 +184,7 @@ def test_compiled_layout_is_the_fragment_layout():
     assert "error" not in got, got.get("error")
     if "skip" in got:
         pytest.skip(f"cannot compile for sm_90 here: {got['skip']}")
-    assert got == {f"R{r}-WK{w}": None for r, w in TILES}
+    assert got == {f"R{r}-WK{w}-{lay}": None for r, w in TILES for lay in ("rows", "tiled")}
 
 
 def test_layout_check_flags_another_layout():

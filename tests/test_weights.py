@@ -16,7 +16,9 @@ from k3lab.weights import (
     mla_cache,
     moe_weights,
     mxfp4_dequantize,
+    mxfp4_layout,
     mxfp4_quantize,
+    mxfp4_tiled_codes,
     router_weights,
 )
 
@@ -64,6 +66,39 @@ def test_mxfp4_nibble_order_even_element_low():
 def test_mxfp4_needs_groups_of_32():
     with pytest.raises(ValueError, match="multiple of 32"):
         mxfp4_quantize(torch.zeros(2, 48))
+
+
+def test_mxfp4_tiled_layout_order_and_round_trip():
+    """The tiled layout: 16-byte pieces (one group of one row) of each 16-row x 256-column block
+    stored as [row half, step half, row, quarter], blocks in (row tile, step) order; the row
+    layout comes back exactly, and the values are the row layout's."""
+    n, k = 32, 512
+    q = mxfp4_quantize(torch.randn(2, n, k, generator=torch.Generator().manual_seed(0)))
+    t = mxfp4_layout(q, "tiled")
+    assert t.layout == "tiled" and t.scales is q.scales and t.packed.shape == q.packed.shape
+    assert not torch.equal(t.packed, q.packed)
+    assert torch.equal(mxfp4_dequantize(t), mxfp4_dequantize(q))
+    assert torch.equal(mxfp4_layout(t, "rows").packed, q.packed)
+    assert mxfp4_layout(t, "tiled") is t
+    piece = t.packed.reshape(2, -1, 16)  # [E, pieces, 16 bytes]
+    for row, grp in [(0, 0), (0, 7), (9, 2), (17, 13), (31, 15)]:
+        step, g8 = divmod(grp, 8)
+        rr = row % 16
+        at = (((row // 16) * (k // 256) + step) * 4 + rr // 8 * 2 + g8 // 4) * 32 + rr % 8 * 4 \
+            + g8 % 4
+        assert torch.equal(piece[1, at], q.packed[1, row, 16 * grp:16 * grp + 16]), (row, grp)
+
+
+def test_mxfp4_tiled_layout_bad_input():
+    with pytest.raises(ValueError, match="packed: the tiled layout needs .* N a multiple of 16"):
+        mxfp4_tiled_codes(torch.zeros(24, 128, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="K of 256"):
+        mxfp4_tiled_codes(torch.zeros(16, 64, dtype=torch.uint8))
+    q = mxfp4_quantize(torch.randn(16, 256))
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        mxfp4_layout(q, "cols")
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        MXFP4(q.packed, q.scales, "swizzled")
 
 
 def test_weights_are_deterministic_from_the_seed():

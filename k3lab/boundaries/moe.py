@@ -37,7 +37,14 @@ from k3lab.reference.moe import (
     rms_norm_reference,
 )
 from k3lab.reference.route_sort import route_sort_reference
-from k3lab.weights import MXFP4, hidden_states, make_generator, moe_weights, router_weights
+from k3lab.weights import (
+    MXFP4,
+    hidden_states,
+    make_generator,
+    moe_weights,
+    mxfp4_tiled_codes,
+    router_weights,
+)
 
 __all__ = ["BOUNDARY", "Weights", "make_inputs", "check", "bytes_moved", "expert_bytes",
            "grouped_forward", "STAGES", "copies_sharing_experts", "stage_inputs", "stage_fns",
@@ -53,10 +60,35 @@ OUT_RTOL = 0.02
 
 class Weights(Mapping):
     """The MoE weights dict behind a read-only Mapping, which ``clone_inputs`` shares instead of
-    cloning: a K3 tp 1 bf16 expert set (59 GB) must not be copied per variant call."""
+    cloning: a K3 tp 1 bf16 expert set (59 GB) must not be copied per variant call.
 
-    def __init__(self, weights: dict):
+    The mapping holds the model's layout (MXFP4 experts in rows), which the reference and the
+    peers read; ``fused`` is the same dict with the experts as the fused kernels want them
+    (``k3lab.kernels.moe_kernel_weights``: MXFP4 in the tiled layout where the shapes allow),
+    made once, as an inference engine lays out its checkpoint at load time. Both hold the same
+    bytes; ``fused_experts`` passes an existing one on (copies sharing the experts)."""
+
+    def __init__(self, weights: dict, fused_experts: dict | None = None):
         self._w = dict(weights)
+        self._fused_experts = fused_experts
+        self._fused = None
+
+    @property
+    def fused_experts(self) -> dict:
+        """{"w13": ..., "w2": ...} in the fused kernels' layout (made on first use)."""
+        if self._fused_experts is None:
+            from k3lab.kernels import moe_kernel_weights
+
+            k = moe_kernel_weights({n: self._w[n] for n in ("w13", "w2") if n in self._w})
+            self._fused_experts = k
+        return self._fused_experts
+
+    @property
+    def fused(self) -> dict:
+        """The weights dict the fused variant passes to the kernels (made on first use)."""
+        if self._fused is None:
+            self._fused = {**self._w, **self.fused_experts}
+        return self._fused
 
     def __getitem__(self, key):
         return self._w[key]
@@ -112,7 +144,7 @@ FUSE_TAIL = True  # the fused variant's moe_block(fuse_tail=)
 def _fused(inputs: dict) -> torch.Tensor:
     from k3lab.kernels import moe_block
     plan = None if inputs["route"] else inputs["plan"]
-    return moe_block(inputs["x"], inputs["weights"], cfg=inputs["cfg"], plan=plan,
+    return moe_block(inputs["x"], inputs["weights"].fused, cfg=inputs["cfg"], plan=plan,
                      block_m=inputs["block_m"], fuse_tail=FUSE_TAIL)
 
 
@@ -123,8 +155,10 @@ def _fused(inputs: dict) -> torch.Tensor:
 def _gather(w, ids: torch.Tensor) -> torch.Tensor:
     """The selected experts ids [N] of w [E, R, C] as a bf16 [N, R, C] copy."""
     if isinstance(w, MXFP4):
-        return dequantize_mxfp4(w.packed.index_select(0, ids),
-                                w.scales.index_select(0, ids)).to(torch.bfloat16)
+        packed = w.packed.index_select(0, ids)
+        if w.layout == "tiled":  # (the peers are given the row layout: Weights)
+            packed = mxfp4_tiled_codes(packed, inverse=True)
+        return dequantize_mxfp4(packed, w.scales.index_select(0, ids)).to(torch.bfloat16)
     return w.index_select(0, ids)
 
 
@@ -245,7 +279,8 @@ def copies_sharing_experts(inputs: dict, n: int, seed: int = 0) -> list[dict]:
             topk_group=cfg.topk_group, renormalize=cfg.renormalize,
             routed_scaling_factor=cfg.routed_scaling, block_m=inputs["block_m"],
             out_dim=cfg.moe_in)
-        out.append({**inputs, "x": x, "plan": plan, "weights": Weights(w)})
+        out.append({**inputs, "x": x, "plan": plan,
+                    "weights": Weights(w, fused_experts=w0.fused_experts)})
     return out
 
 
@@ -295,12 +330,14 @@ def stage_fns(stage: str) -> dict:
                     situ_linear_beta=cfg.situ_linear_beta)
 
     def stage1(i, pdl):
-        return moe_stage1(i["z"], i["plan"], i["weights"]["w13"], z_mma=i.get("z_mma"),
+        return moe_stage1(i["z"], i["plan"], i["weights"].fused_experts["w13"],
+                          z_mma=i.get("z_mma"),
                           a_mma_out=None if i.get("a_mma") is None
                           else torch.empty_like(i["a_mma"]), pdl=pdl, **act(i["cfg"]))
 
     def stage2(i, pdl):
-        return moe_stage2(i["a"], i["plan"], i["weights"]["w2"], a_mma=i.get("a_mma"), pdl=pdl)
+        return moe_stage2(i["a"], i["plan"], i["weights"].fused_experts["w2"],
+                          a_mma=i.get("a_mma"), pdl=pdl)
 
     if stage == "front":
         def fused(i):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3lab.weights import MXFP4
+from k3lab.weights import MXFP4, mxfp4_tiled_codes
 
 __all__ = [
     "situ", "silu_mul", "activate", "dequantize_mxfp4", "expert_matrix", "expert_act",
@@ -88,6 +88,8 @@ def expert_matrix(w: torch.Tensor | MXFP4, idx: torch.Tensor, dtype=torch.float3
     if isinstance(w, MXFP4):
         packed = torch.index_select(w.packed, 0, idx)[0]
         scales = torch.index_select(w.scales, 0, idx)[0]
+        if w.layout == "tiled":  # the kernels' layout: back to rows
+            packed = mxfp4_tiled_codes(packed, inverse=True)
         return dequantize_mxfp4(packed, scales).to(dtype)
     return torch.index_select(w, 0, idx)[0].to(dtype)
 
