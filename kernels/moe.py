@@ -193,16 +193,6 @@ MMA_XP_BIT = tl.constexpr(_MMA_XP)
 FP4_MMA_EVICT_FIRST = (False, True)
 _MMA_EVICT = 256  # the bit of an FP4 code (tensor-core tiles) for FP4_MMA_EVICT_FIRST
 MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)
-# FP4_MMA_STREAM: the atomic stage 2's tensor-core tiles as a "stream" grid: STREAM_PROGRAMS
-#   programs (None: the GPU's SMs x STREAM_PER_SM; the interpreter: 3) share the (tile, K step)
-#   units evenly, each adding the partial sums of the few tiles its run of units touches, so
-#   that no partial last wave of whole tiles is left (K3 tp 1: 896 tiles of 64 rows = 1.7
-#   waves of 4 programs an SM).
-FP4_MMA_STREAM = False
-STREAM_PROGRAMS = None
-STREAM_PER_SM = 4
-_MMA_STREAM = 16384  # the bit of an FP4 code for FP4_MMA_STREAM (stage 2)
-MMA_STREAM_BIT = tl.constexpr(_MMA_STREAM)
 # MXFP4_TILED: moe_kernel_weights lays MXFP4 experts out in the tiled layout
 #   (k3lab.weights.mxfp4_tiled_codes) where the shapes allow (N a multiple of 16, K of 256).
 #   Every kernel path reads either layout; the tensor-core tiles' loads then read 512
@@ -538,15 +528,14 @@ def _gemv(p_x, o_xrow, m_xrow, p_xs, p_w, p_s, o_wrow, m_wrow, K_PAIRS, i_k,
 
 @triton.jit
 def _mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE: tl.constexpr, i_k=0,
-              factor=1.0, TILED: tl.constexpr = False, STEP_RANGE: tl.constexpr = False,
-              step_lo=0, step_hi=0):
+              factor=1.0, TILED: tl.constexpr = False):
     """kernels/mxfp4_mma.fp4_mma_gemv with the tile of FP4 code MODE (see _mma_mode): [R,
     16 * 4 // WARPS_K] fp32, y[r, j] = factor * (w[row0 + r * ROW_R + j] . x) (K share i_k of
-    KSPLIT, or K steps [step_lo, step_hi) with STEP_RANGE)."""
+    KSPLIT)."""
     return fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS, MODE // 64 % 4 + 1,
                         1 << (MODE // 16 % 4), 0, MODE % 2 == 1, MODE // 2 % 8, i_k,
                         MODE // 512 % 8 + 1, MODE // MMA_XP_BIT % 2 == 1, factor,
-                        MODE // MMA_EVICT_BIT % 2 == 1, TILED, STEP_RANGE, step_lo, step_hi)
+                        MODE // MMA_EVICT_BIT % 2 == 1, TILED)
 
 
 @triton.jit
@@ -725,71 +714,28 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
 
 
 @triton.jit
-def _stage2_atomic(i_b, i_n, i_k, step_lo, step_hi, p_a, p_w, p_ws, p_sorted, p_sorted_w,
-                   p_block_expert, p_num_valid, p_y, n_entries, block_m, top_k, D, I_PAIRS,
-                   FP4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr, ONE_TRIP: tl.constexpr,
-                   PDL: tl.constexpr, PDL_STEPS: tl.constexpr, TILED: tl.constexpr,
-                   STEP_RANGE: tl.constexpr):
-    """Atomic stage 2 of plan tile i_b, D tile i_n: adds w * (a[entries] @ w2[e]^T) into y over
-    K share i_k (split K), or over K steps [step_lo, step_hi) (STEP_RANGE, tensor-core tiles).
-    PDL: see PDL_STEPS."""
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_n = o_n < D
-    n_valid = tl.load(p_num_valid)  # with the entries and expert: one round trip
-    b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
-    i_e = tl.load(p_block_expert + i_b).to(tl.int64)
-    o_m = tl.arange(0, BLOCK_M)
-    b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
-    runs = _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent, ONE_TRIP)
-    p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
-    p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
-    if PDL:
-        if runs:
-            _mma_prefetch(p_we, p_se, i_n * BLOCK_N, BLOCK_N // (FP4 // 64 % 4 + 1), D, 0,
-                          I_PAIRS // 16, FP4, PDL_STEPS, TILED)
-        gdc_wait()
-        gdc_launch_dependents()
-    if runs:
-        if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N consecutive rows
-            p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
-            # ONE_TRIP: the router weight rides on the group factors, so that its load is
-            # issued with the plan's (the compiler puts a load used after the K loop there)
-            if ONE_TRIP:
-                w_in = tl.sum(tl.where(m_ent, b_w, 0.0))
-                b_w = tl.full([BLOCK_M], 1.0, tl.float32)  # applied in the factors
-            else:
-                w_in = 1.0
-            b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
-                                       BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 16,
-                                       FP4, i_k, w_in, TILED, STEP_RANGE, step_lo, step_hi),
-                             [1, BLOCK_N])
-        else:
-            b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
-                        BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP, TILED)
-        tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
-                      mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
-
-
-@triton.jit
 def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                  p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
-                 n_programs, n_units,
                  FP4: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
                  ONE_TRIP: tl.constexpr = True, PDL: tl.constexpr = False,
                  PDL_STEPS: tl.constexpr = 0, TILED: tl.constexpr = False):
-    """Stage-2 program pid of n_programs. Atomic: pid = (plan tile i_b, D tile i_n) (and K
-    share); adds w * (a[entries] @ w2[e]^T) into y. Tensor-core tiles with the stream bit
-    (FP4_MMA_STREAM): the n_units (tile, K step) units in tile-major order are cut into
-    n_programs equal runs, and the program adds the partial sums of each tile its run touches
-    (at most a few). Deterministic: pid is a token; sums its top_k slots in slot order and
-    stores. PDL (atomic tensor-core tiles): see PDL_STEPS. TILED: MXFP4 codes in the tiled
-    layout."""
+    """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
+    w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
+    slot order and stores. PDL (atomic tensor-core tiles): see PDL_STEPS. TILED: MXFP4 codes
+    in the tiled layout."""
+    i_k = 0
+    # K-lane split K (atomic path): pid = (tile, split)
+    if FP4 >= 34 and FP4 < FP4_MMA_BASE and (FP4 - 2) // 32 % 16 > 0:
+        i_k = pid % ((FP4 - 2) // 32 % 16 + 1)
+        pid = pid // ((FP4 - 2) // 32 % 16 + 1)
+    if FP4 >= FP4_MMA_BASE and FP4 // 512 % 8 > 0:  # tensor-core split K: the same
+        i_k = pid % (FP4 // 512 % 8 + 1)
+        pid = pid // (FP4 // 512 % 8 + 1)
+    i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < D
     if DETERMINISTIC:
-        o_n = pid % n_d_tiles * BLOCK_N + tl.arange(0, BLOCK_N)
-        m_n = o_n < D
-        i_b = pid // n_d_tiles
         b_y = tl.zeros([1, BLOCK_N], dtype=tl.float32)
         for k in range(0, top_k):
             i_e = tl.load(p_topk_ids + i_b * top_k + k).to(tl.int64)
@@ -801,35 +747,39 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                         TILED)
             b_y += tl.load(p_topk_w + i_b * top_k + k) * b_p
         tl.store(p_y + i_b * D + o_n[None, :], b_y, mask=m_n[None, :])
-    elif FP4 >= FP4_MMA_BASE and FP4 // MMA_STREAM_BIT % 2 == 1:
-        n_steps = tl.cdiv(I_PAIRS // 4, 32)  # K steps of 256 a tile
-        u = pid * n_units // n_programs
-        u_end = (pid + 1) * n_units // n_programs
+    else:
+        n_valid = tl.load(p_num_valid)  # with the entries and expert: one round trip
+        b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
+        i_e = tl.load(p_block_expert + i_b).to(tl.int64)
+        o_m = tl.arange(0, BLOCK_M)
+        b_w = tl.load(p_sorted_w + i_b * block_m + o_m, mask=o_m < block_m, other=0.0)
+        runs = _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent, ONE_TRIP)
+        p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
+        p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
         if PDL:
+            if runs:
+                _mma_prefetch(p_we, p_se, i_n * BLOCK_N, BLOCK_N // (FP4 // 64 % 4 + 1), D, 0,
+                              I_PAIRS // 16, FP4, PDL_STEPS, TILED)
             gdc_wait()
             gdc_launch_dependents()
-        while u < u_end:
-            t = u // n_steps
-            s0 = u - t * n_steps
-            s1 = tl.minimum(n_steps, s0 + u_end - u)
-            _stage2_atomic(t // n_d_tiles, t % n_d_tiles, 0, s0, s1, p_a, p_w, p_ws, p_sorted,
-                           p_sorted_w, p_block_expert, p_num_valid, p_y, n_entries, block_m,
-                           top_k, D, I_PAIRS, FP4, BLOCK_M, BLOCK_N, BLOCK_KP, TOKEN_LOOP,
-                           ONE_TRIP, False, 0, TILED, True)
-            u += s1 - s0
-    else:
-        i_k = 0
-        # K-lane split K (atomic path): pid = (tile, split)
-        if FP4 >= 34 and FP4 < FP4_MMA_BASE and (FP4 - 2) // 32 % 16 > 0:
-            i_k = pid % ((FP4 - 2) // 32 % 16 + 1)
-            pid = pid // ((FP4 - 2) // 32 % 16 + 1)
-        if FP4 >= FP4_MMA_BASE and FP4 // 512 % 8 > 0:  # tensor-core split K: the same
-            i_k = pid % (FP4 // 512 % 8 + 1)
-            pid = pid // (FP4 // 512 % 8 + 1)
-        _stage2_atomic(pid // n_d_tiles, pid % n_d_tiles, i_k, 0, 0, p_a, p_w, p_ws, p_sorted,
-                       p_sorted_w, p_block_expert, p_num_valid, p_y, n_entries, block_m, top_k,
-                       D, I_PAIRS, FP4, BLOCK_M, BLOCK_N, BLOCK_KP, TOKEN_LOOP, ONE_TRIP, PDL,
-                       PDL_STEPS, TILED, False)
+        if runs:
+            if FP4 >= FP4_MMA_BASE:  # tensor-core tiles: BLOCK_N consecutive rows
+                p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
+                # ONE_TRIP: the router weight rides on the group factors, so that its load is
+                # issued with the plan's (the compiler puts a load used after the K loop there)
+                if ONE_TRIP:
+                    w_in = tl.sum(tl.where(m_ent, b_w, 0.0))
+                    b_w = tl.full([BLOCK_M], 1.0, tl.float32)  # applied in the factors
+                else:
+                    w_in = 1.0
+                b_p = tl.reshape(_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N,
+                                           BLOCK_N // (FP4 // 64 % 4 + 1), D, 0, I_PAIRS // 16,
+                                           FP4, i_k, w_in, TILED), [1, BLOCK_N])
+            else:
+                b_p = _gemv(p_a, b_ent, m_ent, p_a, p_we, p_se, o_n, m_n, I_PAIRS, i_k, BLOCK_M,
+                            BLOCK_N, BLOCK_KP, FP4, False, False, TOKEN_LOOP, TILED)
+            tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
+                          mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -886,7 +836,7 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
 @triton.jit
 def _moe_stage2_tail_kernel(
         p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid, p_topk_ids, p_topk_w,
-        p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles, n_stage2, n_units,
+        p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles, n_stage2,
         p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync, M, H, S_PAIRS, eps,
         STAGE2: tl.constexpr, TAIL: tl.constexpr, FP4: tl.constexpr,
         DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
@@ -906,8 +856,8 @@ def _moe_stage2_tail_kernel(
         if i_t < n_stage2:
             _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                          p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
-                         n_d_tiles, n_stage2, n_units, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2,
-                         BLOCK_KP2, TOKEN_LOOP, ONE_TRIP, False, 0, TILED)
+                         n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2, TOKEN_LOOP,
+                         ONE_TRIP, False, 0, TILED)
             tl.debug_barrier()  # every thread's adds issued before the release below
             tl.atomic_add(p_sync + 1, 1, sem="release")
         else:
@@ -917,8 +867,8 @@ def _moe_stage2_tail_kernel(
     elif STAGE2:
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
-                     I_PAIRS, n_d_tiles, n_stage2, n_units, FP4, DETERMINISTIC, BLOCK_M2,
-                     BLOCK_N2, BLOCK_KP2, TOKEN_LOOP, ONE_TRIP, PDL, PDL_STEPS, TILED)
+                     I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2,
+                     TOKEN_LOOP, ONE_TRIP, PDL, PDL_STEPS, TILED)
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
@@ -1017,32 +967,14 @@ def _mma_mode(w, stage: int, block_m: int, programs_per_tile: int = 1, rows: int
     flags = ((_MMA_XP if prepared and FP4_MMA_X_PREPARED else 0)
              + (_MMA_EVICT if _per_stage(FP4_MMA_EVICT_FIRST, stage) else 0))
     if FP4_MMA_TILES is not None:
-        code = _mma_code(FP4_MMA_TILES[stage], stage, k_steps)
-        return code + flags + (_MMA_STREAM if _stream(code, stage) else 0)
+        return _mma_code(FP4_MMA_TILES[stage], stage, k_steps) + flags
     codes = [_mma_code(t, stage, k_steps) for t in FP4_MMA_CANDIDATES[stage]]
     codes.sort(key=lambda c: -_mma_block_n(c, stage))
     target = INTERPRETER_TARGET_PROGRAMS if _fast_interpreter() else TARGET_PROGRAMS
     for code in codes:
         if programs_per_tile * triton.cdiv(rows, _mma_block_n(code, stage)) >= target:
-            return code + flags + (_MMA_STREAM if _stream(code, stage) else 0)
-    return codes[-1] + flags + (_MMA_STREAM if _stream(codes[-1], stage) else 0)
-
-
-def _stream(code: int, stage: int) -> bool:
-    """Whether the tensor-core code ``code`` of ``stage`` takes the stream grid (FP4_MMA_STREAM:
-    the atomic stage 2 without split K)."""
-    return bool(FP4_MMA_STREAM) and stage == 2 and code // 512 % 8 == 0
-
-
-def _stream_programs(units: int, device) -> int:
-    """Programs of a stream grid over ``units`` (tile, K step) units (see FP4_MMA_STREAM)."""
-    if STREAM_PROGRAMS is not None:
-        n = int(STREAM_PROGRAMS)
-    elif device.type == "cuda":
-        n = torch.cuda.get_device_properties(device).multi_processor_count * STREAM_PER_SM
-    else:
-        n = 3
-    return max(1, min(n, units))
+            return code + flags
+    return codes[-1] + flags
 
 
 def _mma_block_n(mode: int, stage: int) -> int:
@@ -1435,19 +1367,15 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma=None):
         mode = _fit_steps(mode, i // 8, block_kp // 4)
         split = (mode - 2) // 32 % 16 + 1 if mode >= 2 else 1
     n_d = triton.cdiv(d, block_n)
-    programs, units = rows * n_d * split, 0
-    if mode >= _MMA_BASE and mode & _MMA_STREAM:
-        units = rows * n_d * triton.cdiv(i, 256)
-        programs = _stream_programs(units, a.device)
     w_v, w_s = _expert_ptrs(w2)
     kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,
               p_sorted_w=plan.sorted_weights, p_block_expert=plan.block_expert_ids,
               p_num_valid=plan.num_valid, p_topk_ids=plan.topk_ids, p_topk_w=plan.topk_weights,
               p_y=y, n_entries=m * top_k, block_m=block_m, top_k=top_k, D=d, I_PAIRS=i // 2,
-              n_d_tiles=n_d, n_stage2=programs, n_units=units, FP4=mode,
+              n_d_tiles=n_d, n_stage2=rows * n_d * split, FP4=mode,
               DETERMINISTIC=bool(deterministic), BLOCK_M2=block_mp, BLOCK_N2=block_n,
               BLOCK_KP2=block_kp, TILED=_tiled(w2))
-    return kw, programs, y
+    return kw, rows * n_d * split, y
 
 
 def _tail_args(y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps):
@@ -1479,7 +1407,7 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
         y = tail[0]["p_y"]
         kw.update(p_a=y, p_w=y, p_ws=y, p_sorted=y, p_sorted_w=y, p_block_expert=y,
                   p_num_valid=y, p_topk_ids=y, p_topk_w=y, n_entries=1, block_m=1, top_k=1,
-                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0, n_units=0, FP4=0,
+                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0, FP4=0,
                   DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS,
                   TILED=False)
     else:

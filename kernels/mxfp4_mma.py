@@ -286,8 +286,7 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, STAGES: tl.constexpr,
                  ASM: tl.constexpr, PREFETCH: tl.constexpr = 0, i_k=0, KSPLIT: tl.constexpr = 1,
                  X_PREPARED: tl.constexpr = False, factor=1.0,
-                 W_EVICT_FIRST: tl.constexpr = False, W_TILED: tl.constexpr = False,
-                 STEP_RANGE: tl.constexpr = False, step_lo=0, step_hi=0):
+                 W_EVICT_FIRST: tl.constexpr = False, W_TILED: tl.constexpr = False):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = factor * (w[row0 + r * ROW_R + j] . x), 0 for
     rows at or past row_lim + r * LIM_R (factor, fp32: multiplies every group's E8M0 factor).
 
@@ -307,17 +306,13 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     is left to what the program reads or adds to again: x, the accumulator of atomic callers).
     W_TILED: p_w holds the codes in MXFP4's tiled layout (k3lab.weights.mxfp4_tiled_codes;
     rows a multiple of 16, K of 256), where each of a warp's 16-byte loads reads 512
-    contiguous bytes. STEP_RANGE: only K steps [step_lo, step_hi) (runtime; instead of
-    KSPLIT). Launch with 4 warps.
+    contiguous bytes. Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below
     the mmas, so it changes nothing.)"""
     WN: tl.constexpr = 4 // WARPS_K
     K_WORDS = N_GROUPS * 4
     n_steps = tl.cdiv(K_WORDS, 32)  # 32 words = 256 elements = 8 groups a step
-    if STEP_RANGE:
-        step0 = step_lo
-        n_steps = tl.minimum(step_hi, n_steps)
-    elif KSPLIT > 1:
+    if KSPLIT > 1:
         per = tl.cdiv(n_steps, KSPLIT)
         step0 = i_k * per
         n_steps = tl.minimum(step0 + per, n_steps)
