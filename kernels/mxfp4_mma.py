@@ -235,23 +235,6 @@ def tiled_word_offset(row, word, K_WORDS):
             + (rr // 8 * 2 + grp // 4) * 128 + (rr % 8 * 4 + grp % 4) * 4)
 
 
-# experiment (session 12): with W_TILED, each program first asks L2 for its row tiles' codes in
-# bulk (cp.async.bulk.prefetch.L2: one instruction a 16-row tile): 1 all K steps, 2 the first
-# half; 0 off
-BULK_PREFETCH = tl.constexpr(0)
-
-
-@triton.jit
-def bulk_prefetch_l2(ptrs, nbytes, mask):
-    """cp.async.bulk.prefetch.L2 of ``nbytes`` (a multiple of 16) from each 16-byte aligned
-    pointer where mask, issued by the threads of warp 0 only (compiled only: inline PTX)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p, q; .reg .b32 t; setp.ne.b32 p, $3, 0; mov.u32 t, %tid.x; "
-        "setp.lt.u32 q, t, 32; and.pred p, p, q; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, nbytes, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _load_words(p_lo, p_hi, m_lo, m_hi, m_w, EVICT_FIRST: tl.constexpr = False):
     """Words of rows g / g + 8 of one row tile [256, 4] int32: thread i's 4 consecutive words
@@ -367,14 +350,6 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         t_hi0 = tiled_word_offset(row0_i + 8, 4 * grp, K_WORDS)
         t_lo1 = tiled_word_offset(row0_i + ROW_R, 4 * grp, K_WORDS)
         t_hi1 = tiled_word_offset(row0_i + ROW_R + 8, 4 * grp, K_WORDS)
-    if BULK_PREFETCH > 0 and W_TILED and ASM and KSPLIT == 1:  # experiment: see BULK_PREFETCH
-        o_b = tl.arange(0, 8)  # the program's 16-row tiles (r, wn)
-        b_r, b_wn = o_b // 4, o_b % 4
-        b_row = row0 + b_r * ROW_R + b_wn * 16
-        m_b = (b_r < R) & (b_wn < WN) & (b_row < row_lim + b_r * LIM_R)
-        pf_steps = n_steps if BULK_PREFETCH == 1 else (n_steps + 1) // 2
-        bulk_prefetch_l2(p_w + (b_row // 16) * (K_WORDS // 32) * 512,
-                         tl.zeros([8], tl.int32) + pf_steps * 2048, m_b)
     acc = tl.zeros([128, R, 4], dtype=tl.float32)
     for it in tl.range(0, tl.cdiv(n_steps - step0, WARPS_K),
                        num_stages=STAGES if STAGES > 0 else None):
