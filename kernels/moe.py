@@ -198,9 +198,10 @@ MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)
 #   Every kernel path reads either layout; the tensor-core tiles' loads then read 512
 #   contiguous bytes a warp instead of 64 bytes of each of 8 rows (session 11 call 3: that
 #   pattern alone reached 0.83 of the copy bandwidth in load-only kernels, contiguous reads
-#   0.97). H200, session 12 call 1 (benchmarks/session12/README.md; K3 tp 1 B1, graph, cold,
-#   fraction of the copy bandwidth, 3 runs each, the 20_moe report's conditions, PDL_STEPS 0):
-#   stage 1 0.665-0.700 -> 0.711-0.739, stage 2 0.649-0.683 -> 0.700-0.702.
+#   0.97). H200, session 12 calls 1-2 (benchmarks/session12/README.md; K3 tp 1 B1, graph,
+#   cold, fraction of the copy bandwidth, the 20_moe report's conditions, PDL_STEPS 0, rows ->
+#   tiled, 3 runs each a call): stage 1 0.665-0.720 -> 0.711-0.755 (every run faster), stage 2
+#   0.649-0.683 -> 0.662-0.702 (within the noise of its two modes, about 0.67 and 0.70-0.72).
 MXFP4_TILED = True
 # PLAN_ONE_TRIP: the stage kernels' validity test also asks whether the tile's expert and an
 #   entry are real (always so within the plan's count), so that the compiler loads them before
