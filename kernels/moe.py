@@ -203,7 +203,6 @@ MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)
 #   tiled, 3 runs each a call): stage 1 0.665-0.720 -> 0.711-0.755 (every run faster), stage 2
 #   0.649-0.683 -> 0.662-0.702 (within the noise of its two modes, about 0.67 and 0.70-0.72).
 MXFP4_TILED = True
-STAGE2_EXPERT_FASTEST = tl.constexpr(False)  # experiment (session 12): stage 2's pid order
 # PLAN_ONE_TRIP: the stage kernels' validity test also asks whether the tile's expert and an
 #   entry are real (always so within the plan's count), so that the compiler loads them before
 #   the branch, with the count: one round trip before the first weight load. Otherwise it sinks
@@ -718,7 +717,6 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
 @triton.jit
 def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                  p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
-                 n_b_tiles,
                  FP4: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
                  ONE_TRIP: tl.constexpr = True, PDL: tl.constexpr = False,
@@ -735,10 +733,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
     if FP4 >= FP4_MMA_BASE and FP4 // 512 % 8 > 0:  # tensor-core split K: the same
         i_k = pid % (FP4 // 512 % 8 + 1)
         pid = pid // (FP4 // 512 % 8 + 1)
-    if STAGE2_EXPERT_FASTEST and not DETERMINISTIC:  # experiment (session 12)
-        i_b, i_n = pid % n_b_tiles, pid // n_b_tiles
-    else:
-        i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
+    i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < D
     if DETERMINISTIC:
@@ -842,7 +837,7 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
 @triton.jit
 def _moe_stage2_tail_kernel(
         p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid, p_topk_ids, p_topk_w,
-        p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles, n_b_tiles, n_stage2,
+        p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles, n_stage2,
         p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync, M, H, S_PAIRS, eps,
         STAGE2: tl.constexpr, TAIL: tl.constexpr, FP4: tl.constexpr,
         DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
@@ -862,8 +857,8 @@ def _moe_stage2_tail_kernel(
         if i_t < n_stage2:
             _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                          p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
-                         n_d_tiles, n_b_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2,
-                         TOKEN_LOOP, ONE_TRIP, False, 0, TILED)
+                         n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2, TOKEN_LOOP,
+                         ONE_TRIP, False, 0, TILED)
             tl.debug_barrier()  # every thread's adds issued before the release below
             tl.atomic_add(p_sync + 1, 1, sem="release")
         else:
@@ -873,8 +868,8 @@ def _moe_stage2_tail_kernel(
     elif STAGE2:
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
-                     I_PAIRS, n_d_tiles, n_b_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2,
-                     BLOCK_KP2, TOKEN_LOOP, ONE_TRIP, PDL, PDL_STEPS, TILED)
+                     I_PAIRS, n_d_tiles, FP4, DETERMINISTIC, BLOCK_M2, BLOCK_N2, BLOCK_KP2,
+                     TOKEN_LOOP, ONE_TRIP, PDL, PDL_STEPS, TILED)
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,
@@ -1378,7 +1373,7 @@ def _stage2_args(a, plan, w2, deterministic, n_tiles, a_mma=None):
               p_sorted_w=plan.sorted_weights, p_block_expert=plan.block_expert_ids,
               p_num_valid=plan.num_valid, p_topk_ids=plan.topk_ids, p_topk_w=plan.topk_weights,
               p_y=y, n_entries=m * top_k, block_m=block_m, top_k=top_k, D=d, I_PAIRS=i // 2,
-              n_d_tiles=n_d, n_b_tiles=rows, n_stage2=rows * n_d * split, FP4=mode,
+              n_d_tiles=n_d, n_stage2=rows * n_d * split, FP4=mode,
               DETERMINISTIC=bool(deterministic), BLOCK_M2=block_mp, BLOCK_N2=block_n,
               BLOCK_KP2=block_kp, TILED=_tiled(w2))
     return kw, rows * n_d * split, y
@@ -1413,7 +1408,7 @@ def _stage2_tail_kwargs(stage2, tail, sync=None):
         y = tail[0]["p_y"]
         kw.update(p_a=y, p_w=y, p_ws=y, p_sorted=y, p_sorted_w=y, p_block_expert=y,
                   p_num_valid=y, p_topk_ids=y, p_topk_w=y, n_entries=1, block_m=1, top_k=1,
-                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_b_tiles=1, n_stage2=0, FP4=0,
+                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0, FP4=0,
                   DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS,
                   TILED=False)
     else:
