@@ -201,7 +201,8 @@ MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)
 #   0.97). H200, session 12 calls 1-2 (benchmarks/session12/README.md; K3 tp 1 B1, graph,
 #   cold, fraction of the copy bandwidth, the 20_moe report's conditions, PDL_STEPS 0, rows ->
 #   tiled, 3 runs each a call): stage 1 0.665-0.720 -> 0.711-0.755 (every run faster), stage 2
-#   0.649-0.683 -> 0.662-0.702 (within the noise of its two modes, about 0.67 and 0.70-0.72).
+#   0.649-0.683 -> 0.662-0.702 (within the noise of its two modes: over the session's 29 runs
+#   of the tiled kernel, 18 at 0.662-0.676 and 11 at 0.700-0.710).
 MXFP4_TILED = True
 # PLAN_ONE_TRIP: the stage kernels' validity test also asks whether the tile's expert and an
 #   entry are real (always so within the plan's count), so that the compiler loads them before
