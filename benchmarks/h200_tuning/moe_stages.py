@@ -66,3 +66,32 @@ def stage_row(copies, wants, stage: str, key: str, t0: float, **tags) -> None:
     except Exception:
         traceback.print_exc()
         rec(k=key, stage=stage, us=float("nan"), ok=False, **tags)
+
+
+def report_copies():
+    """(copies, wants) as stage_setup gives them in the 20_moe report's conditions (K3 tp 1, all
+    896 experts, 2 copies), the fused variant reading the experts in the tiled layout."""
+    copies, wants = stage_setup(1, 2, all_experts=True)
+    assert copies[0]["weights"].fused_experts["w2"].layout == "tiled"
+    return copies, wants
+
+
+def reps_pdl(reps: int, values=(0, None)):
+    """(rep, PDL_STEPS) for each of ``reps`` repetitions and each value, with
+    kernels/moe.PDL_STEPS set to it (None: no PDL); 0, the default, afterwards."""
+    from k3lab.kernels import moe
+
+    for rep in range(reps):
+        for steps in values:
+            moe.PDL_STEPS = steps
+            yield rep, steps
+    moe.PDL_STEPS = 0
+
+
+def stage_rows(key: str, t0: float, reps: int, stages=("stage1", "stage2"), **tags) -> None:
+    """stage_row of each of ``stages`` in the report's conditions (report_copies), for each
+    (rep, PDL_STEPS) of reps_pdl(reps), under k=``key`` with ``tags``."""
+    copies, wants = report_copies()
+    for rep, steps in reps_pdl(reps):
+        for stage in stages:
+            stage_row(copies, wants, stage, key, t0, pdl=steps, rep=rep, **tags)

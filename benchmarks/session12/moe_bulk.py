@@ -18,7 +18,7 @@ import triton.language as tl
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump  # noqa: E402
-from moe_stages import stage_row, stage_setup  # noqa: E402
+from moe_stages import stage_rows  # noqa: E402
 
 from k3lab.kernels import moe, mxfp4_mma  # noqa: E402
 
@@ -32,14 +32,7 @@ print(f"copy bw {bw / 1e12:.3f} TB/s, bulk {BULK}, maxnreg {MAXNREG or '-'}", fl
 
 
 def main():
-    copies, wants = stage_setup(1, 2, all_experts=True)
-    assert copies[0]["weights"].fused_experts["w2"].layout == "tiled"
-    for rep in range(REPS):
-        for steps in (0, None):
-            moe.PDL_STEPS = steps
-            for stage in ("stage1", "stage2"):
-                stage_row(copies, wants, stage, "moe_bulk", T0, bulk=BULK,
-                          maxnreg=MAXNREG or None, pdl=steps, rep=rep)
+    stage_rows("moe_bulk", T0, REPS, bulk=BULK, maxnreg=MAXNREG or None)
     dump(f"moe_bulk_{BULK}_{MAXNREG or 'none'}.json")
     print("done", round(time.time() - T0, 1), flush=True)
 

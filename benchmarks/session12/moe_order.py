@@ -18,7 +18,7 @@ import triton.language as tl
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump  # noqa: E402
-from moe_stages import stage_row, stage_setup  # noqa: E402
+from moe_stages import stage_rows  # noqa: E402
 
 from k3lab.kernels import moe  # noqa: E402
 
@@ -30,13 +30,7 @@ print(f"copy bw {bw / 1e12:.3f} TB/s, order {ORDER}", flush=True)
 
 
 def main():
-    copies, wants = stage_setup(1, 2, all_experts=True)
-    for rep in range(REPS):
-        for steps in (0, None):
-            moe.PDL_STEPS = steps
-            for stage in ("stage2", "stage1"):
-                stage_row(copies, wants, stage, "moe_order", T0, order=ORDER, pdl=steps,
-                          rep=rep)
+    stage_rows("moe_order", T0, REPS, ("stage2", "stage1"), order=ORDER)
     dump(f"moe_order_{ORDER}.json")
     print("done", round(time.time() - T0, 1), flush=True)
 

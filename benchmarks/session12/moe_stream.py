@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump  # noqa: E402
-from moe_stages import stage_row, stage_setup  # noqa: E402
+from moe_stages import reps_pdl, stage_row, stage_setup  # noqa: E402
 
 from k3lab.kernels import moe  # noqa: E402
 
@@ -32,14 +32,12 @@ def main():
     for setup in SETUPS:
         copies, wants = stage_setup(1, 3) if setup == "bench" else stage_setup(
             1, 2, all_experts=True)
-        for rep in range(REPS):
-            for steps in (0, None):
-                moe.PDL_STEPS = steps
-                for per_sm in PER_SM:
-                    moe.FP4_MMA_STREAM, moe.STREAM_PER_SM = per_sm > 0, max(per_sm, 1)
-                    stage_row(copies, wants, "stage2", "moe_stream", T0, setup=setup,
-                              per_sm=per_sm, pdl=steps, rep=rep)
-        moe.FP4_MMA_STREAM, moe.STREAM_PER_SM, moe.PDL_STEPS = False, 4, 0
+        for rep, steps in reps_pdl(REPS):
+            for per_sm in PER_SM:
+                moe.FP4_MMA_STREAM, moe.STREAM_PER_SM = per_sm > 0, max(per_sm, 1)
+                stage_row(copies, wants, "stage2", "moe_stream", T0, setup=setup,
+                          per_sm=per_sm, pdl=steps, rep=rep)
+        moe.FP4_MMA_STREAM, moe.STREAM_PER_SM = False, 4
         del copies, wants
         torch.cuda.empty_cache()
     dump("moe_stream.json")

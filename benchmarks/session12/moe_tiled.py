@@ -17,10 +17,10 @@ import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump  # noqa: E402
-from moe_stages import stage_row, stage_setup  # noqa: E402
+from moe_stages import reps_pdl, stage_row, stage_setup  # noqa: E402
 
 from k3lab.boundaries import moe as MB  # noqa: E402
-from k3lab.kernels import moe, moe_kernel_weights  # noqa: E402
+from k3lab.kernels import moe_kernel_weights  # noqa: E402
 
 REPS = int(os.environ.get("REPS", "3"))
 SETUPS = os.environ.get("SETUPS", "bench report").split()
@@ -42,14 +42,11 @@ def main():
         layouts = {"rows": with_fused_experts(copies, w),
                    "tiled": with_fused_experts(copies, moe_kernel_weights(w))}
         assert layouts["tiled"][0]["weights"].fused_experts["w2"].layout == "tiled"
-        for rep in range(REPS):
-            for steps in (0, None):
-                moe.PDL_STEPS = steps
-                for name, cs in layouts.items():
-                    for stage in ("stage1", "stage2"):
-                        stage_row(cs, wants, stage, "moe_tiled", T0, setup=setup, layout=name,
-                                  pdl=steps, rep=rep)
-        moe.PDL_STEPS = 0
+        for rep, steps in reps_pdl(REPS):
+            for name, cs in layouts.items():
+                for stage in ("stage1", "stage2"):
+                    stage_row(cs, wants, stage, "moe_tiled", T0, setup=setup, layout=name,
+                              pdl=steps, rep=rep)
         del copies, wants, layouts, w
         torch.cuda.empty_cache()
     dump("moe_tiled.json")

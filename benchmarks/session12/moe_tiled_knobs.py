@@ -17,7 +17,7 @@ import triton.language as tl
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump  # noqa: E402
-from moe_stages import stage_row, stage_setup  # noqa: E402
+from moe_stages import report_copies, reps_pdl, stage_row  # noqa: E402
 
 from k3lab.kernels import moe, mxfp4_mma  # noqa: E402
 
@@ -29,18 +29,15 @@ print(f"copy bw {bw / 1e12:.3f} TB/s, decode {DECODE}", flush=True)
 
 
 def main():
-    copies, wants = stage_setup(1, 2, all_experts=True)
-    assert copies[0]["weights"].fused_experts["w2"].layout == "tiled"
-    for rep in range(REPS):
-        for steps in (0, None):
-            moe.PDL_STEPS = steps
-            for evict in (True, False):
-                moe.FP4_MMA_EVICT_FIRST = (False, evict)
-                stage_row(copies, wants, "stage2", "moe_knobs", T0, decode=DECODE, evict=evict,
-                          pdl=steps, rep=rep)
-            moe.FP4_MMA_EVICT_FIRST = (False, True)
-            stage_row(copies, wants, "stage1", "moe_knobs", T0, decode=DECODE, evict=False,
+    copies, wants = report_copies()
+    for rep, steps in reps_pdl(REPS):
+        for evict in (True, False):
+            moe.FP4_MMA_EVICT_FIRST = (False, evict)
+            stage_row(copies, wants, "stage2", "moe_knobs", T0, decode=DECODE, evict=evict,
                       pdl=steps, rep=rep)
+        moe.FP4_MMA_EVICT_FIRST = (False, True)
+        stage_row(copies, wants, "stage1", "moe_knobs", T0, decode=DECODE, evict=False,
+                  pdl=steps, rep=rep)
     dump(f"moe_knobs_{DECODE}.json")
     print("done", round(time.time() - T0, 1), flush=True)
 

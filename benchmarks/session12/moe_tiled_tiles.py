@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump  # noqa: E402
-from moe_stages import stage_row, stage_setup  # noqa: E402
+from moe_stages import report_copies, reps_pdl, stage_row  # noqa: E402
 
 from k3lab.kernels import moe  # noqa: E402
 
@@ -31,10 +31,8 @@ print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 
 
 def main():
-    copies, wants = stage_setup(1, 2, all_experts=True)
-    assert copies[0]["weights"].fused_experts["w2"].layout == "tiled"
-    moe.PDL_STEPS = 0
-    for rep in range(REPS):
+    copies, wants = report_copies()
+    for rep, _ in reps_pdl(REPS, (0,)):
         for tile in TILES2:
             moe.FP4_MMA_TILES = {1: (2, 2, 1), 2: tile}
             stage_row(copies, wants, "stage2", "moe_tiled_tiles", T0, tile=tile, rep=rep)

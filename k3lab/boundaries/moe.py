@@ -7,7 +7,9 @@ issue's whole-block figure. Variants:
 - reference: the loop of section 4 in the model's numerics (bf16 GEMM operands, fp32
   activations, sum and norm): ``latent_moe_from_plan_reference(..., dtype=bfloat16)``;
 - fused: ``k3lab.kernels.moe_block`` (front, stage 1, then stage 2 + tail in one ticket-ordered
-  launch: 3 launches given the plan; route_sort's plus 3 with routing);
+  launch: 3 launches given the plan; route_sort's plus 3 with routing), reading the experts as
+  ``k3lab.kernels.moe_kernel_weights`` lays them out (``Weights.fused``: MXFP4 in the tiled
+  layout where the shapes allow); the other variants read the model's row layout;
 - grouped: strong eager torch: gather the selected experts' weights (MXFP4 dequantized), two
   batched matmuls (bmm), fp32 weighted sum, cuBLAS dense projections;
 - torch.compile: of the reference (CUDA only).
