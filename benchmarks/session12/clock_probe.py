@@ -1,0 +1,96 @@
+"""H200, issue 4 (session 12): is stage 2's bimodal speed the SM clock? One CUDA graph holds a
+probe kernel, 32 stage-2 calls (the 20_moe report's conditions: K3 B1 tp 1, all 896 experts, 2
+cold copies, tiled experts, PDL_STEPS 0) and the probe again. Each probe program writes its SM
+(%smid), the SM's cycle counter (%clock64) and the global nanosecond timer (%globaltimer); an SM
+seen by both probes gives the mean SM clock over the replay (cycles / ns), and the timer gives
+the replay's length (us a call: the probes' own time included, a few us in 32 calls). Replays
+REPS times, some right after another, some after IDLE seconds of host sleep; each row checked
+nothing (the kernel is the tested one) but the copies' first output against the fp32 reference.
+
+    python3 benchmarks/session12/clock_probe.py        # writes $OUT/clock_probe.json
+"""
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, "benchmarks/h200_tuning")
+from common import bw, dump, rec  # noqa: E402
+from moe_stages import check_stage, report_copies  # noqa: E402
+
+from k3lab.boundaries import moe as MB  # noqa: E402
+
+REPS = int(os.environ.get("REPS", "24"))
+IDLE = float(os.environ.get("IDLE", "0.3"))
+CALLS = 32
+
+
+@triton.jit
+def _probe(p_out):
+    """Program i: out[i] = (SM id, SM cycle counter, global ns timer)."""
+    z = tl.zeros([1], tl.int32)
+    sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [z], dtype=tl.int32,
+                                   is_pure=False, pack=1)
+    clk = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [z], dtype=tl.int64,
+                                    is_pure=False, pack=1)
+    ns = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [z], dtype=tl.int64,
+                                   is_pure=False, pack=1)
+    o = tl.program_id(0) * 3 + tl.arange(0, 1)
+    tl.store(p_out + o, sm.to(tl.int64))
+    tl.store(p_out + o + 1, clk)
+    tl.store(p_out + o + 2, ns)
+
+
+def main():
+    copies, wants = report_copies()
+    fn = MB.stage_fns("stage2")["fused"]
+    ok, err, _ = check_stage("stage2", fn, copies[0], wants["stage2"])
+    nbytes = MB.stage_bytes("stage2", copies[0])
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    starts = torch.zeros((2 * n_sm, 3), dtype=torch.int64, device="cuda")
+    ends = torch.zeros_like(starts)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(4):
+            fn(copies[i % 2])
+        _probe[(2 * n_sm,)](starts)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _probe[(2 * n_sm,)](starts)
+        for i in range(CALLS):
+            fn(copies[i % 2])
+        _probe[(2 * n_sm,)](ends)
+    t_end = time.time() + 0.2  # warm up: as profile.WARMUP_SECONDS
+    while time.time() < t_end:
+        graph.replay()
+        torch.cuda.synchronize()
+    t0 = time.time()
+    for rep in range(REPS):
+        gap = IDLE if rep % 4 == 0 else 0.0
+        if gap:
+            time.sleep(gap)
+        graph.replay()
+        torch.cuda.synchronize()
+        s, e = starts.cpu().tolist(), ends.cpu().tolist()
+        first = {r[0]: r for r in s}
+        mhz = [(b[1] - first[b[0]][1]) / (b[2] - first[b[0]][2]) * 1e3 for b in e
+               if b[0] in first and b[2] > first[b[0]][2]]
+        span_ns = max(r[2] for r in e) - min(r[2] for r in s)
+        us = span_ns / 1e3 / CALLS
+        rec(k="clock_probe", rep=rep, idle_before_s=gap, sm_mhz=round(statistics.median(mhz), 1),
+            sm_mhz_min=round(min(mhz), 1), sms=len(mhz), us=round(us, 2),
+            frac=round(nbytes / bw * 1e6 / us, 3), ok=ok, max_err=err,
+            t=round(time.time() - t0, 2))
+    dump("clock_probe.json")
+
+
+if __name__ == "__main__":
+    main()
