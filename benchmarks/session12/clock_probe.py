@@ -4,8 +4,8 @@ cold copies, tiled experts, PDL_STEPS 0) and the probe again. Each probe program
 (%smid), the SM's cycle counter (%clock64) and the global nanosecond timer (%globaltimer); an SM
 seen by both probes gives the mean SM clock over the replay (cycles / ns), and the timer gives
 the replay's length (us a call: the probes' own time included, a few us in 32 calls). Replays
-REPS times, some right after another, some after IDLE seconds of host sleep; each row checked
-nothing (the kernel is the tested one) but the copies' first output against the fp32 reference.
+REPS times under each of SCHEDULES (see main); the rows carry the check of the first copy's
+output against the fp32 reference.
 
     python3 benchmarks/session12/clock_probe.py        # writes $OUT/clock_probe.json
 """
@@ -46,49 +46,72 @@ def _probe(p_out):
     tl.store(p_out + o + 2, ns)
 
 
-def main():
-    copies, wants = report_copies()
-    fn = MB.stage_fns("stage2")["fused"]
-    ok, err, _ = check_stage("stage2", fn, copies[0], wants["stage2"])
-    nbytes = MB.stage_bytes("stage2", copies[0])
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    starts = torch.zeros((2 * n_sm, 3), dtype=torch.int64, device="cuda")
-    ends = torch.zeros_like(starts)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(4):
-            fn(copies[i % 2])
-        _probe[(2 * n_sm,)](starts)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+def _graph(fn, copies, starts, ends, n_sm):
+    """A CUDA graph: probe, CALLS calls of fn over the copies, probe."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         _probe[(2 * n_sm,)](starts)
         for i in range(CALLS):
-            fn(copies[i % 2])
+            fn(copies[i % len(copies)])
         _probe[(2 * n_sm,)](ends)
-    t_end = time.time() + 0.2  # warm up: as profile.WARMUP_SECONDS
-    while time.time() < t_end:
-        graph.replay()
-        torch.cuda.synchronize()
+    return graph
+
+
+def _clock(starts, ends):
+    """(median SM MHz, lowest SM MHz, SMs seen by both probes, us a call) of the last replay."""
+    s, e = starts.cpu().tolist(), ends.cpu().tolist()
+    first = {r[0]: r for r in s}
+    mhz = [(b[1] - first[b[0]][1]) / (b[2] - first[b[0]][2]) * 1e3 for b in e
+           if b[0] in first and b[2] > first[b[0]][2]]
+    span_ns = max(r[2] for r in e) - min(r[2] for r in s)
+    return statistics.median(mhz), min(mhz), len(mhz), span_ns / 1e3 / CALLS
+
+
+def main():
+    """SCHEDULES: "same" (one capture replayed; every fourth replay after IDLE s of sleep),
+    "recapture" (a new capture each replay), "stage1" (one capture, a stage-1 graph replayed
+    before each replay), "recapture+stage1"."""
+    copies, wants = report_copies()
+    fns = {st: MB.stage_fns(st)["fused"] for st in ("stage1", "stage2")}
+    ok, err, _ = check_stage("stage2", fns["stage2"], copies[0], wants["stage2"])
+    nbytes = MB.stage_bytes("stage2", copies[0])
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    starts = torch.zeros((2 * n_sm, 3), dtype=torch.int64, device="cuda")
+    ends = torch.zeros_like(starts)
+    s1_starts, s1_ends = torch.zeros_like(starts), torch.zeros_like(starts)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(4):
+            fns["stage1"](copies[i % 2])
+            fns["stage2"](copies[i % 2])
+        _probe[(2 * n_sm,)](starts)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    stage1 = _graph(fns["stage1"], copies, s1_starts, s1_ends, n_sm)
     t0 = time.time()
-    for rep in range(REPS):
-        gap = IDLE if rep % 4 == 0 else 0.0
-        if gap:
-            time.sleep(gap)
-        graph.replay()
-        torch.cuda.synchronize()
-        s, e = starts.cpu().tolist(), ends.cpu().tolist()
-        first = {r[0]: r for r in s}
-        mhz = [(b[1] - first[b[0]][1]) / (b[2] - first[b[0]][2]) * 1e3 for b in e
-               if b[0] in first and b[2] > first[b[0]][2]]
-        span_ns = max(r[2] for r in e) - min(r[2] for r in s)
-        us = span_ns / 1e3 / CALLS
-        rec(k="clock_probe", rep=rep, idle_before_s=gap, sm_mhz=round(statistics.median(mhz), 1),
-            sm_mhz_min=round(min(mhz), 1), sms=len(mhz), us=round(us, 2),
-            frac=round(nbytes / bw * 1e6 / us, 3), ok=ok, max_err=err,
-            t=round(time.time() - t0, 2))
+    for schedule in os.environ.get("SCHEDULES", "same recapture stage1 recapture+stage1").split():
+        graph = _graph(fns["stage2"], copies, starts, ends, n_sm)
+        t_end = time.time() + 0.2  # warm up: as profile.WARMUP_SECONDS
+        while time.time() < t_end:
+            graph.replay()
+            torch.cuda.synchronize()
+        for rep in range(REPS):
+            gap = IDLE if schedule == "same" and rep % 4 == 0 else 0.0
+            if gap:
+                time.sleep(gap)
+            if "recapture" in schedule:
+                del graph
+                graph = _graph(fns["stage2"], copies, starts, ends, n_sm)
+            if "stage1" in schedule:
+                stage1.replay()
+            graph.replay()
+            torch.cuda.synchronize()
+            mhz, mhz_min, sms, us = _clock(starts, ends)
+            rec(k="clock_probe", schedule=schedule, rep=rep, idle_before_s=gap,
+                sm_mhz=round(mhz, 1), sm_mhz_min=round(mhz_min, 1), sms=sms, us=round(us, 2),
+                frac=round(nbytes / bw * 1e6 / us, 3), ok=ok, max_err=err,
+                t=round(time.time() - t0, 2))
     dump("clock_probe.json")
 
 
