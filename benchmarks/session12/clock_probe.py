@@ -21,7 +21,7 @@ import triton.language as tl
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump, rec  # noqa: E402
-from moe_stages import check_stage, report_copies  # noqa: E402
+from moe_stages import check_stage, report_copies, stage_row  # noqa: E402
 
 from k3lab.boundaries import moe as MB  # noqa: E402
 
@@ -70,7 +70,9 @@ def _clock(starts, ends):
 def main():
     """SCHEDULES: "same" (one capture replayed; every fourth replay after IDLE s of sleep),
     "recapture" (a new capture each replay), "stage1" (one capture, a stage-1 graph replayed
-    before each replay), "recapture+stage1"."""
+    before each replay), "recapture+stage1", "queued" (5 replays back to back timed by events,
+    as profile.time_variant does; the clock of the last), "harness" (moe_stages.stage_row
+    itself: profile.time_variant's graph of the stage without probes)."""
     copies, wants = report_copies()
     fns = {st: MB.stage_fns(st)["fused"] for st in ("stage1", "stage2")}
     ok, err, _ = check_stage("stage2", fns["stage2"], copies[0], wants["stage2"])
@@ -91,11 +93,31 @@ def main():
     stage1 = _graph(fns["stage1"], copies, s1_starts, s1_ends, n_sm)
     t0 = time.time()
     for schedule in os.environ.get("SCHEDULES", "same recapture stage1 recapture+stage1").split():
+        if schedule == "harness":  # the benchmark rows' own timing: profile.time_variant
+            for rep in range(REPS):
+                stage_row(copies, wants, "stage2", "clock_probe", t0, schedule=schedule, rep=rep)
+            continue
         graph = _graph(fns["stage2"], copies, starts, ends, n_sm)
         t_end = time.time() + 0.2  # warm up: as profile.WARMUP_SECONDS
         while time.time() < t_end:
             graph.replay()
             torch.cuda.synchronize()
+        if schedule == "queued":  # as profile.time_variant: 5 replays back to back, events
+            for rep in range(REPS):
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+                ev[0].record()
+                for i in range(5):
+                    graph.replay()
+                    ev[i + 1].record()
+                torch.cuda.synchronize()
+                us = statistics.median(ev[i].elapsed_time(ev[i + 1]) * 1e3 / CALLS
+                                       for i in range(5))
+                mhz, mhz_min, sms, _ = _clock(starts, ends)  # the last replay's
+                rec(k="clock_probe", schedule=schedule, rep=rep, sm_mhz=round(mhz, 1),
+                    sm_mhz_min=round(mhz_min, 1), sms=sms, us=round(us, 2),
+                    frac=round(nbytes / bw * 1e6 / us, 3), ok=ok, max_err=err,
+                    t=round(time.time() - t0, 2))
+            continue
         for rep in range(REPS):
             gap = IDLE if schedule == "same" and rep % 4 == 0 else 0.0
             if gap:
