@@ -46,14 +46,16 @@ def _probe(p_out):
     tl.store(p_out + o + 2, ns)
 
 
-def _graph(fn, copies, starts, ends, n_sm):
-    """A CUDA graph: probe, CALLS calls of fn over the copies, probe."""
+def _graph(fn, copies, starts, ends, n_sm, lead=True, trail=True):
+    """A CUDA graph: probe (lead), CALLS calls of fn over the copies, probe (trail)."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _probe[(2 * n_sm,)](starts)
+        if lead:
+            _probe[(2 * n_sm,)](starts)
         for i in range(CALLS):
             fn(copies[i % len(copies)])
-        _probe[(2 * n_sm,)](ends)
+        if trail:
+            _probe[(2 * n_sm,)](ends)
     return graph
 
 
@@ -71,8 +73,9 @@ def main():
     """SCHEDULES: "same" (one capture replayed; every fourth replay after IDLE s of sleep),
     "recapture" (a new capture each replay), "stage1" (one capture, a stage-1 graph replayed
     before each replay), "recapture+stage1", "queued" (5 replays back to back timed by events,
-    as profile.time_variant does; the clock of the last), "harness" (moe_stages.stage_row
-    itself: profile.time_variant's graph of the stage without probes)."""
+    as profile.time_variant does; the clock of the last), "queued-bare", "queued-lead",
+    "queued-trail" (the same graph without the probes, or with the leading or the trailing one
+    only), "harness" (moe_stages.stage_row itself: profile.time_variant's graph of the stage)."""
     copies, wants = report_copies()
     fns = {st: MB.stage_fns(st)["fused"] for st in ("stage1", "stage2")}
     ok, err, _ = check_stage("stage2", fns["stage2"], copies[0], wants["stage2"])
@@ -97,12 +100,15 @@ def main():
             for rep in range(REPS):
                 stage_row(copies, wants, "stage2", "clock_probe", t0, schedule=schedule, rep=rep)
             continue
-        graph = _graph(fns["stage2"], copies, starts, ends, n_sm)
+        probes = {"bare": (False, False), "lead": (True, False), "trail": (False, True)}
+        graph = _graph(fns["stage2"], copies, starts, ends, n_sm,
+                       *probes.get(schedule.split("-")[-1], (True, True)))
         t_end = time.time() + 0.2  # warm up: as profile.WARMUP_SECONDS
         while time.time() < t_end:
             graph.replay()
             torch.cuda.synchronize()
-        if schedule == "queued":  # as profile.time_variant: 5 replays back to back, events
+        if schedule.startswith("queued"):  # as profile.time_variant: 5 replays back to back,
+            # timed by events; queued-bare / -lead / -trail: without the probes or with one
             for rep in range(REPS):
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
                 ev[0].record()
@@ -112,7 +118,8 @@ def main():
                 torch.cuda.synchronize()
                 us = statistics.median(ev[i].elapsed_time(ev[i + 1]) * 1e3 / CALLS
                                        for i in range(5))
-                mhz, mhz_min, sms, _ = _clock(starts, ends)  # the last replay's
+                mhz, mhz_min, sms, _ = (_clock(starts, ends) if schedule == "queued"
+                                        else (float("nan"),) * 3 + (0,))  # the last replay's
                 rec(k="clock_probe", schedule=schedule, rep=rep, sm_mhz=round(mhz, 1),
                     sm_mhz_min=round(mhz_min, 1), sms=sms, us=round(us, 2),
                     frac=round(nbytes / bw * 1e6 / us, 3), ok=ok, max_err=err,
