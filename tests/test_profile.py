@@ -120,6 +120,34 @@ def test_cuda_graph_timing_and_kernel_count():
     assert profile.copy_bandwidth("cuda") > 1e11
 
 
+@pytest.mark.parametrize("call_us,n,want", [(30.0, 2, 16), (30.0, 1, 32), (30.0, 40, 1),
+                                             (199.0, 3, 11), (200.0, 2, 1), (4700.0, 1, 1)])
+def test_graph_passes_follow_the_gpu_time_a_call(call_us, n, want):
+    """Passes over n copies in a timing graph: MIN_GRAPH_CALLS calls, unless a call's replay
+    time already reaches AMORTIZED_CALL_US."""
+    assert profile.MIN_GRAPH_CALLS == 32 and profile.AMORTIZED_CALL_US == 200.0
+    assert profile.graph_passes(call_us, n) == want
+
+
+@pytest.mark.gpu
+def test_graph_timing_ignores_slow_host_launches():
+    """A call whose launch costs the host more than AMORTIZED_CALL_US but the GPU a few us
+    still gets MIN_GRAPH_CALLS calls a replay (session 12: the eager pass's time chose one
+    pass, 2 calls, for MoE stage 2)."""
+    import time as _time
+
+    torch.use_deterministic_algorithms(False)
+    x = {"x": torch.randn(1 << 16, device="cuda")}
+
+    def slow_host(i):
+        _time.sleep(3 * profile.AMORTIZED_CALL_US * 1e-6)
+        return fused_double(i)
+
+    t = profile.time_variant(slow_host, [x, x], mode="graph", repeats=10)
+    assert t.note == f"{profile.MIN_GRAPH_CALLS} calls per graph replay", t.note
+    assert t.median_us < profile.AMORTIZED_CALL_US
+
+
 def test_warm_up_lasts_its_time(monkeypatch):
     """Warm-up runs its batch at least once, and repeats it until WARMUP_SECONDS have passed."""
     import time as _time
