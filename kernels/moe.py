@@ -201,8 +201,9 @@ MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)
 #   0.97). H200, session 12 calls 1-2 (benchmarks/session12/README.md; K3 tp 1 B1, graph,
 #   cold, fraction of the copy bandwidth, the 20_moe report's conditions, PDL_STEPS 0, rows ->
 #   tiled, 3 runs each a call): stage 1 0.665-0.720 -> 0.711-0.755 (every run faster), stage 2
-#   0.649-0.683 -> 0.662-0.702 (within the noise of its two modes: over the session's 29 runs
-#   of the tiled kernel, 18 at 0.662-0.676 and 11 at 0.700-0.710).
+#   0.649-0.683 -> 0.662-0.702. Stage 2's rows were bimodal, 0.662-0.676 or 0.700-0.710: the
+#   timing graph held 2 calls or 32 (fixed in profile.time_variant at c2b3e41); 32-call graphs
+#   of the tiled kernel gave 0.698-0.715 (138 replays, calls 10-13).
 MXFP4_TILED = True
 # PLAN_ONE_TRIP: the stage kernels' validity test also asks whether the tile's expert and an
 #   entry are real (always so within the plan's count), so that the compiler loads them before
