@@ -129,6 +129,83 @@ def test_graph_passes_follow_the_gpu_time_a_call(call_us, n, want):
     assert profile.graph_passes(call_us, n) == want
 
 
+class _FakeGPU:
+    """Stand-in for the torch.cuda calls of time_variant's graph path, on CPU: a GPU clock that
+    an eager call advances by its kernels' ``call_us`` or, when the host launches slower, by the
+    host's ``host_us``; graphs that count the calls made while they capture and replay them at
+    ``call_us`` each (plus ``replay_us`` a replay); events that read the clock."""
+
+    def __init__(self, call_us: float, host_us: float, replay_us: float = 10.0):
+        self.call_us, self.host_us, self.replay_us = call_us, host_us, replay_us
+        self.now, self.capturing, self.graphs = 0.0, None, []
+
+    def launch(self):
+        if self.capturing is not None:
+            self.capturing.calls += 1
+        else:
+            self.now += max(self.call_us, self.host_us)
+
+    def install(self, monkeypatch):
+        import contextlib
+        import types
+
+        gpu = self
+
+        class Graph:
+            def __init__(self):
+                self.calls = 0
+                gpu.graphs.append(self)
+
+            def replay(self):
+                gpu.now += gpu.replay_us + self.calls * gpu.call_us
+
+        class Event:
+            def __init__(self, **_):
+                self.t = None
+
+            def record(self):
+                self.t = gpu.now
+
+            def elapsed_time(self, other):
+                return (other.t - self.t) / 1e3
+
+        @contextlib.contextmanager
+        def capture(graph):
+            gpu.capturing = graph
+            yield
+            gpu.capturing = None
+
+        stream = types.SimpleNamespace(wait_stream=lambda other: None)
+        for name, value in {"Stream": lambda device=None: stream,
+                            "current_stream": lambda device=None: stream,
+                            "stream": lambda s: contextlib.nullcontext(),
+                            "synchronize": lambda device=None: None, "CUDAGraph": Graph,
+                            "graph": capture, "Event": Event}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        monkeypatch.setattr(profile, "_device_of", lambda inputs: torch.device("cuda"))
+        monkeypatch.setitem(profile.WARMUP_SECONDS, "cuda", 0.0)
+
+
+@pytest.mark.parametrize("call_us,calls", [(30.0, 32), (300.0, 2)])
+def test_graph_path_sizes_its_graph_by_the_gpu_time(call_us, calls, monkeypatch):
+    """time_variant's graph path on a stand-in GPU, with a host that takes 1 ms to launch each
+    call: a 30 us call gets a 32-call graph (a one-pass graph first, to time it), a 300 us call
+    keeps the one-pass graph; the figure is a replay over its calls."""
+    import time as _time
+
+    gpu = _FakeGPU(call_us, host_us=1000.0)
+    gpu.install(monkeypatch)
+
+    def fn(inputs):
+        _time.sleep(gpu.host_us * 1e-6)
+        gpu.launch()
+
+    t = profile.time_variant(fn, [{}, {}], mode="graph", repeats=10)
+    assert t.note == f"{calls} calls per graph replay"
+    assert [g.calls for g in gpu.graphs] == ([2, 32] if calls == 32 else [2])
+    assert t.median_us == pytest.approx(call_us + gpu.replay_us / calls)
+
+
 @pytest.mark.gpu
 def test_graph_timing_ignores_slow_host_launches():
     """A call whose launch costs the host more than AMORTIZED_CALL_US but the GPU a few us
