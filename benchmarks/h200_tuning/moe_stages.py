@@ -68,10 +68,19 @@ def stage_row(copies, wants, stage: str, key: str, t0: float, **tags) -> None:
         rec(k=key, stage=stage, us=float("nan"), ok=False, **tags)
 
 
+SETUPS = {"bench": dict(tp=1, n_copies=3), "report": dict(tp=1, n_copies=2, all_experts=True)}
+
+
+def named_setup(name: str):
+    """stage_setup in the named K3 tp 1 conditions: "bench" (48 experts, 3 cold copies of 16) or
+    "report" (all 896 experts, 2 copies, as the 20_moe report builds them)."""
+    return stage_setup(**SETUPS[name])
+
+
 def report_copies():
     """(copies, wants) as stage_setup gives them in the 20_moe report's conditions (K3 tp 1, all
     896 experts, 2 copies), the fused variant reading the experts in the tiled layout."""
-    copies, wants = stage_setup(1, 2, all_experts=True)
+    copies, wants = named_setup("report")
     assert copies[0]["weights"].fused_experts["w2"].layout == "tiled"
     return copies, wants
 

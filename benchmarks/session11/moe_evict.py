@@ -16,26 +16,23 @@ import torch
 sys.path.insert(0, "benchmarks/h200_tuning")
 sys.path.insert(0, "benchmarks/session11")
 from common import dump  # noqa: E402
-from moe_stages import stage_setup  # noqa: E402
+from moe_stages import named_setup, reps_pdl  # noqa: E402
 from moe_tiles import row  # noqa: E402
 
 from k3lab.kernels import moe  # noqa: E402
 
 REPS = int(os.environ.get("REPS", "3"))
-for setup_name, setup in (("bench", lambda: stage_setup(1, 3)),
-                          ("report", lambda: stage_setup(1, 2, all_experts=True))):
-    copies, wants = setup()
-    for rep in range(REPS):
-        for steps in (0, None):
-            moe.PDL_STEPS = steps
-            for evict in ((False, True), (False, False), (True, True)):
-                moe.FP4_MMA_EVICT_FIRST = evict
-                for stage in ("stage1", "stage2"):
-                    if stage == "stage1" and evict == (False, False):
-                        continue  # stage 1 is the same kernel in the first two
-                    row(copies, wants, stage, setup=setup_name, evict=str(evict), pdl=steps,
-                        rep=rep)
-    moe.FP4_MMA_EVICT_FIRST, moe.PDL_STEPS = (False, True), 0
+for setup_name in ("bench", "report"):
+    copies, wants = named_setup(setup_name)
+    for rep, steps in reps_pdl(REPS):
+        for evict in ((False, True), (False, False), (True, True)):
+            moe.FP4_MMA_EVICT_FIRST = evict
+            for stage in ("stage1", "stage2"):
+                if stage == "stage1" and evict == (False, False):
+                    continue  # stage 1 is the same kernel in the first two
+                row(copies, wants, stage, setup=setup_name, evict=str(evict), pdl=steps,
+                    rep=rep)
+    moe.FP4_MMA_EVICT_FIRST = (False, True)
     del copies, wants
     torch.cuda.empty_cache()
 dump("moe_evict.json")

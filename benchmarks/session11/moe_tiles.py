@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump  # noqa: E402
-from moe_stages import stage_row, stage_setup  # noqa: E402
+from moe_stages import reps_pdl, stage_row, stage_setup  # noqa: E402
 
 from k3lab.kernels import moe  # noqa: E402
 
@@ -42,16 +42,14 @@ def row(copies, wants, stage, **tags):
 def main():
     for tp in TPS:
         copies, wants = stage_setup(tp, 3 if tp == 1 else 4)
-        for rep in range(REPS):
-            for steps in (None, 0):
-                moe.PDL_STEPS = steps
-                moe.FP4_MMA_TILES = None
-                row(copies, wants, "stage1", tp=tp, tile="auto", pdl=steps, rep=rep)
-                for tile in TILES:
-                    # stage 1 keeps the tile the launcher picks at this tp
-                    moe.FP4_MMA_TILES = {1: (2, 2, 1) if tp == 1 else (2, 4, 1), 2: tile}
-                    row(copies, wants, "stage2", tp=tp, tile=tile, pdl=steps, rep=rep)
-        moe.FP4_MMA_TILES, moe.PDL_STEPS = None, 0
+        for rep, steps in reps_pdl(REPS, (None, 0)):
+            moe.FP4_MMA_TILES = None
+            row(copies, wants, "stage1", tp=tp, tile="auto", pdl=steps, rep=rep)
+            for tile in TILES:
+                # stage 1 keeps the tile the launcher picks at this tp
+                moe.FP4_MMA_TILES = {1: (2, 2, 1) if tp == 1 else (2, 4, 1), 2: tile}
+                row(copies, wants, "stage2", tp=tp, tile=tile, pdl=steps, rep=rep)
+        moe.FP4_MMA_TILES = None
         del copies, wants
         torch.cuda.empty_cache()
     dump("moe_tiles.json")

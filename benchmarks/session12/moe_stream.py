@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump  # noqa: E402
-from moe_stages import reps_pdl, stage_row, stage_setup  # noqa: E402
+from moe_stages import named_setup, reps_pdl, stage_row  # noqa: E402
 
 from k3lab.kernels import moe  # noqa: E402
 
@@ -30,8 +30,7 @@ print(f"copy bw {bw / 1e12:.3f} TB/s", flush=True)
 
 def main():
     for setup in SETUPS:
-        copies, wants = stage_setup(1, 3) if setup == "bench" else stage_setup(
-            1, 2, all_experts=True)
+        copies, wants = named_setup(setup)
         for rep, steps in reps_pdl(REPS):
             for per_sm in PER_SM:
                 moe.FP4_MMA_STREAM, moe.STREAM_PER_SM = per_sm > 0, max(per_sm, 1)

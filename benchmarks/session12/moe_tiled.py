@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, "benchmarks/h200_tuning")
 from common import bw, dump  # noqa: E402
-from moe_stages import reps_pdl, stage_row, stage_setup  # noqa: E402
+from moe_stages import named_setup, reps_pdl, stage_row  # noqa: E402
 
 from k3lab.boundaries import moe as MB  # noqa: E402
 from k3lab.kernels import moe_kernel_weights  # noqa: E402
@@ -36,8 +36,7 @@ def with_fused_experts(copies, experts: dict):
 
 def main():
     for setup in SETUPS:
-        copies, wants = stage_setup(1, 3) if setup == "bench" else stage_setup(
-            1, 2, all_experts=True)
+        copies, wants = named_setup(setup)
         w = {k: copies[0]["weights"][k] for k in ("w13", "w2")}
         layouts = {"rows": with_fused_experts(copies, w),
                    "tiled": with_fused_experts(copies, moe_kernel_weights(w))}
