@@ -100,8 +100,8 @@ def mxfp4_tiled_codes(packed: torch.Tensor, inverse: bool = False) -> torch.Tens
     step, and the blocks follow in (row tile, step) order. A warp of the tensor-core tiles
     (kernels/mxfp4_mma.py: lane 4 g + t holds group t + 4 h of rows g and g + 8) then reads 512
     contiguous bytes with each 16-byte load instead of 64 bytes of each of 8 rows (H200, session
-    12, K3 tp 1: MoE stage 1 about 5 % faster, stage 2 within its noise;
-    benchmarks/session12/README.md)."""
+    12, K3 tp 1: MoE stage 1 about 5 % faster; stage 2's comparison rows carried a timing
+    error, benchmarks/session12/README.md)."""
     *lead, n, kb = packed.shape
     if packed.dtype != torch.uint8 or n % MXFP4_TILE_ROWS or kb % (MXFP4_TILE_K // 2):
         raise ValueError(f"packed: the tiled layout needs uint8 [..., N, K / 2] with N a multiple "
