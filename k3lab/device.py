@@ -1,12 +1,15 @@
 """Choosing the device a workbook runs on.
 
-On CPU every Triton kernel runs under the Triton interpreter, which must be switched on before
-``triton`` decorates the kernels: call :func:`use_device` before importing ``k3lab.kernels``.
+On CPU every Triton kernel runs under the Triton interpreter, which must be on when ``triton``
+decorates the kernels. ``k3lab.kernels`` switches it on by itself at import on a machine without a
+visible GPU; on a GPU machine call :func:`use_device` ("cpu") before the first import of
+``k3lab.kernels`` to run on the CPU there.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -23,12 +26,17 @@ def use_device(device: str | torch.device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}") from exc
+    kernels = sys.modules.get("k3lab.kernels")
     if dev.type == "cpu":
+        if kernels is not None and not kernels.INTERPRETED:
+            raise ValueError("device: 'cpu' after k3lab.kernels was imported compiled; set "
+                             "TRITON_INTERPRET=1 (or call use_device('cpu')) before the first "
+                             "import of k3lab.kernels, or run in a fresh process")
         os.environ["TRITON_INTERPRET"] = "1"
     elif dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if os.environ.get("TRITON_INTERPRET") == "1" or (kernels and kernels.INTERPRETED):
             raise ValueError("device: 'cuda' with TRITON_INTERPRET=1 set; unset it to run "
                              "compiled kernels")
     else:

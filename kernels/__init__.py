@@ -1,8 +1,12 @@
-"""Fused Triton kernels, one file per boundary (imported as ``k3lab.kernels``)."""
-from .attn_res import attn_res_norm  # noqa: F401
-from .kda import KDAConv, KDAOutGate, kda_decode  # noqa: F401
-from .mla import mla_decode  # noqa: F401
-from .moe import (  # noqa: F401
+"""Fused Triton kernels and their launchers, imported as ``k3lab.kernels``.
+
+They import only torch and triton. ``runtime`` decides once, at the first import, whether the
+kernels compile or run under the Triton interpreter (no visible GPU).
+"""
+from .attn_res import attn_res_norm  # noqa: F401, E402
+from .kda import KDAConv, KDAOutGate, kda_decode  # noqa: F401, E402
+from .mla import mla_decode  # noqa: F401, E402
+from .moe import (  # noqa: F401, E402
     latent_down,
     latent_moe_tail,
     moe_block,
@@ -10,4 +14,7 @@ from .moe import (  # noqa: F401
     moe_stage1,
     moe_stage2,
 )
-from .route_sort import gate_logits, route_sort  # noqa: F401
+from .mxfp4 import MXFP4  # noqa: F401, E402
+from .plan import RoutePlan  # noqa: F401, E402
+from .route_sort import gate_logits, route_sort  # noqa: F401, E402
+from .runtime import INTERPRETED  # noqa: F401  (first: it sets the interpreter up)

@@ -50,7 +50,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from k3lab.kernels.mxfp4_mma import (
+from .mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
+from .mxfp4_mma import (
     MMA_WARPS,
     fp4_mma_gemv,
     mma_layout_problem,
@@ -58,8 +59,7 @@ from k3lab.kernels.mxfp4_mma import (
     store_prepared_x,
     tiled_word_offset,
 )
-from k3lab.plan import RoutePlan
-from k3lab.weights import MXFP4, mxfp4_layout, mxfp4_tiled_ok
+from .plan import RoutePlan
 
 __all__ = ["MAX_TOKENS", "latent_down", "moe_stage1", "moe_stage2", "latent_moe_tail",
            "moe_block", "moe_kernel_weights"]
@@ -194,7 +194,7 @@ FP4_MMA_EVICT_FIRST = (False, True)
 _MMA_EVICT = 256  # the bit of an FP4 code (tensor-core tiles) for FP4_MMA_EVICT_FIRST
 MMA_EVICT_BIT = tl.constexpr(_MMA_EVICT)
 # MXFP4_TILED: moe_kernel_weights lays MXFP4 experts out in the tiled layout
-#   (k3lab.weights.mxfp4_tiled_codes) where the shapes allow (N a multiple of 16, K of 256).
+#   (k3lab.kernels.mxfp4.mxfp4_tiled_codes) where the shapes allow (N a multiple of 16, K of 256).
 #   Every kernel path reads either layout; the tensor-core tiles' loads then read 512
 #   contiguous bytes a warp instead of 64 bytes of each of 8 rows (session 11 call 3: that
 #   pattern alone reached 0.83 of the copy bandwidth in load-only kernels, contiguous reads
@@ -281,7 +281,7 @@ def _to_bf16(x):
 def _code_words(row, word, N_WORDS, TILED: tl.constexpr):
     """Offset of int32 word ``word`` (a multiple of 4: the first of a group's 4) of row ``row``
     of MXFP4 codes [N, N_WORDS] in the row layout, or the tiled one (TILED: see
-    k3lab.weights.mxfp4_tiled_codes), where a group's 4 words stay together."""
+    k3lab.kernels.mxfp4.mxfp4_tiled_codes), where a group's 4 words stay together."""
     if TILED:
         return tiled_word_offset(row, word, N_WORDS)
     return row * N_WORDS + word
@@ -1597,7 +1597,7 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
                          f"I={cfg.moe_intermediate} (even), got {list(w13.shape)}, "
                          f"{list(w2.shape)}")
     if plan is None:
-        from k3lab.kernels.route_sort import route_sort
+        from .route_sort import route_sort
 
         plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
                           n_group=cfg.n_group, topk_group=cfg.topk_group,

@@ -1,7 +1,7 @@
 """MXFP4 GEMV tiles for one token on the tensor cores (``mma.sync.m16n8k16``, bf16 in, fp32 out).
 
 The expert GEMVs of the MoE stages at B1 read MXFP4 weights (two E2M1 codes a byte, an E8M0
-factor per group of 32 along K: ``k3lab.weights.MXFP4``, the standard layout, no repacking). On
+factor per group of 32 along K: ``kernels.mxfp4.MXFP4``, the standard layout, no repacking). On
 the SIMT path every weight element costs a decode and an FMA; here the multiply-adds go to the
 tensor cores and the decode is what is left (about 2 integer ops an element):
 
@@ -226,7 +226,7 @@ def prefetch_l2(ptrs, mask):
 @triton.jit
 def tiled_word_offset(row, word, K_WORDS):
     """Offset (int32 words) of word ``word`` (a multiple of 4) of row ``row`` in MXFP4's tiled
-    layout (k3lab.weights.mxfp4_tiled_codes): 16-row x 32-word blocks (one K step of a 16-row
+    layout (k3lab.kernels.mxfp4.mxfp4_tiled_codes): 16-row x 32-word blocks (one K step of a 16-row
     tile, 2 KB) in (row tile, step) order, each holding the tile's four 512-byte loads (row
     half hi, step half h) one after another, the lanes (4 g + t) 16 bytes apart."""
     rr = row % 16
@@ -304,7 +304,7 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     mma_prepare_x(x) (the B pairs, already times 2^100), so no per-step permute and scale (H200,
     session 7 call 4: 2-6 % faster). W_EVICT_FIRST: the weight loads are "evict_first" (L2
     is left to what the program reads or adds to again: x, the accumulator of atomic callers).
-    W_TILED: p_w holds the codes in MXFP4's tiled layout (k3lab.weights.mxfp4_tiled_codes;
+    W_TILED: p_w holds the codes in MXFP4's tiled layout (k3lab.kernels.mxfp4.mxfp4_tiled_codes;
     rows a multiple of 16, K of 256), where each of a warp's 16-byte loads reads 512
     contiguous bytes. Launch with 4 warps.
     (Register double buffering of the loads was tried: ptxas sinks the next step's loads below

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3lab.plan import RoutePlan, plan_capacity
+from .plan import RoutePlan, plan_capacity
 
 __all__ = ["route_sort", "gate_logits", "MAX_TOKENS"]
 

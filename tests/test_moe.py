@@ -27,19 +27,12 @@ from k3lab.kernels import (
     route_sort,
 )
 from k3lab.kernels import moe as kmoe
-from k3lab.plan import RoutePlan
+from k3lab.kernels.mxfp4 import MXFP4, mxfp4_dequantize, mxfp4_quantize
+from k3lab.kernels.plan import RoutePlan
 from k3lab.profile import count_launches
 from k3lab.reference import moe as ref
 from k3lab.reference.route_sort import route_sort_reference
-from k3lab.weights import (
-    MXFP4,
-    hidden_states,
-    make_generator,
-    moe_weights,
-    mxfp4_dequantize,
-    mxfp4_quantize,
-    randn,
-)
+from k3lab.weights import hidden_states, make_generator, moe_weights, randn
 
 # Tolerances against the fp32 reference, elementwise |got - want| <= ATOL + RTOL * |want|.
 # bf16 outputs (z, a, out) carry one bf16 rounding: 2^-8 relative at most (half an ulp of an
@@ -976,7 +969,7 @@ def test_bad_input(case, device):
 
 
 # ---------------------------------------------------------------------------------------------
-# MXFP4 tiled layout (k3lab.weights.mxfp4_tiled_codes; moe_kernel_weights lays the experts out in
+# MXFP4 tiled layout (kernels.mxfp4.mxfp4_tiled_codes; moe_kernel_weights lays the experts out in
 # it): every kernel path reads it. tiny with K and N the layout's multiples (D = I = 256).
 
 TILED_CHANGES = dict(latent=256, moe_intermediate=256)

@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from k3lab.kernels.mxfp4 import mxfp4_layout, mxfp4_quantize, mxfp4_tiled_codes
 from k3lab.kernels.mxfp4_mma import fp4_mma_gemv, mma_prepare_x, tiled_word_offset
-from k3lab.weights import make_generator, mxfp4_layout, mxfp4_quantize, mxfp4_tiled_codes, randn
+from k3lab.weights import make_generator, randn
 
 # fp32 sums of exact products in another order than the reference's
 ATOL, RTOL = 1e-5, 1e-5

@@ -13,8 +13,8 @@ from k3lab.boundaries import assert_close, get
 from k3lab.boundaries.route import make_inputs
 from k3lab.config import preset
 from k3lab.kernels import route_sort
+from k3lab.kernels.plan import RoutePlan, plan_capacity
 from k3lab.kernels.route_sort import MAX_TOKENS
-from k3lab.plan import RoutePlan, plan_capacity
 from k3lab.profile import count_launches
 from k3lab.reference.route_sort import route_sort_by_sorting, route_sort_reference
 from k3lab.weights import make_generator, randn

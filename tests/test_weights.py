@@ -8,19 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from k3lab.config import preset
-from k3lab.weights import (
+from k3lab.kernels.mxfp4 import (
     E2M1_VALUES,
     MXFP4,
-    kda_weights,
-    make_generator,
-    mla_cache,
-    moe_weights,
     mxfp4_dequantize,
     mxfp4_layout,
     mxfp4_quantize,
     mxfp4_tiled_codes,
-    router_weights,
 )
+from k3lab.weights import kda_weights, make_generator, mla_cache, moe_weights, router_weights
 
 
 def _representable(rows, groups, gen):

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from k3lab.boundaries import Boundary, Variant, assert_close, compiled
 from k3lab.config import Preset
+from k3lab.kernels.mxfp4 import MXFP4, mxfp4_tiled_codes
 from k3lab.reference.moe import (
     activate,
     dequantize_mxfp4,
@@ -39,14 +40,7 @@ from k3lab.reference.moe import (
     rms_norm_reference,
 )
 from k3lab.reference.route_sort import route_sort_reference
-from k3lab.weights import (
-    MXFP4,
-    hidden_states,
-    make_generator,
-    moe_weights,
-    mxfp4_tiled_codes,
-    router_weights,
-)
+from k3lab.weights import hidden_states, make_generator, moe_weights, router_weights
 
 __all__ = ["BOUNDARY", "Weights", "make_inputs", "check", "bytes_moved", "expert_bytes",
            "grouped_forward", "STAGES", "copies_sharing_experts", "stage_inputs", "stage_fns",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from k3lab.boundaries import Boundary, Variant, assert_close, compiled
 from k3lab.config import Preset
-from k3lab.plan import RoutePlan
+from k3lab.kernels.plan import RoutePlan
 from k3lab.reference.route_sort import route_sort_reference
 from k3lab.weights import hidden_states, make_generator, router_weights
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3lab.weights import MXFP4, mxfp4_tiled_codes
+from k3lab.kernels.mxfp4 import MXFP4, mxfp4_tiled_codes
 
 __all__ = [
     "situ", "silu_mul", "activate", "dequantize_mxfp4", "expert_matrix", "expert_act",
@@ -70,7 +70,7 @@ def activate(g: torch.Tensor, u: torch.Tensor, activation: str = "situ", beta: f
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp32 values of MXFP4 codes: packed uint8 [..., N, K/2] (even element in the low nibble),
-    scales uint8 E8M0 [..., N, K/32]. Same values as ``k3lab.weights.mxfp4_dequantize``, computed
+    scales uint8 E8M0 [..., N, K/32]. Same values as ``mxfp4_dequantize``, computed
     without a lookup table: E2M1 code ``s e e m`` is ``m / 2`` when ``e == 0``, else
     ``2^(e-1) * (1 + m/2)``."""
     codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).to(torch.int32)

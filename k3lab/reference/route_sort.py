@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3lab.plan import RoutePlan, plan_capacity
+from k3lab.kernels.plan import RoutePlan, plan_capacity
 
 __all__ = ["route_sort_reference", "route_from_logits_reference", "sort_metadata_reference",
            "route_sort_by_sorting", "RENORM_EPS"]

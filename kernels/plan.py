@@ -1,7 +1,7 @@
 """The prepared routing ("route plan") that the expert stages consume.
 
-Produced both by the unfused reference (``k3lab.reference.route_sort``) and by the fused kernel
-(``k3lab.kernels.route_sort``) so the two compare field by field.
+Produced both by the unfused reference (``k3lab.reference``) and by the fused kernel
+(``k3lab.kernels``) so the two compare field by field.
 """
 
 from __future__ import annotations
