@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-__all__ = ["launch_bars", "latency_bars", "bandwidth_bars", "timeline_gantt", "heatmap"]
+__all__ = ["launch_bars", "latency_bars", "bandwidth_bars", "timeline_gantt", "heatmap",
+           "subplots", "finish"]
 
 ROLE_COLORS = {"reference": "tab:gray", "fused": "tab:blue", "peer": "tab:orange"}
 MODE_COLORS = {"eager": "tab:orange", "graph": "tab:blue"}
@@ -59,7 +60,9 @@ class _NotebookFigure(Figure):
                 raw=True)
 
 
-def _subplots(*args, **kwargs):
+def subplots(*args, **kwargs):
+    """``plt.subplots`` making a figure that a notebook shows once (see the module docstring);
+    end it with :func:`finish`."""
     return plt.subplots(*args, FigureClass=_NotebookFigure, **kwargs)
 
 
@@ -71,7 +74,7 @@ def _ordered(values) -> list:
 def _facets(n: int, width: float = 4.2, height: float = 3.4, per_row: int = 4):
     """One panel per boundary, at most ``per_row`` to a row; unused panels hidden."""
     cols, rows = min(n, per_row), -(-n // per_row)
-    fig, axes = _subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(width * cols, height * rows), squeeze=False)
     axes = list(axes.ravel())
     for ax in axes[n:]:
         ax.set_visible(False)
@@ -84,8 +87,9 @@ def _headroom(ax) -> None:
     ax.set_ylim(lo, hi * 2.5 if ax.get_yscale() == "log" else hi * 1.12)
 
 
-def _done(fig: Figure, title: str | None = None, legend: bool = False) -> Figure:
-    """Title, one legend for all panels (below them), layout; closed in pyplot (see above)."""
+def finish(fig: Figure, title: str | None = None, legend: bool = False) -> Figure:
+    """Title, one legend for all panels (below them), layout; closed in pyplot and, in a
+    notebook, shown once (see the module docstring). Returns ``fig``."""
     if title:
         fig.suptitle(title)
     bottom = 0.0
@@ -171,7 +175,7 @@ def launch_bars(df: pd.DataFrame, title: str | None = None) -> Figure:
         ax.set_title(str(b))
         ax.set_ylabel("launches")
         ax.tick_params(axis="x", rotation=30)
-    return _done(fig, title or "Kernel launches per call" + _device_note(d))
+    return finish(fig, title or "Kernel launches per call" + _device_note(d))
 
 
 def _spread(d: pd.DataFrame, table: pd.DataFrame, modes: list) -> dict | None:
@@ -236,7 +240,7 @@ def latency_bars(df: pd.DataFrame, title: str | None = None) -> Figure:
         _headroom(ax)
         ax.set_title(str(b))
         ax.set_ylabel("latency (us)")
-    return _done(fig, title or "Latency, median with p10-p90" + _device_note(lat), legend=True)
+    return finish(fig, title or "Latency, median with p10-p90" + _device_note(lat), legend=True)
 
 
 def bandwidth_bars(df: pd.DataFrame, copy_bw: float, title: str | None = None) -> Figure:
@@ -264,8 +268,8 @@ def bandwidth_bars(df: pd.DataFrame, copy_bw: float, title: str | None = None) -
         _headroom(ax)
         ax.set_title(str(b))
         ax.set_ylabel("achieved TB/s")
-    return _done(fig, title or "Achieved bandwidth vs measured copy bandwidth" + _device_note(lat),
-                 legend=True)
+    return finish(fig, title or "Achieved bandwidth vs measured copy bandwidth" + _device_note(lat),
+                  legend=True)
 
 
 def timeline_gantt(tl: pd.DataFrame, title: str | None = None, rows: str = "auto") -> Figure:
@@ -290,14 +294,14 @@ def timeline_gantt(tl: pd.DataFrame, title: str | None = None, rows: str = "auto
     streams = _ordered(stream)
     names = [str(k) if len(str(k)) <= 40 else str(k)[:37] + "..." for k in t["kernel"]]
     if rows == "kernel":
-        fig, ax = _subplots(figsize=(9, 1.2 + 0.2 * len(t)))
+        fig, ax = subplots(figsize=(9, 1.2 + 0.2 * len(t)))
         y = np.arange(len(t))
         ax.barh(y, dur, left=start, color=[f"C{streams.index(s) % 10}" for s in stream],
                 height=0.7)
         ax.set_yticks(y, names, fontsize=7)
         ax.invert_yaxis()
     else:
-        fig, ax = _subplots(figsize=(11, 1.6 + 0.7 * len(streams)))
+        fig, ax = subplots(figsize=(11, 1.6 + 0.7 * len(streams)))
         y = np.array([streams.index(s) for s in stream])
         # color the kernels that take the most time, the rest gray, so a dense row still reads
         top = pd.Series(dur, index=names).groupby(level=0).sum().nlargest(TOP_KERNELS).index
@@ -316,7 +320,7 @@ def timeline_gantt(tl: pd.DataFrame, title: str | None = None, rows: str = "auto
     ax.set_xlabel(f"time (us); {len(t)} launches over {span:.1f} us")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title or "Timeline")
-    return _done(fig, legend=rows == "stream")
+    return finish(fig, legend=rows == "stream")
 
 
 def heatmap(pivot: pd.DataFrame, title: str | None = None, *, fmt: str = "{:.3g}",
@@ -325,7 +329,7 @@ def heatmap(pivot: pd.DataFrame, title: str | None = None, *, fmt: str = "{:.3g}
     from matplotlib.colors import LogNorm
 
     vals = pivot.to_numpy(dtype=float)
-    fig, ax = _subplots(figsize=(1.2 + 0.8 * vals.shape[1], 1.0 + 0.45 * vals.shape[0]))
+    fig, ax = subplots(figsize=(1.2 + 0.8 * vals.shape[1], 1.0 + 0.45 * vals.shape[0]))
     im = ax.imshow(vals, cmap=cmap, aspect="auto", norm=LogNorm() if log else None)
     ax.set_xticks(np.arange(vals.shape[1]), [str(c) for c in pivot.columns], rotation=30,
                   ha="right")
@@ -340,4 +344,4 @@ def heatmap(pivot: pd.DataFrame, title: str | None = None, *, fmt: str = "{:.3g}
                     color="white" if v < mid else "black")
     fig.colorbar(im, ax=ax, label=label or "")
     ax.set_title(title or "")
-    return _done(fig)
+    return finish(fig)

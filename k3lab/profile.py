@@ -19,6 +19,7 @@ import contextlib
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +33,30 @@ from k3lab.config import Preset
 
 __all__ = [
     "Launches", "Timing", "count_launches", "time_variant", "graph_passes", "cold_copies",
-    "tensor_bytes",
-    "copy_bandwidth", "l2_bytes", "timeline", "measure", "roofline_us", "short_kernel_name",
+    "tensor_bytes", "copy_bandwidth", "l2_bytes", "timeline", "measure", "roofline_us",
+    "short_kernel_name", "value", "launch_lists", "variant_timelines", "graph_launch_us",
+    "QUIET_WARNINGS", "quiet_warnings",
 ]
+
+# Warnings that tell a report's reader nothing, silenced for the whole process when this module is
+# imported (every notebook imports it): (message regex, category, why it says nothing here).
+QUIET_WARNINGS = (
+    (r"Warning: Profiler clears events at the end of each cycle", UserWarning,
+     "each profile here is one cycle: nothing is lost"),
+    (r"TensorFloat32 tensor cores for float32 matrix multiplication", UserWarning,
+     "the references compute in fp32 on purpose; torch.compile peers compile them as written"),
+    (r"\s*Online softmax is disabled on the fly", UserWarning,
+     "an inductor choice inside the torch.compile peer, not a finding about it"),
+)
+
+
+def quiet_warnings() -> None:
+    """Ignore the :data:`QUIET_WARNINGS` (other warnings still show)."""
+    for message, category, _ in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+quiet_warnings()
 
 # Ops that move no data and launch nothing: views, metadata and bare allocations.
 _NOT_LAUNCHES = {
@@ -497,3 +519,55 @@ def measure(boundary: Boundary, cfg: Preset, device: torch.device | str, *,
                 row(v, "speedup_vs_reference",
                     latency[(ref_name, mode)] / latency[(v.name, mode)], "x", mode)
     return pd.DataFrame(rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and extending measure()'s records
+
+
+def value(records: pd.DataFrame, variant: str, metric: str, mode: str = "") -> float:
+    """The first ``value`` of ``records`` (tidy rows, e.g. from :func:`measure`) for this
+    variant, metric and mode ("" for the rows without one: launches, bytes); NaN when absent."""
+    d = records[(records["variant"] == variant) & (records["metric"] == metric)
+                & (records["mode"].fillna("") == mode)]
+    return float(d["value"].iloc[0]) if len(d) else float("nan")
+
+
+def launch_lists(boundary: Boundary, inputs: dict, device: torch.device | str,
+                 variants: Iterable[str] | None = None) -> pd.DataFrame:
+    """What one call of each available variant launches, one column per variant (in launch
+    order; shorter columns padded with "")."""
+    chosen = ([boundary.variant(v) for v in variants] if variants is not None
+              else boundary.available_variants(device))
+    lists = {v.name: count_launches(v.fn, clone_inputs(inputs)).kernels for v in chosen}
+    width = max((len(k) for k in lists.values()), default=0)
+    return pd.DataFrame({k: v + [""] * (width - len(v)) for k, v in lists.items()})
+
+
+def variant_timelines(boundary: Boundary, inputs: dict, device: torch.device | str,
+                      variants: Iterable[str] | None = None) -> dict[str, pd.DataFrame]:
+    """One call's :func:`timeline` per variant (default: every available one), each on fresh
+    copies of ``inputs``, with the variant's name as its ``stream``."""
+    chosen = ([boundary.variant(v) for v in variants] if variants is not None
+              else boundary.available_variants(device))
+    out = {}
+    for v in chosen:
+        t = timeline(v.fn, clone_inputs(inputs))
+        t["stream"] = v.name
+        out[v.name] = t
+    return out
+
+
+GRAPH_LAUNCH_CALLS = 64
+
+
+def graph_launch_us(device: torch.device | str, repeats: int | None = None) -> float:
+    """One tiny kernel's share of a graph holding GRAPH_LAUNCH_CALLS of them, in us: the cost a
+    launch adds inside a long graph (a whole replay's fixed cost would flatter a kernel). NaN on
+    the CPU (no graphs)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return float("nan")
+    tiny = [torch.zeros(1, device=dev) for _ in range(GRAPH_LAUNCH_CALLS)]
+    return time_variant(lambda x: x.add_(1), tiny, mode="graph", repeats=repeats).median_us
+

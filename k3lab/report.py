@@ -9,11 +9,13 @@ No side files are written from inside a notebook.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import html
 import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -23,7 +25,8 @@ from typing import Any
 
 __all__ = ["MIME", "CPU_WARNING", "publish", "metrics_bundle", "read_metrics", "cpu_banner",
            "manifest", "manifest_summary", "to_html", "write_index", "atomic_write_text",
-           "readable", "json_safe"]
+           "readable", "json_safe", "significant", "ASSETS_DIR", "prune_shared_assets",
+           "shared_assets_in_use"]
 
 MIME = "application/vnd.k3lab.metrics+json"
 CPU_WARNING = ("Timings below were taken on the CPU under the Triton interpreter: "
@@ -70,6 +73,11 @@ def _headline(headline) -> dict:
     if isinstance(headline, str):
         return {"summary": headline}
     return json_safe(dict(headline))
+
+
+def significant(x, digits: int = 3) -> float:
+    """``x`` as a float rounded to ``digits`` significant digits (a headline figure)."""
+    return float(f"{float(x):.{digits}g}")
 
 
 def _fmt(v: Any) -> str:
@@ -234,13 +242,63 @@ def _template_dirs() -> list[str]:
     return list(dict.fromkeys(str(d) for d in dirs if d.is_dir()))
 
 
+ASSETS_DIR = "_assets"  # beside the reports of a folder: what every report of it shares
+_SHARED_START, _SHARED_END = "<!-- k3lab:shared-css -->", "<!-- /k3lab:shared-css -->"
+_STYLE = re.compile(r"\s*<style[^>]*>(.*?)</style>\s*", re.S)
+SHARED_CSS_PATTERN = "k3lab-report-*.css"
+
+
+def _share_css(page: str, folder: Path | None) -> str:
+    """The page with the stylesheets between the template's markers written once to
+    ``folder/_assets/k3lab-report-<hash>.css`` and linked relatively (``folder`` None: kept
+    inline, the page then stands alone). The name follows the content, so a folder's older
+    reports keep the stylesheet they were rendered with."""
+    i, j = page.find(_SHARED_START), page.find(_SHARED_END)
+    if i < 0 or j < i:
+        return page
+    chunk = page[i + len(_SHARED_START):j]
+    styles = _STYLE.findall(chunk)
+    if folder is None or not styles or _STYLE.sub("", chunk).strip():
+        return page[:i] + chunk + page[j + len(_SHARED_END):]
+    css = "\n".join(styles)
+    name = f"k3lab-report-{hashlib.sha256(css.encode()).hexdigest()[:12]}.css"
+    path = Path(folder) / ASSETS_DIR / name
+    if not path.exists():
+        atomic_write_text(path, css)
+    link = f'<link rel="stylesheet" href="{ASSETS_DIR}/{name}">'
+    return page[:i] + link + page[j + len(_SHARED_END):]
+
+
+def shared_assets_in_use(folder: str | os.PathLike) -> set[str]:
+    """Names of the shared stylesheets in ``folder/_assets`` that some page of the folder
+    links."""
+    folder = Path(folder)
+    pages = [p.read_text(encoding="utf-8", errors="replace") for p in folder.glob("*.html")]
+    return {a.name for a in (folder / ASSETS_DIR).glob(SHARED_CSS_PATTERN)
+            if any(f"{ASSETS_DIR}/{a.name}" in page for page in pages)}
+
+
+def prune_shared_assets(folder: str | os.PathLike) -> list[Path]:
+    """Remove the shared stylesheets of ``folder/_assets`` that no page of the folder links
+    (left by reports since re-rendered with another nbconvert); returns what was removed."""
+    folder = Path(folder)
+    keep = shared_assets_in_use(folder)
+    gone = [a for a in (folder / ASSETS_DIR).glob(SHARED_CSS_PATTERN) if a.name not in keep]
+    for a in gone:
+        a.unlink(missing_ok=True)
+    return gone
+
+
 def to_html(nb, hide_code: bool = True, title: str | None = None,
-            header: str | None = None) -> str:
-    """The notebook as one self-contained HTML page (plots inline as base64 PNGs).
+            header: str | None = None, folder: str | os.PathLike | None = None) -> str:
+    """The notebook as an HTML page that opens offline (plots inline as base64 PNGs).
 
     hide_code: leave out code inputs and prompts (markdown, outputs and errors stay).
     header: HTML (already escaped) shown above the first cell; the runner puts the run's
     parameters and manifest there, since the hidden code no longer shows them.
+    folder: where the page will be written. Given, the stylesheets every report shares (about
+    260 KB) go once into ``folder/_assets/`` and the page links them; None, the page keeps them
+    inline and stands alone.
     """
     import copy
 
@@ -263,7 +321,7 @@ def to_html(nb, hide_code: bool = True, title: str | None = None,
                             exclude_input_prompt=hide_code, exclude_output_prompt=hide_code,
                             extra_template_basedirs=extra, extra_template_paths=extra)
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title or "k3lab"}})
-    return body
+    return _share_css(body, Path(folder) if folder is not None else None)
 
 
 def readable(path: str | os.PathLike) -> None:

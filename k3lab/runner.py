@@ -1,8 +1,9 @@
 """Run the workbook's notebooks headless with papermill and write their reports.
 
 For every notebook: the executed ``.ipynb``, an ``.html`` report (code hidden by default, plots
-embedded) and a ``.metrics.json`` (published records, headline, manifest, status), each written
-through a temp file and an atomic rename. A notebook that fails leaves ``NAME.failed.ipynb``,
+embedded, the stylesheets every report shares written once to ``_assets/`` and linked) and a
+``.metrics.json`` (published records, headline, manifest, status), each written through a temp
+file and an atomic rename. A notebook that fails leaves ``NAME.failed.ipynb``,
 ``NAME.failed.html`` and ``NAME.failed.json`` beside the last good report, which it never
 touches; the batch goes on, and ``index.html`` lists every notebook of the output folder.
 
@@ -372,7 +373,8 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
                 log_output=False, extra_arguments=KERNEL_ARGS)
         nb = nbformat.read(tmp, as_version=4)
         metrics = report.read_metrics(nb)
-        page = report.to_html(nb, hide_code=hide_code, title=name, header=header)
+        page = report.to_html(nb, hide_code=hide_code, title=name, header=header,
+                              folder=out_dir)
     except Exception as exc:  # a failing notebook is reported, and the batch goes on
         error = _error_text(exc)
     seconds = time.perf_counter() - t0
@@ -394,7 +396,7 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         if tmp.exists() and tmp.stat().st_size:
             with contextlib.suppress(Exception):  # a half-written notebook may not render
                 page = report.to_html(tmp, hide_code=hide_code, title=f"{name} (failed)",
-                                      header=header)
+                                      header=header, folder=out_dir)
                 failed_html = report.atomic_write_text(out_dir / f"{name}.failed.html", page)
             os.replace(tmp, failed_nb)
         else:
@@ -415,7 +417,8 @@ def _load(path: Path) -> dict | None:
 
 def update_index(out_dir: str | os.PathLike) -> Path:
     """Rewrite ``out_dir/index.html`` and ``out_dir/manifest.json`` (each report's status and
-    manifest: git commit, GPU, driver, torch, triton, date) from every report found there.
+    manifest: git commit, GPU, driver, torch, triton, date) from every report found there, and
+    drop the shared stylesheets of ``out_dir/_assets`` that no report links any more.
 
     A committed ``<name>.erratum.txt`` beside a report (a person's note of a mistake found in it
     after it ran, e.g. a bar check that left out a requirement) is shown with it; the measured
@@ -444,6 +447,7 @@ def update_index(out_dir: str | os.PathLike) -> Path:
             "headline": (good or {}).get("headline"),
             "manifest": latest.get("manifest"),
         })
+    report.prune_shared_assets(out_dir)
     _write_json(out_dir / "manifest.json", {
         "reports": {e["name"]: {"status": e["status"], "manifest": e["manifest"],
                                 **({"erratum": e["erratum"]} if e["erratum"] else {})}

@@ -26,7 +26,7 @@ from k3lab.reference import attn_res as ref_attn_res
 from k3lab.reference import kda as ref_kda
 from k3lab.reference import mla as ref_mla
 from k3lab.reference import moe as ref_moe
-from k3lab.reference import route_sort as ref_route
+from k3lab.reference import route as ref_route
 from k3lab.reference.layer import make_layer
 
 __all__ = ["Change", "CATALOGUE", "Stack", "compose", "run_layer", "measure_stack",

@@ -3,9 +3,13 @@
 They import only torch and triton. ``runtime`` decides once, at the first import, whether the
 kernels compile or run under the Triton interpreter (no visible GPU).
 """
-from .attn_res import attn_res_norm  # noqa: F401, E402
-from .kda import KDAConv, KDAOutGate, kda_decode  # noqa: F401, E402
-from .mla import mla_decode  # noqa: F401, E402
+# isort: off
+from .runtime import INTERPRETED  # noqa: F401  (before any import of triton)
+# isort: on
+
+from .attn_res import AttnResConfig, attn_res_norm  # noqa: F401, E402
+from .kda import KDAConfig, KDAConv, KDAOutGate, kda_decode  # noqa: F401, E402
+from .mla import MLAConfig, mla_decode  # noqa: F401, E402
 from .moe import (  # noqa: F401, E402
     latent_down,
     latent_moe_tail,
@@ -16,5 +20,4 @@ from .moe import (  # noqa: F401, E402
 )
 from .mxfp4 import MXFP4  # noqa: F401, E402
 from .plan import RoutePlan  # noqa: F401, E402
-from .route_sort import gate_logits, route_sort  # noqa: F401, E402
-from .runtime import INTERPRETED  # noqa: F401  (first: it sets the interpreter up)
+from .route import RouteConfig, gate_logits, route_sort  # noqa: F401, E402

@@ -12,32 +12,50 @@ The second form of the score needs one pass over the candidates for both sums (s
 dot with the fused weight w = res_norm_w * res_proj_w). One program per token streams the N + 1
 rows once to score them, once more to mix them (that read hits L2), and re-reads its own h (H bf16)
 for the norm. The bank rows are a [BLOCK_NB, BLOCK_H] register tile (padded rows masked: no memory
-traffic, score -inf), the live row a [BLOCK_H] vector beside it.
+traffic, score -inf), the live row a [BLOCK_H] vector beside it. The tiling is an
+:class:`AttnResConfig` (each default's evidence: docs/decisions.md).
 """
 
 from __future__ import annotations
 
 import math
-import os
+from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["attn_res_norm", "MAX_SEALED"]
+from .runtime import check_device
+
+__all__ = ["attn_res_norm", "AttnResConfig", "MAX_SEALED"]
 
 # Bank rows one program holds as a padded register block. K3 needs 8 (9 candidates with live);
 # 16 leaves room for deeper presets while padded rows cost registers, never bandwidth.
 MAX_SEALED = 16
-# Elements of the [BLOCK_NB, BLOCK_H] fp32 bank tile: 32768 / (8 warps x 32 threads) = 128 values
-# per thread. At K3 (8 rows) that is a 4096-wide chunk, two steps over H = 7168 with ~72 KB of loads
-# in flight each. On the H200 (K3, B1, graph, cold) this beat 16384 by 25% at 8 sealed rows and tied
-# it at 0 to 1; 4 and 16 warps were slower.
-TILE_ELEMS = 32768
-# Widest H chunk (the norm pass, and the read with <= 2 bank rows): one chunk covers K3's 7168.
-MAX_BLOCK_H = 8192
-NUM_WARPS = 8
 WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class AttnResConfig:
+    """How ``attn_res_norm`` tiles a token's rows. Every choice changes speed only.
+
+    tile_elems: elements of the [BLOCK_NB, BLOCK_H] fp32 bank tile a step loads (32768 at 8
+        warps: 128 values a thread; at K3's 8 sealed rows a 4096-wide chunk, two steps over
+        H = 7168 with ~72 KB of loads in flight each).
+    max_block_h: widest H chunk (the norm pass, and the read with <= 2 bank rows): 8192 covers
+        K3's 7168 in one chunk.
+    num_warps: warps of the one program per token.
+    """
+
+    tile_elems: int = 32768
+    max_block_h: int = 8192
+    num_warps: int = 8
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"{f.name}: expected a power of two, got {v!r}")
 
 
 @triton.jit
@@ -138,7 +156,8 @@ def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
 
 def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch.Tensor,
                   res_proj_weight: torch.Tensor, norm_weight: torch.Tensor, *,
-                  eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float = 1e-5, config: AttnResConfig | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """AttnRes read of the N sealed rows and the live partial sum, then RMSNorm; one launch.
 
     bank:            [N, M, H] bf16, 0 <= N <= MAX_SEALED sealed block sums;
@@ -148,6 +167,7 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     res_proj_weight: [H] bf16 or fp32, the pseudo-query the keys are scored against.
     norm_weight:     [H] bf16 or fp32, the weight of the RMSNorm that follows the read.
     eps:             RMSNorm epsilon of both norms (positive).
+    config:          the :class:`AttnResConfig` (None: the defaults); speed only.
 
     Returns ``(h, h_normed)``, both [M, H] bf16 and contiguous: ``h`` the softmax mixture of the
     raw candidates, ``h_normed = RMSNorm(h) * norm_weight`` computed from the bf16 ``h``.
@@ -171,9 +191,7 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     device = live.device
     if bank.device != device:
         raise ValueError(f"bank: expected device {device} (that of live), got {bank.device}")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("live: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1, "
-                         "see k3lab.device.use_device)")
+    check_device("live", live)
     if live.stride(1) != 1:
         raise ValueError(f"live: expected the hidden (last) dimension contiguous, got strides "
                          f"{live.stride()}")
@@ -185,12 +203,16 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     _check_weight("norm_weight", norm_weight, H, device)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 < eps < math.inf:
         raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
+    if config is not None and not isinstance(config, AttnResConfig):
+        raise ValueError(f"config: expected an AttnResConfig or None, got "
+                         f"{type(config).__name__}")
+    cfg = config or AttnResConfig()
 
     h = torch.empty((M, H), dtype=torch.bfloat16, device=device)
     h_normed = torch.empty((M, H), dtype=torch.bfloat16, device=device)
     BLOCK_NB = triton.next_power_of_2(max(N, 1))
-    BLOCK_HN = min(triton.next_power_of_2(H), MAX_BLOCK_H)
-    BLOCK_H = min(BLOCK_HN, TILE_ELEMS // BLOCK_NB)
+    BLOCK_HN = min(triton.next_power_of_2(H), cfg.max_block_h)
+    BLOCK_H = min(BLOCK_HN, cfg.tile_elems // BLOCK_NB)
     # With no sealed rows the bank is never read (all rows masked); pass live so an empty
     # tensor's pointer never reaches the launcher.
     bank_arg = bank if N else live
@@ -198,6 +220,6 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
         bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed,
         bank.stride(0) if N else 0, bank.stride(1) if N else 0, live.stride(0), h.stride(0),
         N, H, float(eps),
-        BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, num_warps=NUM_WARPS,
+        BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, num_warps=cfg.num_warps,
     )
     return h, h_normed

@@ -18,29 +18,57 @@ Variants (constexpr flags of the same kernel):
                  caches that one of them rewrites, so this variant keeps a head in one program.
   FUSE_OUT_GATE  o = RMSNorm_head(o) * w * sigmoid(gate logits) behind; the RMS needs the whole
                  head's o, so this variant also keeps a head in one program.
+
+The tiling is a :class:`KDAConfig` (each default's evidence: docs/decisions.md).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["KDAConv", "KDAOutGate", "kda_decode"]
+from .runtime import check_device
+
+__all__ = ["KDAConfig", "KDAConv", "KDAOutGate", "kda_decode"]
 
 L2_EPS = 1e-6          # the model's l2norm epsilon (q / sqrt(sum(q^2) + eps))
 MAX_TOKENS = 64        # decode batches; longer runs belong to a chunked prefill kernel
-MIN_PROGRAMS = 256     # about 2 programs per SM of an H200 (132 SMs): enough state bytes in flight
-MAX_BLOCK_V = 64       # widest v-tile, used once M * Hl * (d / 64) >= MIN_PROGRAMS
-MIN_BLOCK_V = 32       # H200 (K3, B1, graph, cold): 16-wide tiles re-read f_b 8x per head and lost
-                       # 10-15% to 32 at tp 8 and tp 1
-BLOCK_R = 64           # rank chunk of the f_b GEMV (H200 sweep: 32 / 64 / 128 within 5%)
-TILE_PER_WARP = 512    # state-tile elements per warp (16 fp32 registers per thread): 8 warps
-                       # for 32-wide tiles, 10% faster than 4 on the H200 (more threads share the
-                       # f_b GEMV, which is most of a program's latency)
-MAX_WARPS = 8
+
+
+@dataclass(frozen=True)
+class KDAConfig:
+    """How ``kda_decode`` tiles the state. Every choice changes speed only.
+
+    block_v: v-tile width (a power of two dividing d), or None: halve from max_block_v (at most
+        d) until M * Hl * (d / block_v) reaches min_programs, but not below min_block_v (narrow
+        tiles re-read f_b once more per head each); a whole head (d) with ``conv`` or
+        ``out_gate``, which need one.
+    block_r: rank chunk of the f_b GEMV.
+    tile_per_warp, max_warps: warps = state-tile elements / tile_per_warp (16 fp32 registers a
+        thread at 512), within [1, max_warps]: more threads share the f_b GEMV, which is most of
+        a program's latency.
+    """
+
+    block_v: int | None = None
+    min_programs: int = 256
+    max_block_v: int = 64
+    min_block_v: int = 32
+    block_r: int = 64
+    tile_per_warp: int = 512
+    max_warps: int = 8
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if v is None and f.name == "block_v":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
+            if f.name != "min_programs" and v & (v - 1):
+                raise ValueError(f"{f.name}: expected a power of two, got {v}")
 
 
 @triton.jit
@@ -178,10 +206,11 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _block_v(m: int, hl: int, d: int) -> int:
-    """v-tile width: halve from MAX_BLOCK_V until M * Hl * (d / BV) reaches MIN_PROGRAMS."""
-    bv = min(d, MAX_BLOCK_V)
-    while m * hl * (d // bv) < MIN_PROGRAMS and bv > MIN_BLOCK_V:
+def _block_v(m: int, hl: int, d: int, cfg: KDAConfig) -> int:
+    """v-tile width: halve from cfg.max_block_v until M * Hl * (d / BV) reaches
+    cfg.min_programs, not below cfg.min_block_v."""
+    bv = min(d, cfg.max_block_v)
+    while m * hl * (d // bv) < cfg.min_programs and bv > cfg.min_block_v:
         bv //= 2
     return bv
 
@@ -189,7 +218,7 @@ def _block_v(m: int, hl: int, d: int) -> int:
 def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
                lower_bound: float = -5.0, scale: float | None = None,
                conv: KDAConv | None = None, out_gate: KDAOutGate | None = None,
-               block_v: int | None = None) -> torch.Tensor:
+               config: KDAConfig | None = None) -> torch.Tensor:
     """One KDA decode step for M tokens (one per sequence) in one launch; ``state`` in place.
 
     q, k, v: [M, Hl, d] bf16/fp16/fp32 after the short conv and SiLU (before it with ``conv``);
@@ -201,8 +230,7 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     conv: :class:`KDAConv` to fuse the short-conv step + SiLU in front (q, k, v then are the
         projections ``x @ W^T`` viewed [M, Hl, d]).
     out_gate: :class:`KDAOutGate` to fuse ``RMSNorm_head(o) * sigmoid(logits)`` behind.
-    block_v: v-tile width override (power of two dividing d); default from the grid size, and d
-        (a head per program) with ``conv`` or ``out_gate``.
+    config: the :class:`KDAConfig` (None: the defaults); it changes speed, not the result.
 
     Returns o [M, Hl, d] in v's dtype (the gated output with ``out_gate``).
     """
@@ -230,6 +258,7 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     _check("dt_bias", dt_bias, (hl * d,), (torch.float32,), dev)
     _check("b_logits", b_logits, (m, hl), device=dev)
     _check("state", state, (m, hl, d, d), (torch.float32,), dev)
+    check_device("q", q)
     if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
         raise ValueError(f"lower_bound: expected a float, got {lower_bound!r}")
     if scale is None:
@@ -264,23 +293,27 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
             raise ValueError(f"out_gate: eps must be a positive float, got {eps!r}")
         gate_logits, o_norm = out_gate.logits, out_gate.weight
 
+    if config is not None and not isinstance(config, KDAConfig):
+        raise ValueError(f"config: expected a KDAConfig or None, got {type(config).__name__}")
+    cfg = config or KDAConfig()
     whole_head = conv is not None or out_gate is not None
+    block_v = cfg.block_v
     if block_v is None:
-        block_v = d if whole_head else _block_v(m, hl, d)
-    if (isinstance(block_v, bool) or not isinstance(block_v, int) or not _is_pow2(block_v)
-            or d % block_v):
-        raise ValueError(f"block_v: expected a power of two dividing d={d}, got {block_v!r}")
+        block_v = d if whole_head else _block_v(m, hl, d, cfg)
+    if d % block_v:
+        raise ValueError(f"config.block_v: expected a power of two dividing d={d}, got {block_v}")
     if whole_head and block_v != d:
-        raise ValueError(f"block_v: conv / out_gate need a whole head per program (block_v={d})")
+        raise ValueError(f"config.block_v: conv / out_gate need a whole head per program "
+                         f"(block_v={d})")
 
     o = torch.empty((m, hl, d), dtype=v.dtype, device=dev)
     grid = (d // block_v, hl, m)
-    num_warps = max(1, min(MAX_WARPS, d * block_v // TILE_PER_WARP))
+    num_warps = max(1, min(cfg.max_warps, d * block_v // cfg.tile_per_warp))
     _kda_decode_kernel[grid](
         q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
         q_cache, k_cache, v_cache, q_conv, k_conv, v_conv, gate_logits, o_norm,
         float(lower_bound), float(scale), float(eps),
-        H=hl, D=d, R=r, BR=min(BLOCK_R, triton.next_power_of_2(r)), BV=block_v,
+        H=hl, D=d, R=r, BR=min(cfg.block_r, triton.next_power_of_2(r)), BV=block_v,
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
         num_warps=num_warps,

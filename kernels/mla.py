@@ -10,38 +10,34 @@ all heads of a token share the cache rows, so the program reads each cache tile 
 BLOCK_H heads ([BLOCK_H, C] x [C, BLOCK_N] scores, online softmax in base 2) and writes a partial
 o [C] fp32 and its log-sum-exp per head. ``_mla_decode_combine_kernel`` merges the splits. With a
 single split the first kernel writes the final output itself (one launch). On CUDA the combine
-is launched with programmatic dependent launch (COMBINE_PDL): it starts while the split grid runs
-and waits for it on the device.
+is launched with programmatic dependent launch (``MLAConfig.combine_pdl``): it starts while the
+split grid runs and waits for it on the device.
 
 The split of the context is computed on the device from ``seq_lens``: a token of length L gets
 ``cdiv(cdiv(L, BLOCK_N), num_splits)`` blocks per split and splits past the end do nothing (their
 lse is -inf). The grid depends only on (M, Hl, num_splits), so an explicit ``num_splits`` lets one
 captured CUDA graph serve every length up to L_max.
+
+How the kernels are tiled and launched is an :class:`MLAConfig` (each default's evidence:
+docs/decisions.md).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import numbers
-import os
+from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["mla_decode", "default_num_splits", "BLOCK_N", "BLOCK_H", "MAX_SPLITS",
-           "SCORE_CHUNKS", "DEFER_ROW_SUM", "COMBINE_PDL", "SPLIT_PDL"]
+from .runtime import check_device
 
-# Cache rows per inner step, warps and pipeline stages: 64 rows x 576 x bf16 = 72 KiB a stage,
-# 4 warps, 3 stages, at every length. H200 session 4 (benchmarks/next/mla_sweep.py; K3 tp 8, B1,
-# graph, cold, 132 splits, with the score chunks and deferred row sum below): 17.49 / 27.76 /
-# 44.89 us at 32k / 64k / 128k, against 19.16 / 28.56 / 46.38 us for the previous defaults
-# (32 / 4 / 4 below 64k, 64 / 8 / 3 from 64k) in the same run.
-BLOCK_N = 64
-SPLIT_NUM_WARPS = 4
-SPLIT_NUM_STAGES = 3
+__all__ = ["mla_decode", "default_num_splits", "MLAConfig", "BLOCK_H", "MAX_SPLITS",
+           "COMBINE_MAX_BLOCK_S"]
+
 # Heads per program: every head of a token reads the same cache rows, so a program takes a group
 # of them; 16 is tl.dot's smallest M (K3 at tp 8 has 12 heads: one group, 4 padded rows).
 BLOCK_H = 16
@@ -52,46 +48,61 @@ BLOCK_H = 16
 COMBINE_TILE = 4096
 COMBINE_MAX_BLOCK_S = 256
 COMBINE_MIN_BLOCK_C = 16
-# Heuristic: one split program per SM (the same sweep: at 32k and 128k one per SM beat two, as
-# fewer, longer splits keep their pipelines full and write fewer partials), but every split gets at
-# least MIN_ROWS_PER_SPLIT cache rows so the fixed cost of a split (loading q, writing a
-# [BLOCK_H, C] fp32 partial) stays small next to its reads.
-PROGRAMS_PER_SM = 1
-MIN_ROWS_PER_SPLIT = 128
 MAX_SPLITS = 1024
-# Split-kernel variants (benchmarks/next/MLA_ANALYSIS.md), both on since session 4's H200 sweep
-# (64 / 4 / 3 tiles, 32k: 17.49 us with both, 20.97 us with neither). SCORE_CHUNKS: the latent
-# is cut into this many column chunks, each with its own 2-D tensor-core product for the scores
-# (independent accumulator chains of C / SCORE_CHUNKS / 16 steps instead of one chain of
-# C / 16 + R / 16) and its own P @ C accumulator; clamped so a chunk keeps at least 16 columns.
-# DEFER_ROW_SUM: the softmax denominator is accumulated per element ([BLOCK_H, BLOCK_N],
-# rescaled like the output) and reduced over the rows once after the loop, which takes one
-# cross-warp reduction (two barriers) out of every tile.
-SCORE_CHUNKS = 4
-DEFER_ROW_SUM = True
-# Fixed cost of the combine (session 4: ~2.7 us kernel + the gap between two graph nodes, of a
-# 32k budget of ~3 us). The switches below are CUDA only: the interpreter ignores PDL and runs
-# the plain two kernels.
-# COMBINE_PDL: programmatic dependent launch. The split kernel lets its dependents launch as soon
-# as every split program has started (griddepcontrol.launch_dependents), the combine kernel is
-# launched with launch_pdl and waits (griddepcontrol.wait) for the split grid's completion and
-# memory: its launch and start overlap the split kernel instead of following it. On by default:
-# H200 session 4, benchmarks/h200_session4/mla_sweep.py (K3 tp 8, B1, graph, cold, 132 splits):
-# 16.86 / 26.99 / 46.53 us at 32k / 64k / 128k against 17.43 / 27.60 / 47.50 us without.
-COMBINE_PDL = True
-# SPLIT_PDL (opt-in): the split kernel is launched with launch_pdl and waits for the preceding
-# grid at its start; the call's last kernel lets the next grid launch at its start. What it
-# saves is the launch of the call's first kernel, behind whatever ran before: in the sweep's
-# graph that is the previous mla_decode call, in a decode step the preceding kernel, which
-# gains only as far as that kernel is done early or triggers its dependents itself. Same sweep,
-# with COMBINE_PDL: 16.24 / 27.94 / 46.66 us (mixed against COMBINE_PDL alone).
-SPLIT_PDL = False
-# Also timed in that sweep and removed, no faster: the combine merging only the splits that
-# hold rows (from seq_lens, 128 of 132), and a one-launch combine (every split program merging
-# its share after a grid barrier, cooperative launch or not; 32k: 17.7 vs 17.4 us, branch mla4,
-# commit accf8cb).
 # SM count assumed on CPU (Triton interpreter), so the heuristic still varies with the length.
 CPU_SM_STANDIN = 8
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """How ``mla_decode`` tiles and launches its kernels. Every choice changes speed only.
+
+    block_n, num_warps, num_stages: cache rows per inner step (a [block_n, C + R] tile), warps
+        and pipeline stages of the split kernel.
+    score_chunks: 1, 2 or 4 column chunks of the latent, each with its own tensor-core product
+        for the scores (independent accumulator chains) and its own P @ C accumulator; lowered
+        until a chunk has at least 16 columns.
+    defer_row_sum: accumulate the softmax denominator per element ([BLOCK_H, block_n], rescaled
+        like the output) and reduce it over the rows once after the loop: one cross-warp
+        reduction (two barriers) out of every tile.
+    programs_per_sm, min_rows_per_split: the split-count heuristic (``num_splits=None``): enough
+        (token, head group, split) programs for programs_per_sm per SM, but at least
+        min_rows_per_split cache rows a split, so its fixed cost (loading q, writing a
+        [BLOCK_H, C] fp32 partial) stays small next to its reads.
+    combine_pdl: launch the combine with programmatic dependent launch: the split kernel lets
+        it launch once every split program has started and it waits on the device for the split
+        grid, so its launch and start overlap the split kernel (CUDA only).
+    split_pdl: launch the split kernel with programmatic dependent launch too (it waits for the
+        preceding grid at its start; the call's last kernel lets the next grid launch at its
+        start): saves the call's first launch behind whatever ran before (CUDA only).
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    score_chunks: int = 4
+    defer_row_sum: bool = True
+    programs_per_sm: int = 1
+    min_rows_per_split: int = 128
+    combine_pdl: bool = True
+    split_pdl: bool = False
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type in (bool, "bool"):
+                if not isinstance(v, bool):
+                    raise ValueError(f"{f.name}: expected a bool, got {v!r}")
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
+        if self.score_chunks not in (1, 2, 4):
+            raise ValueError(f"score_chunks: expected 1, 2 or 4, got {self.score_chunks!r}")
+        for name in ("block_n", "num_warps"):
+            v = getattr(self, name)
+            if v & (v - 1) or (name == "block_n" and v < 16):
+                raise ValueError(f"{name}: expected a power of two"
+                                 f"{' >= 16' if name == 'block_n' else ''}, got {v}")
+
 
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
@@ -303,36 +314,44 @@ def _sm_count(device_type: str, index: int | None) -> int:
     return CPU_SM_STANDIN
 
 
+def _config(config) -> MLAConfig:
+    if config is None:
+        return MLAConfig()
+    if not isinstance(config, MLAConfig):
+        raise ValueError(f"config: expected an MLAConfig or None, got {type(config).__name__}")
+    return config
+
+
 def default_num_splits(batch: int, heads: int, max_len: int,
-                       device: torch.device | str = "cuda") -> int:
+                       device: torch.device | str = "cuda",
+                       config: MLAConfig | None = None) -> int:
     """The split count ``mla_decode`` picks when ``num_splits=None``.
 
     From host-known sizes only (never the lengths' values): enough (token, head group, split)
-    programs for PROGRAMS_PER_SM per SM, but at most one split per MIN_ROWS_PER_SPLIT rows of
-    L_max, within [1, MAX_SPLITS].
+    programs for ``config.programs_per_sm`` per SM, but at most one split per
+    ``config.min_rows_per_split`` rows of L_max, within [1, MAX_SPLITS].
     """
+    cfg = _config(config)
     dev = torch.device(device)
     sms = _sm_count(dev.type, dev.index if dev.type == "cuda" else None)
     programs = batch * triton.cdiv(heads, BLOCK_H)
-    by_occupancy = triton.cdiv(PROGRAMS_PER_SM * sms, programs)
-    by_length = max_len // MIN_ROWS_PER_SPLIT
+    by_occupancy = triton.cdiv(cfg.programs_per_sm * sms, programs)
+    by_length = max_len // cfg.min_rows_per_split
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def _split_config(max_len: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of the split kernel for a cache of L_max rows (one
-    configuration at every length since session 4; the arguments stay for the sweeps)."""
-    return BLOCK_N, SPLIT_NUM_WARPS, SPLIT_NUM_STAGES
-
-
-def _score_chunks(c: int) -> int:
-    """SCORE_CHUNKS (1, 2 or 4), lowered until a chunk has at least 16 latent columns."""
-    if SCORE_CHUNKS not in (1, 2, 4):
-        raise ValueError(f"SCORE_CHUNKS: expected 1, 2 or 4, got {SCORE_CHUNKS!r}")
-    chunks = SCORE_CHUNKS
+def _score_chunks(c: int, cfg: MLAConfig) -> int:
+    """cfg.score_chunks, lowered until a chunk has at least 16 latent columns."""
+    chunks = cfg.score_chunks
     while chunks > 1 and c // chunks < 16:
         chunks //= 2
     return chunks
+
+
+def _pdl(cfg: MLAConfig, on_gpu: bool, final: bool) -> tuple[bool, bool]:
+    """(combine launched with PDL, split kernel launched with PDL): CUDA only, the interpreter
+    runs the plain launches; no combine with a single split."""
+    return cfg.combine_pdl and on_gpu and not final, cfg.split_pdl and on_gpu
 
 
 def _is_pow2_at_least_16(n: int) -> bool:
@@ -373,23 +392,18 @@ def _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits):
     for name, t in (("q_rope", q_rope), ("kv_cache", kv_cache), ("seq_lens", seq_lens)):
         if t.device != q_lat.device:
             raise ValueError(f"{name}: expected device {q_lat.device} like q_lat, got {t.device}")
-    if q_lat.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("q_lat: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1, "
-                         "see k3lab.device.use_device)")
-    if q_lat.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q_lat: expected a cuda (or interpreted cpu) tensor, got "
-                         f"{q_lat.device}")
+    check_device("q_lat", q_lat)
     for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a contiguous last dimension, got strides "
                              f"{t.stride()}")
     if not seq_lens.is_contiguous():
         raise ValueError("seq_lens: expected a contiguous tensor")
-    if (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)
+    if (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
             or not math.isfinite(sm_scale) or sm_scale <= 0):
         raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale!r}")
     if num_splits is not None and (isinstance(num_splits, bool)
-                                   or not isinstance(num_splits, numbers.Integral)
+                                   or not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= MAX_SPLITS):
         raise ValueError(f"num_splits: expected None or an int in [1, {MAX_SPLITS}], "
                          f"got {num_splits!r}")
@@ -397,7 +411,7 @@ def _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits):
 
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                seq_lens: torch.Tensor, *, sm_scale: float, num_splits: int | None = None,
-               return_lse: bool = False):
+               return_lse: bool = False, config: MLAConfig | None = None):
     """Absorbed MLA decode attention over the latent cache (split-KV, two kernels).
 
     q_lat: [M, Hl, C] bf16/fp16 (q_nope absorbed through W_uk; C = kv_lora, 512 for K3).
@@ -409,26 +423,24 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
     num_splits: pieces the context is cut into. None picks :func:`default_num_splits` from the
         host shapes (M, Hl, L_max) and the SM count; an int in [1, MAX_SPLITS] fixes the grid,
         so one captured CUDA graph serves every length up to L_max.
+    config: the :class:`MLAConfig` (None: the defaults); it changes speed, not the result.
     Returns o_lat [M, Hl, C] in q_lat's dtype; with ``return_lse`` also lse [M, Hl] fp32 (natural
     log of sum_t exp(score), scores scaled). No host synchronization.
-    The module switches COMBINE_PDL (on) and SPLIT_PDL change how the kernels are launched, not
-    the result; PDL is CUDA only.
     """
     _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits)
+    cfg = _config(config)
     m, h, c = q_lat.shape
     r = q_rope.shape[2]
     dev = q_lat.device
     if num_splits is None:
-        num_splits = default_num_splits(m, h, kv_cache.shape[1], dev)
+        num_splits = default_num_splits(m, h, kv_cache.shape[1], dev, cfg)
     num_splits = int(num_splits)
     dot_fp32 = dev.type == "cpu"
     on_gpu = dev.type == "cuda"
     out = torch.empty((m, h, c), device=dev, dtype=q_lat.dtype)
     lse = torch.empty((m, h), device=dev, dtype=torch.float32)
     final = num_splits == 1
-    # programmatic dependent launch: CUDA only (the interpreter runs the plain launches)
-    pdl = bool(COMBINE_PDL) and on_gpu and not final
-    split_pdl = bool(SPLIT_PDL) and on_gpu
+    pdl, split_pdl = _pdl(cfg, on_gpu, final)
     if final:
         o_dst, lse_dst = out, lse
         so = (out.stride(0), out.stride(1), 0)
@@ -438,16 +450,16 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         lse_dst = torch.empty((m, h, num_splits), device=dev, dtype=torch.float32)
         so = (o_dst.stride(0), o_dst.stride(1), o_dst.stride(2))
         sl = (lse_dst.stride(0), lse_dst.stride(1))
-    block_n, warps, stages = _split_config(kv_cache.shape[1], on_gpu)
     _mla_decode_split_kernel[(m, triton.cdiv(h, BLOCK_H), num_splits)](
         q_lat, q_rope, kv_cache, seq_lens, o_dst, lse_dst,
         sm_scale * _LOG2E, num_splits, h,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), *so, *sl,
-        C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=block_n, CHUNKS=_score_chunks(c),
-        DEFER_SUM=bool(DEFER_ROW_SUM), DOT_FP32=dot_fp32, FINAL=final,
+        C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, CHUNKS=_score_chunks(c, cfg),
+        DEFER_SUM=cfg.defer_row_sum, DOT_FP32=dot_fp32, FINAL=final,
         PDL_WAIT=split_pdl, PDL_TRIGGER=pdl or split_pdl,
-        num_warps=warps, num_stages=stages, **({"launch_pdl": True} if split_pdl else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if split_pdl else {}),
     )
     if not final:
         block_s = min(triton.next_power_of_2(num_splits), COMBINE_MAX_BLOCK_S)

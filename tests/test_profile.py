@@ -1,5 +1,9 @@
 """The profiler on CPU: logical launch counts, timing, cold copies, timeline, measure()."""
 
+import math
+import warnings
+
+import pandas as pd
 import pytest
 import torch
 import triton
@@ -237,3 +241,50 @@ def test_warm_up_lasts_its_time(monkeypatch):
     t0 = _time.perf_counter()
     profile._warm(lambda: (calls.append(1), _time.sleep(0.01)), torch.device("cpu"))
     assert _time.perf_counter() - t0 >= 0.05 and len(calls) >= 1 + 5
+
+
+# ---------------------------------------------------------------- helpers over measure()'s rows
+
+def test_value_picks_variant_metric_and_mode():
+    rows = pd.DataFrame([
+        {"variant": "fused", "metric": "launches", "mode": "", "value": 1},
+        {"variant": "fused", "metric": "latency_us", "mode": "eager", "value": 5.0},
+        {"variant": "fused", "metric": "latency_us", "mode": "graph", "value": 2.0},
+        {"variant": "reference", "metric": "launches", "mode": None, "value": 9},
+    ])
+    assert profile.value(rows, "fused", "latency_us", "graph") == 2.0
+    assert profile.value(rows, "fused", "launches") == 1.0
+    assert profile.value(rows, "reference", "launches") == 9.0  # a missing mode reads as ""
+    assert math.isnan(profile.value(rows, "fused", "latency_us"))
+    assert math.isnan(profile.value(rows, "peer", "launches"))
+
+
+@pytest.mark.interpreter
+def test_launch_lists_and_timelines_per_variant():
+    b, x = _boundary(), {"x": torch.randn(2, 100)}
+    lists = profile.launch_lists(b, x, "cpu", ["reference", "fused"])
+    assert lists.to_dict(orient="list") == {"reference": ["aten::add"],
+                                            "fused": ["triton::_double_kernel"]}
+    assert "gpu-peer" not in profile.launch_lists(b, x, "cpu")  # available variants only
+    tls = profile.variant_timelines(b, x, "cpu", ["reference", "fused"])
+    assert list(tls) == ["reference", "fused"]
+    assert tls["fused"]["kernel"].tolist() == ["triton::_double_kernel"]
+    assert set(tls["fused"]["stream"]) == {"fused"}
+
+
+def test_graph_launch_is_nan_on_cpu():
+    assert math.isnan(profile.graph_launch_us("cpu"))
+
+
+def test_quiet_warnings_silence_only_their_notices():
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        profile.quiet_warnings()
+        warnings.warn("Warning: Profiler clears events at the end of each cycle. Only ...",
+                      UserWarning, stacklevel=1)
+        warnings.warn("TensorFloat32 tensor cores for float32 matrix multiplication available "
+                      "but not enabled.", UserWarning, stacklevel=1)
+        warnings.warn("\nOnline softmax is disabled on the fly since Inductor decides to",
+                      UserWarning, stacklevel=1)
+        warnings.warn("a warning worth reading", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["a warning worth reading"]

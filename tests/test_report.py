@@ -127,6 +127,41 @@ def test_to_html_hides_code_by_default():
     assert "SECRET_SOURCE" in report.to_html(nb, hide_code=False)
 
 
+def test_to_html_shares_its_stylesheets_once_per_folder(tmp_path):
+    nb = _notebook(new_markdown_cell("# Styled"))
+    alone = report.to_html(nb)
+    assert "<link rel=" not in alone and "k3lab:shared-css" not in alone
+    assert alone.count("<style") >= 3 and "mermaid" not in alone  # inline; no mermaid script
+    linked = report.to_html(nb, folder=tmp_path)
+    (css,) = (tmp_path / report.ASSETS_DIR).glob("k3lab-report-*.css")
+    assert f'<link rel="stylesheet" href="{report.ASSETS_DIR}/{css.name}">' in linked
+    assert len(linked) < len(alone) - 200_000  # the lab theme is most of a page without plots
+    styles = re.findall(r"<style[^>]*>(.*?)</style>", alone, re.S)
+    assert all(part in css.read_text() for part in styles[:4])  # the same CSS, moved
+    assert "Styled" in linked
+    again = report.to_html(_notebook(new_markdown_cell("# Other")), folder=tmp_path)
+    assert css.name in again and len(list(css.parent.iterdir())) == 1  # written once
+
+
+def test_prune_keeps_only_linked_stylesheets(tmp_path):
+    assets = tmp_path / report.ASSETS_DIR
+    assets.mkdir()
+    (assets / "k3lab-report-111111111111.css").write_text("new")
+    (tmp_path / "a.html").write_text(
+        f'<link rel="stylesheet" href="{report.ASSETS_DIR}/k3lab-report-111111111111.css">')
+    stale = tmp_path / report.ASSETS_DIR / "k3lab-report-000000000000.css"
+    stale.write_text("old")
+    other = tmp_path / report.ASSETS_DIR / "notes.txt"
+    other.write_text("kept")
+    assert report.prune_shared_assets(tmp_path) == [stale]
+    assert not stale.exists() and other.exists()
+    assert report.shared_assets_in_use(tmp_path) == {"k3lab-report-111111111111.css"}
+
+
+def test_significant_digits():
+    assert report.significant(0.0123456) == 0.0123 and report.significant(98765, 2) == 99000.0
+
+
 def test_write_index_escapes_and_links(tmp_path):
     entries = [
         {"name": "00_<overview>", "status": "ok", "html": "00_<overview>.html",

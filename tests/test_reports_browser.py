@@ -1,7 +1,8 @@
 """Reports as a reader sees them: index.html and every report it links, opened in headless
 Chromium (Debian's ``chromium``; ``.ci/run`` installs it). A page fails on a console error, a
 request that fails (a CDN the report should not need), a broken link or an image that does not
-decode. A screenshot of each page is saved under the test's temporary folder.
+decode, or a stylesheet it links that is missing. A screenshot of each page is saved under the
+test's temporary folder.
 
 Pages checked: a fresh CPU batch of the fixture notebooks, and the committed H200 reports under
 ``executed/h200`` when present.
@@ -35,7 +36,7 @@ class _Links(HTMLParser):
 
     def handle_starttag(self, tag, attrs):
         href = dict(attrs).get("href")
-        if tag == "a" and href:
+        if tag in ("a", "link") and href:  # links, and the shared stylesheet of _assets/
             self.hrefs.append(href)
 
 
@@ -109,8 +110,10 @@ def test_committed_h200_reports_open_cleanly(browser, tmp_path):
 
 def test_checker_catches_a_broken_page(browser, tmp_path):
     bad = tmp_path / "bad.html"
-    bad.write_text('<html><body><a href="missing.html">x</a><img src="nope.png">'
+    bad.write_text('<html><head><link rel="stylesheet" href="_assets/gone.css"></head><body>'
+                   '<a href="missing.html">x</a><img src="nope.png">'
                    "<script>console.error('boom')</script></body></html>")
     problems = _check_page(browser, bad, tmp_path / "shots")
     kinds = {p.split(":")[0] for p in problems}
     assert {"console", "broken image", "broken link"} <= kinds
+    assert any(p.startswith("broken link") and p.endswith("gone.css") for p in problems)

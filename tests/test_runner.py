@@ -120,6 +120,7 @@ def test_batch_exit_code_and_files(batch):
     assert not (out / "20_broken.metrics.json").exists()
     assert (out / "20_broken.failed.ipynb").is_file() and (out / "20_broken.failed.html").is_file()
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
+    assert not [p.name for p in (out / report.ASSETS_DIR).iterdir() if p.name.startswith(".")]
 
 
 def test_parameters_injected_and_metrics_published(batch):
@@ -157,6 +158,16 @@ def test_html_hides_code_and_embeds_plots(batch):
     assert report.CPU_WARNING in page
     # the hidden code no longer shows the parameters: the header does
     assert "<b>k3lab report 00_echo</b>: device='cpu', preset='tiny', tp=2, label='hello'" in page
+
+
+def test_reports_share_one_stylesheet(batch):
+    _, out = batch
+    (css,) = (out / report.ASSETS_DIR).iterdir()
+    for name in ("00_echo.html", "10_other.html", "20_broken.failed.html"):
+        page = (out / name).read_text()
+        assert f'href="{report.ASSETS_DIR}/{css.name}"' in page, name
+        assert ".jp-Notebook" not in page  # the lab theme is in the shared file only
+    assert ".jp-Notebook" in css.read_text()
 
 
 def test_failed_notebook_reported_with_its_error(batch):

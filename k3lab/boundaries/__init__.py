@@ -6,7 +6,7 @@ reference, the fused kernel, public peers) and a correctness check. The same obj
 tests, the notebooks, the profiler and the stack composer.
 
 Each ``k3lab/boundaries/<name>.py`` defines one ``BOUNDARY``; :func:`get` and :func:`all_boundaries`
-discover them.
+discover them, in :data:`ORDER`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ import torch
 
 from k3lab.config import Preset
 
-__all__ = ["Variant", "Boundary", "get", "all_boundaries", "names", "clone_inputs",
+__all__ = ["ORDER", "Variant", "Boundary", "get", "all_boundaries", "names", "clone_inputs",
            "compiled", "max_abs_err", "assert_close"]
 
 ROLES = ("reference", "fused", "peer")
+# The registry's order, the same as the boundaries' notebooks (10_route, 20_moe, 30_dense,
+# 40_kda, 50_mla, 60_attn_res): tables and plots over all boundaries list them this way.
+ORDER = ("route", "moe", "dense", "kda", "mla", "attn_res")
 
 
 @dataclass(frozen=True)
@@ -153,10 +156,10 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, *, ato
 
 
 def names() -> list[str]:
-    """Boundary module names found in this package, in decode-step order where known."""
+    """Boundary module names found in this package, in :data:`ORDER` (the notebooks' order);
+    a module not listed there comes after, by name."""
     found = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
-    order = ["attn_res", "kda", "mla", "route", "moe"]
-    return sorted(found, key=lambda n: (order.index(n) if n in order else len(order), n))
+    return sorted(found, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
 
 
 def get(name: str) -> Boundary:

@@ -11,6 +11,7 @@ import torch
 
 from k3lab.boundaries import Boundary, Variant, assert_close, compiled
 from k3lab.config import Preset
+from k3lab.kernels import attn_res_norm
 from k3lab.ops import ATTN_RES_OPS
 from k3lab.reference.attn_res import attn_res_norm_reference
 from k3lab.weights import attn_res_inputs, attn_res_weights, make_generator
@@ -55,9 +56,7 @@ def reference(inputs: dict):
 
 
 def fused(inputs: dict):
-    from k3lab.kernels.attn_res import attn_res_norm
-
-    return attn_res_norm(*_args(inputs), eps=inputs["eps"])
+    return attn_res_norm(*_args(inputs), eps=inputs["eps"], config=inputs.get("config"))
 
 
 def check(out, ref, inputs) -> dict:

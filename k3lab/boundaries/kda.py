@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from k3lab.boundaries import Boundary, Variant, assert_close, clone_inputs, compiled
 from k3lab.config import Preset
+from k3lab.kernels import KDAConv, KDAOutGate, kda_decode
 from k3lab.reference.kda import kda_decode_reference, out_norm_gate, short_conv_step
 from k3lab.weights import hidden_states, kda_cache, kda_weights, make_generator
 
@@ -132,26 +133,25 @@ def reference_out_gate(inputs: dict) -> dict:
 
 
 def _fused(inputs: dict) -> dict:
-    from k3lab.kernels import kda_decode
-    o = kda_decode(*_core(inputs), lower_bound=inputs["lower_bound"], scale=inputs["scale"])
+    o = kda_decode(*_core(inputs), lower_bound=inputs["lower_bound"], scale=inputs["scale"],
+                   config=inputs.get("config"))
     return {"o": o, "state": inputs["state"]}
 
 
 def _fused_conv(inputs: dict) -> dict:
-    from k3lab.kernels import KDAConv, kda_decode
     conv = KDAConv(*(inputs[f"{n}_conv_state"] for n in "qkv"),
                    *(inputs[f"{n}_conv"] for n in "qkv"))
     o = kda_decode(*_core(inputs, inputs["q_pre"], inputs["k_pre"], inputs["v_pre"]),
-                   lower_bound=inputs["lower_bound"], scale=inputs["scale"], conv=conv)
+                   lower_bound=inputs["lower_bound"], scale=inputs["scale"], conv=conv,
+                   config=inputs.get("config"))
     return {"o": o, "state": inputs["state"],
             **{f"{n}_conv_state": inputs[f"{n}_conv_state"] for n in "qkv"}}
 
 
 def _fused_out_gate(inputs: dict) -> dict:
-    from k3lab.kernels import KDAOutGate, kda_decode
     gate = KDAOutGate(inputs["g_logits"], inputs["o_norm"], inputs["eps"])
     o = kda_decode(*_core(inputs), lower_bound=inputs["lower_bound"], scale=inputs["scale"],
-                   out_gate=gate)
+                   out_gate=gate, config=inputs.get("config"))
     return {"o_gated": o, "state": inputs["state"]}
 
 

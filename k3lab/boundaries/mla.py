@@ -8,6 +8,7 @@ import torch
 
 from k3lab.boundaries import Boundary, Variant, assert_close, compiled
 from k3lab.config import Preset
+from k3lab.kernels import mla_decode
 from k3lab.reference.mla import mla_decode_reference
 from k3lab.weights import make_generator, mla_cache, randn
 
@@ -56,13 +57,11 @@ def _reference(inputs: dict) -> torch.Tensor:
 
 
 def _fused(inputs: dict) -> torch.Tensor:
-    from k3lab.kernels import mla_decode
     return mla_decode(*_args(inputs), sm_scale=inputs["sm_scale"],
-                      num_splits=inputs.get("num_splits"))
+                      num_splits=inputs.get("num_splits"), config=inputs.get("config"))
 
 
 def _fixed_splits(inputs: dict) -> torch.Tensor:
-    from k3lab.kernels import mla_decode
     return mla_decode(*_args(inputs), sm_scale=inputs["sm_scale"], num_splits=PEER_FIXED_SPLITS)
 
 

@@ -1,13 +1,14 @@
 """Route boundary (ARCHITECTURE.md section 3): the router's gate projection with FP32 logits,
 sigmoid, correction bias, (grouped) top-k, weight renormalization and the MoE sort metadata,
-producing the :class:`k3lab.plan.RoutePlan` the expert stages consume."""
+producing the :class:`k3lab.kernels.plan.RoutePlan` the expert stages consume."""
 
 from __future__ import annotations
 
 from k3lab.boundaries import Boundary, Variant, assert_close, compiled
 from k3lab.config import Preset
+from k3lab.kernels import route_sort
 from k3lab.kernels.plan import RoutePlan
-from k3lab.reference.route_sort import route_sort_reference
+from k3lab.reference.route import route_sort_reference
 from k3lab.weights import hidden_states, make_generator, router_weights
 
 __all__ = ["BOUNDARY", "make_inputs", "check", "bytes_moved", "route_kwargs",
@@ -54,9 +55,8 @@ def _reference(inputs: dict) -> RoutePlan:
 
 
 def _fused(inputs: dict) -> RoutePlan:
-    from k3lab.kernels import route_sort
     return route_sort(inputs["hidden"], inputs["gate_weight"], inputs["correction_bias"],
-                      **route_kwargs(inputs))
+                      **route_kwargs(inputs), config=inputs.get("config"))
 
 
 def check(out: RoutePlan, ref: RoutePlan, inputs: dict) -> dict:

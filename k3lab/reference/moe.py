@@ -1,7 +1,7 @@
 """Latent MoE, op by op (ARCHITECTURE.md sections 4 and 5): the unfused truth of the moe boundary.
 
 ```
-ids, w = route(x)                               # k3lab.reference.route_sort (route boundary)
+ids, w = route(x)                               # k3lab.reference.route (route boundary)
 z  = x @ W_down^T                               # latent down-projection H -> D
 a_e = SiTU(z @ W1[e]^T, z @ W3[e]^T)            # stage 1, per selected expert
 y  = sum_e w_e * (a_e @ W2[e]^T)                # stage 2, weighted sum in fp32
@@ -255,7 +255,7 @@ def latent_moe_reference(x: torch.Tensor, weights: dict, cfg, *, dtype=torch.flo
                          block_m: int = 1) -> torch.Tensor:
     """ARCHITECTURE.md section 4 end to end: route (``route_sort_reference``) then
     :func:`latent_moe_from_plan_reference`. x [M, H] bf16 -> [M, H] fp32."""
-    from k3lab.reference.route_sort import route_sort_reference
+    from k3lab.reference.route import route_sort_reference
 
     plan = route_sort_reference(
         x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,

@@ -1,0 +1,277 @@
+"""Named sweeps: a boundary of the registry and the points to measure it at.
+
+A point is a dict. Its keys are either parameters of the boundary's ``make_inputs`` (``M``,
+``block_m``, ``expert_format``, ``context``, ...) or fields of the boundary's kernel config, the
+frozen dataclass its fused variant reads from ``inputs["config"]`` (a dotted key such as
+``"front.block_k"`` reaches a field of a nested config). Config fields are applied with
+``dataclasses.replace`` to the config class's defaults (``Config()``); a point without config
+fields passes no config, so the kernels choose as they do by default. Where a kernel picks its
+config per shape when given none (the dense GEMV), ``Config()`` is not that choice: name every
+field that matters. A key that is neither is an error, raised by
+:func:`resolve` for the whole sweep before anything is measured: a sweep never silently times
+the defaults under another name.
+
+``Sweep.params`` holds make_inputs parameters shared by every point (a point's own win).
+``Sweep.variants``: the variants measured (None: every variant of the boundary).
+``Sweep.tp``: the tensor-parallel degree the sweep is meant for on the GPU (the runner's
+``--tp`` wins; on CPU the runner uses the tiny preset at tp 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import itertools
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Sweep", "Point", "SweepError", "SWEEPS", "get", "names", "resolve", "config_class",
+           "default_config", "CONFIG_CLASSES", "point_json", "grid"]
+
+
+class SweepError(KeyError):
+    """A sweep names a field, parameter, variant or point that does not exist."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class Sweep:
+    name: str
+    boundary: str
+    points: tuple[dict, ...]
+    description: str = ""
+    variants: tuple[str, ...] | None = ("fused",)
+    params: dict = field(default_factory=dict)
+    tp: int | None = None
+
+
+@dataclass(frozen=True)
+class Point:
+    """One resolved point: the make_inputs parameters, the config overrides (dotted keys), the
+    config the fused variant gets (:func:`default_config` with the overrides applied; None when
+    the point sets no config field, so the kernels choose as they do by default), and the point
+    as written (``spec``)."""
+
+    spec: dict
+    params: dict
+    overrides: dict
+    config: Any
+
+
+# The kernel config of each boundary's fused variant: (kernel package, class name); the class is
+# looked up in k3lab.kernels, then the package, then its config module (the first found wins).
+CONFIG_CLASSES: dict[str, tuple[str, str]] = {
+    "route": ("route", "RouteConfig"),
+    "moe": ("moe", "MoEConfig"),
+    "kda": ("kda", "KDAConfig"),
+    "mla": ("mla", "MLAConfig"),
+    "attn_res": ("attn_res", "AttnResConfig"),
+    "dense": ("dense", "GemvConfig"),
+}
+
+
+def config_class(boundary: str) -> type | None:
+    """The frozen config dataclass of ``boundary``'s fused variant, or None when the checkout
+    has none."""
+    if boundary not in CONFIG_CLASSES:
+        return None
+    package, name = CONFIG_CLASSES[boundary]
+    for module in ("k3lab.kernels", f"k3lab.kernels.{package}",
+                   f"k3lab.kernels.{package}.config"):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if cls is not None and dataclasses.is_dataclass(cls):
+            return cls
+    return None
+
+
+def default_config(cls: type) -> Any:
+    """The defaults of config class ``cls``: a module-level ``DEFAULT_CONFIG`` / ``DEFAULT``
+    instance where the class's module has one, else ``cls()``."""
+    module = importlib.import_module(cls.__module__)
+    for attr in ("DEFAULT_CONFIG", "DEFAULT"):
+        obj = getattr(module, attr, None)
+        if isinstance(obj, cls):
+            return obj
+    return cls()
+
+
+def _replace(cfg: Any, dotted: str, value: Any, where: str) -> Any:
+    head, _, rest = dotted.partition(".")
+    names = [f.name for f in dataclasses.fields(cfg)]
+    if head not in names:
+        raise SweepError(f"{where}: {type(cfg).__name__} has no field {head!r}; "
+                       f"its fields: {names}")
+    if rest:
+        inner = getattr(cfg, head)
+        if not (dataclasses.is_dataclass(inner) and not isinstance(inner, type)):
+            raise SweepError(f"{where}: {type(cfg).__name__}.{head} is not a config, so "
+                           f"{dotted!r} names nothing")
+        value = _replace(inner, rest, value, where)
+    return dataclasses.replace(cfg, **{head: value})
+
+
+def _input_params(boundary) -> set[str]:
+    sig = inspect.signature(boundary.make_inputs)
+    skip = {"cfg", "device", "seed"}
+    return {n for n, p in sig.parameters.items()
+            if n not in skip and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} | set(
+        boundary.params)
+
+
+def resolve(sweep: Sweep, points: list[int] | None = None) -> list[Point]:
+    """Every point of ``sweep`` (or the chosen indices) split into make_inputs parameters and
+    config overrides, the config built; raises SweepError (an unknown field, parameter,
+    variant or point) or ValueError (a value the config refuses), naming the point and the
+    field, before anything runs."""
+    from k3lab import boundaries
+
+    b = boundaries.get(sweep.boundary)
+    known = _input_params(b)
+    cls = config_class(sweep.boundary)
+    chosen = range(len(sweep.points)) if points is None else points
+    out = []
+    for i in chosen:
+        if not 0 <= i < len(sweep.points):
+            raise SweepError(f"sweep {sweep.boundary}/{sweep.name}: no point {i} "
+                             f"(it has {len(sweep.points)})")
+        spec = {**sweep.params, **sweep.points[i]}
+        where = f"sweep {sweep.boundary}/{sweep.name}, point {i} {point_json(sweep.points[i])}"
+        params = {k: v for k, v in spec.items() if k in known}
+        overrides = {k: v for k, v in spec.items() if k not in known}
+        if overrides and cls is None:
+            raise SweepError(f"{where}: {sorted(overrides)} are not make_inputs parameters "
+                             f"of {sweep.boundary} ({sorted(known)}), and this checkout has "
+                             f"no config class for it")
+        config = default_config(cls) if overrides else None
+        for key, value in overrides.items():
+            try:
+                config = _replace(config, key, value, where)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{where}: {key}={value!r}: {exc}") from exc
+        out.append(Point(spec, params, overrides, config))
+    if sweep.variants is not None:
+        have = [v.name for v in b.variants]
+        for v in sweep.variants:
+            if v not in have:
+                raise SweepError(f"sweep {sweep.boundary}/{sweep.name}: {sweep.boundary} has no "
+                               f"variant {v!r}; expected one of {have}")
+    return out
+
+
+def point_json(point: dict) -> str:
+    """A point (or a config) as compact, key-sorted JSON."""
+    return json.dumps(point, sort_keys=True, separators=(",", ":"), default=_json_default)
+
+
+def _json_default(obj: Any):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    return repr(obj)
+
+
+# ---------------------------------------------------------------------------------------------
+# the sweeps
+
+
+def grid(*axes: tuple[dict, ...] | list[dict]) -> tuple[dict, ...]:
+    """Every combination of one dict from each axis, merged (later axes win on a shared key):
+    ``grid(({"M": 1}, {"M": 4}), ({}, {"pdl": False}))`` is four points."""
+    return tuple({k: v for d in combo for k, v in d.items()}
+                 for combo in itertools.product(*axes))
+
+
+_M = ({"M": 1}, {"M": 4}, {"M": 16})
+_MLA_CONTEXTS = ({"context": 32768}, {"context": 131072})
+_MXFP4_TP1 = {"expert_format": "mxfp4"}
+
+_SWEEPS = [
+    # every variant (reference, fused, peers) of each boundary at a few decode batch sizes
+    *(Sweep("variants", b, _M, "every variant at M = 1, 4, 16", variants=None)
+      for b in ("route", "moe", "dense", "kda", "mla", "attn_res")),
+
+    # make_inputs parameters
+    Sweep("formats", "moe", ({"expert_format": "bf16"}, {"expert_format": "mxfp4"}),
+          "bf16 against MXFP4 experts, the fused block given the plan, M = 1", tp=1),
+    Sweep("routed", "moe", ({"route": False}, {"route": True}),
+          "the block given the plan, and routing itself (route_sort + the block)"),
+    Sweep("block_m", "route", ({"M": 16, "block_m": 1}, {"M": 16, "block_m": 4},
+                               {"M": 16, "block_m": 16}),
+          "plan tile height (entries of one expert a tile) at 16 tokens"),
+    Sweep("context", "mla", ({"context": 32768}, {"context": 65536}, {"context": 131072}),
+          "the split heuristic's choice at the contexts the MLA bar is set at"),
+    Sweep("splits", "mla", grid(({"context": 32768},),
+                                ({"num_splits": None}, {"num_splits": 66},
+                                 {"num_splits": 132}, {"num_splits": 264})),
+          "fixed split counts against the heuristic (None) at 32k"),
+    Sweep("sealed", "attn_res", ({"n_sealed": 0}, {"n_sealed": 4}, {"n_sealed": 8}),
+          "bank rows read (depth of the AttnRes read)"),
+
+    # config fields (docs/decisions.md has what each default rests on); {} is the defaults
+    Sweep("gemv", "route", ({}, {"gemv_row_splits": 1}, {"gemv_row_chunk": 1024},
+                            {"gemv_row_programs": 264}, {"gemv_row_programs": 0}),
+          "B1 gate GEMV: row programs (splits, chunk, count) against split-K tiles (0)"),
+    Sweep("select", "route", ({}, {"scalar_keys": False}, {"cand_cache": ".cg"},
+                              {"candidates_per_slot": 4}),
+          "the selection: scalar keys, candidate read-back from L2, 4 candidate slots"),
+    Sweep("warps", "route", ({"num_warps": 2}, {"num_warps": 4}, {"num_warps": 8}),
+          "warps of every route program"),
+    Sweep("tiles", "moe", ({}, {"stage1_mma_tile": (2, 1, 1)}, {"stage1_mma_tile": (2, 2, 1)},
+                           {"stage1_mma_tile": (2, 4, 1)}, {"stage2_mma_tile": (2, 1, 1)},
+                           {"stage2_mma_tile": (2, 2, 1)}, {"stage2_mma_tile": (2, 2, 2)},
+                           {"stage2_mma_tile": (1, 1, 1)}),
+          "tensor-core tiles (R, WARPS_K, L2 prefetch distance) of MXFP4 stages 1 and 2 "
+          "against the rule's pick ({})", params=_MXFP4_TP1, tp=1),
+    Sweep("pdl", "moe", ({"pdl": True}, {"pdl": False}),
+          "programmatic dependent launch on and off, MXFP4", params=_MXFP4_TP1, tp=1),
+    Sweep("evict", "moe", ({}, {"stage2_evict_first": False}, {"stage1_evict_first": True}),
+          "evict_first loads of each stage's MXFP4 expert weights", params=_MXFP4_TP1, tp=1),
+    Sweep("mxfp4", "moe", ({}, {"x_prepared": False}, {"tiled_weights": False},
+                           {"mma": False}),
+          "MXFP4 paths: prepared activations, tiled layout, tensor-core against K-lane tiles",
+          params=_MXFP4_TP1, tp=1),
+    Sweep("score", "mla", grid(_MLA_CONTEXTS, ({}, {"score_chunks": 1}, {"score_chunks": 2},
+                                               {"defer_row_sum": False},
+                                               {"score_chunks": 1, "defer_row_sum": False})),
+          "the split kernel's score chunks and deferred row sum at 32k and 128k"),
+    Sweep("tiles", "mla", grid(_MLA_CONTEXTS, ({}, {"block_n": 32, "num_stages": 4},
+                                               {"num_warps": 8}, {"programs_per_sm": 2})),
+          "split-kernel tiles (64 / 4 / 3 default, 32 / 4 / 4, 8 warps), two splits an SM"),
+    Sweep("pdl", "mla", grid(_MLA_CONTEXTS, ({}, {"combine_pdl": False}, {"split_pdl": True})),
+          "programmatic dependent launch of the combine, and of the split kernel"),
+    Sweep("split_k", "dense", grid(({"shape": "kda.in_proj"}, {"shape": "moe.latent_up"},
+                                    {"shape": "lm_head"}),
+                                   ({}, *({"block_n": 16, "block_k": 512, "split_k": k}
+                                          for k in (1, 2, 4, 8)))),
+          "K split of the B1 GEMV at 16 x 512 tiles against the per-shape default ({})"),
+    Sweep("tiles", "kda", ({}, {"min_block_v": 16}, {"block_v": 64}, {"block_r": 32},
+                           {"block_r": 128}, {"max_warps": 4}),
+          "v-tile width, f_b rank chunk, warps"),
+    Sweep("tiles", "attn_res", grid(({"n_sealed": 0}, {"n_sealed": 8}),
+                                    ({}, {"tile_elems": 16384}, {"num_warps": 4},
+                                     {"num_warps": 16})),
+          "bank tile elements and warps at 0 and 8 sealed rows"),
+]
+
+SWEEPS: dict[tuple[str, str], Sweep] = {(s.boundary, s.name): s for s in _SWEEPS}
+
+
+def names(boundary: str | None = None) -> list[tuple[str, str]]:
+    return sorted(k for k in SWEEPS if boundary is None or k[0] == boundary)
+
+
+def get(boundary: str, name: str) -> Sweep:
+    try:
+        return SWEEPS[(boundary, name)]
+    except KeyError:
+        have = [n for b, n in names(boundary)]
+        raise SweepError(f"sweep: {boundary} has no sweep {name!r}; expected one of {have}"
+                       ) from None

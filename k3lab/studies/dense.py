@@ -1,0 +1,126 @@
+"""The dense notebook's studies (30_dense): every projection shape of a preset at several tp
+degrees, checked, counted and timed against the engine's cuBLAS call and torch.compile, with the
+bytes-only skeleton of each weight beside it.
+
+Import after :func:`k3lab.studies.setup` (it imports ``k3lab.kernels``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from k3lab import config, floors, plots, profile
+from k3lab.boundaries import dense as dense_boundary
+from k3lab.studies import Setup
+
+__all__ = ["BIG_WEIGHT_MB", "CPU_SHAPES", "default_shapes", "shape_table", "sweep", "summary",
+           "fraction_plot", "headline"]
+
+BIG_WEIGHT_MB = 20.0  # weights at least this large are expected near the copy bandwidth
+# On the CPU one shape of each launch kind (merged outputs, norm prologue, activation, residual,
+# fp32 out, plain): the interpreter's figures are no GPU figures, every code path is.
+CPU_SHAPES = ("kda.in_proj", "mla.q_b_proj", "moe.shared_gate_up", "kda.o_proj", "moe.router",
+              "lm_head")
+
+
+def default_shapes(s: Setup) -> list[str] | None:
+    """Every projection on a GPU (None), :data:`CPU_SHAPES` on the CPU."""
+    return None if s.on_gpu else list(CPU_SHAPES)
+
+
+def shape_table(s: Setup, tps) -> pd.DataFrame:
+    """Name, rows, K, weight MB and what each projection is, per tp."""
+    rows = []
+    for tp in tps:
+        cfg = config.preset(s.cfg.name, tp)
+        for name, sh in dense_boundary.shapes(cfg).items():
+            rows.append(dict(tp=tp, shape=name, rows=sh["rows"], K=sh["K"],
+                             weight_MB=round(sh["rows"] * sh["K"] * 2 / 1e6, 2), what=sh["what"]))
+    return pd.DataFrame(rows)
+
+
+def sweep(s: Setup, tps, shapes=None, variants=None, skeleton: bool = True) -> pd.DataFrame:
+    """``profile.measure`` of every (tp, shape) at the setup's M, plus, on a GPU, the graph
+    latency of the bytes-only skeleton of the same bytes (``floors.stream_floor_us``)."""
+    out = []
+    table = shape_table(s, tps)
+    for _, r in table.iterrows():
+        if shapes and r["shape"] not in shapes:
+            continue
+        cfg = config.preset(s.cfg.name, int(r["tp"]))
+        rec = profile.measure(s.boundary, cfg, s.device, variants=variants, seed=s.seed,
+                              params={"M": s.M, "shape": r["shape"]}, repeats=s.repeats,
+                              modes=s.modes)
+        rec["shape"], rec["weight_MB"] = r["shape"], r["weight_MB"]
+        out.append(rec)
+        if skeleton and s.on_gpu:
+            nbytes = int(profile.value(rec, "fused", "bytes"))
+            us = floors.stream_floor_us(nbytes, s.device)
+            out.append(pd.DataFrame([{**s.base, "tp": cfg.tp, "variant": "skeleton",
+                                      "role": "floor", "mode": "graph", "metric": "latency_us",
+                                      "value": us, "unit": "us", "note": "bytes-only stream",
+                                      "shape": r["shape"], "weight_MB": r["weight_MB"]}]))
+    return pd.concat(out, ignore_index=True)
+
+
+def summary(s: Setup, records: pd.DataFrame) -> pd.DataFrame:
+    """One row per (tp, shape): launches, latency of each variant in the headline mode, the
+    fused kernel's fraction of the copy bandwidth and its speedup over cuBLAS and the best peer."""
+    mode = s.mode
+    rows = []
+    for (tp, shape), d in records.groupby(["tp", "shape"], sort=False):
+        def at(v, metric, m=mode, d=d):
+            return profile.value(d, v, metric, m)
+        row = {"tp": tp, "shape": shape, "weight MB": d["weight_MB"].iloc[0],
+               "launches cuBLAS": at("reference", "launches", ""),
+               "launches fused": at("fused", "launches", ""),
+               f"cuBLAS us ({mode})": at("reference", "latency_us"),
+               f"fused us ({mode})": at("fused", "latency_us")}
+        peers = [v for v in d.loc[d.role == "peer", "variant"].unique()]
+        for p in peers:
+            row[f"{p} us ({mode})"] = at(p, "latency_us")
+        row["skeleton us (graph)"] = at("skeleton", "latency_us", "graph")
+        row["fused frac of copy bw"] = at("fused", "roofline_frac")
+        row["speedup vs cuBLAS"] = at("fused", "speedup_vs_reference")
+        best_peer = min((at(p, "latency_us") for p in peers), default=math.nan)
+        row["speedup vs best peer"] = (best_peer / row[f"fused us ({mode})"]
+                                       if not math.isnan(best_peer) else math.nan)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def fraction_plot(s: Setup, table: pd.DataFrame):
+    """Fraction of the copy bandwidth against weight size, per tp: fused and cuBLAS."""
+    fig, ax = plots.subplots(figsize=(7.5, 4.2))
+    mode = s.mode
+    for tp, d in table.groupby("tp"):
+        frac_ref = (d["fused frac of copy bw"] * d[f"fused us ({mode})"]
+                    / d[f"cuBLAS us ({mode})"])
+        ax.scatter(d["weight MB"], d["fused frac of copy bw"], label=f"fused, tp {tp}")
+        ax.scatter(d["weight MB"], frac_ref, marker="x", label=f"cuBLAS, tp {tp}")
+    ax.set_xscale("log")
+    ax.axvline(BIG_WEIGHT_MB, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("weight MB")
+    ax.set_ylabel(f"fraction of copy bandwidth ({mode})")
+    return plots.finish(fig, f"dense projections, M = {s.M}{s.note}", legend=True)
+
+
+def headline(s: Setup, table: pd.DataFrame) -> dict:
+    """The bars of the dense boundary: big weights' worst fraction, worst speedups."""
+    big = table[table["weight MB"] >= BIG_WEIGHT_MB]
+    small = table[table["weight MB"] < BIG_WEIGHT_MB]
+    mode = s.mode
+    out = {
+        f"min frac of copy bw, weights >= {BIG_WEIGHT_MB:g} MB ({mode})":
+            round(float(big["fused frac of copy bw"].min()), 3) if len(big) else math.nan,
+        f"min speedup vs cuBLAS ({mode})": round(float(table["speedup vs cuBLAS"].min()), 3),
+        f"min speedup vs cuBLAS, weights < {BIG_WEIGHT_MB:g} MB ({mode})":
+            round(float(small["speedup vs cuBLAS"].min()), 3) if len(small) else math.nan,
+        "shapes": len(table),
+        "max fused launches": int(table["launches fused"].max()),
+    }
+    for tp, d in table[table["shape"] == "kda.in_proj"].groupby("tp"):
+        out[f"kda.in_proj us, tp {tp} ({mode})"] = round(float(d[f"fused us ({mode})"].iloc[0]), 2)
+    return out

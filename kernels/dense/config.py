@@ -1,0 +1,56 @@
+"""Tuning choices of the dense B1 GEMV, as data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GemvConfig"]
+
+_POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """How one GEMV launch is tiled.
+
+    block_n: weight rows a program owns (gate/up epilogues: rows of each half).
+    block_k: input columns a K step loads (block_n x block_k bf16 a step and program).
+    split_k: programs sharing one row tile's K range; their fp32 partial sums meet in a
+        workspace and the last program to finish a tile reduces them and runs the epilogue
+        (an in-kernel reduction: no memset, no second launch).
+    num_warps, num_stages: Triton launch options (num_stages pipelines the K loop's loads).
+    pdl: launch with programmatic dependent launch (compiled only): a program asks L2 for its
+        first ``prefetch_steps`` weight steps (weights never depend on the previous launch), then
+        waits for the previous grid before it reads x.
+    prefetch_steps: weight steps prefetched before that wait (pdl only).
+    block_n 8 serves one token only (the tensor-core path of 2..16 tokens needs 16).
+    """
+
+    block_n: int = 16
+    block_k: int = 512
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    pdl: bool = False
+    prefetch_steps: int = 2
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or v not in _POW2 or v < (8 if name == "block_n" else 16):
+                raise ValueError(f"GemvConfig.{name}: expected a power of two >= "
+                                 f"{8 if name == 'block_n' else 16}, got {v!r}")
+        if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or not (
+                1 <= self.split_k <= 64):
+            raise ValueError(f"GemvConfig.split_k: expected an int in 1..64, got "
+                             f"{self.split_k!r}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemvConfig.num_warps: expected 1, 2, 4, 8 or 16, got "
+                             f"{self.num_warps!r}")
+        if isinstance(self.num_stages, bool) or self.num_stages not in range(1, 8):
+            raise ValueError(f"GemvConfig.num_stages: expected 1..7, got {self.num_stages!r}")
+        if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
+            raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
+                             f"{self.prefetch_steps!r}")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"GemvConfig.pdl: expected a bool, got {self.pdl!r}")

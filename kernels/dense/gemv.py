@@ -1,0 +1,208 @@
+"""Dense GEMV for decode batches: y[m, n] = sum_k x[m, k] * W[n, k], W bf16 [N, K] row-major.
+
+At batch 1 a projection only has to stream its weight once, so a program owns ``BLOCK_N`` rows
+and a K range, keeps its products in registers and touches each weight byte once:
+- one token (``BLOCK_M == 1``): a broadcast multiply into a [BLOCK_N, BLOCK_K] fp32 accumulator,
+  reduced over K once at the end;
+- 2..16 tokens: ``tl.dot`` of the [16, BLOCK_K] x tile (padded) with the weight tile.
+Split K: ``SPLIT_K`` programs share a row tile; each stores its fp32 partial in a workspace,
+takes a ticket, and the last one sums the partials, resets the ticket and runs the epilogue.
+
+Prologue and epilogues remove launches around the projection: an RMSNorm of x (``NORM``: x * g,
+then rstd per token applied to the sums), gate/up activation (``ACT``: the weight holds gate rows
+then up rows, the output is act(gate, up)), a residual add, and outputs split by row segments
+(merged projections: segment s, rows [b_s, b_s+1), is written as its own contiguous [M, n_s]
+block of the output buffer).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ACT_NONE, ACT_SITU, ACT_SILU = 0, 1, 2
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * _sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _act(g, u, beta, linear_beta, ACT: tl.constexpr):
+    if ACT == 1:  # SiTU
+        return beta * _tanh(g / beta) * _sigmoid(g) * (linear_beta * _tanh(u / linear_beta))
+    else:  # SiLU(g) * u
+        return g * _sigmoid(g) * u
+
+
+@triton.jit
+def _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STEPS: tl.constexpr):
+    """prefetch.global.L2 of the first STEPS weight steps of the tile, one 128-byte line at a
+    time (inline PTX: compiled only)."""
+    for i in tl.static_range(STEPS):
+        o_k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K // 64) * 64
+        mask = m_n[:, None] & (o_k < k_hi)[None, :]
+        ptrs = p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :]
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _rstd(p_x, o_m, m_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) per token: fp32 [BLOCK_M]."""
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        b_x = tl.load(p_x + o_m[:, None] * K + o_k[None, :],
+                      mask=m_m[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(b_x * b_x, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            NORM: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] sums of x[o_m, k] (* g[k]) * W[o_n, k] over k in [k_lo, k_hi)."""
+    if BLOCK_M == 1:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < k_hi
+        b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :],
+                      mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_x = tl.load(p_x + o_m[:, None] * K + o_k[None, :],
+                      mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_xf = b_x.to(tl.float32)
+        if NORM:
+            b_xf = b_xf * tl.load(p_g + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_M == 1:
+            acc2 += b_w.to(tl.float32) * b_xf
+        elif DOT_FP32:  # the interpreter's dot is only exact in fp32
+            acc += tl.dot(b_xf, tl.trans(b_w.to(tl.float32)))
+        else:
+            acc += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_w))
+    if BLOCK_M == 1:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    return acc
+
+
+@triton.jit
+def _segment(o_n, p_bounds, N, N_SEG: tl.constexpr):
+    """(start, length) of the output segment holding each row of o_n."""
+    start = tl.zeros_like(o_n)
+    end = tl.zeros_like(o_n) + N
+    for i in tl.static_range(1, N_SEG):
+        b = tl.load(p_bounds + i)
+        start = tl.where(o_n >= b, b, start)
+    for j in tl.static_range(1, N_SEG):
+        b = tl.load(p_bounds + N_SEG - j)
+        end = tl.where(o_n < b, b, end)
+    return start, end - start
+
+
+@triton.jit
+def _epilogue(acc, acc_u, rstd, p_y, p_res, p_bounds, o_m, m_m, o_n, m_n, M, N, beta,
+              linear_beta, ACT: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+              N_SEG: tl.constexpr):
+    y = acc
+    if NORM:
+        y = y * rstd[:, None]
+    if ACT != 0:
+        u = acc_u
+        if NORM:
+            u = u * rstd[:, None]
+        y = _act(y, u, beta, linear_beta, ACT)
+    mask = m_m[:, None] & m_n[None, :]
+    if RESIDUAL:
+        y += tl.load(p_res + o_m[:, None] * N + o_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if N_SEG > 1:
+        start, length = _segment(o_n, p_bounds, N, N_SEG)
+        o_y = M * start[None, :] + o_m[:, None] * length[None, :] + (o_n - start)[None, :]
+    else:
+        o_y = o_m[:, None] * N + o_n[None, :]
+    tl.store(p_y + o_y, y.to(p_y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split_reduce(acc, acc_u, p_ws, p_cnt, i_n, i_k, o_m, m_m, o_n, m_n, M, N,
+                  SPLIT_K: tl.constexpr, ACT: tl.constexpr):
+    """Store this program's partial sums; the last program of the row tile gets the totals
+    (and resets the tile's ticket for the next call). Returns (is_last, acc, acc_u)."""
+    cols = N * (2 if ACT != 0 else 1)
+    mask = m_m[:, None] & m_n[None, :]
+    o_ws = (i_k * M + o_m[:, None]) * cols + o_n[None, :]
+    tl.store(p_ws + o_ws, acc, mask=mask)
+    if ACT != 0:
+        tl.store(p_ws + o_ws + N, acc_u, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    ticket = tl.atomic_add(p_cnt + i_n, 1, sem="acq_rel")
+    last = ticket == SPLIT_K - 1
+    if last:
+        tl.debug_barrier()
+        acc = tl.zeros_like(acc)
+        acc_u = tl.zeros_like(acc)
+        for s in tl.static_range(SPLIT_K):
+            o_s = (s * M + o_m[:, None]) * cols + o_n[None, :]
+            acc += tl.load(p_ws + o_s, mask=mask, other=0.0, cache_modifier=".cg")
+            if ACT != 0:
+                acc_u += tl.load(p_ws + o_s + N, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(p_cnt + i_n, 0, sem="relaxed")
+    return last, acc, acc_u
+
+
+@triton.jit
+def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_bounds, M, N, K, K_SPLIT, eps,
+                      beta, linear_beta, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
+                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
+                      DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                      NUM_STAGES: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K). N: output columns (with ACT, the weight has 2N rows:
+    gate rows [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K."""
+    i_n = tl.program_id(0)
+    i_k = tl.program_id(1)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < M
+    k_lo = i_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    if PDL:
+        if PREFETCH > 0:
+            _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
+            if ACT != 0:
+                _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
+        gdc_wait()
+        gdc_launch_dependents()
+    acc = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K,
+                  NORM, DOT_FP32, NUM_STAGES)
+    acc_u = acc
+    if ACT != 0:
+        acc_u = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
+                        BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if SPLIT_K > 1:
+        last, acc, acc_u = _split_reduce(acc, acc_u, p_ws, p_cnt, i_n, i_k, o_m, m_m, o_n, m_n,
+                                         M, N, SPLIT_K, ACT)
+        if last:
+            if NORM:
+                rstd = _rstd(p_x, o_m, m_m, K, eps, BLOCK_M, BLOCK_K)
+            _epilogue(acc, acc_u, rstd, p_y, p_res, p_bounds, o_m, m_m, o_n, m_n, M, N, beta,
+                      linear_beta, ACT, NORM, RESIDUAL, N_SEG)
+    else:
+        if NORM:
+            rstd = _rstd(p_x, o_m, m_m, K, eps, BLOCK_M, BLOCK_K)
+        _epilogue(acc, acc_u, rstd, p_y, p_res, p_bounds, o_m, m_m, o_n, m_n, M, N, beta,
+                  linear_beta, ACT, NORM, RESIDUAL, N_SEG)

@@ -1,0 +1,173 @@
+"""Launcher of the dense decode GEMV: validation, tiling, workspace."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from ..runtime import INTERPRETED, check_device
+from .config import GemvConfig
+from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
+
+__all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "dense_gemv", "default_config"]
+
+MAX_TOKENS = 16  # decode batches; beyond, a GEMM tile wins
+MAX_SEGMENTS = 8
+ACTIVATIONS = {None: ACT_NONE, "situ": ACT_SITU, "silu": ACT_SILU}
+# One token: 8-row tiles (a program's rows stay few, so enough programs stream at once), 512-column
+# steps, K split until the grid holds about MIN_PROGRAMS programs (thin projections), PDL with an
+# L2 prefetch of the first steps for weights under PREFETCH_BELOW bytes (their launch and ramp are
+# a large share). Several tokens: 16-row tiles (the tensor-core path). docs/decisions.md has the
+# sweep behind these.
+MIN_PROGRAMS = 160
+MAX_SPLIT = 4
+PREFETCH_BELOW = 16 << 20
+_tickets: dict = {}
+
+
+def default_config(m: int, rows: int, k: int) -> GemvConfig:
+    """The tiling for ``rows`` output rows (per gate/up half) over K at M tokens."""
+    block_k = 512 if k >= 512 else max(16, triton.next_power_of_2(k))
+    block_n = 8 if m == 1 else 16
+    tiles = triton.cdiv(rows, block_n)
+    steps = triton.cdiv(k, block_k)
+    split = 1
+    while split < MAX_SPLIT and tiles * split < MIN_PROGRAMS and steps >= 4 * split:
+        split *= 2
+    small = rows * k * 2 < PREFETCH_BELOW
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split,
+                      num_stages=4 if rows <= 2304 else 3, pdl=True,
+                      prefetch_steps=2 if small else 0)
+
+
+def _check(name, t, dtypes, dim, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimensions, got shape {list(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    check_device(name, t)
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def _number(name, v, *, positive=False):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"{name}: expected a finite number, got {v!r}")
+    if positive and v <= 0:
+        raise ValueError(f"{name}: expected a positive number, got {v!r}")
+    return float(v)
+
+
+def _ticket_buffer(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 tickets of the split-K reduction, one per row tile, kept per device and
+    stream: each launch leaves them zero again, so one allocation serves every call and every
+    CUDA-graph replay (make the first call before capturing)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _tickets.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _tickets[key] = buf
+    return buf
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation=None,
+               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+               eps: float = 1e-5, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+               out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None):
+    """y = x @ weight^T for a decode batch, one launch.
+
+    x: bf16 [M, K], 1 <= M <= MAX_TOKENS. weight: bf16 [N, K] (with ``activation``, [2S, K]:
+    gate rows then up rows, and y = act(x @ gate^T, x @ up^T) is [M, S]).
+    splits: row counts summing to N (merged projections): returns a tuple of contiguous
+        [M, n_i] tensors, one per segment, instead of one [M, N] tensor.
+    activation: None, "situ" (beta situ_beta, linear beta situ_linear_beta) or "silu".
+    residual: bf16 [M, N_out] added to the output (single output only).
+    norm_weight: [K] (fp32 or bf16): y = RMSNorm(x; eps) @ weight^T, the norm in the prologue.
+    out_dtype: bf16 or fp32. config: GemvConfig (None: ``default_config``).
+    """
+    _check("x", x, (torch.bfloat16,), 2)
+    dev = x.device
+    _check("weight", weight, (torch.bfloat16,), 2, dev)
+    m, k = x.shape
+    if not 1 <= m <= MAX_TOKENS:
+        raise ValueError(f"x: expected 1 <= M <= {MAX_TOKENS} tokens (a decode batch), got "
+                         f"M={m}")
+    if weight.shape[1] != k:
+        raise ValueError(f"weight: expected [N, K={k}] (K of x), got {list(weight.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected None, 'situ' or 'silu', got {activation!r}")
+    act = ACTIVATIONS[activation]
+    n = weight.shape[0]
+    if act:
+        if n % 2:
+            raise ValueError(f"weight: with activation={activation!r} expected [2S, K] (gate "
+                             f"rows then up rows), got an odd row count {n}")
+        n //= 2
+    beta = _number("situ_beta", situ_beta, positive=True)
+    linear_beta = _number("situ_linear_beta", situ_linear_beta, positive=True)
+    eps = _number("eps", eps, positive=True)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+    if config is None:
+        config = default_config(m, n, k)
+    elif not isinstance(config, GemvConfig):
+        raise ValueError(f"config: expected a GemvConfig or None, got {type(config).__name__}")
+    bounds = [0]
+    if splits is not None:
+        if act or residual is not None:
+            raise ValueError("splits: merged outputs take no activation and no residual")
+        if (not isinstance(splits, (list, tuple)) or not splits or len(splits) > MAX_SEGMENTS
+                or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in splits)):
+            raise ValueError(f"splits: expected 1..{MAX_SEGMENTS} positive ints, got {splits!r}")
+        if sum(splits) != n:
+            raise ValueError(f"splits: expected row counts summing to N={n}, got {list(splits)} "
+                             f"(sum {sum(splits)})")
+        for s in splits[:-1]:
+            bounds.append(bounds[-1] + s)
+    if residual is not None:
+        _check("residual", residual, (torch.bfloat16,), 2, dev)
+        if tuple(residual.shape) != (m, n):
+            raise ValueError(f"residual: expected [M, N] = [{m}, {n}], got "
+                             f"{list(residual.shape)}")
+    if norm_weight is not None:
+        _check("norm_weight", norm_weight, (torch.float32, torch.bfloat16), 1, dev)
+        if norm_weight.numel() != k:
+            raise ValueError(f"norm_weight: expected [K={k}], got {list(norm_weight.shape)}")
+    block_m = 1 if m == 1 else 16
+    if block_m > 1 and config.block_n < 16:
+        raise ValueError(f"config: block_n={config.block_n} serves one token only; M={m} takes "
+                         f"the tensor-core path, which needs block_n >= 16")
+    tiles = triton.cdiv(n, config.block_n)
+    steps = triton.cdiv(k, config.block_k)
+    split = min(config.split_k, steps)
+    k_split = triton.cdiv(steps, split) * config.block_k
+    split = triton.cdiv(k, k_split)  # no empty share
+    y = torch.empty(m * n, dtype=out_dtype, device=dev)
+    ws = (torch.empty(split * m * n * (2 if act else 1), dtype=torch.float32, device=dev)
+          if split > 1 else y)
+    cnt = _ticket_buffer(dev, tiles) if split > 1 else y
+    p_bounds = torch.tensor(bounds, dtype=torch.int32, device=dev) if len(bounds) > 1 else y
+    pdl = config.pdl and not INTERPRETED
+    dense_gemv_kernel[(tiles, split)](
+        x, weight, y, residual if residual is not None else x,
+        norm_weight if norm_weight is not None else x, ws, cnt, p_bounds,
+        m, n, k, k_split, eps, beta, linear_beta,
+        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
+        ACT=act, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+        N_SEG=len(bounds), DOT_FP32=INTERPRETED, PDL=pdl,
+        PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps, **({"launch_pdl": True} if pdl else {}))
+    if splits is None:
+        return y.view(m, n)
+    outs, off = [], 0
+    for s in splits:
+        outs.append(y[off * m:(off + s) * m].view(m, s))
+        off += s
+    return tuple(outs)

@@ -1,0 +1,206 @@
+"""The latent tail launcher and the whole block (front, stage 1, stage 2 + tail)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..plan import RoutePlan
+from ..route import route_sort
+from .checks import (
+    check_activation,
+    check_config,
+    check_experts,
+    check_plan,
+    check_shared_weights,
+    check_tensor,
+    check_tokens,
+    pairs,
+)
+from .config import MoEConfig
+from .launch import _launch_stage1, _launch_stage2_tail, _stage2_args, _tail_args, latent_down
+from .tiles import mma_tile
+
+__all__ = ["latent_moe_tail", "moe_block"]
+
+
+def _tail_shared(shared, y, m, h, config):
+    """(shared_out, shared_a, shared_w2) of latent_moe_tail's ``shared`` argument."""
+    if shared is None:
+        return None, None, None
+    if isinstance(shared, torch.Tensor):
+        check_tensor("shared", shared, dtypes=(torch.bfloat16, torch.float32), dim=2,
+                     device=y.device)
+        if tuple(shared.shape) != (m, h):
+            raise ValueError(f"shared: expected [M, H] = [{m}, {h}], got {tuple(shared.shape)}")
+        return shared, None, None
+    if isinstance(shared, dict) and "a" in shared:
+        for key in ("a", "w2"):
+            check_tensor(f"shared['{key}']", shared.get(key), dtypes=(torch.bfloat16,), dim=2,
+                         device=y.device)
+        shared_a, shared_w2 = shared["a"], shared["w2"]
+        if shared_a.shape[0] != m or tuple(shared_w2.shape) != (h, shared_a.shape[1]):
+            raise ValueError(f"shared: expected a [M={m}, S] and w2 [H={h}, S], got a "
+                             f"{tuple(shared_a.shape)}, w2 {tuple(shared_w2.shape)}")
+        pairs("shared['a']", shared_a)
+        return None, shared_a, shared_w2
+    if isinstance(shared, dict):
+        check_shared_weights(shared, m, h, y.device)
+        shared_w2 = shared["w2"]
+        if shared_w2.shape[1] * 2 != shared["w13"].shape[0]:
+            raise ValueError(f"shared: w2 must be [H, S] with w13 [2S, H], got w2 "
+                             f"{tuple(shared_w2.shape)}, w13 {tuple(shared['w13'].shape)}")
+        _, shared_a = latent_down(shared["x"], None, shared["w13"],
+                                  activation=shared.get("activation", "situ"),
+                                  situ_beta=shared.get("situ_beta", 4.0),
+                                  situ_linear_beta=shared.get("situ_linear_beta", 25.0),
+                                  config=config)
+        pairs("shared['w2']", shared_w2)
+        return None, shared_a, shared_w2
+    raise ValueError(f"shared: expected None, a tensor [M, H] or a weights dict, got "
+                     f"{type(shared).__name__}")
+
+
+def latent_moe_tail(y: torch.Tensor, norm_weight: torch.Tensor | None,
+                    up_weight: torch.Tensor | None, shared=None, *, eps: float,
+                    config: MoEConfig | None = None) -> torch.Tensor:
+    """out = RMSNorm(y) @ W_up^T + shared, bf16 [M, H], RMSNorm and sums in fp32.
+
+    y: fp32 [M, D] (stage 2's output). norm_weight: fp32 or bf16 [D]. up_weight: bf16 [H, D].
+    norm_weight = up_weight = None: no latent (K2-style), out = y + shared with y [M, H].
+    shared: None; a computed tensor [M, H] (bf16 or fp32), added (1 launch in all); or the shared
+    MLP's weights ``{"x": bf16 [M, H], "w13": bf16 [2S, H], "w2": bf16 [H, S], "activation",
+    "situ_beta", "situ_linear_beta"}``: gate/up run in a front launch (:func:`latent_down`), the
+    down GEMV inside the tail's launch (2 launches in all); or ``{"a": bf16 [M, S], "w2": bf16
+    [H, S]}``, the shared MLP's activation already computed (by :func:`latent_down`): its down
+    GEMV runs inside the tail's launch (1 launch).
+    """
+    config = check_config(config)
+    check_tensor("y", y, dtypes=(torch.float32,), dim=2)
+    m, d = y.shape
+    check_tokens("y", m)
+    if (norm_weight is None) != (up_weight is None):
+        raise ValueError("norm_weight: give both norm_weight and up_weight, or neither")
+    h = d
+    if up_weight is not None:
+        check_tensor("norm_weight", norm_weight, dtypes=(torch.float32, torch.bfloat16), dim=1,
+                     device=y.device)
+        check_tensor("up_weight", up_weight, dtypes=(torch.bfloat16,), dim=2, device=y.device)
+        if norm_weight.shape[0] != d or up_weight.shape[1] != d or d % 2:
+            raise ValueError(f"up_weight: expected norm_weight [D={d}] and up_weight [H, D={d}] "
+                             f"with D even, got {tuple(norm_weight.shape)}, "
+                             f"{tuple(up_weight.shape)}")
+        h = up_weight.shape[0]
+    shared_out, shared_a, shared_w2 = _tail_shared(shared, y, m, h, config)
+    if up_weight is None and shared is None:
+        raise ValueError("shared: without a latent (up_weight None) the tail needs a shared term")
+    tail = _tail_args(config, y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps)
+    _launch_stage2_tail(config, None, tail)
+    return tail[2]
+
+
+def _check_block_weights(x, weights, cfg, plan):
+    """Validate moe_block's weights; returns (w13, w2, (E, D, I))."""
+    h = x.shape[1]
+    if h != cfg.hidden:
+        raise ValueError(f"x: expected [M, H={cfg.hidden}] for preset {cfg.name}, got "
+                         f"{tuple(x.shape)}")
+    need = ["w13", "w2"]
+    need += ["latent_down", "latent_norm", "latent_up"] if cfg.latent else []
+    need += ["shared_w13", "shared_w2"] if cfg.shared_intermediate else []
+    need += ["gate_weight", "correction_bias"] if plan is None else []
+    missing = [k for k in need if k not in weights]
+    if missing:
+        raise ValueError(f"weights: missing {missing} for preset {cfg.name}")
+    w13, w2 = weights["w13"], weights["w2"]
+    e, two_i, d, _ = check_experts("w13", w13, x.device)
+    e2, d2, i2, _ = check_experts("w2", w2, x.device)
+    if (d, two_i, e2, d2, i2) != (cfg.moe_in, 2 * cfg.moe_intermediate, e, cfg.moe_in,
+                                  cfg.moe_intermediate) or i2 % 2:
+        raise ValueError(f"w13: expected w13 [E, 2I, D] and w2 [E, D, I] with D={cfg.moe_in}, "
+                         f"I={cfg.moe_intermediate} (even), got {list(w13.shape)}, "
+                         f"{list(w2.shape)}")
+    if cfg.shared_intermediate:
+        check_tensor("shared_w2", weights["shared_w2"], dtypes=(torch.bfloat16,), dim=2,
+                     device=x.device)
+        if tuple(weights["shared_w2"].shape) != (h, cfg.shared_intermediate):
+            raise ValueError(f"shared_w2: expected [H, S] = [{h}, {cfg.shared_intermediate}], "
+                             f"got {tuple(weights['shared_w2'].shape)}")
+    if cfg.latent:
+        for name, shape in (("latent_norm", (d,)), ("latent_up", (h, d))):
+            check_tensor(name, weights[name], dtypes=(torch.bfloat16, torch.float32),
+                         dim=len(shape), device=x.device)
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(f"{name}: expected {list(shape)}, got "
+                                 f"{list(weights[name].shape)}")
+    return w13, w2, (e, d, i2)
+
+
+def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
+              block_m: int = 1, deterministic: bool = False, fuse_tail: bool = True,
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """The latent MoE block of ARCHITECTURE.md section 4: route_sort (unless ``plan`` is given),
+    front (latent down + shared gate/up), stage 1, then stage 2 and the tail (+ shared down) as
+    one ticket-ordered launch: 3 launches given a plan, route_sort's plus 3 with routing.
+
+    fuse_tail=False launches stage 2 and the tail separately (4 launches given a plan): no
+    waiting across programs inside a kernel. The fused launch cannot deadlock (a tail program
+    waits only for tickets taken by running programs) and restarts from counters stage 1 zeroes
+    on every call and graph replay. With ``config.pdl`` (compiled), stage 1 is launched with
+    programmatic dependent launch after the front launch, and stage 2 and the tail when apart.
+
+    x: bf16 [M, H], M <= MAX_TOKENS. weights: the dict of ``k3lab.weights.moe_weights``
+    (gate_weight, correction_bias; latent_down [D, H], latent_norm [D], latent_up [H, D] when
+    cfg.latent; w13 [E, 2I, D], w2 [E, D, I] bf16 or MXFP4; shared_w13 [2S, H], shared_w2
+    [H, S] when cfg.shared_intermediate). cfg: a k3lab Preset. plan: a RoutePlan for x (skips
+    routing; block_m is then the plan's; its out is re-zeroed by stage 1). Returns bf16 [M, H].
+    """
+    config = check_config(config)
+    check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
+    m, h = x.shape
+    check_tokens("x", m)
+    act = check_activation(cfg.activation)
+    betas = (cfg.situ_beta, cfg.situ_linear_beta)
+    w13, w2, (e, d, i) = _check_block_weights(x, weights, cfg, plan)
+    if plan is None:
+        plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
+                          n_group=cfg.n_group, topk_group=cfg.topk_group,
+                          renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
+                          block_m=block_m, out_dim=d)
+    _, _, n_tiles = check_plan(plan, m, e, x.device, out_dim=d)
+    if plan.out is None:
+        raise ValueError("plan.out: moe_block needs the plan's zeroed fp32 [M, D] buffer "
+                         "(route_sort(..., out_dim=D))")
+    # prepared activations for the tensor-core tiles: the front kernel writes z's copy, stage 1
+    # a's (latent presets; K2-style stage 1 reads x itself)
+    prep1 = (config.x_prepared and cfg.latent and d % 8 == 0
+             and mma_tile(config, w13, 1, plan.block_m, n_tiles, i) is not None)
+    prep2 = (config.x_prepared and i % 8 == 0
+             and mma_tile(config, w2, 0 if deterministic else 2, plan.block_m, n_tiles, d)
+             is not None)
+    z_mma = torch.empty((m, d), device=x.device, dtype=torch.bfloat16) if prep1 else None
+    a_mma = (torch.empty((m * plan.topk_ids.shape[1], i), device=x.device, dtype=torch.bfloat16)
+             if prep2 else None)
+    z, shared_a = latent_down(x, weights["latent_down"] if cfg.latent else None,
+                              weights["shared_w13"] if cfg.shared_intermediate else None,
+                              activation=cfg.activation, situ_beta=betas[0],
+                              situ_linear_beta=betas[1], z_mma_out=z_mma, config=config)
+    sync = torch.empty(2, device=x.device, dtype=torch.int32)
+    front = z is not None or shared_a is not None  # a launch between the plan and stage 1
+    a = _launch_stage1(config, z if cfg.latent else x, plan, w13, act, *betas, n_tiles,
+                       sync=sync, z_mma=z_mma, a_mma_out=a_mma, pdl=front)
+    stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
+    if not cfg.latent and shared_a is None:  # K2-style without shared experts: y is the output
+        _launch_stage2_tail(config, stage2, None, pdl=True)
+        return stage2[2].to(torch.bfloat16)
+    shared_w2 = weights["shared_w2"] if shared_a is not None else None
+    if cfg.latent:
+        tail = _tail_args(config, stage2[2], weights["latent_norm"], weights["latent_up"], None,
+                          shared_a, shared_w2, cfg.rms_eps)
+    else:
+        tail = _tail_args(config, stage2[2], None, None, None, shared_a, shared_w2, cfg.rms_eps)
+    if fuse_tail:
+        _launch_stage2_tail(config, stage2, tail, sync)
+    else:
+        _launch_stage2_tail(config, stage2, None, pdl=True)
+        _launch_stage2_tail(config, None, tail, pdl=True)
+    return tail[2]

@@ -1,0 +1,119 @@
+"""The MoE kernels' tuning choices as one immutable value, passed to every launcher.
+
+``MoEConfig()`` is what the kernels run by default; a sweep or a test builds another one and
+passes it as ``config=``. Nothing here is read from module globals at launch time. The evidence
+behind each default is in docs/decisions.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["MoEConfig", "MMA_STAGE1_R"]
+
+MMA_STAGE1_R = 2  # a stage-1 tensor-core program holds its gate tile and its up tile
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def _check_int(name: str, value, low: int, high: int | None = None, pow2: bool = False) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+    ok = ok and (high is None or value <= high) and (not pow2 or value & (value - 1) == 0)
+    if not ok:
+        span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name}: expected an int {span}{' and a power of two' if pow2 else ''}"
+                         f", got {value!r}")
+
+
+def _check_mma_tile(name: str, tile, stage: int) -> None:
+    """A tensor-core tile (R, WARPS_K, L2 prefetch distance); stage 1's R is 2."""
+    if tile is None:
+        return
+    ok = (isinstance(tile, tuple) and len(tile) == 3
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in tile))
+    if ok:
+        r, warps_k, prefetch = tile
+        ok = r in ((MMA_STAGE1_R,) if stage == 1 else (1, 2)) and warps_k in (1, 2, 4) \
+            and 0 <= prefetch <= 7
+    if not ok:
+        rs = f"R = {MMA_STAGE1_R} (gate and up tiles)" if stage == 1 else "R in (1, 2)"
+        raise ValueError(f"{name}: expected None or a tuple ({rs}, WARPS_K in (1, 2, 4), "
+                         f"L2 prefetch distance in 0..7), got {tile!r}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tuning choices of the MoE kernels (defaults: what the kernels run).
+
+    Attributes:
+        mma: MXFP4 plan tiles of one token (block_m 1: B1 stage 1 and the atomic stage 2) run on
+            the tensor cores (kernels/moe/mma.py) instead of the K-lane GEMV.
+        stage1_mma_tile, stage2_mma_tile: the tensor-core tile (R 16-row tiles a warp, WARPS_K
+            warps splitting K, L2 prefetch distance in K steps) of that stage, or None: the
+            largest candidate (tiles.MMA_CANDIDATES) that still launches ``target_programs``
+            programs (else the smallest).
+        stage1_evict_first, stage2_evict_first: the tensor-core tiles load that stage's expert
+            weights with eviction_policy "evict_first" (read once; L2 is left to what is read or
+            added to again).
+        x_prepared: the tensor-core tiles read the activations already permuted and scaled
+            (mma_prepare_x) where the caller has such a copy; moe_block has the producers
+            write them.
+        pdl: programmatic dependent launch where it is safe (compiled tensor-core stage tiles,
+            the tail launched alone, the front and stage 1 letting the next launch start);
+            False: no PDL anywhere.
+        stage1_klane_stages, stage2_klane_stages: software pipeline stages of the K-lane MXFP4
+            K loop (tl.range num_stages; 0: none) of stage 1 / stage 2.
+        klane_words: int32 words (8 codes each) a K-lane K step.
+        klane_rows: most weight rows a K-lane program holds (stage 1: gate and up rows
+            interleaved, half of each).
+        target_programs: programs a GEMV launch aims at (about 4 resident programs per SM of a
+            132-SM H200): the most rows a program whose launch still has this many.
+        front_target_programs: the same for the front launch (latent down + shared gate/up).
+        tiled_weights: moe_kernel_weights lays MXFP4 experts out in the tiled layout where the
+            shapes allow.
+        interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
+            steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
+            big tiles (the interpreter runs programs one by one); no effect when compiled.
+    """
+
+    mma: bool = True
+    stage1_mma_tile: tuple[int, int, int] | None = None
+    stage2_mma_tile: tuple[int, int, int] | None = None
+    stage1_evict_first: bool = False
+    stage2_evict_first: bool = True
+    x_prepared: bool = True
+    pdl: bool = True
+    stage1_klane_stages: int = 3
+    stage2_klane_stages: int = 0
+    klane_words: int = 64
+    klane_rows: int = 64
+    target_programs: int = 528
+    front_target_programs: int = 1056
+    tiled_weights: bool = True
+    interpret_gpu_tiles: bool = False
+
+    def __post_init__(self):
+        for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
+                     "tiled_weights", "interpret_gpu_tiles"):
+            _check_bool(name, getattr(self, name))
+        _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
+        _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)
+        _check_int("stage1_klane_stages", self.stage1_klane_stages, 0, 7)
+        _check_int("stage2_klane_stages", self.stage2_klane_stages, 0, 7)
+        _check_int("klane_words", self.klane_words, 4, 1024, pow2=True)
+        _check_int("klane_rows", self.klane_rows, 4, 512, pow2=True)
+        _check_int("target_programs", self.target_programs, 1)
+        _check_int("front_target_programs", self.front_target_programs, 1)
+
+    def mma_tile(self, stage: int) -> tuple[int, int, int] | None:
+        """The fixed tensor-core tile of stage 1 or 2 (None: picked by the launch)."""
+        return self.stage1_mma_tile if stage == 1 else self.stage2_mma_tile
+
+    def evict_first(self, stage: int) -> bool:
+        return self.stage1_evict_first if stage == 1 else self.stage2_evict_first
+
+    def klane_stages(self, stage: int) -> int:
+        return self.stage1_klane_stages if stage == 1 else self.stage2_klane_stages

@@ -1,0 +1,371 @@
+"""The MoE launchers: validate, pick tiles (tiles.py) from the MoEConfig, launch (stages.py).
+
+Every launcher takes ``config: MoEConfig | None`` (None: the defaults) and turns its fields into
+named constexprs of the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
+from ..plan import RoutePlan
+from ..runtime import INTERPRETED
+from .checks import (
+    check_activation,
+    check_config,
+    check_experts,
+    check_plan,
+    check_prepared,
+    check_tensor,
+    check_tokens,
+    pairs,
+)
+from .config import MoEConfig
+from .mma import MMA_WARPS, mma_layout_problem
+from .stages import _moe_front_kernel, _moe_stage1_kernel, _moe_stage2_tail_kernel
+from .tiles import (
+    MIN_PAIRS,
+    MIN_ROWS,
+    PRODUCT_BUDGET,
+    ExpertTiles,
+    expert_tiles,
+    gemv_tiles,
+    token_loop,
+)
+
+__all__ = ["latent_down", "moe_stage1", "moe_stage2", "moe_kernel_weights"]
+
+NUM_WARPS = MMA_WARPS  # every launch: 4 warps (the tensor-core tiles' index math needs 4)
+ZERO_MIN_BLOCK = 16  # stage 1 zeroes stage 2's accumulator in slices of at least this
+
+
+def _pdl_on(config: MoEConfig) -> bool:
+    """PDL is a compiled-only launch option."""
+    return config.pdl and not INTERPRETED
+
+
+def _tiled(w) -> bool:
+    """Whether expert weight ``w`` is MXFP4 in the tiled layout."""
+    return isinstance(w, MXFP4) and w.layout == "tiled"
+
+
+def _expert_ptrs(w):
+    """(values, scales) kernel arguments: bf16 viewed as int32 pairs, or MXFP4 packed codes viewed
+    as int32 words (8 codes each) and the uint8 scales."""
+    if isinstance(w, MXFP4):
+        return w.packed.view(torch.int32), w.scales
+    return w.view(torch.int32), w.view(torch.int32)
+
+
+def _expert_constexprs(config: MoEConfig, w, t: ExpertTiles, stage: int,
+                       x_prepared: bool) -> dict:
+    """The expert GEMV's constexprs: format, tensor-core tile (or K-lane stages), flags."""
+    r, warps_k, prefetch = t.mma or (1, 1, 0)
+    return dict(FP4=isinstance(w, MXFP4), USE_MMA=t.mma is not None, R=r, WARPS_K=warps_k,
+                L2_PREFETCH=prefetch, X_PREPARED=x_prepared,
+                EVICT_FIRST=t.mma is not None and config.evict_first(stage),
+                ASM=not INTERPRETED, KLANE_STAGES=t.klane_stages)
+
+
+_MMA_LAYOUT_VERDICTS: dict = {}
+
+
+def _check_mma_layout(kernel, grid, args: tuple, kwargs: dict) -> None:
+    """Before a compiled launch with tensor-core tiles: compile it (warmup, once per
+    specialization) and check that Triton gave the mma operands the layout mma.py relies on;
+    otherwise raise instead of computing a wrong answer."""
+    if INTERPRETED:
+        return
+
+    def spec(a):  # what Triton specializes on: int divisibility / 1, tensor dtype / alignment
+        if isinstance(a, torch.Tensor):
+            return ("tensor", a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return ("int", a % 16 == 0, a == 1)
+        return (type(a).__name__, a)
+
+    key = (kernel.fn.__name__, tuple(kwargs), tuple(spec(a) for a in (*args, *kwargs.values())))
+    if key not in _MMA_LAYOUT_VERDICTS:
+        compiled = kernel.warmup(*args, grid=grid, **kwargs)
+        _MMA_LAYOUT_VERDICTS[key] = mma_layout_problem(compiled.asm["ttgir"])
+    problem = _MMA_LAYOUT_VERDICTS[key]
+    if problem is not None:
+        raise RuntimeError(
+            f"{kernel.fn.__name__}: this Triton ({triton.__version__}) laid out the MXFP4 "
+            f"tensor-core tiles differently from what kernels/moe/mma.py needs ({problem}); "
+            "pass config=MoEConfig(mma=False) to use the K-lane tiles")
+
+
+def moe_kernel_weights(weights: dict, config: MoEConfig | None = None) -> dict:
+    """``weights`` (a dict of MoE weights, as k3lab.weights.moe_weights makes them) with the
+    expert weights w13 / w2 laid out as these kernels read them fastest: MXFP4 experts in the
+    tiled layout where the shapes allow and ``config.tiled_weights`` is set (a copy of the
+    codes, made once, as an engine lays out its checkpoint at load time; the scales are
+    shared), the rest as given. Every launcher also takes either layout."""
+    config = check_config(config)
+    out = dict(weights)
+    for name in ("w13", "w2"):
+        w = out.get(name)
+        if isinstance(w, MXFP4) and config.tiled_weights and mxfp4_tiled_ok(w.shape):
+            out[name] = mxfp4_layout(w, "tiled")
+    return out
+
+
+def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
+                shared_w13: torch.Tensor | None = None, *, activation: str = "situ",
+                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                z_mma_out: torch.Tensor | None = None, config: MoEConfig | None = None):
+    """The MoE's front launch: latent down-projection and the shared MLP's gate/up, both GEMVs of
+    x, in one kernel.
+
+    x: bf16 [M, H]; down_weight: bf16 [D, H] or None (no latent); shared_w13: bf16 [2S, H] (gate
+    rows then up rows) or None. Returns (z bf16 [M, D] or None, a_s bf16 [M, S] or None) with
+    a_s = act(x @ Ws1^T, x @ Ws3^T). z_mma_out: bf16 [M, D] (D a multiple of 8) that also gets
+    ``mma_prepare_x(z)``, for moe_stage1's z_mma (needs down_weight).
+    """
+    config = check_config(config)
+    check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
+    m, h = x.shape
+    check_tokens("x", m)
+    act = check_activation(activation)
+    x_p = pairs("x", x)
+    d = s = 0
+    if down_weight is not None:
+        check_tensor("down_weight", down_weight, dtypes=(torch.bfloat16,), dim=2, device=x.device)
+        if down_weight.shape[1] != h:
+            raise ValueError(f"down_weight: expected [D, H={h}], got {tuple(down_weight.shape)}")
+        d = down_weight.shape[0]
+    if shared_w13 is not None:
+        check_tensor("shared_w13", shared_w13, dtypes=(torch.bfloat16,), dim=2, device=x.device)
+        if shared_w13.shape[1] != h or shared_w13.shape[0] % 2:
+            raise ValueError(f"shared_w13: expected [2S, H={h}], got {tuple(shared_w13.shape)}")
+        s = shared_w13.shape[0] // 2
+    if not d and not s:
+        return None, None
+    if z_mma_out is not None and (not d or d % 8):
+        raise ValueError(f"z_mma_out: needs down_weight with D a multiple of 8, got D={d}")
+    check_prepared("z_mma_out", z_mma_out, (m, d), x.device)
+    z = torch.empty((m, d), device=x.device, dtype=torch.bfloat16) if d else None
+    a_s = torch.empty((m, s), device=x.device, dtype=torch.bfloat16) if s else None
+    block_m = triton.next_power_of_2(m)
+    block_n, block_kp = gemv_tiles(config, 1, d + 2 * s, h // 2, block_m,
+                                   target=config.front_target_programs)
+    n_shared = triton.cdiv(s, block_n)
+    grid = (n_shared + triton.cdiv(d, block_n),)
+    dummy = x_p
+    _moe_front_kernel[grid](
+        x_p, pairs("down_weight", down_weight) if d else dummy, z if d else dummy,
+        z_mma_out if z_mma_out is not None else dummy,
+        pairs("shared_w13", shared_w13) if s else dummy, a_s if s else dummy,
+        m, h // 2, d, s, n_shared, float(situ_beta), float(situ_linear_beta),
+        ACT=act, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_KP=block_kp,
+        TOKEN_LOOP=token_loop(config), WRITE_PREPARED=z_mma_out is not None,
+        TRIGGER=_pdl_on(config), num_warps=NUM_WARPS)
+    return z, a_s
+
+
+def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync=None,
+                   z_mma=None, a_mma_out=None, pdl=False):
+    m, d = z.shape
+    top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
+    a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
+    t = expert_tiles(config, w13, 1, block_m, n_tiles, i, d // 2)
+    x_prepared = t.mma is not None and z_mma is not None and config.x_prepared
+    if x_prepared:
+        z = z_mma  # the tiles read the prepared copy
+    grid = (n_tiles, triton.cdiv(i, t.block_n))
+    out = plan.out
+    zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
+                                            triton.cdiv(m * d, grid[0] * grid[1])))
+    w_v, w_s = _expert_ptrs(w13)
+    args = (z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids,
+            plan.num_valid, a, a_mma_out if a_mma_out is not None else a,
+            out if out is not None else a,
+            sync if sync is not None else plan.num_valid, m * top_k, block_m, top_k, i, d // 2,
+            m * d, float(situ_beta), float(situ_linear_beta))
+    consts = _expert_constexprs(config, w13, t, 1, x_prepared)
+    del consts["R"]  # stage 1's tensor-core R is 2: its gate and up tiles
+    # compiled tensor-core tiles only: launched with PDL, or letting the next launch start
+    pdl = pdl and _pdl_on(config) and t.mma is not None
+    kwargs = dict(ACT=act, **consts, ZERO_OUT=out is not None, ZERO_SYNC=sync is not None,
+                  ZERO_BLOCK=zero_block, BLOCK_M=triton.next_power_of_2(block_m),
+                  BLOCK_N=t.block_n, BLOCK_KP=t.block_kp, TOKEN_LOOP=token_loop(config),
+                  WRITE_PREPARED=a_mma_out is not None, PDL=pdl,
+                  TRIGGER=not pdl and _pdl_on(config) and t.mma is not None, TILED=_tiled(w13),
+                  num_warps=NUM_WARPS)
+    if pdl:
+        kwargs["launch_pdl"] = True
+    if t.mma is not None:
+        _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
+    _moe_stage1_kernel[grid](*args, **kwargs)
+    return a
+
+
+def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ",
+               situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+               z_mma: torch.Tensor | None = None, a_mma_out: torch.Tensor | None = None,
+               pdl: bool = False, config: MoEConfig | None = None) -> torch.Tensor:
+    """Stage 1 "direct tile": a[t * top_k + k] = act(z[t] @ W1[e]^T, z[t] @ W3[e]^T),
+    e = plan.topk_ids[t, k], computed along the plan's expert-sorted tiles.
+
+    z: bf16 [M, D], M <= MAX_TOKENS. plan: RoutePlan over E experts (topk_ids int32 [M, top_k],
+    sorted_ids / sorted_weights [cap], block_expert_ids [cap / block_m], num_valid [1]; out fp32
+    [M, D] or None). w13: bf16 [E, 2I, D] (rows [0, I) gate, [I, 2I) up) or MXFP4 (packed uint8
+    [E, 2I, D/2], scales uint8 [E, 2I, D/32]). Returns a: bf16 [M * top_k, I]. Side effect:
+    zeroes plan.out (stage 2's accumulator) when present.
+    z_mma: optional ``mma_prepare_x(z)`` (as latent_down's z_mma_out writes it), read instead of
+    z by the MXFP4 tensor-core tiles (ignored by the other paths; the caller vouches that it is
+    z's copy). a_mma_out: optional bf16 [M * top_k, I] that also gets ``mma_prepare_x(a)``,
+    for moe_stage2's a_mma.
+    pdl: launch with programmatic dependent launch (compiled MXFP4 tensor-core tiles with
+    ``config.pdl``; ignored otherwise): the kernel may start during the previous launch and
+    reads the plan before waiting for it, so the plan must have been written at least two
+    launches before this one.
+    """
+    config = check_config(config)
+    check_tensor("z", z, dtypes=(torch.bfloat16,), dim=2)
+    m, d = z.shape
+    check_tokens("z", m)
+    act = check_activation(activation)
+    e, two_i, k, _ = check_experts("w13", w13, z.device)
+    if k != d or two_i % 4:
+        raise ValueError(f"w13: expected [E, 2I, D={d}] with I even, got {list(w13.shape)}")
+    pairs("z", z)
+    _, _, n_tiles = check_plan(plan, m, e, z.device, out_dim=d)
+    check_prepared("z_mma", z_mma, (m, d), z.device)
+    if a_mma_out is not None and (two_i // 2) % 8:
+        raise ValueError(f"a_mma_out: needs I a multiple of 8, got I={two_i // 2}")
+    check_prepared("a_mma_out", a_mma_out, (m * plan.topk_ids.shape[1], two_i // 2), z.device)
+    return _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles,
+                          z_mma=z_mma, a_mma_out=a_mma_out, pdl=pdl)
+
+
+def _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma=None):
+    """Stage-2 kernel arguments (validated inputs; a_mma: a's mma_prepare_x copy or None);
+    returns (kwargs, programs, y)."""
+    top_k, block_m = plan.topk_ids.shape[1], plan.block_m
+    m, i = a.shape[0] // top_k, a.shape[1]
+    d = w2.shape[1]
+    y = plan.out
+    if y is None:  # without route_sort's zeroed buffer: a memset (one more launch)
+        y = (torch.empty if deterministic else torch.zeros)((m, d), device=a.device,
+                                                            dtype=torch.float32)
+    stage = 0 if deterministic else 2
+    rows = m if deterministic else n_tiles
+    t = expert_tiles(config, w2, stage, block_m, rows, d, i // 2)
+    x_prepared = t.mma is not None and a_mma is not None and config.x_prepared
+    if x_prepared:
+        a = a_mma  # the tiles read the prepared copy
+    n_d = triton.cdiv(d, t.block_n)
+    w_v, w_s = _expert_ptrs(w2)
+    kw = dict(p_a=a.view(torch.int32), p_w=w_v, p_ws=w_s, p_sorted=plan.sorted_ids,
+              p_sorted_w=plan.sorted_weights, p_block_expert=plan.block_expert_ids,
+              p_num_valid=plan.num_valid, p_topk_ids=plan.topk_ids, p_topk_w=plan.topk_weights,
+              p_y=y, n_entries=m * top_k, block_m=block_m, top_k=top_k, D=d, I_PAIRS=i // 2,
+              n_d_tiles=n_d, n_stage2=rows * n_d,
+              **_expert_constexprs(config, w2, t, stage, x_prepared),
+              DETERMINISTIC=bool(deterministic),
+              BLOCK_M2=1 if deterministic else triton.next_power_of_2(block_m),
+              BLOCK_N2=t.block_n, BLOCK_KP2=t.block_kp, TILED=_tiled(w2))
+    return kw, rows * n_d, y
+
+
+def _tail_args(config, y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps):
+    """Tail kernel arguments (validated inputs); returns (kwargs, programs, out)."""
+    m, d = y.shape
+    latent = up_weight is not None
+    h = up_weight.shape[0] if latent else d
+    out = torch.empty((m, h), device=y.device, dtype=torch.bfloat16)
+    shared = 2 if shared_a is not None else (1 if shared_out is not None else 0)
+    s = shared_a.shape[1] if shared_a is not None else 0
+    block_m = triton.next_power_of_2(m)
+    block_n, block_kp = gemv_tiles(config, 1, h, max(d, s) // 2, block_m)
+    block_ss = min(triton.next_power_of_2(d), max(MIN_PAIRS, PRODUCT_BUDGET // block_m))
+    kw = dict(p_y=y, p_nw=norm_weight if latent else y, p_up=up_weight.view(torch.int32)
+              if latent else y, p_sa=shared_a.view(torch.int32) if shared == 2 else y,
+              p_sw2=shared_w2.view(torch.int32) if shared == 2 else y,
+              p_shared=shared_out if shared == 1 else y, p_o=out, M=m, D=d, H=h, S_PAIRS=s // 2,
+              eps=float(eps), LATENT=latent, SHARED=shared, BLOCK_MT=block_m, BLOCK_NT=block_n,
+              BLOCK_KPT=block_kp, BLOCK_SS=block_ss)
+    return kw, triton.cdiv(h, block_n), out
+
+
+def _stage2_tail_kwargs(config, stage2, tail, sync=None):
+    """(kwargs, programs) of one stage-2 + tail launch: stage2 / tail are (kwargs, programs,
+    result) of _stage2_args / _tail_args or None; both given needs ``sync`` (int32 [2],
+    zeroed)."""
+    kw = {}
+    if stage2 is None:  # dummies for the stage-2 parameters
+        y = tail[0]["p_y"]
+        kw.update(p_a=y, p_w=y, p_ws=y, p_sorted=y, p_sorted_w=y, p_block_expert=y,
+                  p_num_valid=y, p_topk_ids=y, p_topk_w=y, n_entries=1, block_m=1, top_k=1,
+                  D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0,
+                  **_expert_constexprs(config, None, ExpertTiles(MIN_ROWS, MIN_PAIRS), 2, False),
+                  DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS,
+                  TILED=False)
+    else:
+        kw.update(stage2[0])
+    if tail is None:
+        y = stage2[2]
+        kw.update(p_nw=y, p_up=y, p_sa=y, p_sw2=y, p_shared=y, p_o=y, M=1, H=1, S_PAIRS=0,
+                  eps=0.0, LATENT=False, SHARED=0, BLOCK_MT=1, BLOCK_NT=MIN_ROWS,
+                  BLOCK_KPT=MIN_PAIRS, BLOCK_SS=MIN_PAIRS)
+    else:
+        kw.update(tail[0])
+        kw.pop("p_y")
+        kw["p_y"] = tail[0]["p_y"] if stage2 is None else stage2[2]
+    n = (stage2[1] if stage2 else 0) + (tail[1] if tail else 0)
+    kw["p_sync"] = sync if sync is not None else kw["p_y"]
+    kw.update(STAGE2=stage2 is not None, TAIL=tail is not None, TOKEN_LOOP=token_loop(config),
+              PDL=False)
+    return kw, n
+
+
+def _launch_stage2_tail(config, stage2, tail, sync=None, pdl=False):
+    """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs); pdl: stage 2 alone
+    (compiled atomic tensor-core tiles) or the tail alone with programmatic dependent launch."""
+    kw, n = _stage2_tail_kwargs(config, stage2, tail, sync)
+    kw["num_warps"] = NUM_WARPS
+    if pdl and _pdl_on(config) and (stage2 is None or (
+            tail is None and not kw["DETERMINISTIC"] and kw["USE_MMA"])):
+        kw.update(PDL=True, launch_pdl=True)
+    if kw["USE_MMA"]:
+        _check_mma_layout(_moe_stage2_tail_kernel, (n,), (), kw)
+    _moe_stage2_tail_kernel[(n,)](**kw)
+
+
+def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False,
+               a_mma: torch.Tensor | None = None, pdl: bool = False,
+               config: MoEConfig | None = None) -> torch.Tensor:
+    """Stage 2: out[t] = sum_k topk_weights[t, k] * (a[t * top_k + k] @ W2[e]^T) in fp32.
+
+    a: bf16 [M * top_k, I] (stage 1's output). plan: as for moe_stage1; its ``out`` fp32 [M, D]
+    must be zeroed (route_sort and moe_stage1 zero it) and is returned; when it is None a zeroed
+    buffer is allocated. w2: bf16 [E, D, I] or MXFP4 (packed [E, D, I/2], scales [E, D, I/32]).
+    Atomic (default): one program per (expert tile of the plan, D tile), fp32 atomic adds; the
+    order of the adds varies between runs. deterministic=True: one program per (token, D tile)
+    adding its top_k slots in slot order (bitwise reproducible; out is overwritten, not added to).
+    a_mma: optional ``mma_prepare_x(a)`` (as moe_stage1's a_mma_out writes it), read instead of a
+    by the MXFP4 tensor-core tiles (ignored by the other paths). pdl: as for moe_stage1 (the
+    atomic tensor-core tiles only). Returns fp32 [M, D].
+    """
+    config = check_config(config)
+    check_tensor("a", a, dtypes=(torch.bfloat16,), dim=2)
+    e, d, i, _ = check_experts("w2", w2, a.device)
+    if a.shape[1] != i or i % 2:
+        raise ValueError(f"a: expected [M * top_k, I={i}] (I from w2 [E, D, I], even), got "
+                         f"{tuple(a.shape)}")
+    if not isinstance(plan, RoutePlan):
+        raise ValueError(f"plan: expected a k3lab.kernels.RoutePlan, got {type(plan).__name__}")
+    top_k = plan.topk_ids.shape[-1]
+    m = a.shape[0] // max(top_k, 1)
+    if a.shape[0] != m * top_k:
+        raise ValueError(f"a: expected M * top_k rows (top_k={top_k}), got {a.shape[0]}")
+    check_tokens("a", m)
+    _, _, n_tiles = check_plan(plan, m, e, a.device, out_dim=d)
+    check_prepared("a_mma", a_mma, tuple(a.shape), a.device)
+    stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
+    _launch_stage2_tail(config, stage2, None, pdl=pdl)
+    return stage2[2]

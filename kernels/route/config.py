@@ -1,0 +1,86 @@
+"""Tuning choices of the route kernel, as data (each default's evidence: docs/decisions.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["RouteConfig", "MAX_TOKENS"]
+
+MAX_TOKENS = 64  # one selection program walks the tokens; beyond a decode batch, use a sort
+CACHE_MODIFIERS = ("", ".ca", ".cg")
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class RouteConfig:
+    """How one ``route_sort`` (or ``gate_logits``) launch is shaped. Every choice changes speed
+    only; any valid config gives the same plan.
+
+    The gate GEMV, one of two shapes:
+
+    - row programs (``M <= gemv_row_max_tokens`` and ``gemv_row_programs > 0``): about
+      ``gemv_row_programs`` programs, each ``cdiv(E, gemv_row_programs)`` whole experts over
+      ``1 / gemv_row_splits`` of H in unrolled ``gemv_row_chunk``-wide chunks (all loads
+      independent). Meant for B1: more tokens would re-read each program's rows from L2;
+    - split-K tiles otherwise (and always in ``gate_logits``): ``gemv_block_e`` experts x
+      ``gemv_block_k`` columns a program. None picks: on the GPU 32 experts and the widest K tile
+      of 1024 / 512 / 256 / 128 that still gives ``gemv_min_programs`` programs; under the
+      interpreter few, big tiles (every program costs a fixed Python overhead).
+
+    num_warps: every program's (the GEMV's and the selection's, which share the kernel).
+
+    The selection (the last program to finish):
+
+    - scalar_keys: load the partials one element a thread (the expert axis declared
+      non-contiguous), so the keys live in the layout of the compaction's scatter stores;
+    - cand_cache: cache modifier of the read-back of its own candidate rows ("" lets it hit L1:
+      the rows were stored by the same program and made visible by its barrier);
+    - threshold selection (bucket maxima, threshold, compaction, ranks: a fixed handful of
+      reductions instead of top_k arg-max rounds) from ``top_k >= threshold_min_top_k`` and
+      ``threshold_min_experts`` padded experts on (Triton 3.6 fails to compile it on sm_90 for
+      one token over 64 or fewer padded experts); ``buckets_per_slot`` buckets and
+      ``candidates_per_slot`` candidate slots per (padded) top-k slot. A token with more
+      candidates than slots makes its block fall back to the exact arg-max loop.
+    """
+
+    gemv_block_e: int | None = None
+    gemv_block_k: int | None = None
+    gemv_min_programs: int = 132
+    gemv_row_programs: int = 132
+    gemv_row_chunk: int = 512
+    gemv_row_splits: int = 2
+    gemv_row_max_tokens: int = 1
+    num_warps: int = 4
+    scalar_keys: bool = True
+    cand_cache: str = ""
+    threshold_min_top_k: int = 8
+    threshold_min_experts: int = 128
+    buckets_per_slot: int = 2
+    candidates_per_slot: int = 2
+
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "scalar_keys":
+                if not isinstance(v, bool):
+                    raise ValueError(f"{f.name}: expected a bool, got {v!r}")
+            elif f.name == "cand_cache":
+                if v not in CACHE_MODIFIERS:
+                    raise ValueError(f"{f.name}: expected one of {CACHE_MODIFIERS}, got {v!r}")
+            elif v is None and f.name in ("gemv_block_e", "gemv_block_k"):
+                continue
+            elif isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{f.name}: expected an int, got {v!r}")
+        lows = {"gemv_min_programs": 1, "gemv_row_programs": 0, "gemv_row_splits": 1,
+                "gemv_row_max_tokens": 0, "threshold_min_top_k": 1, "threshold_min_experts": 1}
+        for name, lo in lows.items():
+            if getattr(self, name) < lo:
+                raise ValueError(f"{name}: expected >= {lo}, got {getattr(self, name)}")
+        for name in ("gemv_block_e", "gemv_block_k", "gemv_row_chunk", "num_warps",
+                     "buckets_per_slot", "candidates_per_slot"):
+            v = getattr(self, name)
+            if v is not None and not _pow2(v):
+                raise ValueError(f"{name}: expected a power of two, got {v}")

@@ -1,0 +1,62 @@
+"""The gate GEMV of the route boundary: FP32 partial logits, deterministic (no atomics on data)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fill(p_dst, n, b_value, pid, n_prog, BLOCK: tl.constexpr):
+    """Grid-stride store of the block ``b_value`` over ``p_dst[0:n]``."""
+    o = tl.arange(0, BLOCK)
+    for start in range(pid * BLOCK, n, n_prog * BLOCK):
+        tl.store(p_dst + start + o, b_value, mask=start + o < n)
+
+
+@triton.jit
+def _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                   CHUNKS: tl.constexpr):
+    """Tile (i_e, i_k) of W read once; for every token, store its partial logits
+    ``p_part[i_k, m, tile]``.
+
+    ROWS = 0 (split-K tiles): the tile is BLOCK_E experts x BLOCK_K columns, loaded once for all
+    tokens. ROWS > 0 (row programs): ROWS (<= BLOCK_E) experts from i_e * ROWS, CHUNKS
+    consecutive BLOCK_K-wide column chunks from i_k * CHUNKS * BLOCK_K, accumulated
+    elementwise (fp32 [BLOCK_E, BLOCK_K]) and reduced once; unrolled, so the chunks' loads are
+    independent and can all be in flight; tokens outermost (W re-read from L2 for m >= 1: meant
+    for decode batches)."""
+    if ROWS == 0:
+        o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        m_e, m_k = o_e < E, o_k < H
+        b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :], mask=m_e[:, None] & m_k[None, :],
+                      other=0.0).to(tl.float32)
+        for i_m in range(M):
+            b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_acc = tl.sum(b_w * b_x[None, :], axis=1)
+            tl.store(p_part + (i_k * M + i_m) * E + o_e, b_acc, mask=m_e)
+    else:
+        o_r = tl.arange(0, BLOCK_E)
+        o_e = i_e * ROWS + o_r
+        m_e = (o_r < ROWS) & (o_e < E)
+        k0 = i_k * (CHUNKS * BLOCK_K)
+        for i_m in range(M):
+            b_acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
+            for i_c in tl.static_range(CHUNKS):
+                o_k = k0 + i_c * BLOCK_K + tl.arange(0, BLOCK_K)
+                m_k = o_k < H
+                b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :],
+                              mask=m_e[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_x = tl.load(p_x + i_m * H + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_acc += b_w * b_x[None, :]
+            tl.store(p_part + (i_k * M + i_m) * E + o_e, tl.sum(b_acc, axis=1), mask=m_e)
+
+
+@triton.jit
+def _gate_gemv_kernel(p_x, p_w, p_part, M, E, H,
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """gate_logits: the split-K GEMV alone, grid (E tiles, K splits)."""
+    _gemv_partials(p_x, p_w, p_part, tl.program_id(0), tl.program_id(1), M, E, H,
+                   BLOCK_E, BLOCK_K, 0, 1)

@@ -1,0 +1,145 @@
+"""The fused route kernel: gate GEMV in every program, selection and sort in the last one."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .gemv import _fill, _gemv_partials
+from .select import _select_tokens
+
+
+@triton.jit
+def _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_e, o_n, b_w, b_rank, b_before, m_n,
+                   BM: tl.constexpr):
+    """Scatter entries to position BM * (tiles of lower experts) + rank; an entry whose rank is
+    a multiple of BM opens a tile and writes its expert id. Returns the tile-opening mask."""
+    b_pos = b_before * BM + b_rank
+    tl.store(p_sorted_ids + b_pos, o_n, mask=m_n)
+    tl.store(p_sorted_w + b_pos, b_w, mask=m_n)
+    m_open = m_n & (b_rank % BM == 0)
+    tl.store(p_block_ids + b_pos // BM, b_e, mask=m_open)
+    return m_open
+
+
+@triton.jit
+def _select_sort(
+        p_part, p_bias, p_cand, p_ids, p_w, p_sorted_ids, p_sorted_w, p_block_ids, p_num_valid,
+        p_rank, M, scaling,
+        E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        BM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr, IN_REGS: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CAND_CACHE: tl.constexpr,
+        SCALAR_E: tl.constexpr):
+    """One program: selection of all M tokens from the summed partials, then the whole sort
+    metadata (the plan's padding is already in place)."""
+    if IN_REGS:
+        # all tokens fit one selection block: the sort works on the registers directly
+        b_ids, b_w, o_ts, m_ts = _select_tokens(
+            p_part, p_bias, p_cand, p_ids, p_w, 0, M, scaling, E, SPLIT_K, TOP_K, N_GROUP,
+            TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S, BUCKETS, CAP,
+            CAND_CACHE, SCALAR_E)
+        b_e = tl.reshape(b_ids, [BLOCK_T * BLOCK_S])
+        o_n = tl.reshape(o_ts, [BLOCK_T * BLOCK_S])
+        m_n = tl.reshape(m_ts, [BLOCK_T * BLOCK_S])
+        b_wn = tl.reshape(b_w, [BLOCK_T * BLOCK_S])
+        if BLOCK_T == 1:  # M = 1: a token's experts are distinct, each opens its own tile
+            b_rank = tl.zeros_like(b_e)
+            b_lower = (b_e[None, :] < b_e[:, None]) & m_n[None, :]
+            b_before = tl.sum(b_lower.to(tl.int32), axis=1)
+            _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_e, o_n, b_wn, b_rank,
+                           b_before, m_n, BM)
+            tl.store(p_num_valid, TOP_K * BM)
+        else:
+            b_same = ((b_e[None, :] == b_e[:, None]) & (o_n[None, :] < o_n[:, None])
+                      & m_n[None, :])
+            b_rank = tl.sum(b_same.to(tl.int32), axis=1)
+            m_open = m_n & (b_rank % BM == 0)
+            b_lower = (b_e[None, :] < b_e[:, None]) & m_open[None, :]
+            b_before = tl.sum(b_lower.to(tl.int32), axis=1)
+            m_open = _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_e, o_n, b_wn,
+                                    b_rank, b_before, m_n, BM)
+            tl.store(p_num_valid, tl.sum(m_open.to(tl.int32), axis=0) * BM)
+    else:
+        for t0 in range(0, M, BLOCK_T):
+            _select_tokens(p_part, p_bias, p_cand, p_ids, p_w, t0, M, scaling, E, SPLIT_K,
+                           TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BLOCK_T, BLOCK_E,
+                           BLOCK_G, BLOCK_S, BUCKETS, CAP, CAND_CACHE, SCALAR_E)
+        tl.debug_barrier()  # the passes below read topk_ids written by other threads
+
+        # pass 1: rank of each entry within its expert (earlier entries of the same expert)
+        N = M * TOP_K
+        for r0 in range(0, N, BLOCK_R):
+            o_r = r0 + tl.arange(0, BLOCK_R)
+            m_r = o_r < N
+            b_er = tl.load(p_ids + o_r, mask=m_r, other=-1)
+            b_rank = tl.zeros([BLOCK_R], tl.int32)
+            for c0 in range(0, r0 + BLOCK_R, BLOCK_C):
+                o_c = c0 + tl.arange(0, BLOCK_C)
+                b_ec = tl.load(p_ids + o_c, mask=o_c < N, other=-2)
+                b_same = (b_ec[None, :] == b_er[:, None]) & (o_c[None, :] < o_r[:, None])
+                b_rank += tl.sum(b_same.to(tl.int32), axis=1)
+            tl.store(p_rank + o_r, b_rank, mask=m_r)
+        tl.debug_barrier()
+
+        # pass 2: tiles opened by lower experts, then scatter
+        b_tiles = tl.zeros([BLOCK_R], tl.int32)
+        for r0 in range(0, N, BLOCK_R):
+            o_r = r0 + tl.arange(0, BLOCK_R)
+            m_r = o_r < N
+            b_er = tl.load(p_ids + o_r, mask=m_r, other=-1)
+            b_rank = tl.load(p_rank + o_r, mask=m_r, other=1)
+            b_before = tl.zeros([BLOCK_R], tl.int32)
+            for c0 in range(0, N, BLOCK_C):
+                o_c = c0 + tl.arange(0, BLOCK_C)
+                m_c = o_c < N
+                b_ec = tl.load(p_ids + o_c, mask=m_c, other=E)
+                m_open_c = m_c & (tl.load(p_rank + o_c, mask=m_c, other=1) % BM == 0)
+                b_lower = (b_ec[None, :] < b_er[:, None]) & m_open_c[None, :]
+                b_before += tl.sum(b_lower.to(tl.int32), axis=1)
+            b_wr = tl.load(p_w + o_r, mask=m_r, other=0.0)
+            m_open = _store_entries(p_sorted_ids, p_sorted_w, p_block_ids, b_er, o_r, b_wr,
+                                    b_rank, b_before, m_r, BM)
+            b_tiles += m_open.to(tl.int32)
+        tl.store(p_num_valid, tl.sum(b_tiles, axis=0) * BM)
+
+
+@triton.jit
+def _route_sort_kernel(
+        p_x, p_w, p_bias, p_part, p_cand, p_rank, p_count, p_ids, p_topk_w, p_sorted_ids,
+        p_sorted_w, p_block_ids, p_num_valid, p_out, M, H, n_sorted, n_blocks, n_out, scaling,
+        E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        BM: tl.constexpr, GEMV_E: tl.constexpr, GEMV_K: tl.constexpr, FILL: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
+        IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+        GEMV_ROWS: tl.constexpr, GEMV_CHUNKS: tl.constexpr, CAND_CACHE: tl.constexpr,
+        SCALAR_E: tl.constexpr):
+    i_e, i_k = tl.program_id(0), tl.program_id(1)
+    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS)
+
+    # side job: the plan's padding and the zeroed stage-2 buffer (before the counter below, so
+    # the selection's scatter lands after every fill)
+    pid = i_k * tl.num_programs(0) + i_e
+    n_prog = tl.num_programs(0) * tl.num_programs(1)
+    _fill(p_sorted_ids, n_sorted, tl.zeros([FILL], tl.int32) + M * TOP_K, pid, n_prog, FILL)
+    _fill(p_sorted_w, n_sorted, tl.zeros([FILL], tl.float32), pid, n_prog, FILL)
+    _fill(p_block_ids, n_blocks, tl.zeros([FILL], tl.int32) - 1, pid, n_prog, FILL)
+    _fill(p_out, n_out, tl.zeros([FILL], tl.float32), pid, n_prog, FILL)
+
+    # the last program to get here does the selection: the barrier orders this program's
+    # stores (all threads) before its one scalar atomic, whose release publishes them at gpu
+    # scope; the last program's acquire sees every program's partials and fills
+    tl.debug_barrier()
+    if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == n_prog - 1:
+        _select_sort(p_part, p_bias, p_cand, p_ids, p_topk_w, p_sorted_ids, p_sorted_w,
+                     p_block_ids, p_num_valid, p_rank, M, scaling, E, SPLIT_K, TOP_K,
+                     N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BM, BLOCK_T, BLOCK_E,
+                     BLOCK_G, BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, CAND_CACHE,
+                     SCALAR_E)
+        # ready for the next launch: every other program has already incremented (that is how
+        # this one got here) and the next launch starts after this one ends, so the reset needs
+        # no ordering: relaxed (no release fence waiting for the tail's stores)
+        tl.atomic_xchg(p_count, 0, sem="relaxed", scope="gpu")

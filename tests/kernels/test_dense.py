@@ -1,0 +1,212 @@
+"""Dense decode GEMV against the fp32 reference, under the interpreter on CPU."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from k3lab.kernels.dense import MAX_TOKENS, GemvConfig, default_config, dense_gemv
+from k3lab.reference.dense import dense_engine, dense_reference, rms_norm
+
+# Tolerance, derived: the output is one bf16 rounding of an fp32 sum (relative 2^-8 rounding to
+# nearest on the GPU; the interpreter's cast truncates, up to one ulp: 2^-7), the sum's
+# fp32 error is at most about K * 2^-24 of sum |terms| (bounded by 2^-12 at K <= 4096), and the
+# tensor-core path (M > 1) rounds x * g of the RMSNorm prologue to bf16 (relative 2^-8 a term).
+BF16_OUT = 2.0 ** -7
+FP32_SUM = 2.0 ** -12
+BF16_IN = 2.0 ** -8
+
+
+def _terms(x, w, g=None):
+    """sum_k |x_k (g_k) w_nk| per output, the scale of the sum's rounding errors."""
+    xf = x.float().abs() * (g.float().abs() if g is not None else 1.0)
+    return xf @ w.float().abs().T
+
+
+def _close(got, want, terms, *, rounded_inputs=False, rstd=None):
+    scale = terms * (rstd if rstd is not None else 1.0)
+    bound = BF16_OUT * want.abs() + (FP32_SUM + (BF16_IN if rounded_inputs else 0.0)) * scale
+    err = (got.float() - want).abs()
+    assert torch.isfinite(got.float()).all()
+    assert (err <= bound + 1e-6).all(), (
+        f"max excess {(err - bound).max().item():.3g}, max err {err.max().item():.3g}")
+
+
+def _data(m, n, k, seed, *, scale=1.0, mean=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=gen) * scale + mean).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).bfloat16()
+    return x, w
+
+
+CASES = [  # (id, M, N, K, config)
+    ("M1-N40-K96", 1, 40, 96, None),
+    ("M1-N37-K600-split3", 1, 37, 600, GemvConfig(block_n=16, block_k=128, split_k=3)),
+    ("M1-N128-K2048-split8", 1, 128, 2048, GemvConfig(block_n=32, block_k=64, split_k=8)),
+    ("M3-N38-K600-split3", 3, 38, 600, GemvConfig(block_n=16, block_k=128, split_k=3)),
+    ("M16-N64-K1024", 16, 64, 1024, None),
+    ("M5-N17-K40", 5, 17, 40, GemvConfig(block_n=16, block_k=16, split_k=2)),
+    ("M1-N21-K300-bn8-split2", 1, 21, 300, GemvConfig(block_n=8, block_k=64, split_k=2)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_plain(case, device):
+    _, m, n, k, cfg = case
+    x, w = _data(m, n, k, 1)
+    x, w = x.to(device), w.to(device)
+    got = dense_gemv(x, w, config=cfg)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    _close(got.cpu(), dense_reference(x, w).cpu(), _terms(x, w).cpu())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("activation", ["situ", "silu"])
+def test_gate_up_activation(case, activation, device):
+    _, m, n, k, cfg = case
+    x, w = _data(m, 2 * n, k, 2, scale=3.0)
+    x, w = x.to(device), w.to(device)
+    got = dense_gemv(x, w, activation=activation, config=cfg)
+    want = dense_reference(x, w, activation=activation)
+    assert got.shape == (m, n)
+    # the activation's slope is at most about 1.1 * linear scale in g and u: the sums' error
+    # carries through scaled by |u| and |g|
+    t = _terms(x, w)
+    g_t, u_t = t[:, :n], t[:, n:]
+    ref = dense_reference(x, w)
+    slope = 1.2 * (ref[:, n:].abs() + ref[:, :n].abs() + 1.0)
+    _close(got.cpu(), want.cpu(), (slope * (g_t + u_t)).cpu())
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_norm_prologue_and_residual(case, device):
+    _, m, n, k, cfg = case
+    x, w = _data(m, n, k, 3, scale=2.0, mean=-0.5)
+    gen = torch.Generator().manual_seed(4)
+    g = torch.rand(k, generator=gen) * 2 - 0.5  # signed norm weights
+    res = torch.randn(m, n, generator=gen).bfloat16()
+    x, w, g, res = x.to(device), w.to(device), g.to(device), res.to(device)
+    got = dense_gemv(x, w, norm_weight=g, residual=res, eps=1e-5, config=cfg)
+    want = dense_reference(x, w, norm_weight=g, residual=res, eps=1e-5)
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    _close(got.cpu(), want.cpu(), _terms(x, w, g).cpu(), rounded_inputs=m > 1,
+           rstd=rstd.cpu())
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_merged_outputs(m, device):
+    splits = (24, 1, 7, 16, 3)
+    x, w = _data(m, sum(splits), 200, 5)
+    x, w = x.to(device), w.to(device)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=2)
+    outs = dense_gemv(x, w, splits=splits, config=cfg)
+    wants = dense_reference(x, w, splits=splits)
+    terms = _terms(x, w).split(list(splits), dim=-1)
+    assert len(outs) == len(splits)
+    for got, want, t, s in zip(outs, wants, terms, splits, strict=True):
+        assert got.shape == (m, s) and got.is_contiguous()
+        _close(got.cpu(), want.cpu(), t.cpu())
+
+
+def test_repeated_split_calls_reset_tickets(device):
+    """The split-K tickets are left zero: repeated calls on one buffer give the same answer."""
+    x, w = _data(2, 50, 512, 6)
+    x, w = x.to(device), w.to(device)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=4)
+    first = dense_gemv(x, w, config=cfg)
+    for _ in range(3):
+        assert torch.equal(dense_gemv(x, w, config=cfg), first)
+
+
+def test_fp32_output(device):
+    x, w = _data(1, 33, 300, 7)
+    x, w = x.to(device), w.to(device)
+    got = dense_gemv(x, w, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    err = (got - dense_reference(x, w)).abs()
+    assert (err <= FP32_SUM * _terms(x, w) + 1e-6).all()
+
+
+def test_engine_baseline_matches_reference():
+    x, w = _data(2, 48, 256, 8)
+    g = torch.rand(256) + 0.5
+    got = dense_engine(x, w, norm_weight=g, activation="situ")
+    want = dense_reference(x, w, norm_weight=g, activation="situ")
+    assert (got.float() - want).abs().max() < 0.05 * want.abs().max()
+    assert torch.allclose(rms_norm(x, torch.ones(256), 1e-5).mean(), x.float().mean() *
+                          torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5).mean(), atol=1)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(m=st.integers(1, MAX_TOKENS), n=st.integers(1, 70), k=st.integers(1, 300),
+       split=st.sampled_from([1, 2, 3, 5]), block_k=st.sampled_from([16, 64, 256]),
+       scale=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 2 ** 16))
+def test_property_any_shape(m, n, k, split, block_k, scale, seed):
+    """Any M, N, K (odd, tiny, not multiples of a block), any split, tiny and large values."""
+    x, w = _data(m, n, k, seed, scale=scale)
+    cfg = GemvConfig(block_n=16, block_k=block_k, split_k=split)
+    got = dense_gemv(x, w, config=cfg)
+    _close(got, dense_reference(x, w), _terms(x, w))
+
+
+def test_default_config_fills_the_machine():
+    cfg = default_config(1, 128, 7168)  # a thin projection: split K
+    assert cfg.split_k > 1 and cfg.block_n == 8
+    assert default_config(1, 7168, 1536).split_k == 1  # many row tiles already
+    assert default_config(4, 7168, 1536).block_n == 16  # the tensor-core path
+
+
+BAD = [
+    (dict(x=torch.zeros(17, 64).bfloat16()), "M"),
+    (dict(x=torch.zeros(2, 64)), "x: expected dtype"),
+    (dict(w=torch.zeros(32, 63).bfloat16()), "weight: expected"),
+    (dict(w=torch.zeros(31, 64).bfloat16(), activation="situ"), "odd row count"),
+    (dict(activation="gelu"), "activation"),
+    (dict(splits=(10, 10)), "summing"),
+    (dict(splits=(32, 0)), "splits"),
+    (dict(splits=[1] * 32), "splits"),
+    (dict(eps=0.0), "eps"),
+    (dict(eps=float("nan")), "eps"),
+    (dict(situ_beta="4"), "situ_beta"),
+    (dict(residual=torch.zeros(2, 31).bfloat16()), "residual"),
+    (dict(norm_weight=torch.zeros(63)), "norm_weight"),
+    (dict(x=torch.zeros(64, 2).bfloat16().T), "contiguous"),
+    (dict(out_dtype=torch.float16), "out_dtype"),
+    (dict(config="fast"), "config"),
+    (dict(config=GemvConfig(block_n=8)), "block_n=8 serves one token"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_is_a_clear_error(kw, msg):
+    kw = dict(kw)
+    x = kw.pop("x", torch.zeros(2, 64).bfloat16())
+    w = kw.pop("w", torch.zeros(32, 64).bfloat16())
+    with pytest.raises(ValueError, match=msg):
+        dense_gemv(x, w, **kw)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(block_n=24), "block_n"), (dict(block_n=4), "block_n"), (dict(block_k=8), "block_k"),
+    (dict(split_k=0), "split_k"), (dict(prefetch_steps=9), "prefetch_steps"),
+    (dict(num_warps=3), "num_warps"), (dict(pdl=1), "pdl")])
+def test_bad_config(kw, msg):
+    with pytest.raises(ValueError, match=f"GemvConfig.{msg}"):
+        GemvConfig(**kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_graph_replay_split(pdl):
+    x, w = _data(1, 1536, 7168, 9)
+    x, w = x.cuda(), w.cuda()
+    cfg = GemvConfig(block_n=16, block_k=512, split_k=4, pdl=pdl)
+    want = dense_gemv(x, w, config=cfg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = dense_gemv(x, w, config=cfg)
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, want)
+    _close(y.cpu(), dense_reference(x, w).cpu(), _terms(x, w).cpu())

@@ -1,0 +1,179 @@
+"""The benchmark runner (benchmarks/run.py) and its sweeps, on CPU: rows, the failure before
+anything runs, and --base."""
+
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from benchmarks import run, sweeps
+
+ROOT = Path(__file__).resolve().parents[1]
+KDA_ONE = ["kda", "--sweep", "variants", "--points", "0", "--variants", "fused",
+           "--device", "cpu", "--repeats", "2"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    block_k: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeConfig:
+    tiles: int = 2
+    pdl: bool = False
+    inner: _Inner = _Inner()
+
+    def __post_init__(self):
+        if self.tiles < 1:
+            raise ValueError(f"tiles: expected >= 1, got {self.tiles}")
+
+
+def _rows(path) -> pd.DataFrame:
+    df = pd.read_csv(path)
+    assert list(df.columns) == run.COLUMNS
+    return df
+
+
+@pytest.mark.interpreter
+def test_runner_writes_tidy_rows(tmp_path, capsys):
+    out = tmp_path / "results.csv"
+    assert run.main([*KDA_ONE, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "not GPU figures" in printed
+    df = _rows(out)
+    assert set(df["metric"]) <= set(run.METRICS)
+    assert {"check", "launches", "eager_us", "eager_copy_frac", "copy_bw_GBps"} <= set(
+        df["metric"])
+    assert (df[["boundary", "variant", "sweep", "preset", "device"]].drop_duplicates()
+            .values.tolist() == [["kda", "fused", "variants", "tiny", "cpu"]])
+    assert df["tp"].unique().tolist() == [1] and df["M"].unique().tolist() == [1]
+    assert json.loads(df["point"].iloc[0]) == {"M": 1}
+    assert df["commit"].notna().all() and df["date"].nunique() == 1
+    value = df.set_index("metric")["value"]
+    assert value["check"] == 1 and value["eager_us"] > 0 and value["launches"] >= 1
+    # a second run appends under the same header
+    assert run.main([*KDA_ONE, "--out", str(out), "--quiet"]) == 0
+    assert len(_rows(out)) == 2 * len(df)
+
+
+def test_unknown_config_field_fails_before_anything_runs(tmp_path, monkeypatch, capsys):
+    bad = sweeps.Sweep("bad", "kda", ({"M": 1}, {"no_such_field": 3}))
+    monkeypatch.setitem(sweeps.SWEEPS, ("kda", "bad"), bad)
+
+    def measure(*a, **k):
+        raise AssertionError("measured a sweep with an unknown field")
+
+    monkeypatch.setattr("k3lab.profile.measure", measure)
+    out = tmp_path / "results.csv"
+    assert run.main(["kda", "--sweep", "bad", "--device", "cpu", "--out", str(out)]) == 2
+    assert "no_such_field" in capsys.readouterr().err
+    assert not out.exists()
+    with pytest.raises(KeyError, match="no_such_field"):
+        run.run_sweep(bad, device="cpu")
+    # with a config class: the unknown field is named beside the class's fields
+    monkeypatch.setattr(sweeps, "config_class", lambda boundary: _FakeConfig)
+    with pytest.raises(KeyError, match=r"_FakeConfig has no field 'no_such_field'"):
+        sweeps.resolve(bad)
+    with pytest.raises(KeyError, match="inner.nope"):
+        sweeps.resolve(dataclasses.replace(bad, points=({"inner.nope": 1},)))
+    with pytest.raises(KeyError, match="tiles is not a config"):
+        sweeps.resolve(dataclasses.replace(bad, points=({"tiles.x": 1},)))
+    with pytest.raises(ValueError, match="tiles: expected >= 1"):
+        sweeps.resolve(dataclasses.replace(bad, points=({"tiles": 0},)))
+    with pytest.raises(KeyError, match="no variant 'nope'"):
+        sweeps.resolve(dataclasses.replace(bad, points=({"M": 1},), variants=("nope",)))
+
+
+def test_points_split_into_inputs_and_config(monkeypatch):
+    monkeypatch.setattr(sweeps, "config_class", lambda boundary: _FakeConfig)
+    s = sweeps.Sweep("s", "kda", ({"M": 4, "tiles": 3, "inner.block_k": 256}, {"M": 1}),
+                     params={"M": 2})
+    a, b = sweeps.resolve(s)
+    assert a.params == {"M": 4} and a.overrides == {"tiles": 3, "inner.block_k": 256}
+    assert a.config == _FakeConfig(tiles=3, inner=_Inner(256))
+    assert b.params == {"M": 1} and b.config is None  # no config field: the defaults, untouched
+    assert json.loads(sweeps.point_json(a.config)) == {"inner": {"block_k": 256}, "pdl": False,
+                                                       "tiles": 3}
+    # the fused variant finds the point's config in its inputs
+    from k3lab import boundaries
+    from k3lab.config import preset
+
+    bb = run._with_config(boundaries.get("kda"), a.config)
+    assert bb.make_inputs(preset("tiny"), "cpu", 0, M=1)["config"] is a.config
+
+
+def test_config_probe_names_fused_variants_that_ignore_their_config():
+    import torch
+
+    from k3lab.boundaries import Boundary, Variant
+
+    ran = []
+
+    def reads(inputs):
+        config = inputs.get("config")
+        ran.append("reads")  # not reached: the probe stops at the read
+        return config
+
+    def ignores(inputs):
+        ran.append("ignores")
+        return inputs["x"]
+
+    b = Boundary("fake", "fake", (), lambda cfg, device, seed: {"x": torch.zeros(2)},
+                 (Variant("reference", "reference", ignores), Variant("reads", "fused", reads),
+                  Variant("ignores", "fused", ignores)),
+                 check=lambda out, ref, inputs: {}, bytes_moved=lambda inputs: 8)
+    assert run.config_ignored(b, "cpu", _FakeConfig(), ["reference", "reads", "ignores"]) == [
+        "ignores"]
+    assert ran == ["ignores"]
+
+
+def test_every_named_sweep_resolves():
+    for key, s in sweeps.SWEEPS.items():
+        assert key == (s.boundary, s.name)
+        assert sweeps.resolve(s), key
+
+
+def test_side_by_side_and_csv_header(tmp_path):
+    def frame(value):
+        return pd.DataFrame([{"variant": "fused", "point": '{"M":1}', "metric": "graph_us",
+                              "value": value}])
+
+    t = run.side_by_side(frame(2.0), frame(4.0))
+    assert t.loc[("fused", '{"M":1}', "graph_us")].tolist() == [2.0, 4.0, 0.5]
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="has columns"):
+        run.append_csv(pd.DataFrame(columns=run.COLUMNS), other)
+
+
+def test_package_dirs_of_this_checkout():
+    assert run.package_dirs(ROOT) == {"k3lab.kernels": str((ROOT / "kernels").resolve())}
+
+
+def _worktrees() -> str:
+    return subprocess.run(["git", "worktree", "list", "--porcelain"], cwd=ROOT,
+                          capture_output=True, text=True).stdout
+
+
+@pytest.mark.interpreter
+def test_base_head_side_by_side(tmp_path, capsys):
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "results.csv"
+    assert run.main([*KDA_ONE, "--out", str(out), "--base", "HEAD"]) == 0
+    printed = capsys.readouterr().out
+    assert "head" in printed and "base" in printed and "ratio" in printed
+    assert "not GPU figures" in printed
+    df = _rows(out)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    assert df["date"].nunique() == 2  # two runs, the base one in its own process
+    base = df[df["date"] == df["date"].max()]
+    assert base["commit"].unique().tolist() == [head]
+    assert base["dirty"].unique().tolist() == [False]
+    assert set(base["metric"]) == set(df[df["date"] == df["date"].min()]["metric"])
+    assert "k3lab-base-" not in _worktrees()  # the temporary worktree is gone

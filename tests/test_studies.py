@@ -1,0 +1,232 @@
+"""The notebooks' study helpers (k3lab.studies) on the CPU: their tables from hand-made records,
+and the few that drive a boundary with stand-in variants (the references in the fused slots), so
+no kernel runs under the interpreter here; the kernels' own tests check those."""
+
+import dataclasses
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from k3lab import boundaries, config, studies
+from k3lab.boundaries import Variant
+from k3lab.boundaries import kda as kda_boundary
+from k3lab.studies import attn_res as attn_res_study
+from k3lab.studies import decode_step, overview
+from k3lab.studies import kda as kda_study
+from k3lab.studies import mla as mla_study
+from k3lab.studies import route as route_study
+
+
+def _setup(name, preset="tiny", tp=1, M=1, fused=None) -> studies.Setup:
+    """A CPU Setup whose fused variants are replaced by ``fused`` {name: fn} (the references)."""
+    b = boundaries.get(name)
+    if fused:
+        b = dataclasses.replace(b, variants=tuple(
+            Variant(v.name, v.role, fused[v.name]) if v.name in fused else v
+            for v in b.variants))
+    return studies.Setup(b, config.preset(preset, tp), torch.device("cpu"), seed=0, M=M,
+                         _copy_bw=1e10)
+
+
+def _records(rows) -> pd.DataFrame:
+    return pd.DataFrame([{"mode": "", **r} for r in rows])
+
+
+# ---------------------------------------------------------------- setup
+
+def test_setup_names_the_presets_that_have_the_boundary(monkeypatch):
+    # the device itself is k3lab.device's to check; leave the process's interpreter setting be
+    monkeypatch.setattr(studies.k3device, "use_device", torch.device)
+    with pytest.raises(ValueError, match=r"kimi-k2 has no kda boundary; use one of "
+                                         r"\['kimi-k3', 'kimi-linear', 'tiny'\]"):
+        studies.setup("kda", "kimi-k2", 1, "cpu")
+    s = studies.setup("route", "tiny", 1, "cpu", seed=3, repeats=0, M=2)
+    assert (s.mode, s.modes, s.repeats, s.seed) == ("eager", ("eager",), None, 3)
+    assert s.note == studies.CPU_NOTE
+    assert s.base == {"boundary": "route", "preset": "tiny", "tp": 1, "device": "cpu", "M": 2}
+    (one,) = s.copies(M=2, block_m=4)  # one copy on the CPU: the L2 is moot there
+    assert one["hidden"].shape[0] == 2 and one["block_m"] == 4
+
+
+# ---------------------------------------------------------------- route
+
+def test_group_count():
+    assert [route_study.group_count(e) for e in (896, 24, 12, 6)] == [8, 8, 4, 2]
+    with pytest.raises(ValueError, match="n_experts"):
+        route_study.group_count(3)
+
+
+def test_route_check_case_compares_every_field_and_the_sorting_formulation():
+    s = _setup("route", fused={"fused": boundaries.get("route").reference.fn})
+    row = route_study.check_case(s, 3, 4, n_group=2, topk_group=1, sorting=True)
+    assert (row["M"], row["block_m"], row["groups"]) == (3, 4, "2/1")
+    assert row["reference == sorting"] is True and row["topk_weights err"] == 0
+
+
+def test_route_bar_on_the_cpu_checks_launches_only():
+    s = _setup("route")
+    rec = _records([
+        {"variant": "fused", "metric": "launches", "value": 1},
+        {"variant": "reference", "metric": "launches", "value": 40},
+        {"variant": "fused", "metric": "latency_us", "mode": "eager", "value": 10.0},
+        {"variant": "reference", "metric": "latency_us", "mode": "eager", "value": 50.0}])
+    table, f = route_study.bar(s, rec, gate_bytes=10_000)
+    assert table.ok.tolist()[0] is True and table.ok.tolist()[1:] == [None, None, None]
+    assert table.measured.iloc[1] == 5.0 and f["gate_floor_us"] == pytest.approx(1.0)
+    assert math.isnan(f["comp_us"]) and math.isnan(f["floor_us"])  # no graphs, no compile
+    with pytest.raises(ValueError, match="tokens or experts"):
+        route_study.sweep(s)
+
+
+def test_token_explorer_places_every_slot_in_the_sorted_plan():
+    s = _setup("route", fused={"fused": boundaries.get("route").reference.fn})
+    ex = route_study.TokenExplorer(s, tokens=3, block_m=4)
+    assert ex.num_tokens == 3 and ex.clamp(7) == 2 and ex.clamp(-1) == 0
+    t = ex.table(1)
+    k = s.cfg.top_k
+    assert ex.sorted_ids[t["sorted position"]].tolist() == [k + j for j in range(k)]
+    assert (t["tile"] == t["sorted position"] // 4).all()
+    assert (t["weight (fused)"] == t["weight (reference)"]).all()
+    assert t["biased score"].is_monotonic_decreasing
+
+
+# ---------------------------------------------------------------- kda
+
+def test_kda_sweep_tps():
+    assert kda_study.sweep_tps(config.preset("kimi-k3")) == [1, 2, 4, 8]
+    assert kda_study.sweep_tps(config.preset("tiny")) == [1, 2, 3, 6]  # 6 heads
+    assert kda_study.sweep_tps(config.preset("tiny"), (2, 3)) == [2, 3]
+
+
+def test_kda_steps_carry_each_variants_state():
+    stand_ins = {"fused": boundaries.get("kda").reference.fn,
+                 "fused+conv": kda_boundary.reference_conv,
+                 "fused+out_gate": kda_boundary.reference_out_gate}
+    s = _setup("kda", fused=stand_ins)
+    fixed, tokens = kda_boundary.decode_stream(s.cfg, s.device, 0, M=1, steps=3)
+    errs = kda_study.run_steps(s, fixed, tokens, list(kda_study.STEP_VARIANTS), variant_steps=2)
+    assert errs.groupby("variant", sort=False).size().to_dict() == {
+        "fused": 3, "fused+conv": 2, "fused+out_gate": 2}
+    assert (errs.o_err == 0).all() and (errs.state_err == 0).all()
+    assert errs.o_ok.all() and errs.state_ok.all()
+    summary = kda_study.step_summary(errs)
+    assert summary.loc["fused", "steps"] == 3 and summary.o_within_tol.all()
+    assert set(kda_study.step_records(s, errs).metric) == {"step_o_err", "step_state_err"}
+
+
+def test_kda_within_and_versus():
+    atol, rtol = kda_study.TOL["o"]
+    e = torch.ones(4)
+    assert kda_study.within("o", e + atol + rtol * 0.5, e)
+    assert not kda_study.within("o", e + 2 * (atol + rtol), e)
+    assert not kda_study.within("o", e * float("nan"), e)
+    s = _setup("kda")
+    rec = _records([{"variant": v, "metric": "latency_us", "mode": "eager", "value": us}
+                    for v, us in (("reference", 40.0), ("fused", 10.0),
+                                  ("fused+conv", 20.0), ("fused+out_gate", 25.0))]
+                   + [{"variant": "fused", "metric": "launches", "value": 1}])
+    extra = _records([{"variant": "reference+conv", "metric": "latency_us", "mode": "eager",
+                       "value": 80.0}])
+    v = kda_study.versus(s, rec, extra).set_index("before")
+    assert v.loc["reference", "eager speedup"] == 4.0
+    assert v.loc["reference+conv", "eager speedup"] == 4.0
+    assert math.isnan(v.loc["reference+out_gate", "eager speedup"])
+    assert v.loc["reference", "launches after"] == 1
+
+
+# ---------------------------------------------------------------- mla
+
+def test_mla_split_choice_and_kv_bytes():
+    rows = [{"context": c, "num_splits": ns, "heuristic": h, "latency_us": us, "kv_TBps": 1.0,
+             "copy_frac": 0.5}
+            for c, h, lat in ((64, 2, {1: 9.0, 2: 6.0, 4: 8.0}),
+                              (1024, 4, {1: 30.0, 2: 12.0, 4: 16.0}))
+            for ns, us in lat.items()]
+    choice = mla_study.split_choice(pd.DataFrame(rows))
+    assert choice.loc[64, "best splits"] == 2 and choice.loc[64, "heuristic / best"] == 1.0
+    assert choice.loc[1024, "heuristic splits"] == 4 and choice.loc[1024, "best splits"] == 2
+    assert choice.loc[1024, "best speedup vs 4 splits"] == pytest.approx(16 / 12)
+    kv = torch.zeros(2, 10, 6, dtype=torch.bfloat16)
+    assert mla_study.kv_bytes({"kv_cache": kv, "seq_lens": torch.tensor([3, 5])}) == 8 * 6 * 2
+    s = _setup("mla")
+    assert mla_study.skeletons(s, choice, pd.DataFrame(rows)).empty  # none on the CPU
+
+
+# ---------------------------------------------------------------- attn_res
+
+def test_attn_res_schedule_and_token_launches():
+    s = _setup("attn_res")
+    reads, per_depth = attn_res_study.schedule(s)
+    assert len(reads) == 2 * s.cfg.n_layers == per_depth.reads.sum()
+    assert per_depth.index.max() == attn_res_study.deepest(s) + 1
+    per_read = pd.DataFrame([{"variant": "reference", "candidates": 2, "reads": 3,
+                              "launches per read": 2}])
+    fns = {"reference": lambda inp: [inp["x"] + 1 for _ in range(3) for _ in range(2)]}
+    table = attn_res_study.launches_per_token(per_read, {"x": torch.ones(2)}, fns, 3)
+    assert table.loc["reference"].tolist() == [6, 6, 3, True]
+    sweep = pd.DataFrame([{"candidates": c, "mode": "eager", "variant": v, "latency_us": us}
+                          for c in (1, 2) for v, us in (("reference", 10.0 * c),
+                                                        ("fused", 2.0))])
+    lat, speedup = attn_res_study.depth_tables(s, sweep)
+    assert speedup["eager"].tolist() == [5.0, 10.0]
+
+
+# ---------------------------------------------------------------- overview
+
+def test_overview_owners_and_reference_table():
+    owner = {"moe.sort": "route"}
+    assert overview.owner_of("moe.sort", owner) == "route"
+    assert overview.owner_of("attn_res.read@ffn", {"attn_res.read": "attn_res"}) == "attn_res"
+    assert overview.owner_of("x.q_proj", owner) == overview.DENSE
+    assert overview.owner_of("x.other", owner) == overview.UNOWNED
+    table = overview.op_table(config.preset("kimi-k2"))
+    assert set(table.layer) == {"mla"}  # no KDA layers
+    assert table[table.op == "mla.attention"].owner.item() == "mla"
+    rec = _records(
+        [{"boundary": b, "metric": m, "value": v, "mode": mode}
+         for b in ("route", "moe", "attn_res")
+         for m, v, mode in (("launches", 30, ""), ("bytes", 100, ""),
+                            ("latency_us", 12.34, "eager"), ("roofline_us", 0.5, "eager"))])
+    t = overview.reference_table(rec)
+    assert t.index.tolist() == ["route", "moe", "attn_res"]  # the registry's order, kept
+    assert t.loc["moe"].tolist() == [30, 100, 12.34, 0.5]
+    head = overview.headline(t, "kda", 77)
+    assert head["moe reference launches"] == 30 and head["moe reference eager (us)"] == 12.3
+    assert head["reference kda layer launches"] == 77
+
+
+# ---------------------------------------------------------------- decode step
+
+def _waterfall():
+    rows = []
+    for step, (added, tok_s, launches) in enumerate(
+            (("reference", 10.0, 100), ("mla-split-override", 12.0, 90),
+             ("route-sort", 18.0, 40))):
+        base = {"step": step, "added": added}
+        rows.append({**base, "metric": "tok_per_s", "mode": "eager", "value": tok_s,
+                     "kind": "token"})
+        for kind, n in (("kda", 3), ("mla", 1)):
+            rows.append({**base, "metric": "launches", "mode": "", "value": launches,
+                         "kind": kind})
+            rows.append({**base, "metric": "launches_per_token", "mode": "",
+                         "value": n * launches, "kind": kind})
+    return pd.DataFrame(rows)
+
+
+def test_decode_step_tables():
+    wf = _waterfall()
+    tok = decode_step.token_rates(wf, "eager")
+    assert tok["added"].tolist() == ["reference", "mla-split-override", "route-sort"]
+    assert tok["gain vs previous"].iloc[2] == pytest.approx(0.5)
+    assert tok["vs reference"].iloc[2] == pytest.approx(1.8)
+    assert tok["launches per token"].tolist() == [400, 360, 160]
+    per_layer = decode_step.launches_per_layer(wf, tok)
+    assert per_layer.index.tolist() == tok["added"].tolist()
+    assert decode_step.full_stack(wf).names == ("mla-split-override", "route-sort")
+    head = decode_step.headline(tok, per_layer, "eager")
+    assert head["full stack speedup"] == 1.8 and head["kda launch reduction"] == 2.5
+    assert head["largest single gain"] == "route-sort +50.0%"
+    assert decode_step.mode_of(torch.device("cpu")) == "eager"
+    assert len(decode_step.catalogue()) == len(decode_step.stack.CATALOGUE)
