@@ -70,9 +70,8 @@ _NOT_LAUNCHES = {
 DEFAULT_REPEATS = {"cpu": 3, "cuda": 50}
 DEFAULT_WARMUP = {"cpu": 1, "cuda": 5}
 # Warm-up also lasts at least this long on the GPU (untimed, synchronized): the first timing of a
-# process after its setup ran ~12 % slow at 5 warm-up replays (H200, session 8 call 3: MoE stage
-# 1, 0.595-0.604 of the copy bandwidth first, 0.679-0.685 after), the way a GPU's clocks and
-# translation caches need some milliseconds of work before they settle.
+# process after its setup ran ~12 % slow at 5 warm-up replays, the way a GPU's clocks and
+# translation caches need some milliseconds of work before they settle (docs/decisions.md).
 WARMUP_SECONDS = {"cpu": 0.0, "cuda": 0.1}
 MAX_COLD_COPIES = 512  # small boundaries (AttnRes at B1: ~0.2 MB a call) need hundreds
 # A graph replay has a fixed cost (~10-20 us on an H200) that a decode step's graph of hundreds of
@@ -360,8 +359,8 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
     torch.cuda.synchronize(device)
     graph = _capture(fn, inputs_list, 1)
     # how many passes: from one pass's graph replay, the GPU's time a call (an eager pass's time
-    # is the host's when launches are slower than the kernels: session 12 found stage 2 timed
-    # 2 calls a replay that way, about 6 % slower than at 32)
+    # is the host's when launches are slower than the kernels, which sized graphs too small;
+    # docs/decisions.md)
     passes = graph_passes(_replay_us(graph) / n, n, min_calls)
     if passes > 1:
         del graph

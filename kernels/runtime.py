@@ -13,7 +13,7 @@ import os
 
 import torch
 
-__all__ = ["INTERPRETED", "prepare", "check_device"]
+__all__ = ["INTERPRETED", "prepare", "check_device", "check_tensor"]
 
 
 def prepare() -> bool:
@@ -40,3 +40,19 @@ def check_device(name: str, t: torch.Tensor) -> None:
             f"unset TRITON_INTERPRET before the first import of k3lab.kernels")
     if kind not in ("cpu", "cuda"):
         raise ValueError(f"{name}: expected a cuda (or interpreted cpu) tensor, got {t.device}")
+
+
+def check_tensor(name: str, t, *, dtypes, dim: int, device=None) -> None:
+    """Refuse anything but a contiguous tensor of one of ``dtypes`` with ``dim`` dimensions (on
+    ``device`` when given) that the kernels can run on, naming the parameter."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    check_device(name, t)
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")

@@ -99,23 +99,31 @@ def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
 
 
 @triton.jit
-def _segment(o_n, p_bounds, N, N_SEG: tl.constexpr):
-    """(start, length) of the output segment holding each row of o_n."""
+def _segment(o_n, N, b1, b2, b3, b4, b5, b6, b7):
+    """(start, length) of the output segment holding each row of o_n: segments start at 0, b1,
+    .., b7 (ascending; unused ones equal N)."""
     start = tl.zeros_like(o_n)
+    start = tl.where(o_n >= b1, b1, start)
+    start = tl.where(o_n >= b2, b2, start)
+    start = tl.where(o_n >= b3, b3, start)
+    start = tl.where(o_n >= b4, b4, start)
+    start = tl.where(o_n >= b5, b5, start)
+    start = tl.where(o_n >= b6, b6, start)
+    start = tl.where(o_n >= b7, b7, start)
     end = tl.zeros_like(o_n) + N
-    for i in tl.static_range(1, N_SEG):
-        b = tl.load(p_bounds + i)
-        start = tl.where(o_n >= b, b, start)
-    for j in tl.static_range(1, N_SEG):
-        b = tl.load(p_bounds + N_SEG - j)
-        end = tl.where(o_n < b, b, end)
+    end = tl.where(o_n < b7, b7, end)
+    end = tl.where(o_n < b6, b6, end)
+    end = tl.where(o_n < b5, b5, end)
+    end = tl.where(o_n < b4, b4, end)
+    end = tl.where(o_n < b3, b3, end)
+    end = tl.where(o_n < b2, b2, end)
+    end = tl.where(o_n < b1, b1, end)
     return start, end - start
 
 
 @triton.jit
-def _epilogue(acc, acc_u, rstd, p_y, p_res, p_bounds, o_m, m_m, o_n, m_n, M, N, beta,
-              linear_beta, ACT: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-              N_SEG: tl.constexpr):
+def _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta, linear_beta,
+              ACT: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
     y = acc
     if NORM:
         y = y * rstd[:, None]
@@ -127,11 +135,6 @@ def _epilogue(acc, acc_u, rstd, p_y, p_res, p_bounds, o_m, m_m, o_n, m_n, M, N, 
     mask = m_m[:, None] & m_n[None, :]
     if RESIDUAL:
         y += tl.load(p_res + o_m[:, None] * N + o_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    if N_SEG > 1:
-        start, length = _segment(o_n, p_bounds, N, N_SEG)
-        o_y = M * start[None, :] + o_m[:, None] * length[None, :] + (o_n - start)[None, :]
-    else:
-        o_y = o_m[:, None] * N + o_n[None, :]
     tl.store(p_y + o_y, y.to(p_y.dtype.element_ty), mask=mask)
 
 
@@ -163,7 +166,8 @@ def _split_reduce(acc, acc_u, p_ws, p_cnt, i_n, i_k, o_m, m_m, o_n, m_n, M, N,
 
 
 @triton.jit
-def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_bounds, M, N, K, K_SPLIT, eps,
+def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, b1, b2, b3, b4, b5, b6, b7, M, N,
+                      K, K_SPLIT, eps,
                       beta, linear_beta, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
@@ -192,6 +196,11 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_bounds, M, N, K,
     if ACT != 0:
         acc_u = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
                         BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES)
+    if N_SEG > 1:  # segment s is its own contiguous [M, n_s] block of the output
+        start, length = _segment(o_n, N, b1, b2, b3, b4, b5, b6, b7)
+        o_y = M * start[None, :] + o_m[:, None] * length[None, :] + (o_n - start)[None, :]
+    else:
+        o_y = o_m[:, None] * N + o_n[None, :]
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if SPLIT_K > 1:
         last, acc, acc_u = _split_reduce(acc, acc_u, p_ws, p_cnt, i_n, i_k, o_m, m_m, o_n, m_n,
@@ -199,10 +208,10 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_bounds, M, N, K,
         if last:
             if NORM:
                 rstd = _rstd(p_x, o_m, m_m, K, eps, BLOCK_M, BLOCK_K)
-            _epilogue(acc, acc_u, rstd, p_y, p_res, p_bounds, o_m, m_m, o_n, m_n, M, N, beta,
-                      linear_beta, ACT, NORM, RESIDUAL, N_SEG)
+            _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta,
+                      linear_beta, ACT, NORM, RESIDUAL)
     else:
         if NORM:
             rstd = _rstd(p_x, o_m, m_m, K, eps, BLOCK_M, BLOCK_K)
-        _epilogue(acc, acc_u, rstd, p_y, p_res, p_bounds, o_m, m_m, o_n, m_n, M, N, beta,
-                  linear_beta, ACT, NORM, RESIDUAL, N_SEG)
+        _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta, linear_beta,
+                  ACT, NORM, RESIDUAL)

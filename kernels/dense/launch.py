@@ -7,7 +7,7 @@ import math
 import torch
 import triton
 
-from ..runtime import INTERPRETED, check_device
+from ..runtime import INTERPRETED, check_tensor
 from .config import GemvConfig
 from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
 
@@ -40,20 +40,6 @@ def default_config(m: int, rows: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split,
                       num_stages=4 if rows <= 2304 else 3, pdl=True,
                       prefetch_steps=2 if small else 0)
-
-
-def _check(name, t, dtypes, dim, device=None):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dimensions, got shape {list(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    check_device(name, t)
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
 
 
 def _number(name, v, *, positive=False):
@@ -92,9 +78,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     norm_weight: [K] (fp32 or bf16): y = RMSNorm(x; eps) @ weight^T, the norm in the prologue.
     out_dtype: bf16 or fp32. config: GemvConfig (None: ``default_config``).
     """
-    _check("x", x, (torch.bfloat16,), 2)
+    check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
     dev = x.device
-    _check("weight", weight, (torch.bfloat16,), 2, dev)
+    check_tensor("weight", weight, dtypes=(torch.bfloat16,), dim=2, device=dev)
     m, k = x.shape
     if not 1 <= m <= MAX_TOKENS:
         raise ValueError(f"x: expected 1 <= M <= {MAX_TOKENS} tokens (a decode batch), got "
@@ -132,12 +118,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         for s in splits[:-1]:
             bounds.append(bounds[-1] + s)
     if residual is not None:
-        _check("residual", residual, (torch.bfloat16,), 2, dev)
+        check_tensor("residual", residual, dtypes=(torch.bfloat16,), dim=2, device=dev)
         if tuple(residual.shape) != (m, n):
             raise ValueError(f"residual: expected [M, N] = [{m}, {n}], got "
                              f"{list(residual.shape)}")
     if norm_weight is not None:
-        _check("norm_weight", norm_weight, (torch.float32, torch.bfloat16), 1, dev)
+        check_tensor("norm_weight", norm_weight, dtypes=(torch.float32, torch.bfloat16), dim=1,
+                     device=dev)
         if norm_weight.numel() != k:
             raise ValueError(f"norm_weight: expected [K={k}], got {list(norm_weight.shape)}")
     block_m = 1 if m == 1 else 16
@@ -153,11 +140,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     ws = (torch.empty(split * m * n * (2 if act else 1), dtype=torch.float32, device=dev)
           if split > 1 else y)
     cnt = _ticket_buffer(dev, tiles) if split > 1 else y
-    p_bounds = torch.tensor(bounds, dtype=torch.int32, device=dev) if len(bounds) > 1 else y
+    starts = bounds[1:] + [n] * (MAX_SEGMENTS - len(bounds))  # scalars: nothing to copy
     pdl = config.pdl and not INTERPRETED
     dense_gemv_kernel[(tiles, split)](
         x, weight, y, residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x, ws, cnt, p_bounds,
+        norm_weight if norm_weight is not None else x, ws, cnt, *starts,
         m, n, k, k_split, eps, beta, linear_beta,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
         ACT=act, NORM=norm_weight is not None, RESIDUAL=residual is not None,

@@ -6,7 +6,7 @@ import torch
 
 from ..mxfp4 import MXFP4, MXFP4_GROUP, mxfp4_tiled_ok
 from ..plan import RoutePlan
-from ..runtime import check_device
+from ..runtime import check_tensor
 from .config import MoEConfig
 
 __all__ = ["MAX_TOKENS", "ACT_CODES", "check_config", "check_tensor", "check_tokens",
@@ -27,20 +27,6 @@ def check_config(config) -> MoEConfig:
     if not isinstance(config, MoEConfig):
         raise ValueError(f"config: expected a MoEConfig or None, got {type(config).__name__}")
     return config
-
-
-def check_tensor(name, t, *, dtypes, dim, device=None):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    check_device(name, t)
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor")
 
 
 def check_tokens(name, m):

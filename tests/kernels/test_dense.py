@@ -210,3 +210,30 @@ def test_gpu_graph_replay_split(pdl):
     torch.cuda.synchronize()
     assert torch.equal(y, want)
     _close(y.cpu(), dense_reference(x, w).cpu(), _terms(x, w).cpu())
+
+
+@pytest.mark.parametrize("shape", ["kda.in_proj", "mla.q_b_proj", "moe.shared_gate_up",
+                                   "kda.o_proj"])
+def test_boundary_is_one_launch(shape, device):
+    """Every epilogue kind is one launch, merged outputs included (no host-side tensor)."""
+    from k3lab.boundaries import dense
+    from k3lab.config import preset
+    from k3lab.profile import count_launches
+
+    inputs = dense.BOUNDARY.make_inputs(preset("tiny"), device, 0, M=1, shape=shape)
+    assert count_launches(dense.fused, inputs).count == 1
+
+
+@pytest.mark.gpu
+def test_gpu_merged_outputs_in_graph():
+    splits = (1536, 1536, 1536, 128, 12, 1536)
+    x, w = _data(1, sum(splits), 7168, 10)
+    x, w = x.cuda(), w.cuda()
+    want = dense_gemv(x, w, splits=splits)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = dense_gemv(x, w, splits=splits)
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(outs, want, strict=True):
+        assert torch.equal(a, b)
