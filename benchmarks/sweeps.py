@@ -238,6 +238,12 @@ _SWEEPS = [
                            {"mma": False}),
           "MXFP4 paths: prepared activations, tiled layout, tensor-core against K-lane tiles",
           params=_MXFP4_TP1, tp=1),
+    Sweep("projections", "moe", grid(({"M": 1}, {"M": 4}, {"M": 16}),
+                                     ({"dense_projections": False},
+                                      {"dense_projections": True})),
+          "the block's dense projections in the MoE front/tail kernels against dense GEMV "
+          "launches, MXFP4 with routing", params={"expert_format": "mxfp4", "route": True},
+          tp=8),
     Sweep("score", "mla", grid(_MLA_CONTEXTS, ({}, {"score_chunks": 1}, {"score_chunks": 2},
                                                {"defer_row_sum": False},
                                                {"score_chunks": 1, "defer_row_sum": False})),

@@ -165,6 +165,11 @@ def _fused(inputs: dict) -> torch.Tensor:
                      plan=plan, block_m=inputs["block_m"], fuse_tail=FUSE_TAIL, config=config)
 
 
+def _fused_dense(inputs: dict) -> torch.Tensor:
+    config = dataclasses.replace(inputs.get("config") or MoEConfig(), dense_projections=True)
+    return _fused({**inputs, "config": config})
+
+
 # ---------------------------------------------------------------------------------------------
 # the grouped eager peer
 
@@ -434,6 +439,11 @@ BOUNDARY = Boundary(
                 "three Triton launches: front (latent down + shared gate/up GEMVs), stage 1 "
                 "direct tile over the plan, then stage 2 (fp32 atomics) and the tail + shared "
                 "down in one ticket-ordered grid (plus route_sort's launch(es) with routing)"),
+        Variant("fused+dense", "fused", _fused_dense,
+                "the fused block with MoEConfig(dense_projections=True): latent down, shared "
+                "gate/up and shared down as dense GEMV launches, stage 1, stage 2 alone, then "
+                "RMSNorm + up-projection + shared add as one dense GEMV (6 launches given a "
+                "plan; presets without a latent run the plain fused block)"),
         Variant("grouped", "peer", _grouped,
                 "eager torch: gather the selected experts' weights (MXFP4 dequantized), bmm for "
                 "each stage, fp32 weighted sum, cuBLAS dense projections"),

@@ -69,16 +69,18 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
                out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None):
     """y = x @ weight^T for a decode batch, one launch.
 
-    x: bf16 [M, K], 1 <= M <= MAX_TOKENS. weight: bf16 [N, K] (with ``activation``, [2S, K]:
-    gate rows then up rows, and y = act(x @ gate^T, x @ up^T) is [M, S]).
+    x: bf16 or fp32 [M, K], 1 <= M <= MAX_TOKENS (fp32 x meets the weights in fp32 at one
+    token; several tokens round it to bf16 for the tensor cores).
+    weight: bf16 [N, K] (with ``activation``, [2S, K]: gate rows then up rows, and
+    y = act(x @ gate^T, x @ up^T) is [M, S]).
     splits: row counts summing to N (merged projections): returns a tuple of contiguous
         [M, n_i] tensors, one per segment, instead of one [M, N] tensor.
     activation: None, "situ" (beta situ_beta, linear beta situ_linear_beta) or "silu".
-    residual: bf16 [M, N_out] added to the output (single output only).
+    residual: bf16 or fp32 [M, N_out] added to the output (single output only).
     norm_weight: [K] (fp32 or bf16): y = RMSNorm(x; eps) @ weight^T, the norm in the prologue.
     out_dtype: bf16 or fp32. config: GemvConfig (None: ``default_config``).
     """
-    check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
+    check_tensor("x", x, dtypes=(torch.bfloat16, torch.float32), dim=2)
     dev = x.device
     check_tensor("weight", weight, dtypes=(torch.bfloat16,), dim=2, device=dev)
     m, k = x.shape
@@ -118,7 +120,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         for s in splits[:-1]:
             bounds.append(bounds[-1] + s)
     if residual is not None:
-        check_tensor("residual", residual, dtypes=(torch.bfloat16,), dim=2, device=dev)
+        check_tensor("residual", residual, dtypes=(torch.bfloat16, torch.float32), dim=2,
+                     device=dev)
         if tuple(residual.shape) != (m, n):
             raise ValueError(f"residual: expected [M, N] = [{m}, {n}], got "
                              f"{list(residual.shape)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dense import dense_gemv
 from ..plan import RoutePlan
 from ..route import route_sort
 from .checks import (
@@ -170,6 +171,9 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     if plan.out is None:
         raise ValueError("plan.out: moe_block needs the plan's zeroed fp32 [M, D] buffer "
                          "(route_sort(..., out_dim=D))")
+    if config.dense_projections and cfg.latent:
+        return _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic,
+                            config)
     # prepared activations for the tensor-core tiles: the front kernel writes z's copy, stage 1
     # a's (latent presets; K2-style stage 1 reads x itself)
     prep1 = (config.x_prepared and cfg.latent and d % 8 == 0
@@ -204,3 +208,26 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
         _launch_stage2_tail(config, stage2, None, pdl=True)
         _launch_stage2_tail(config, None, tail, pdl=True)
     return tail[2]
+
+
+def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic, config):
+    """moe_block with ``config.dense_projections``: the dense GEMVs of x (latent down, shared
+    gate/up, shared down) before stage 1, stage 2 alone, then RMSNorm(y) @ W_up^T + shared as one
+    GEMV with the norm in its prologue and the shared output as its residual."""
+    m, i = x.shape[0], w13.shape[1] // 2
+    z = dense_gemv(x, weights["latent_down"])
+    shared = None
+    if cfg.shared_intermediate:
+        a_s = dense_gemv(x, weights["shared_w13"], activation=cfg.activation,
+                         situ_beta=betas[0], situ_linear_beta=betas[1])
+        shared = dense_gemv(a_s, weights["shared_w2"], out_dtype=torch.float32)
+    prep2 = (config.x_prepared and i % 8 == 0
+             and mma_tile(config, w2, 0 if deterministic else 2, plan.block_m, n_tiles,
+                          z.shape[1]) is not None)
+    a_mma = (torch.empty((m * plan.topk_ids.shape[1], i), device=x.device, dtype=torch.bfloat16)
+             if prep2 else None)
+    a = _launch_stage1(config, z, plan, w13, act, *betas, n_tiles, a_mma_out=a_mma, pdl=True)
+    stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
+    _launch_stage2_tail(config, stage2, None, pdl=True)
+    return dense_gemv(stage2[2], weights["latent_up"], norm_weight=weights["latent_norm"],
+                      eps=cfg.rms_eps, residual=shared)

@@ -74,6 +74,10 @@ class MoEConfig:
         front_target_programs: the same for the front launch (latent down + shared gate/up).
         tiled_weights: moe_kernel_weights lays MXFP4 experts out in the tiled layout where the
             shapes allow.
+        dense_projections: the block's dense projections run as ``k3lab.kernels.dense`` GEMV
+            launches (latent presets): latent down, shared gate/up, shared down before stage 1,
+            and the tail's RMSNorm + up-projection + shared add after a separate stage 2
+            (6 launches given a plan instead of 3: each GEMV at its own tiling).
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
@@ -94,10 +98,11 @@ class MoEConfig:
     front_target_programs: int = 1056
     tiled_weights: bool = True
     interpret_gpu_tiles: bool = False
+    dense_projections: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
-                     "tiled_weights", "interpret_gpu_tiles"):
+                     "tiled_weights", "interpret_gpu_tiles", "dense_projections"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)

@@ -127,6 +127,23 @@ def test_fp32_output(device):
     assert (err <= FP32_SUM * _terms(x, w) + 1e-6).all()
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp32_input_with_norm_and_fp32_residual(m, device):
+    """The MoE tail's call: fp32 x (stage 2's y) through the RMSNorm prologue, an fp32 residual
+    (the shared experts' output) added before the one bf16 rounding."""
+    gen = torch.Generator().manual_seed(11 + m)
+    x = torch.randn(m, 96, generator=gen) * 3.0
+    w = (torch.randn(40, 96, generator=gen) / 96 ** 0.5).bfloat16()
+    g = torch.rand(96, generator=gen) + 0.5
+    res = torch.randn(m, 40, generator=gen)
+    got = dense_gemv(x.to(device), w.to(device), norm_weight=g.to(device), eps=1e-6,
+                     residual=res.to(device)).cpu()
+    rn = rms_norm(x, g, 1e-6)
+    want = rn @ w.float().T + res
+    terms = rn.abs() @ w.float().abs().T + res.abs()
+    _close(got, want, terms, rounded_inputs=m > 1)
+
+
 def test_engine_baseline_matches_reference():
     x, w = _data(2, 48, 256, 8)
     g = torch.rand(256) + 0.5
@@ -158,7 +175,7 @@ def test_default_config_fills_the_machine():
 
 BAD = [
     (dict(x=torch.zeros(17, 64).bfloat16()), "M"),
-    (dict(x=torch.zeros(2, 64)), "x: expected dtype"),
+    (dict(x=torch.zeros(2, 64).half()), "x: expected dtype"),
     (dict(w=torch.zeros(32, 63).bfloat16()), "weight: expected"),
     (dict(w=torch.zeros(31, 64).bfloat16(), activation="situ"), "odd row count"),
     (dict(activation="gelu"), "activation"),

@@ -1,0 +1,70 @@
+"""The MoE block with its dense projections as dense GEMV launches
+(``MoEConfig(dense_projections=True)``) against the fp32 reference given the same plan, and its
+launch count; GPU: K3 tp 8 against the default block and inside a CUDA graph."""
+
+import pytest
+import torch
+
+from k3lab.boundaries import get
+from k3lab.config import preset
+from k3lab.kernels import moe_block
+from k3lab.kernels.moe import MoEConfig
+from k3lab.profile import count_launches
+
+B = get("moe")
+DENSE = MoEConfig(dense_projections=True)
+
+
+def _inputs(cfg, device, m, fmt, block_m=1, seed=0):
+    return B.make_inputs(cfg, device, seed, M=m, expert_format=fmt, block_m=block_m)
+
+
+@pytest.mark.parametrize("fmt,m,block_m,det", [("bf16", 1, 1, False), ("mxfp4", 1, 1, True),
+                                               ("mxfp4", 5, 4, False), ("bf16", 8, 1, True)])
+def test_dense_projections_match_the_reference(fmt, m, block_m, det, device):
+    cfg = preset("tiny", 1)
+    inp = _inputs(cfg, device, m, fmt, block_m)
+    w = inp["weights"].fused
+    out = moe_block(inp["x"], w, cfg=cfg, plan=inp["plan"], deterministic=det, config=DENSE)
+    B.check(out, None, inp)  # raises past the block tolerance
+    default = moe_block(inp["x"], w, cfg=cfg, plan=inp["plan"], deterministic=det)
+    # two roundings of the same fp32 math apart: well inside the block tolerance of each
+    assert (out.float() - default.float()).abs().max() < 0.05
+
+
+def test_dense_projections_with_routing_and_repeated_calls(device):
+    """Routing inside the block, and the plan's buffers re-zeroed on every call."""
+    cfg = preset("tiny", 1)
+    inp = {**_inputs(cfg, device, 2, "mxfp4"), "route": True, "config": DENSE}
+    first = B.variant("fused+dense").fn(inp)
+    B.check(first, None, inp)
+    again = B.variant("fused+dense").fn(inp)
+    assert torch.equal(first, again) or (first.float() - again.float()).abs().max() < 1e-2
+
+
+def test_dense_projections_launches(device):
+    """Latent down, shared gate/up, shared down, stage 1, stage 2, tail GEMV: 6 given a plan."""
+    cfg = preset("tiny", 1)
+    inp = {**_inputs(cfg, device, 1, "bf16"), "config": DENSE}
+    names = count_launches(B.variant("fused+dense").fn, inp).kernels
+    if device.type == "cpu":
+        names = [n for n in names if n.startswith("triton::")]
+    assert len(names) == 6, names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_dense_projections_k3_tp8_graph(fmt):
+    cfg = preset("kimi-k3", 8)
+    dev = torch.device("cuda")
+    inp = {**_inputs(cfg, dev, 1, fmt), "route": True}
+    fn = B.variant("fused+dense").fn
+    out = fn(inp)
+    B.check(out, None, inp)
+    assert count_launches(fn, inp).count == 7  # route_sort + 6
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed = fn(inp)
+    g.replay()
+    torch.cuda.synchronize()
+    B.check(graphed, None, inp)
