@@ -81,6 +81,7 @@ class Weights(Mapping):
         self._w = dict(weights)
         self._fused_experts = fused_experts
         self._fused = None
+        self._front = None
 
     @property
     def fused_experts(self) -> dict:
@@ -97,10 +98,22 @@ class Weights(Mapping):
             self._fused = {**self._w, **self.fused_experts}
         return self._fused
 
+    @property
+    def front(self) -> torch.Tensor | None:
+        """latent_down and shared_w13 concatenated (bf16 [D + 2S, H], made once), the one-launch
+        front of ``MoEConfig(dense_projections=True)``; None without both."""
+        if self._front is None and "latent_down" in self._w and "shared_w13" in self._w:
+            self._front = torch.cat([self._w["latent_down"], self._w["shared_w13"]])
+        return self._front
+
     def for_kernels(self, config: MoEConfig | None) -> dict:
         """The weights dict the kernels read under ``config``: :attr:`fused` (the kernels'
-        layout), or the model's layout where ``config.tiled_weights`` is off."""
-        return self.fused if config is None or config.tiled_weights else dict(self._w)
+        layout), or the model's layout where ``config.tiled_weights`` is off; with
+        ``config.dense_projections`` also :attr:`front`."""
+        w = self.fused if config is None or config.tiled_weights else dict(self._w)
+        if config is not None and config.dense_projections and self.front is not None:
+            w = {**w, "front": self.front}
+        return w
 
     def experts_for_kernels(self, config: MoEConfig | None) -> dict:
         """{"w13": ..., "w2": ...} as :meth:`for_kernels` holds them."""
@@ -440,10 +453,10 @@ BOUNDARY = Boundary(
                 "direct tile over the plan, then stage 2 (fp32 atomics) and the tail + shared "
                 "down in one ticket-ordered grid (plus route_sort's launch(es) with routing)"),
         Variant("fused+dense", "fused", _fused_dense,
-                "the fused block with MoEConfig(dense_projections=True): latent down, shared "
-                "gate/up and shared down as dense GEMV launches, stage 1, stage 2 alone, then "
-                "RMSNorm + up-projection + shared add as one dense GEMV (6 launches given a "
-                "plan; presets without a latent run the plain fused block)"),
+                "the fused block with MoEConfig(dense_projections=True): latent down + shared "
+                "gate/up as one dense GEMV launch (weights concatenated once), stage 1, stage 2 "
+                "alone, then RMSNorm + up-projection + shared down as one dense GEMV (4 launches "
+                "given a plan; presets without a latent run the plain fused block)"),
         Variant("grouped", "peer", _grouped,
                 "eager torch: gather the selected experts' weights (MXFP4 dequantized), bmm for "
                 "each stage, fp32 weighted sum, cuBLAS dense projections"),

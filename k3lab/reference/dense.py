@@ -40,10 +40,17 @@ def _split(y, splits):
 
 
 def dense_reference(x, weight, *, splits=None, activation=None, residual=None,
-                    norm_weight=None, eps=1e-5, situ_beta=4.0, situ_linear_beta=25.0):
+                    norm_weight=None, x2=None, weight2=None, eps=1e-5, situ_beta=4.0,
+                    situ_linear_beta=25.0):
     """fp32 truth of ``k3lab.kernels.dense.dense_gemv`` (same arguments, fp32 outputs)."""
     xf = rms_norm(x, norm_weight, eps) if norm_weight is not None else x.float()
+    if splits is not None and activation is not None:  # plain rows, then gate/up rows
+        p = splits[0]
+        return (xf @ weight[:p].float().T,
+                _act(xf @ weight[p:].float().T, activation, situ_beta, situ_linear_beta))
     y = _act(xf @ weight.float().T, activation, situ_beta, situ_linear_beta)
+    if x2 is not None:
+        y = y + x2.float() @ weight2.float().T
     if residual is not None:
         y = y + residual.float()
     return _split(y, splits)

@@ -10,9 +10,11 @@ takes a ticket, and the last one sums the partials, resets the ticket and runs t
 
 Prologue and epilogues remove launches around the projection: an RMSNorm of x (``NORM``: x * g,
 then rstd per token applied to the sums), gate/up activation (``ACT``: the weight holds gate rows
-then up rows, the output is act(gate, up)), a residual add, and outputs split by row segments
-(merged projections: segment s, rows [b_s, b_s+1), is written as its own contiguous [M, n_s]
-block of the output buffer).
+then up rows, the output is act(gate, up)), a second product added to the first (``DUAL``: the
+MoE tail's shared down-projection beside its normalized up-projection), a residual add, outputs
+split by row segments (merged projections: segment s, rows [b_s, b_s+1), is written as its own
+contiguous [M, n_s] block of the output buffer), and plain rows followed by gate/up rows in one
+grid (``MIXED``: the MoE front's latent down beside the shared experts' gate/up).
 """
 
 from __future__ import annotations
@@ -123,10 +125,13 @@ def _segment(o_n, N, b1, b2, b3, b4, b5, b6, b7):
 
 @triton.jit
 def _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta, linear_beta,
-              ACT: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+              ACT: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+              DUAL: tl.constexpr):
     y = acc
     if NORM:
         y = y * rstd[:, None]
+    if DUAL:  # the second product, not normalized
+        y += acc_u
     if ACT != 0:
         u = acc_u
         if NORM:
@@ -140,14 +145,14 @@ def _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta, li
 
 @triton.jit
 def _split_reduce(acc, acc_u, p_ws, p_cnt, i_n, i_k, o_m, m_m, o_n, m_n, M, N,
-                  SPLIT_K: tl.constexpr, ACT: tl.constexpr):
-    """Store this program's partial sums; the last program of the row tile gets the totals
-    (and resets the tile's ticket for the next call). Returns (is_last, acc, acc_u)."""
-    cols = N * (2 if ACT != 0 else 1)
+                  SPLIT_K: tl.constexpr, TWO: tl.constexpr):
+    """Store this program's partial sums (TWO: acc_u too); the last program of the row tile gets
+    the totals (and resets the tile's ticket for the next call). Returns (is_last, acc, acc_u)."""
+    cols = N * (2 if TWO else 1)
     mask = m_m[:, None] & m_n[None, :]
     o_ws = (i_k * M + o_m[:, None]) * cols + o_n[None, :]
     tl.store(p_ws + o_ws, acc, mask=mask)
-    if ACT != 0:
+    if TWO:
         tl.store(p_ws + o_ws + N, acc_u, mask=mask)
     tl.debug_barrier()  # every thread's partial stored before the release below
     ticket = tl.atomic_add(p_cnt + i_n, 1, sem="acq_rel")
@@ -159,24 +164,20 @@ def _split_reduce(acc, acc_u, p_ws, p_cnt, i_n, i_k, o_m, m_m, o_n, m_n, M, N,
         for s in tl.static_range(SPLIT_K):
             o_s = (s * M + o_m[:, None]) * cols + o_n[None, :]
             acc += tl.load(p_ws + o_s, mask=mask, other=0.0, cache_modifier=".cg")
-            if ACT != 0:
+            if TWO:
                 acc_u += tl.load(p_ws + o_s + N, mask=mask, other=0.0, cache_modifier=".cg")
         tl.atomic_xchg(p_cnt + i_n, 0, sem="relaxed")
     return last, acc, acc_u
 
 
 @triton.jit
-def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, b1, b2, b3, b4, b5, b6, b7, M, N,
-                      K, K_SPLIT, eps,
-                      beta, linear_beta, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
-                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
-                      DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-                      NUM_STAGES: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), SPLIT_K). N: output columns (with ACT, the weight has 2N rows:
-    gate rows [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K."""
-    i_n = tl.program_id(0)
-    i_k = tl.program_id(1)
+def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3, b4, b5,
+          b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
+          NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
+          DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+          NUM_STAGES: tl.constexpr):
+    """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_m = tl.arange(0, BLOCK_M)
@@ -196,6 +197,11 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, b1, b2, b3, b4, b5
     if ACT != 0:
         acc_u = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
                         BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES)
+    if DUAL:
+        k2_lo = i_k * K2_SPLIT
+        acc_u = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo,
+                        tl.minimum(k2_lo + K2_SPLIT, K2), BLOCK_M, BLOCK_N, BLOCK_K, False,
+                        DOT_FP32, NUM_STAGES)
     if N_SEG > 1:  # segment s is its own contiguous [M, n_s] block of the output
         start, length = _segment(o_n, N, b1, b2, b3, b4, b5, b6, b7)
         o_y = M * start[None, :] + o_m[:, None] * length[None, :] + (o_n - start)[None, :]
@@ -203,15 +209,49 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, b1, b2, b3, b4, b5
         o_y = o_m[:, None] * N + o_n[None, :]
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if SPLIT_K > 1:
-        last, acc, acc_u = _split_reduce(acc, acc_u, p_ws, p_cnt, i_n, i_k, o_m, m_m, o_n, m_n,
-                                         M, N, SPLIT_K, ACT)
+        last, acc, acc_u = _split_reduce(acc, acc_u, p_ws, p_cnt, i_t, i_k, o_m, m_m, o_n, m_n,
+                                         M, N, SPLIT_K, ACT != 0 or DUAL)
         if last:
             if NORM:
                 rstd = _rstd(p_x, o_m, m_m, K, eps, BLOCK_M, BLOCK_K)
             _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta,
-                      linear_beta, ACT, NORM, RESIDUAL)
+                      linear_beta, ACT, NORM, RESIDUAL, DUAL)
     else:
         if NORM:
             rstd = _rstd(p_x, o_m, m_m, K, eps, BLOCK_M, BLOCK_K)
         _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta, linear_beta,
-                  ACT, NORM, RESIDUAL)
+                  ACT, NORM, RESIDUAL, DUAL)
+
+
+@triton.jit
+def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3, b4, b5, b6,
+                      b7, M, N, K, K_SPLIT, K2, K2_SPLIT, T0, NG, eps,
+                      beta, linear_beta, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
+                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
+                      DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
+    [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
+    DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
+    first (after its RMSNorm) before the epilogue.
+    MIXED: tiles [0, T0) are N plain rows (output [M, N]); tiles from T0 are the activation's NG
+    outputs (weight rows N.. gate, N + NG.. up; output [M, NG] after the first)."""
+    i_n = tl.program_id(0)
+    i_k = tl.program_id(1)
+    if MIXED:
+        if i_n >= T0:
+            _tile(i_n - T0, i_n, i_k, p_x, p_w + N * K, p_y + M * N, p_res, p_g,
+                  p_ws + SPLIT_K * M * N, p_cnt, p_x2, p_w2, b1, b2, b3, b4, b5, b6, b7, M, NG,
+                  K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M, BLOCK_N, BLOCK_K,
+                  SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL, PREFETCH, NUM_STAGES)
+        else:
+            _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3,
+                  b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta,
+                  BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1, False, DOT_FP32, PDL,
+                  PREFETCH, NUM_STAGES)
+    else:
+        _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3, b4,
+              b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M,
+              BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32, PDL,
+              PREFETCH, NUM_STAGES)

@@ -65,6 +65,7 @@ def _ticket_buffer(device: torch.device, tiles: int) -> torch.Tensor:
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation=None,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+               x2: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
                eps: float = 1e-5, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None):
     """y = x @ weight^T for a decode batch, one launch.
@@ -74,10 +75,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     weight: bf16 [N, K] (with ``activation``, [2S, K]: gate rows then up rows, and
     y = act(x @ gate^T, x @ up^T) is [M, S]).
     splits: row counts summing to N (merged projections): returns a tuple of contiguous
-        [M, n_i] tensors, one per segment, instead of one [M, N] tensor.
+        [M, n_i] tensors, one per segment, instead of one [M, N] tensor. With ``activation``:
+        (plain rows, 2S gate/up rows), returning ([M, plain], act [M, S]).
     activation: None, "situ" (beta situ_beta, linear beta situ_linear_beta) or "silu".
     residual: bf16 or fp32 [M, N_out] added to the output (single output only).
     norm_weight: [K] (fp32 or bf16): y = RMSNorm(x; eps) @ weight^T, the norm in the prologue.
+    x2, weight2: a second product added in the same launch, y += x2 @ weight2^T (x2 bf16 or fp32
+        [M, K2], weight2 bf16 [N, K2]; not normalized; single output, no activation).
     out_dtype: bf16 or fp32. config: GemvConfig (None: ``default_config``).
     """
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float32), dim=2)
@@ -92,33 +96,41 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected None, 'situ' or 'silu', got {activation!r}")
     act = ACTIVATIONS[activation]
-    n = weight.shape[0]
-    if act:
-        if n % 2:
+    rows = weight.shape[0]
+    bounds, mixed, ng = [0], False, 0
+    if splits is not None:
+        if residual is not None:
+            raise ValueError("splits: merged outputs take no residual")
+        if (not isinstance(splits, (list, tuple)) or not splits or len(splits) > MAX_SEGMENTS
+                or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in splits)):
+            raise ValueError(f"splits: expected 1..{MAX_SEGMENTS} positive ints, got {splits!r}")
+        if sum(splits) != rows:
+            raise ValueError(f"splits: expected row counts summing to N={rows}, got "
+                             f"{list(splits)} (sum {sum(splits)})")
+        if act and (len(splits) != 2 or splits[1] % 2):
+            raise ValueError(f"splits: with activation={activation!r} expected (plain rows, "
+                             f"2S gate/up rows), got {list(splits)}")
+        mixed = bool(act)
+        for s in splits[:-1]:
+            bounds.append(bounds[-1] + s)
+    if mixed:  # plain rows, then the activation's gate/up rows
+        n, ng = splits[0], splits[1] // 2
+    elif act:
+        if rows % 2:
             raise ValueError(f"weight: with activation={activation!r} expected [2S, K] (gate "
-                             f"rows then up rows), got an odd row count {n}")
-        n //= 2
+                             f"rows then up rows), got an odd row count {rows}")
+        n = rows // 2
+    else:
+        n = rows
     beta = _number("situ_beta", situ_beta, positive=True)
     linear_beta = _number("situ_linear_beta", situ_linear_beta, positive=True)
     eps = _number("eps", eps, positive=True)
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     if config is None:
-        config = default_config(m, n, k)
+        config = default_config(m, n + ng, k)
     elif not isinstance(config, GemvConfig):
         raise ValueError(f"config: expected a GemvConfig or None, got {type(config).__name__}")
-    bounds = [0]
-    if splits is not None:
-        if act or residual is not None:
-            raise ValueError("splits: merged outputs take no activation and no residual")
-        if (not isinstance(splits, (list, tuple)) or not splits or len(splits) > MAX_SEGMENTS
-                or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in splits)):
-            raise ValueError(f"splits: expected 1..{MAX_SEGMENTS} positive ints, got {splits!r}")
-        if sum(splits) != n:
-            raise ValueError(f"splits: expected row counts summing to N={n}, got {list(splits)} "
-                             f"(sum {sum(splits)})")
-        for s in splits[:-1]:
-            bounds.append(bounds[-1] + s)
     if residual is not None:
         check_tensor("residual", residual, dtypes=(torch.bfloat16, torch.float32), dim=2,
                      device=dev)
@@ -130,30 +142,49 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
                      device=dev)
         if norm_weight.numel() != k:
             raise ValueError(f"norm_weight: expected [K={k}], got {list(norm_weight.shape)}")
+    if (x2 is None) != (weight2 is None):
+        raise ValueError("x2: give both x2 and weight2, or neither")
+    k2 = 0
+    if x2 is not None:
+        if act or splits is not None:
+            raise ValueError("x2: a second product takes no activation and no splits")
+        check_tensor("x2", x2, dtypes=(torch.bfloat16, torch.float32), dim=2, device=dev)
+        check_tensor("weight2", weight2, dtypes=(torch.bfloat16,), dim=2, device=dev)
+        k2 = x2.shape[1]
+        if x2.shape[0] != m or tuple(weight2.shape) != (n, k2):
+            raise ValueError(f"weight2: expected x2 [M={m}, K2] and weight2 [N={n}, K2], got "
+                             f"x2 {list(x2.shape)}, weight2 {list(weight2.shape)}")
     block_m = 1 if m == 1 else 16
     if block_m > 1 and config.block_n < 16:
         raise ValueError(f"config: block_n={config.block_n} serves one token only; M={m} takes "
                          f"the tensor-core path, which needs block_n >= 16")
-    tiles = triton.cdiv(n, config.block_n)
+    t0 = triton.cdiv(n, config.block_n)
+    tiles = t0 + triton.cdiv(ng, config.block_n)
     steps = triton.cdiv(k, config.block_k)
     split = min(config.split_k, steps)
     k_split = triton.cdiv(steps, split) * config.block_k
     split = triton.cdiv(k, k_split)  # no empty share
-    y = torch.empty(m * n, dtype=out_dtype, device=dev)
-    ws = (torch.empty(split * m * n * (2 if act else 1), dtype=torch.float32, device=dev)
-          if split > 1 else y)
+    k2_split = triton.cdiv(triton.cdiv(k2, config.block_k), split) * config.block_k if k2 else 0
+    y = torch.empty(m * (n + ng), dtype=out_dtype, device=dev)
+    ws_cols = n + 2 * ng if mixed else n * (2 if act or x2 is not None else 1)
+    ws = torch.empty(split * m * ws_cols, dtype=torch.float32, device=dev) if split > 1 else y
     cnt = _ticket_buffer(dev, tiles) if split > 1 else y
+    if mixed:
+        bounds = [0]
     starts = bounds[1:] + [n] * (MAX_SEGMENTS - len(bounds))  # scalars: nothing to copy
     pdl = config.pdl and not INTERPRETED
     dense_gemv_kernel[(tiles, split)](
         x, weight, y, residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x, ws, cnt, *starts,
-        m, n, k, k_split, eps, beta, linear_beta,
+        norm_weight if norm_weight is not None else x, ws, cnt,
+        x2 if x2 is not None else x, weight2 if weight2 is not None else weight, *starts,
+        m, n, k, k_split, k2, k2_split, t0, ng, eps, beta, linear_beta,
         BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
         ACT=act, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        N_SEG=len(bounds), DOT_FP32=INTERPRETED, PDL=pdl,
+        N_SEG=len(bounds), DUAL=x2 is not None, MIXED=mixed, DOT_FP32=INTERPRETED, PDL=pdl,
         PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,
         num_warps=config.num_warps, **({"launch_pdl": True} if pdl else {}))
+    if mixed:
+        return y[:m * n].view(m, n), y[m * n:].view(m, ng)
     if splits is None:
         return y.view(m, n)
     outs, off = [], 0

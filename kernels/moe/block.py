@@ -152,7 +152,9 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     x: bf16 [M, H], M <= MAX_TOKENS. weights: the dict of ``k3lab.weights.moe_weights``
     (gate_weight, correction_bias; latent_down [D, H], latent_norm [D], latent_up [H, D] when
     cfg.latent; w13 [E, 2I, D], w2 [E, D, I] bf16 or MXFP4; shared_w13 [2S, H], shared_w2
-    [H, S] when cfg.shared_intermediate). cfg: a k3lab Preset. plan: a RoutePlan for x (skips
+    [H, S] when cfg.shared_intermediate; with ``config.dense_projections`` optionally front
+    [D + 2S, H], latent_down and shared_w13 concatenated once, for a one-launch front).
+    cfg: a k3lab Preset. plan: a RoutePlan for x (skips
     routing; block_m is then the plan's; its out is re-zeroed by stage 1). Returns bf16 [M, H].
     """
     config = check_config(config)
@@ -211,23 +213,35 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
 
 
 def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic, config):
-    """moe_block with ``config.dense_projections``: the dense GEMVs of x (latent down, shared
-    gate/up, shared down) before stage 1, stage 2 alone, then RMSNorm(y) @ W_up^T + shared as one
-    GEMV with the norm in its prologue and the shared output as its residual."""
-    m, i = x.shape[0], w13.shape[1] // 2
-    z = dense_gemv(x, weights["latent_down"])
-    shared = None
-    if cfg.shared_intermediate:
+    """moe_block with ``config.dense_projections``: one dense GEMV launch for the GEMVs of x
+    (latent down and, merged, the shared gate/up: ``weights["front"]``, else two launches),
+    stage 1, stage 2 alone, then RMSNorm(y) @ W_up^T + a_s @ W_s2^T as one dense GEMV (the norm
+    in its prologue, the shared down-projection its second product): 4 launches given a plan."""
+    m, i, d = x.shape[0], w13.shape[1] // 2, cfg.moe_in
+    a_s = None
+    if not cfg.shared_intermediate:
+        z = dense_gemv(x, weights["latent_down"])
+    elif "front" in weights:
+        front = weights["front"]
+        s = cfg.shared_intermediate
+        check_tensor("front", front, dtypes=(torch.bfloat16,), dim=2, device=x.device)
+        if tuple(front.shape) != (d + 2 * s, x.shape[1]):
+            raise ValueError(f"front: expected [D + 2S, H] = [{d + 2 * s}, {x.shape[1]}] (latent "
+                             f"down rows, then shared gate and up rows), got {list(front.shape)}")
+        z, a_s = dense_gemv(x, front, splits=(d, 2 * s), activation=cfg.activation,
+                            situ_beta=betas[0], situ_linear_beta=betas[1])
+    else:
+        z = dense_gemv(x, weights["latent_down"])
         a_s = dense_gemv(x, weights["shared_w13"], activation=cfg.activation,
                          situ_beta=betas[0], situ_linear_beta=betas[1])
-        shared = dense_gemv(a_s, weights["shared_w2"], out_dtype=torch.float32)
     prep2 = (config.x_prepared and i % 8 == 0
-             and mma_tile(config, w2, 0 if deterministic else 2, plan.block_m, n_tiles,
-                          z.shape[1]) is not None)
+             and mma_tile(config, w2, 0 if deterministic else 2, plan.block_m, n_tiles, d)
+             is not None)
     a_mma = (torch.empty((m * plan.topk_ids.shape[1], i), device=x.device, dtype=torch.bfloat16)
              if prep2 else None)
     a = _launch_stage1(config, z, plan, w13, act, *betas, n_tiles, a_mma_out=a_mma, pdl=True)
     stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
     _launch_stage2_tail(config, stage2, None, pdl=True)
+    shared = {} if a_s is None else {"x2": a_s, "weight2": weights["shared_w2"]}
     return dense_gemv(stage2[2], weights["latent_up"], norm_weight=weights["latent_norm"],
-                      eps=cfg.rms_eps, residual=shared)
+                      eps=cfg.rms_eps, **shared)

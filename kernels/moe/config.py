@@ -75,9 +75,9 @@ class MoEConfig:
         tiled_weights: moe_kernel_weights lays MXFP4 experts out in the tiled layout where the
             shapes allow.
         dense_projections: the block's dense projections run as ``k3lab.kernels.dense`` GEMV
-            launches (latent presets): latent down, shared gate/up, shared down before stage 1,
-            and the tail's RMSNorm + up-projection + shared add after a separate stage 2
-            (6 launches given a plan instead of 3: each GEMV at its own tiling).
+            launches (latent presets): latent down and shared gate/up as one launch before stage
+            1, stage 2 alone, then the tail's RMSNorm + up-projection + shared down as one
+            launch (4 launches given a plan instead of 3: each GEMV at its own tiling).
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.

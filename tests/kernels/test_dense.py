@@ -144,6 +144,44 @@ def test_fp32_input_with_norm_and_fp32_residual(m, device):
     _close(got, want, terms, rounded_inputs=m > 1)
 
 
+@pytest.mark.parametrize("m,cfg", [(1, None), (1, GemvConfig(block_n=8, block_k=64, split_k=3)),
+                                   (4, None), (3, GemvConfig(block_n=16, block_k=32, split_k=2))])
+def test_mixed_plain_and_gated_rows(m, cfg, device):
+    """splits (plain rows, 2S gate/up rows) with an activation: the plain rows as they are, the
+    activation of the gate/up rows; the plain count not a multiple of the tile."""
+    gen = torch.Generator().manual_seed(21 + m)
+    x = torch.randn(m, 160, generator=gen).bfloat16()
+    w = (torch.randn(37 + 2 * 22, 160, generator=gen) / 160 ** 0.5).bfloat16()
+    z, a = dense_gemv(x.to(device), w.to(device), splits=(37, 44), activation="situ",
+                      config=cfg)
+    assert z.shape == (m, 37) and a.shape == (m, 22)
+    want_z, want = dense_reference(x, w, splits=(37, 44), activation="situ")
+    _close(z.cpu(), want_z, _terms(x, w[:37]))
+    got = a.cpu().float()
+    # the activation of two fp32 sums: bounded by its output rounding and the sums' error
+    # carried through SiTU (|d act / d g|, |d act / d u| are at most about 1.1 and 4)
+    bound = BF16_OUT * want.abs() + 8 * FP32_SUM * (_terms(x, w[37:59]) + _terms(x, w[59:]))
+    assert ((got - want).abs() <= bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("m,cfg", [(1, None), (1, GemvConfig(block_n=8, block_k=64, split_k=4)),
+                                   (5, None)])
+def test_dual_product_with_norm(m, cfg, device):
+    """y = RMSNorm(x) @ W^T + x2 @ W2^T: the norm applies to the first product only."""
+    gen = torch.Generator().manual_seed(31 + m)
+    x = torch.randn(m, 192, generator=gen) * 2.0
+    x2 = torch.randn(m, 72, generator=gen).bfloat16()
+    w = (torch.randn(45, 192, generator=gen) / 192 ** 0.5).bfloat16()
+    w2 = (torch.randn(45, 72, generator=gen) / 72 ** 0.5).bfloat16()
+    g = torch.rand(192, generator=gen) + 0.5
+    got = dense_gemv(x.to(device), w.to(device), norm_weight=g.to(device), eps=1e-5,
+                     x2=x2.to(device), weight2=w2.to(device), config=cfg).cpu()
+    rn = rms_norm(x, g, 1e-5)
+    want = dense_reference(x, w, norm_weight=g, eps=1e-5, x2=x2, weight2=w2)
+    terms = rn.abs() @ w.float().abs().T + x2.float().abs() @ w2.float().abs().T
+    _close(got, want, terms, rounded_inputs=m > 1)
+
+
 def test_engine_baseline_matches_reference():
     x, w = _data(2, 48, 256, 8)
     g = torch.rand(256) + 0.5
@@ -191,6 +229,13 @@ BAD = [
     (dict(out_dtype=torch.float16), "out_dtype"),
     (dict(config="fast"), "config"),
     (dict(config=GemvConfig(block_n=8)), "block_n=8 serves one token"),
+    (dict(splits=(16, 16), residual=torch.zeros(2, 32).bfloat16()), "no residual"),
+    (dict(splits=(8, 8, 16), activation="situ"), "plain rows"),
+    (dict(splits=(15, 17), activation="situ"), "plain rows"),
+    (dict(x2=torch.zeros(2, 8).bfloat16()), "x2: give both"),
+    (dict(x2=torch.zeros(2, 8).bfloat16(), weight2=torch.zeros(31, 8).bfloat16()), "weight2"),
+    (dict(x2=torch.zeros(2, 8).bfloat16(), weight2=torch.zeros(32, 8).bfloat16(),
+          activation="situ"), "x2: a second product"),
 ]
 
 
