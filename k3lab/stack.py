@@ -37,7 +37,7 @@ from k3lab.reference import route as ref_route
 from k3lab.reference.dense import dense_engine, rms_norm
 
 __all__ = ["Change", "CATALOGUE", "CHANGES", "STACKS", "TOKEN_OPS", "Stack", "compose",
-           "runnable", "steps", "run_layer", "run_token", "layer_counts", "CATEGORIES"]
+           "runnable", "steps", "Configs", "run_layer", "run_token", "layer_counts", "CATEGORIES"]
 
 # Ops once a token, outside the layers (layer 0's dense MLP replaces its MoE).
 TOKEN_OPS = ("token.embed", "mlp.gate_up", "mlp.down", "token.final_read", "token.lm_head")
@@ -240,13 +240,22 @@ def _noop(_category: str) -> None:
 
 
 @dataclass(frozen=True)
+class Configs:
+    """The tuning configs a run passes to the launchers (None: each launcher's default):
+    gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits)."""
+
+    gemv: object = None
+    route: object = None
+
+
+@dataclass(frozen=True)
 class _Run:
-    """What every op of one run reads: the stack, the MLA split count, the GEMV config (a
-    ``k3lab.kernels.dense.GemvConfig``, None: the launcher's table) and the tag callback."""
+    """What every op of one run reads: the stack, the MLA split count, the launchers' configs
+    and the tag callback."""
 
     stack: Stack
     num_splits: int = 4
-    gemv: object = None
+    configs: Configs = Configs()
     tag: Callable[[str], None] = _noop
 
     def fused(self, op: str) -> bool:
@@ -258,7 +267,7 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
     (bf16 F.linear, the norm, activation or residual as separate ops)."""
     if run.stack.owned_by(op, "dense-gemv"):
         from k3lab.kernels.dense import dense_gemv
-        return dense_gemv(x, w, config=run.gemv, **kw)
+        return dense_gemv(x, w, config=run.configs.gemv, **kw)
     return dense_engine(x, w, **kw)
 
 
@@ -347,9 +356,9 @@ def _route(run: _Run, x, w: dict, cfg: Preset):
     k = _kernels()
     if run.stack.owned_by("moe.route_select", "route-sort"):
         return k.route_sort(x, w["gate_weight"], w["correction_bias"], out_dim=cfg.moe_in,
-                            **route)
+                            config=run.configs.route, **route)
     if run.fused("moe.gate_proj"):
-        logits = k.gate_logits(x, w["gate_weight"])
+        logits = k.gate_logits(x, w["gate_weight"], config=run.configs.route)
         return ref_route.route_from_logits_reference(logits, w["correction_bias"],
                                                      out_dim=cfg.moe_in, **route)
     return ref_route.route_sort_reference(x, w["gate_weight"], w["correction_bias"],
@@ -413,7 +422,7 @@ def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
 
 
 def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live=None,
-              start: bool = False, ffn_bank=None, gemv=None,
+              start: bool = False, ffn_bank=None, configs: Configs | None = None,
               tag: Callable[[str], None] | None = None) -> torch.Tensor:
     """One decode layer of ``state`` (``k3lab.reference.layer.make_layer``) under ``stack``;
     returns the new live sum [M, H] bf16.
@@ -422,11 +431,11 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
     block, so its attention read sees ``bank`` and ``live`` as the sealed rows only, the
     attention output starts the live sum and the FFN read mixes ``ffn_bank`` (the sealed rows
     in one tensor) with it. num_splits: the fixed MLA split count of the split
-    override (graph-safe). gemv: the dense GEMV's GemvConfig (None: the launcher's table).
+    override (graph-safe). configs: the launchers' :class:`Configs` (None: their defaults).
     tag: called with a category before each group of launches.
     """
     tag = tag or _noop
-    run = _Run(stack, num_splits, gemv, tag)
+    run = _Run(stack, num_splits, configs or Configs(), tag)
     cfg = state["cfg"]
     bank = state["bank"] if bank is None else bank
     live = state["live"] if live is None else live
@@ -457,7 +466,7 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
 # the whole token
 
 
-def run_token(stack: Stack, token: dict, *, num_splits: int = 4, gemv=None,
+def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Configs | None = None,
               tag: Callable[[str], None] | None = None) -> torch.Tensor:
     """One decode token of ``token`` (``k3lab.reference.layer.make_token``) under ``stack``:
     embedding row, layer 0 (KDA + dense MLP), the window's layers with their AttnRes reads and
@@ -479,7 +488,8 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, gemv=None,
         bank, cand = (rows[:n_sealed - 1], rows[n_sealed - 1]) if start else (
             rows[:n_sealed], live)
         live = run_layer(stack, state, num_splits=num_splits, bank=bank, live=cand,
-                         start=start, ffn_bank=rows[:n_sealed], gemv=gemv, tag=tag)
+                         start=start, ffn_bank=rows[:n_sealed], configs=configs,
+                         tag=tag)
     tag("segment head")
     tag("AttnRes")
     last = token["schedule"][token["layer_ids"][-1]][0]
@@ -490,4 +500,5 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, gemv=None,
     else:
         h = ref_attn_res.attn_res_norm_reference(*args, eps=cfg.rms_eps)[1]
     tag("dense projections")
-    return _linear(_Run(stack, num_splits, gemv, tag), "token.lm_head", h, token["lm_head"])
+    return _linear(_Run(stack, num_splits, configs or Configs(), tag), "token.lm_head", h,
+                   token["lm_head"])
