@@ -257,6 +257,7 @@ class _Run:
     num_splits: int = 4
     configs: Configs = Configs()
     tag: Callable[[str], None] = _noop
+    record: list | None = None
 
     def fused(self, op: str) -> bool:
         return self.stack.fused(op)
@@ -380,10 +381,14 @@ def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
     tag = run.tag
     if run.stack.owned_by("moe.stage1", "persistent-moe"):
         tag("MoE experts")
+        if run.record is not None:
+            run.record.append(None)
         return _persistent(x, w, cfg)
     k, act = _kernels(), _act(cfg)
     tag("routing")
     plan = _route(run, x, w, cfg)
+    if run.record is not None:
+        run.record.append(plan.topk_ids.clone())
     tag("dense projections")
     z = _linear(run, "moe.latent_down", x, w["latent_down"]) if cfg.latent else x
     shared_a = (_linear(run, "moe.shared", x, w["shared_w13"], **act)
@@ -423,7 +428,8 @@ def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
 
 def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live=None,
               start: bool = False, ffn_bank=None, configs: Configs | None = None,
-              tag: Callable[[str], None] | None = None) -> torch.Tensor:
+              tag: Callable[[str], None] | None = None, record: list | None = None
+              ) -> torch.Tensor:
     """One decode layer of ``state`` (``k3lab.reference.layer.make_layer``) under ``stack``;
     returns the new live sum [M, H] bf16.
 
@@ -432,10 +438,11 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
     attention output starts the live sum and the FFN read mixes ``ffn_bank`` (the sealed rows
     in one tensor) with it. num_splits: the fixed MLA split count of the split
     override (graph-safe). configs: the launchers' :class:`Configs` (None: their defaults).
-    tag: called with a category before each group of launches.
+    tag: called with a category before each group of launches. record: a list the layer
+    appends its MoE's chosen experts to (None for layer 0's dense MLP), for checks.
     """
     tag = tag or _noop
-    run = _Run(stack, num_splits, configs or Configs(), tag)
+    run = _Run(stack, num_splits, configs or Configs(), tag, record)
     cfg = state["cfg"]
     bank = state["bank"] if bank is None else bank
     live = state["live"] if live is None else live
@@ -454,6 +461,8 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
     if "mlp" in state:  # layer 0's dense MLP, its residual add in the down projection
         tag("dense projections")
         mlp = state["mlp"]
+        if record is not None:
+            record.append(None)
         a = _linear(run, "mlp.gate_up", x, mlp["gate_up"], **_act(cfg))
         return _linear(run, "mlp.down", a, mlp["down"], residual=live)
     f = _moe(run, x, state["moe"], cfg)
@@ -467,12 +476,14 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
 
 
 def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Configs | None = None,
-              tag: Callable[[str], None] | None = None) -> torch.Tensor:
+              tag: Callable[[str], None] | None = None, record: list | None = None
+              ) -> torch.Tensor:
     """One decode token of ``token`` (``k3lab.reference.layer.make_token``) under ``stack``:
     embedding row, layer 0 (KDA + dense MLP), the window's layers with their AttnRes reads and
     a block sum sealed every ``attn_res_block`` layers, the final read + RMSNorm and the LM head
     at the tp shard. Returns the logits [M, vocab / tp] bf16. ``tag`` as in run_layer, plus
-    "segment embed", "segment layer <i>" and "segment head" where those parts start."""
+    "segment embed", "segment layer <i>" and "segment head" where those parts start; record
+    as in run_layer, one entry per layer."""
     tag = tag or _noop
     cfg, rows = token["cfg"], token["rows"]
     tag("segment embed")
@@ -489,7 +500,7 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
             rows[:n_sealed], live)
         live = run_layer(stack, state, num_splits=num_splits, bank=bank, live=cand,
                          start=start, ffn_bank=rows[:n_sealed], configs=configs,
-                         tag=tag)
+                         tag=tag, record=record)
     tag("segment head")
     tag("AttnRes")
     last = token["schedule"][token["layer_ids"][-1]][0]

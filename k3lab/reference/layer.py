@@ -25,7 +25,7 @@ from k3lab.reference.attn_res import attn_res_norm_reference
 from k3lab.reference.dense import dense_reference
 from k3lab.reference.kda import kda_layer_reference
 from k3lab.reference.mla import mla_layer_reference
-from k3lab.reference.moe import latent_moe_reference
+from k3lab.reference.moe import latent_moe_from_plan_reference, latent_moe_reference
 from k3lab.weights import (
     attn_res_inputs,
     attn_res_weights,
@@ -38,7 +38,7 @@ from k3lab.weights import (
     randn,
 )
 
-__all__ = ["make_layer", "run_layer", "make_token", "run_token", "token_schedule",
+__all__ = ["make_layer", "run_layer", "forced_route", "make_token", "run_token", "token_schedule",
            "window_layers", "KDA_IN", "MLA_IN"]
 
 # Input projections merged into one weight, in the dense boundary's order.
@@ -112,12 +112,27 @@ def _add(live: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return (live.float() + out.float()).to(live.dtype)
 
 
+def forced_route(x: torch.Tensor, weights: dict, cfg: Preset, topk_ids: torch.Tensor):
+    """The route of ``x`` with the experts ``topk_ids`` [M, top_k] imposed: their fp32 sigmoid
+    scores, renormalized and scaled as the router does (an object with topk_ids and
+    topk_weights, all ``latent_moe_from_plan_reference`` reads)."""
+    from types import SimpleNamespace
+
+    s = torch.sigmoid(x.float() @ weights["gate_weight"].float().T)
+    w = s.gather(1, topk_ids.long())
+    if cfg.renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return SimpleNamespace(topk_ids=topk_ids, topk_weights=w * cfg.routed_scaling)
+
+
 def run_layer(state: dict, *, bank=None, live=None, start: bool = False,
-              ffn_bank=None) -> torch.Tensor:
+              ffn_bank=None, topk_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Run one decode layer on ``state`` (from make_layer); returns the new live sum [M, H].
 
     bank, live, start, ffn_bank: as ``k3lab.stack.run_layer`` (default: the state's own
-    candidates, the layer inside a block)."""
+    candidates, the layer inside a block). topk_ids: the experts the MoE must use (another
+    run's choice, so that a near-tie of the router does not make two runs incomparable); None:
+    the reference's own routing."""
     cfg = state["cfg"]
     bank = state["bank"] if bank is None else bank
     live = state["live"] if live is None else live
@@ -137,6 +152,9 @@ def run_layer(state: dict, *, bank=None, live=None, start: bool = False,
                    situ_linear_beta=cfg.situ_linear_beta)
         a = dense_reference(x, state["mlp"]["gate_up"], **act).to(torch.bfloat16)
         return _add(live, dense_reference(a, state["mlp"]["down"]))
+    if topk_ids is not None:
+        plan = forced_route(x, state["moe"], cfg, topk_ids)
+        return _add(live, latent_moe_from_plan_reference(x, plan, state["moe"], cfg))
     return _add(live, latent_moe_reference(x, state["moe"], cfg))
 
 
@@ -191,18 +209,23 @@ def make_token(cfg: Preset, device, *, window: int, seed: int = 0, m: int = 1,
     }
 
 
-def run_token(token: dict) -> torch.Tensor:
-    """The fp32 truth of ``k3lab.stack.run_token``: logits [M, vocab / tp] fp32."""
+def run_token(token: dict, topk_ids: list | None = None) -> torch.Tensor:
+    """The fp32 truth of ``k3lab.stack.run_token``: logits [M, vocab / tp] fp32.
+
+    topk_ids: per layer of the token, the experts its MoE must use (None entries, or None:
+    the reference's own routing)."""
     cfg, rows = token["cfg"], token["rows"]
+    forced = topk_ids or [None] * len(token["layers"])
     rows[0] = token["embed"].index_select(0, token["ids"])
     live = rows[0]
-    for layer, state in zip(token["layer_ids"], token["layers"], strict=True):
+    for layer, state, ids in zip(token["layer_ids"], token["layers"], forced, strict=True):
         n_sealed, start = token["schedule"][layer]
         if start and layer:
             rows[n_sealed - 1] = live
         bank, cand = (rows[:n_sealed - 1], rows[n_sealed - 1]) if start else (
             rows[:n_sealed], live)
-        live = run_layer(state, bank=bank, live=cand, start=start, ffn_bank=rows[:n_sealed])
+        live = run_layer(state, bank=bank, live=cand, start=start, ffn_bank=rows[:n_sealed],
+                         topk_ids=ids)
     last = token["schedule"][token["layer_ids"][-1]][0]
     w = token["final"]
     _, h = attn_res_norm_reference(rows[:last], live, w["res_norm_weight"],
