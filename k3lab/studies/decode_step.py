@@ -109,7 +109,8 @@ def check_token(token: dict, stacks: dict, configs: stack.Configs, num_splits: i
     """Each stack's logits against the fp32 truth (``reference.layer.run_token``) from the same
     caches, the truth's MoE layers using the experts the stack chose (a router near-tie flips
     an expert on a rounding difference; a column says in how many layers the stack chose the
-    engine baseline's experts): max abs error, the tolerance (LOGITS_RTOL of the largest |logit|), pass."""
+    engine baseline's experts): max abs error, the tolerance (LOGITS_RTOL of the largest
+    |logit|), pass."""
     snap = _snapshot(token)
     own: list = []
     rows = []
