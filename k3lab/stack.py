@@ -376,6 +376,15 @@ def _persistent(x, w: dict, cfg: Preset) -> torch.Tensor:
     return get("moe").variant("persistent").fn(inputs)
 
 
+def _kernel_experts(w: dict) -> dict:
+    """The experts in the fused kernels' layout (``moe_kernel_weights``: MXFP4 tiled), made on
+    the first fused call (an eager one, before any capture) and kept in ``w``, as an engine lays
+    out its checkpoint at load time."""
+    if "kernel_experts" not in w:
+        w["kernel_experts"] = _kernels().moe_kernel_weights({n: w[n] for n in ("w13", "w2")})
+    return w["kernel_experts"]
+
+
 def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
     """The latent MoE's output [M, H] (bf16 or fp32)."""
     tag = run.tag
@@ -400,7 +409,7 @@ def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
         plan = ref_route.sort_metadata_reference(plan.topk_ids, plan.topk_weights,
                                                  cfg.n_experts, block_m=1, out_dim=cfg.moe_in)
     tag("MoE experts")
-    experts = w.get("kernel_experts", w)
+    experts = _kernel_experts(w) if fused_stage else w
     if run.fused("moe.stage1"):
         a = k.moe_stage1(z, plan, experts["w13"], **act)
     else:

@@ -63,8 +63,7 @@ def make_layer(cfg: Preset, kind: str, device, *, seed: int = 0, m: int = 1, con
 
     context: MLA cache length (the token being decoded takes position context - 1).
     n_sealed: sealed AttnRes block sums (default: the most the preset has, at least 1).
-    ffn: "moe" (the latent MoE; its experts also in the fused kernels' layout as
-    ``kernel_experts`` where that differs) or "mlp" (layer 0's dense MLP).
+    ffn: "moe" (the latent MoE) or "mlp" (layer 0's dense MLP).
     """
     if kind not in ("kda", "mla"):
         raise ValueError(f"kind: expected 'kda' or 'mla', got {kind!r}")
@@ -81,11 +80,6 @@ def make_layer(cfg: Preset, kind: str, device, *, seed: int = 0, m: int = 1, con
              "res_attn": attn_res_weights(cfg, gen), "res_ffn": attn_res_weights(cfg, gen)}
     if ffn == "moe":
         state["moe"] = moe_weights(cfg, gen, expert_format=expert_format)
-        from k3lab.kernels import moe_kernel_weights
-
-        kernel = moe_kernel_weights({n: state["moe"][n] for n in ("w13", "w2")})
-        if any(kernel[n] is not state["moe"][n] for n in kernel):
-            state["moe"]["kernel_experts"] = kernel
     else:
         i, h = cfg.dense_intermediate, cfg.hidden
         state["mlp"] = {"gate_up": randn((2 * i, h), gen, std=h ** -0.5),
