@@ -63,6 +63,10 @@ def test_extrapolation_takes_each_kind_at_its_window_mean():
     assert "9 KDA layers at the mean of the window's 2" in "; ".join(how)
     with pytest.raises(ValueError, match="window: .* no MLA layer"):
         dt.extrapolate(seg.drop("layer 3"), _token(cfg, [0, 1, 2]))
+    # without labels (the markers not found) the window is scaled as a whole: 14 / 4 layers
+    whole = pd.DataFrame({"span_us": [400.0], "launches": [40]}, index=["window"])
+    total, how = dt.extrapolate(whole, _token(cfg, [0, 1, 2, 3]))
+    assert total["span_us"] == pytest.approx(1400.0) and "scaled to 14" in how[0]
 
 
 def test_k3_layer_counts_and_all_reduces():

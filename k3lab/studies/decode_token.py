@@ -134,7 +134,11 @@ def labelled_timeline(st: stack.Stack, token: dict, device, *, num_splits: int =
     tags[:] = tags[len(tags) // 2:]  # the capture's own tags (after the warm-up call's)
     mtl = profile.timeline(lambda _tk, g=mgraph: g.replay(), token)
     del mgraph
-    lab = _labels(mtl, tags)
+    try:
+        lab = _labels(mtl, tags)
+    except RuntimeError as exc:  # a profiler that names the marker otherwise: one segment
+        notes.append(f"no labels ({exc}): the window extrapolated as a whole")
+        return tl.assign(segment="window", category="unlabelled"), t.median_us, notes
     if len(lab) == len(tl):
         lab = tl.assign(segment=lab["segment"].to_numpy(), category=lab["category"].to_numpy())
     else:
@@ -186,6 +190,11 @@ def extrapolate(seg: pd.DataFrame, token: dict) -> tuple[pd.Series, list[str]]:
     """Per-token figures (span_us, launches, kernel_us, each category, gaps) over the model's
     layers from the window's segments; and how."""
     cfg = token["cfg"]
+    if list(seg.index) == ["window"]:  # unlabelled: every layer at the window's mean
+        scale = cfg.n_layers / len(token["layer_ids"])
+        return seg.loc["window"] * scale, [f"the window's {len(token['layer_ids'])} layers "
+                                           f"scaled to {cfg.n_layers}, head and embedding "
+                                           f"included"]
     mla = set(cfg.mla_layers)
     window = [f"layer {layer}" for layer in token["layer_ids"][1:]]
     kinds = {"kda": [s for s, layer in zip(window, token["layer_ids"][1:], strict=True)
@@ -217,7 +226,7 @@ def measure_token(st: stack.Stack, token: dict, device, *, label: str = "", num_
                                               trace_path=trace_path)
     seg = segments(lab, window_us)
     total, how = extrapolate(seg, token)
-    cats = {c: float(total[c]) for c in (*stack.CATEGORIES, GAPS)}
+    cats = {c: float(total.get(c, math.nan)) for c in (*stack.CATEGORIES, GAPS)}
     return TokenFigures(label or "+".join(st.names) or "engine baseline", lab, window_us,
                         float(total["span_us"]), float(total["launches"]), cats, seg,
                         notes + ["; ".join(how)])
