@@ -1,25 +1,32 @@
-"""The campaign as a stack of changes over the decode step, with one owner per op.
+"""The campaign as stacks of changes over the decode token, with one owner per op.
 
-A :class:`Change` names the ops of the decode step (``k3lab.ops``) that it takes over from the
-reference. :func:`compose` checks a stack: every op has at most one owning change (two claimants
-of one op is an error naming both and the op), required changes are present, and a change never
-sits beside one it supersedes. Ops nobody claims run their reference.
+A :class:`Change` names the ops of the decode step (``k3lab.ops`` plus :data:`TOKEN_OPS`) that
+it takes over. :func:`compose` checks a stack: every op has at most one owning change (two
+claimants of one op is an error naming both and the op), required changes are present, and a
+change never sits beside one it supersedes. Ops nobody claims run as an engine's eager model code
+runs them: the projections as bf16 ``F.linear`` (cuBLAS), merged where engines merge them (a
+KDA layer's q, k, v, f_a, beta and g; an MLA layer's q_a, kv_a and g), every other op as its
+boundary's unfused reference. That empty stack is the **engine baseline**, the speed reference;
+the op-by-op fp32 reference (``k3lab.reference.layer``) is the correctness truth only.
 
-:func:`run_layer` runs one decode layer (``k3lab.reference.layer.make_layer`` state) with each op
-taken by its owner's fused kernel or else its reference; :func:`measure_stack` times a stack's
-KDA and MLA layers each as one replayed CUDA graph and projects the time per token over the
-model's layers; :func:`waterfall` adds the catalogue's changes one at a time.
+:data:`STACKS` holds the two stacks as data: the seed PR's 9-change ``integration`` stack (plus
+the AttnRes + RMSNorm fusion and the dense GEMV), and the ``reviewed`` decomposition the seed
+closed it for, where the persistent MoE boundary owns routing, the route-to-expert handoff and
+both stages. A change whose kernel is absent here (:meth:`Change.missing`) composes but is
+skipped when run (:func:`runnable`).
+
+:func:`run_layer` runs one layer, :func:`run_token` the whole token (embedding, layer 0's dense
+MLP, the layers with their AttnRes reads and block sums, the final read and norm, the LM head).
+``tag(category)`` callbacks mark where each category's launches start (for profiling).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import pandas as pd
 import torch
 
-from k3lab import profile
 from k3lab.config import Preset
 from k3lab.ops import layer_ops
 from k3lab.reference import attn_res as ref_attn_res
@@ -27,15 +34,24 @@ from k3lab.reference import kda as ref_kda
 from k3lab.reference import mla as ref_mla
 from k3lab.reference import moe as ref_moe
 from k3lab.reference import route as ref_route
-from k3lab.reference.layer import make_layer
+from k3lab.reference.dense import dense_engine, rms_norm
 
-__all__ = ["Change", "CATALOGUE", "Stack", "compose", "run_layer", "measure_stack",
-           "waterfall", "PROJECTION_LEAVES_OUT"]
+__all__ = ["Change", "CATALOGUE", "CHANGES", "STACKS", "TOKEN_OPS", "Stack", "compose",
+           "runnable", "steps", "Configs", "run_layer", "run_token", "layer_counts", "CATEGORIES"]
+
+# Ops once a token, outside the layers (layer 0's dense MLP replaces its MoE).
+TOKEN_OPS = ("token.embed", "mlp.gate_up", "mlp.down", "token.final_read", "token.lm_head")
+# Where a token's time goes; every launch of run_token is tagged with one of these.
+CATEGORIES = ("dense projections", "routing", "MoE experts", "KDA", "MLA", "AttnRes", "norms")
 
 
 @dataclass(frozen=True)
 class Change:
-    """One banked change: the ops it owns, what it needs and what it replaces."""
+    """One change: the ops it owns, what it needs and what it replaces.
+
+    needs: ``"boundary:variant"`` kernels it runs through the registry; when one is absent the
+    change still composes (its ownership is data) but :func:`runnable` skips it, saying why.
+    """
 
     name: str
     title: str
@@ -43,13 +59,33 @@ class Change:
     requires: tuple[str, ...] = ()
     supersedes: tuple[str, ...] = ()
     seed_commit: str = ""
+    needs: tuple[str, ...] = ()
+
+    def missing(self) -> str | None:
+        """Why this change cannot run here (a needed boundary variant is absent), or None."""
+        from k3lab import boundaries
+
+        for need in self.needs:
+            boundary, variant = need.split(":")
+            try:
+                boundaries.get(boundary).variant(variant)
+            except KeyError:
+                return (f"{self.name} skipped: the {boundary} boundary has no variant "
+                        f"{variant!r} yet")
+        return None
 
 
 def _both_reads(*ops: str) -> tuple[str, ...]:
     return tuple(f"{op}@{site}" for site in ("attn", "ffn") for op in ops)
 
 
-# The seed PR's nine changes in its order, then the paired AttnRes + RMSNorm fusion.
+DENSE_OPS = ("kda.q_proj", "kda.k_proj", "kda.v_proj", "kda.f_a_proj", "kda.beta_proj",
+             "kda.g_proj", "kda.o_proj", "mla.q_a_proj", "mla.q_a_norm", "mla.q_b_proj",
+             "mla.kv_a_proj", "mla.g_proj", "mla.o_proj", "moe.latent_down", "moe.shared",
+             "mlp.gate_up", "mlp.down", "token.lm_head")
+
+# The seed PR's nine changes in its order, the paired AttnRes + RMSNorm fusion, the dense GEMV,
+# then the reviewed decomposition's own changes.
 CATALOGUE: tuple[Change, ...] = (
     Change("mla-split-override", "MLA split override for graph decode", ("mla.attention",),
            seed_commit="ac4ba2dfe3"),
@@ -71,18 +107,35 @@ CATALOGUE: tuple[Change, ...] = (
     Change("prepared-routing-handoff", "stages consume the prepared routing (no second sort)",
            ("moe.expert_align",), seed_commit="459601b680"),
     Change("attn-res-rmsnorm", "AttnRes read + RMSNorm in one launch (vLLM side, RES-1)",
-           _both_reads("attn_res.read", "attn_res.norm")),
+           _both_reads("attn_res.read", "attn_res.norm") + ("token.final_read",)),
+    Change("dense-gemv", "dense B1 GEMV for every projection (merged per layer; norm, "
+           "activation and residual in its prologue / epilogue)", DENSE_OPS),
+    Change("persistent-moe", "single-owner persistent MoE boundary, A8W4 (aiter#2): routing, "
+           "the route-to-expert handoff and both stages in one launch",
+           ("moe.route_select", "moe.sort", "moe.expert_align", "moe.stage1", "moe.stage2"),
+           needs=("moe:persistent",)),
+    Change("fp8-latent-tail", "FP8 latent tail up-projection (per-channel scales; #18)", (),
+           requires=("fused-latent-tail",), needs=("moe:fp8-tail",)),
 )
 CHANGES = {c.name: c for c in CATALOGUE}
 
-PROJECTION_LEAVES_OUT = (
-    "the embedding, the final norm and the LM head (one per token)",
-    "layer 0's dense MLP (counted as a KDA layer with the latent MoE)",
-    "communication between the tp GPUs (two all-reduces per layer at tp > 1)",
-    "sampling and the host's scheduling between steps",
-    "dense projections run as the reference writes them (fp32 math over bf16 weights) in every "
-    "stack, so they weigh more than cuBLAS bf16 GEMVs would",
-)
+# Both stacks in the order their waterfalls add the changes. integration: the seed PR's stack as
+# it banked it (the gate projection is skipped: route-sort supersedes it), then the dense GEMV.
+# reviewed: #20, #2, #6, #16 (KDA decode + f_b), #17, #18, the vLLM-side AttnRes boundary (#10),
+# then the dense GEMV.
+STACKS: dict[str, tuple[str, ...]] = {
+    "integration": ("mla-split-override", "route-sort", "b1-gate-projection",
+                    "stage1-direct-tile", "atomic-stage2", "fused-kda-decode", "kda-fb-fusion",
+                    "fused-latent-tail", "prepared-routing-handoff", "attn-res-rmsnorm",
+                    "dense-gemv"),
+    "reviewed": ("mla-split-override", "persistent-moe", "b1-gate-projection",
+                 "fused-kda-decode", "kda-fb-fusion", "fused-latent-tail", "fp8-latent-tail",
+                 "attn-res-rmsnorm", "dense-gemv"),
+}
+
+
+def all_ops() -> tuple[str, ...]:
+    return tuple(sorted(set(layer_ops("kda")) | set(layer_ops("mla")) | set(TOKEN_OPS)))
 
 
 @dataclass(frozen=True)
@@ -99,6 +152,9 @@ class Stack:
     def fused(self, op: str) -> bool:
         return self.owner.get(op) is not None
 
+    def owned_by(self, op: str, name: str) -> bool:
+        return self.owner.get(op) == name
+
 
 def compose(changes: Iterable[str | Change]) -> Stack:
     """Check and build a stack. Raises ValueError on an unknown change, a missing requirement, a
@@ -114,8 +170,8 @@ def compose(changes: Iterable[str | Change]) -> Stack:
             raise ValueError(f"changes: {c.name!r} is listed twice")
         chosen.append(c)
     names = {c.name for c in chosen}
-    all_ops = set(layer_ops("kda")) | set(layer_ops("mla"))
-    owner: dict[str, str | None] = dict.fromkeys(sorted(all_ops))
+    ops = set(all_ops())
+    owner: dict[str, str | None] = dict.fromkeys(sorted(ops))
     for c in chosen:
         for req in c.requires:
             if req not in names:
@@ -124,7 +180,7 @@ def compose(changes: Iterable[str | Change]) -> Stack:
             if old in names:
                 raise ValueError(f"changes: {c.name!r} supersedes {old!r}; keep {c.name!r} alone")
         for op in c.owns:
-            if op not in all_ops:
+            if op not in ops:
                 raise ValueError(f"changes: {c.name!r} owns {op!r}, which is no op of the "
                                  f"decode step")
             if owner[op] is not None:
@@ -132,6 +188,42 @@ def compose(changes: Iterable[str | Change]) -> Stack:
                                  f"{c.name!r}")
             owner[op] = c.name
     return Stack(tuple(chosen), owner)
+
+
+def runnable(stack: Stack) -> tuple[Stack, list[str]]:
+    """``stack`` without the changes whose kernels are absent (and those requiring them), and a
+    note for each change left out."""
+    notes, kept = [], []
+    for c in stack.changes:
+        why = c.missing()
+        if why is None and any(r not in {k.name for k in kept} for r in c.requires):
+            why = f"{c.name} skipped: it requires a change that was skipped"
+        if why:
+            notes.append(why)
+        else:
+            kept.append(c)
+    return compose(kept), notes
+
+
+def steps(order: Iterable[str]) -> list[tuple[str, list[str]]]:
+    """The waterfall's steps over ``order``: ("engine baseline", []) then each change added in
+    turn; a change that cannot join at its turn (superseded by one already there, or missing a
+    requirement) is skipped. Returns (change added, the stack's change names) per step."""
+    out: list[tuple[str, list[str]]] = [("engine baseline", [])]
+    current: list[str] = []
+    for name in order:
+        try:
+            compose(current + [name])
+        except ValueError:
+            continue
+        current = current + [name]
+        out.append((name, list(current)))
+    return out
+
+
+def layer_counts(cfg: Preset) -> dict[str, int]:
+    """How many layers of each kind one token runs (layer 0 counted as a KDA layer)."""
+    return {"kda": len(cfg.kda_layers), "mla": len(cfg.mla_layers)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,182 +235,290 @@ def _kernels():
     return kernels
 
 
-def _read(stack: Stack, state: dict, live: torch.Tensor, site: str) -> torch.Tensor:
+def _noop(_category: str) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Configs:
+    """The tuning configs a run passes to the launchers (None: each launcher's default):
+    gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits)."""
+
+    gemv: object = None
+    route: object = None
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What every op of one run reads: the stack, the MLA split count, the launchers' configs
+    and the tag callback."""
+
+    stack: Stack
+    num_splits: int = 4
+    configs: Configs = Configs()
+    tag: Callable[[str], None] = _noop
+    record: list | None = None
+
+    def fused(self, op: str) -> bool:
+        return self.stack.fused(op)
+
+
+def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
+    """A projection: the dense GEMV when ``op`` is the dense-gemv change's, else the engine's call
+    (bf16 F.linear, the norm, activation or residual as separate ops)."""
+    if run.stack.owned_by(op, "dense-gemv"):
+        from k3lab.kernels.dense import dense_gemv
+        return dense_gemv(x, w, config=run.configs.gemv, **kw)
+    return dense_engine(x, w, **kw)
+
+
+def _act(cfg: Preset) -> dict:
+    return dict(activation=cfg.activation, situ_beta=cfg.situ_beta,
+                situ_linear_beta=cfg.situ_linear_beta)
+
+
+def _read(run: _Run, state: dict, bank, live, site: str) -> torch.Tensor:
     w, cfg = state[f"res_{site}"], state["cfg"]
-    args = (state["bank"], live, w["res_norm_weight"], w["res_proj_weight"], w["norm_weight"])
-    if stack.fused(f"attn_res.read@{site}"):
+    args = (bank, live, w["res_norm_weight"], w["res_proj_weight"], w["norm_weight"])
+    if run.fused(f"attn_res.read@{site}"):
         return _kernels().attn_res_norm(*args, eps=cfg.rms_eps)[1]
     return ref_attn_res.attn_res_norm_reference(*args, eps=cfg.rms_eps)[1]
 
 
-def _kda(stack: Stack, x: torch.Tensor, w: dict, cache: dict, cfg: Preset) -> torch.Tensor:
-    if not stack.fused("kda.recurrence"):
-        return ref_kda.kda_layer_reference(x, w, cache, cfg)
+def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual) -> torch.Tensor:
+    tag = run.tag
     m, hl, d = x.shape[0], cfg.kda_heads, cfg.kda_head_dim
-    xf = x.float()
-
-    def proj(name):  # as the reference writes the dense projections
-        return (xf @ w[name].float().T).to(x.dtype)
-
-    q, k, v = (ref_kda.short_conv_step(proj(f"{n}_proj"), cache[f"{n}_conv_state"],
-                                       w[f"{n}_conv"]).view(m, hl, d).to(x.dtype) for n in "qkv")
-    f_low, f_b = proj("f_a"), w["f_b"]
-    if not stack.fused("kda.f_b_proj"):
-        if m != 1:
-            raise ValueError("x: the stack runs KDA without the f_b fusion at batch 1 only")
-        # f_b projection as the reference does it; the kernel then gets f through a rank-1
-        # identity: f_b' = f^T [Hl*d, 1], f_low' = [[1]] (a view, no extra launch)
-        f_b = (f_low.float() @ w["f_b"].float().T).to(x.dtype).view(hl * d, 1)
-        f_low = torch.ones(1, 1, dtype=x.dtype, device=x.device)
-    o = _kernels().kda_decode(q, k, v, f_low, f_b, w["A_log"], w["dt_bias"], proj("b_proj"),
-                              cache["state"], lower_bound=cfg.kda_lower_bound)
-    o = ref_kda.out_norm_gate(o, proj("g_proj").view(m, hl, d), w["o_norm"], cfg.rms_eps)
-    return o.reshape(m, hl * d) @ w["o_proj"].float().T
-
-
-def _mla(stack: Stack, x: torch.Tensor, state: dict, num_splits: int) -> torch.Tensor:
-    attention = None
-    if stack.fused("mla.attention"):
-        def attention(q_lat, q_rope, kv_cache, seq_lens, *, sm_scale):
-            return _kernels().mla_decode(q_lat, q_rope, kv_cache, seq_lens, sm_scale=sm_scale,
-                                         num_splits=num_splits)
-    return ref_mla.mla_layer_reference(x, state["attn"], state["cache"], state["cfg"],
-                                       state["position"], attention=attention)
+    tag("dense projections")
+    q, k, v, f_low, b_logits, g = _linear(run, "kda.q_proj", x, w["in_proj"],
+                                          splits=w["in_splits"])
+    tag("KDA")
+    q, k, v = (ref_kda.short_conv_step(t, cache[f"{n}_conv_state"], w[f"{n}_conv"])
+               .view(m, hl, d).to(x.dtype) for n, t in zip("qkv", (q, k, v), strict=True))
+    if run.fused("kda.recurrence"):
+        f_b = w["f_b"]
+        if not run.fused("kda.f_b_proj"):
+            if m != 1:
+                raise ValueError("x: the stack runs KDA without the f_b fusion at batch 1 only")
+            # f_b projection as the reference does it; the kernel then gets f through a rank-1
+            # identity: f_b' = f^T [Hl*d, 1], f_low' = [[1]]
+            f_b = (f_low.float() @ w["f_b"].float().T).to(x.dtype).view(hl * d, 1)
+            f_low = torch.ones(1, 1, dtype=x.dtype, device=x.device)
+        o = _kernels().kda_decode(q, k, v, f_low.contiguous(), f_b, w["A_log"], w["dt_bias"],
+                                  b_logits.contiguous(), cache["state"],
+                                  lower_bound=cfg.kda_lower_bound)
+    else:
+        o = ref_kda.kda_decode_reference(q, k, v, f_low, w["f_b"], w["A_log"], w["dt_bias"],
+                                         b_logits, cache["state"],
+                                         lower_bound=cfg.kda_lower_bound)
+    o = ref_kda.out_norm_gate(o, g.reshape(m, hl, d), w["o_norm"], cfg.rms_eps)
+    tag("dense projections")
+    return _linear(run, "kda.o_proj", o.reshape(m, hl * d).to(x.dtype), w["o_proj"],
+                   residual=residual)
 
 
-def _moe(stack: Stack, x: torch.Tensor, w: dict, cfg: Preset) -> torch.Tensor:
-    k = _kernels()
+def _mla(run: _Run, x, state: dict, residual) -> torch.Tensor:
+    tag, num_splits = run.tag, run.num_splits
+    cfg, w, cache = state["cfg"], state["attn"], state["cache"]
+    m = x.shape[0]
+    hm, nope, r, v, c_dim = cfg.mla_heads, cfg.qk_nope, cfg.qk_rope, cfg.v_head, cfg.kv_lora
+    tag("dense projections")
+    q_a, kv, g = _linear(run, "mla.q_a_proj", x, w["in_proj"], splits=w["in_splits"])
+    q = _linear(run, "mla.q_b_proj", q_a.contiguous(), w["q_b"], norm_weight=w["q_a_norm"],
+                eps=cfg.rms_eps).view(m, hm, nope + r)
+    tag("MLA")
+    q_nope, q_rope = q[..., :nope].float(), q[..., nope:].float()
+    c = rms_norm(kv[:, :c_dim], w["kv_a_norm"], cfg.rms_eps)
+    kr = kv[:, c_dim:].float()
+    pos = state["position"]
+    if cfg.mla_rope:
+        q_rope, kr = ref_mla.rope_rotate(q_rope, pos), ref_mla.rope_rotate(kr, pos)
+    kv_cache, seq_lens = cache["kv_cache"], cache["seq_lens"]
+    kv_cache[torch.arange(m, device=x.device), pos] = torch.cat([c, kr], -1).to(kv_cache.dtype)
+    seq_lens.copy_((pos + 1).to(seq_lens.dtype))
+    w_uk, w_uv = ref_mla.split_kv_b(w["kv_b"], hm, nope, v)
+    q_lat = torch.einsum("mhn,hnc->mhc", q_nope, w_uk.float())
+    sm_scale = (nope + r) ** -0.5
+    if run.fused("mla.attention"):
+        o_lat = _kernels().mla_decode(q_lat.to(kv_cache.dtype), q_rope.to(kv_cache.dtype),
+                                      kv_cache, seq_lens, sm_scale=sm_scale,
+                                      num_splits=num_splits).float()
+    else:
+        o_lat = ref_mla.mla_decode_reference(q_lat, q_rope, kv_cache, seq_lens,
+                                             sm_scale=sm_scale)
+    o = torch.einsum("mhc,hvc->mhv", o_lat, w_uv.float()).reshape(m, hm * v)
+    o = (o * torch.sigmoid(g.float())).to(x.dtype)
+    tag("dense projections")
+    return _linear(run, "mla.o_proj", o, w["o_proj"], residual=residual)
+
+
+def _route(run: _Run, x, w: dict, cfg: Preset):
     route = dict(top_k=cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
                  renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling)
-    act = dict(activation=cfg.activation, situ_beta=cfg.situ_beta,
-               situ_linear_beta=cfg.situ_linear_beta)
-    if stack.fused("moe.route_select"):
-        plan = k.route_sort(x, w["gate_weight"], w["correction_bias"], out_dim=cfg.moe_in,
-                            **route)
-    elif stack.fused("moe.gate_proj"):
-        logits = k.gate_logits(x, w["gate_weight"])
-        plan = ref_route.route_from_logits_reference(logits, w["correction_bias"],
+    k = _kernels()
+    if run.stack.owned_by("moe.route_select", "route-sort"):
+        return k.route_sort(x, w["gate_weight"], w["correction_bias"], out_dim=cfg.moe_in,
+                            config=run.configs.route, **route)
+    if run.fused("moe.gate_proj"):
+        logits = k.gate_logits(x, w["gate_weight"], config=run.configs.route)
+        return ref_route.route_from_logits_reference(logits, w["correction_bias"],
                                                      out_dim=cfg.moe_in, **route)
-    else:
-        plan = ref_route.route_sort_reference(x, w["gate_weight"], w["correction_bias"],
-                                              out_dim=cfg.moe_in, **route)
-    z = (x.float() @ w["latent_down"].float().T).to(x.dtype) if cfg.latent else x
-    fused_stage = stack.fused("moe.stage1") or stack.fused("moe.stage2")
-    if fused_stage and not stack.fused("moe.expert_align"):
+    return ref_route.route_sort_reference(x, w["gate_weight"], w["correction_bias"],
+                                          out_dim=cfg.moe_in, **route)
+
+
+def _persistent(x, w: dict, cfg: Preset) -> torch.Tensor:
+    """The moe boundary's ``persistent`` variant on the whole block (routing included)."""
+    from k3lab.boundaries import get
+    from k3lab.boundaries.moe import Weights
+
+    inputs = {"x": x, "weights": Weights(w), "cfg": cfg, "plan": None, "route": True,
+              "block_m": 1}
+    return get("moe").variant("persistent").fn(inputs)
+
+
+def _kernel_experts(w: dict) -> dict:
+    """The experts in the fused kernels' layout (``moe_kernel_weights``: MXFP4 tiled), made on
+    the first fused call (an eager one, before any capture) and kept in ``w``, as an engine lays
+    out its checkpoint at load time."""
+    if "kernel_experts" not in w:
+        w["kernel_experts"] = _kernels().moe_kernel_weights({n: w[n] for n in ("w13", "w2")})
+    return w["kernel_experts"]
+
+
+def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
+    """The latent MoE's output [M, H] (bf16 or fp32)."""
+    tag = run.tag
+    if run.stack.owned_by("moe.stage1", "persistent-moe"):
+        tag("MoE experts")
+        if run.record is not None:
+            run.record.append(None)
+        return _persistent(x, w, cfg)
+    k, act = _kernels(), _act(cfg)
+    tag("routing")
+    plan = _route(run, x, w, cfg)
+    if run.record is not None:
+        run.record.append(plan.topk_ids.clone())
+    tag("dense projections")
+    z = _linear(run, "moe.latent_down", x, w["latent_down"]) if cfg.latent else x
+    shared_a = (_linear(run, "moe.shared", x, w["shared_w13"], **act)
+                if cfg.shared_intermediate else None)
+    fused_stage = run.fused("moe.stage1") or run.fused("moe.stage2")
+    if fused_stage and not run.fused("moe.expert_align"):
         # without the handoff, the expert kernels align the routing themselves (a second sort)
+        tag("routing")
         plan = ref_route.sort_metadata_reference(plan.topk_ids, plan.topk_weights,
                                                  cfg.n_experts, block_m=1, out_dim=cfg.moe_in)
-    if stack.fused("moe.stage1"):
-        a = k.moe_stage1(z, plan, w["w13"], **act)
+    tag("MoE experts")
+    experts = _kernel_experts(w) if fused_stage else w
+    if run.fused("moe.stage1"):
+        a = k.moe_stage1(z, plan, experts["w13"], **act)
     else:
         a = ref_moe.moe_stage1_reference(z, plan, w["w13"], **act).to(torch.bfloat16)
-    if stack.fused("moe.stage2"):
-        y = k.moe_stage2(a, plan, w["w2"])
+    if run.fused("moe.stage2"):
+        y = k.moe_stage2(a, plan, experts["w2"])
     else:
         y = ref_moe.moe_stage2_reference(a, plan, w["w2"])
-    shared = None
-    if cfg.shared_intermediate:
-        shared = ref_moe.shared_mlp_reference(x, w["shared_w13"], w["shared_w2"], **act)
+    shared = {"a": shared_a, "w2": w["shared_w2"]} if shared_a is not None else None
     norm, up = (w["latent_norm"], w["latent_up"]) if cfg.latent else (None, None)
-    if stack.fused("moe.latent_up"):
+    if run.fused("moe.latent_up"):
+        tag("dense projections")
         return k.latent_moe_tail(y, norm, up, shared, eps=cfg.rms_eps)
-    return ref_moe.latent_moe_tail_reference(y, norm, up, shared, cfg.rms_eps)
+    out = y
+    if cfg.latent:
+        tag("norms")
+        n = rms_norm(y, norm, cfg.rms_eps).to(torch.bfloat16)
+        tag("dense projections")
+        out = _linear(run, "moe.latent_up", n, up)
+    if shared is not None:
+        tag("dense projections")
+        out = _linear(run, "moe.shared", shared_a, shared["w2"], residual=out.to(x.dtype))
+    return out
 
 
-def run_layer(stack: Stack, state: dict, *, num_splits: int = 4) -> torch.Tensor:
-    """One decode layer of ``state`` (``make_layer``) under ``stack``; returns the new live sum.
+def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live=None,
+              start: bool = False, ffn_bank=None, configs: Configs | None = None,
+              tag: Callable[[str], None] | None = None, record: list | None = None
+              ) -> torch.Tensor:
+    """One decode layer of ``state`` (``k3lab.reference.layer.make_layer``) under ``stack``;
+    returns the new live sum [M, H] bf16.
 
-    num_splits: the fixed MLA split count when the split override is on (graph-safe).
+    bank, live: the AttnRes candidates (default: the state's own); start: the layer opens a
+    block, so its attention read sees ``bank`` and ``live`` as the sealed rows only, the
+    attention output starts the live sum and the FFN read mixes ``ffn_bank`` (the sealed rows
+    in one tensor) with it. num_splits: the fixed MLA split count of the split
+    override (graph-safe). configs: the launchers' :class:`Configs` (None: their defaults).
+    tag: called with a category before each group of launches. record: a list the layer
+    appends its MoE's chosen experts to (None for layer 0's dense MLP), for checks.
     """
-    cfg, live = state["cfg"], state["live"]
-    x = _read(stack, state, live, "attn")
+    tag = tag or _noop
+    run = _Run(stack, num_splits, configs or Configs(), tag, record)
+    cfg = state["cfg"]
+    bank = state["bank"] if bank is None else bank
+    live = state["live"] if live is None else live
+    tag("AttnRes")
+    x = _read(run, state, bank, live, "attn")
+    if start:
+        bank = torch.cat([bank, live.unsqueeze(0)]) if ffn_bank is None else ffn_bank
+    residual = None if start else live
     if state["kind"] == "kda":
-        a = _kda(stack, x, state["attn"], state["cache"], cfg)
+        live = _kda(run, x, state["attn"], state["cache"], cfg, residual)
     else:
-        a = _mla(stack, x, state, num_splits)
-    live = (live.float() + a.float()).to(live.dtype)
-    x = _read(stack, state, live, "ffn")
-    f = _moe(stack, x, state["moe"], cfg)
-    return (live.float() + f.float()).to(live.dtype)
+        live = _mla(run, x, state, residual)
+    live = live.to(torch.bfloat16)
+    tag("AttnRes")
+    x = _read(run, state, bank, live, "ffn")
+    if "mlp" in state:  # layer 0's dense MLP, its residual add in the down projection
+        tag("dense projections")
+        mlp = state["mlp"]
+        if record is not None:
+            record.append(None)
+        a = _linear(run, "mlp.gate_up", x, mlp["gate_up"], **_act(cfg))
+        return _linear(run, "mlp.down", a, mlp["down"], residual=live)
+    f = _moe(run, x, state["moe"], cfg)
+    tag("dense projections")
+    return (live + f.to(live.dtype)) if f.dtype == live.dtype else (
+        live.float() + f.float()).to(live.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
-# measuring stacks
+# the whole token
 
 
-def layer_counts(cfg: Preset) -> dict[str, int]:
-    """How many layers of each kind one token runs (layer 0 counted as a KDA layer)."""
-    return {"kda": len(cfg.kda_layers), "mla": len(cfg.mla_layers)}
-
-
-def measure_stack(stack: Stack, cfg: Preset, device, *, seed: int = 0, context: int = 4096,
-                  num_splits: int = 4, expert_format: str = "bf16", repeats: int | None = None,
-                  states: dict | None = None) -> pd.DataFrame:
-    """Launches and latency of one KDA and one MLA layer under ``stack`` (eager, and on a GPU one
-    CUDA graph per layer, replayed), and the projected time per token and tok/s.
-
-    states: reuse layer states across stacks ({kind: make_layer(...)}); built when None.
-    Rows: stack, kind, metric, value, unit, mode, note.
-    """
-    dev = torch.device(device)
-    counts = layer_counts(cfg)
-    states = states or {}
-    rows = []
-    per_token: dict[str, float] = {}
-    modes = ["eager"] + (["graph"] if dev.type == "cuda" else [])
-    label = "+".join(stack.names) or "reference"
-    for kind, n_layers in counts.items():
-        if not n_layers:
-            continue
-        if kind not in states:
-            states[kind] = make_layer(cfg, kind, dev, seed=seed, context=context,
-                                      expert_format=expert_format)
-        state = states[kind]
-
-        def fn(s, _stack=stack):
-            return run_layer(_stack, s, num_splits=num_splits)
-
-        lc = profile.count_launches(fn, state)
-        rows.append(dict(stack=label, kind=kind, metric="launches", value=lc.count,
-                         unit="launches", mode="", note=lc.kind))
-        for mode in modes:
-            # a layer graph holds hundreds of kernels: its replay cost is already amortized
-            t = profile.time_variant(fn, [state], mode=mode, repeats=repeats, cold=False,
-                                     min_calls=1)
-            rows.append(dict(stack=label, kind=kind, metric="latency_us", value=t.median_us,
-                             unit="us", mode=mode,
-                             note=f"{t.repeats} repeats of one layer state (its weights and "
-                                  f"caches exceed the L2 at real presets)"))
-            per_token[mode] = per_token.get(mode, 0.0) + n_layers * t.median_us
-        rows.append(dict(stack=label, kind=kind, metric="launches_per_token",
-                         value=n_layers * lc.count, unit="launches", mode="",
-                         note=f"{n_layers} layers"))
-    for mode, us in per_token.items():
-        rows.append(dict(stack=label, kind="token", metric="token_us", value=us, unit="us",
-                         mode=mode, note="projected over the layers; see PROJECTION_LEAVES_OUT"))
-        rows.append(dict(stack=label, kind="token", metric="tok_per_s", value=1e6 / us,
-                         unit="tok/s", mode=mode, note="projected"))
-    return pd.DataFrame(rows)
-
-
-def waterfall(cfg: Preset, device, *, order: Iterable[str] | None = None, **kw) -> pd.DataFrame:
-    """Measure the all-reference baseline, then each change of ``order`` (default: the
-    catalogue) added in turn. A change that cannot join the stack at its turn (superseded by one
-    already there, or missing a requirement) is skipped. Rows as measure_stack plus ``step``
-    and ``added``."""
-    order = list(order or [c.name for c in CATALOGUE])
-    states: dict = {}
-    frames = []
-    current: list[str] = []
-    steps = [("reference", [])]
-    for name in order:
-        try:
-            compose(current + [name])
-        except ValueError:
-            continue
-        current = current + [name]
-        steps.append((name, list(current)))
-    for i, (added, names) in enumerate(steps):
-        df = measure_stack(compose(names), cfg, device, states=states, **kw)
-        frames.append(df.assign(step=i, added=added))
-    return pd.concat(frames, ignore_index=True)
+def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Configs | None = None,
+              tag: Callable[[str], None] | None = None, record: list | None = None
+              ) -> torch.Tensor:
+    """One decode token of ``token`` (``k3lab.reference.layer.make_token``) under ``stack``:
+    embedding row, layer 0 (KDA + dense MLP), the window's layers with their AttnRes reads and
+    a block sum sealed every ``attn_res_block`` layers, the final read + RMSNorm and the LM head
+    at the tp shard. Returns the logits [M, vocab / tp] bf16. ``tag`` as in run_layer, plus
+    "segment embed", "segment layer <i>" and "segment head" where those parts start; record
+    as in run_layer, one entry per layer."""
+    tag = tag or _noop
+    cfg, rows = token["cfg"], token["rows"]
+    tag("segment embed")
+    tag("dense projections")
+    torch.index_select(token["embed"], 0, token["ids"], out=rows[0])
+    live = rows[0]
+    for layer, state in zip(token["layer_ids"], token["layers"], strict=True):
+        n_sealed, start = token["schedule"][layer]
+        if start and layer:  # seal the block sum of the layers before
+            tag("AttnRes")
+            rows[n_sealed - 1].copy_(live)
+        tag(f"segment layer {layer}")
+        bank, cand = (rows[:n_sealed - 1], rows[n_sealed - 1]) if start else (
+            rows[:n_sealed], live)
+        live = run_layer(stack, state, num_splits=num_splits, bank=bank, live=cand,
+                         start=start, ffn_bank=rows[:n_sealed], configs=configs,
+                         tag=tag, record=record)
+    tag("segment head")
+    tag("AttnRes")
+    last = token["schedule"][token["layer_ids"][-1]][0]
+    w = token["final"]
+    args = (rows[:last], live, w["res_norm_weight"], w["res_proj_weight"], w["norm_weight"])
+    if stack.fused("token.final_read"):
+        h = _kernels().attn_res_norm(*args, eps=cfg.rms_eps)[1]
+    else:
+        h = ref_attn_res.attn_res_norm_reference(*args, eps=cfg.rms_eps)[1]
+    tag("dense projections")
+    return _linear(_Run(stack, num_splits, configs or Configs(), tag), "token.lm_head", h,
+                   token["lm_head"])

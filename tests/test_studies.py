@@ -13,9 +13,9 @@ from k3lab import boundaries, config, studies
 from k3lab.boundaries import Variant
 from k3lab.boundaries import kda as kda_boundary
 from k3lab.studies import attn_res as attn_res_study
-from k3lab.studies import decode_step, overview
 from k3lab.studies import kda as kda_study
 from k3lab.studies import mla as mla_study
+from k3lab.studies import overview
 from k3lab.studies import route as route_study
 
 
@@ -195,38 +195,3 @@ def test_overview_owners_and_reference_table():
     head = overview.headline(t, "kda", 77)
     assert head["moe reference launches"] == 30 and head["moe reference eager (us)"] == 12.3
     assert head["reference kda layer launches"] == 77
-
-
-# ---------------------------------------------------------------- decode step
-
-def _waterfall():
-    rows = []
-    for step, (added, tok_s, launches) in enumerate(
-            (("reference", 10.0, 100), ("mla-split-override", 12.0, 90),
-             ("route-sort", 18.0, 40))):
-        base = {"step": step, "added": added}
-        rows.append({**base, "metric": "tok_per_s", "mode": "eager", "value": tok_s,
-                     "kind": "token"})
-        for kind, n in (("kda", 3), ("mla", 1)):
-            rows.append({**base, "metric": "launches", "mode": "", "value": launches,
-                         "kind": kind})
-            rows.append({**base, "metric": "launches_per_token", "mode": "",
-                         "value": n * launches, "kind": kind})
-    return pd.DataFrame(rows)
-
-
-def test_decode_step_tables():
-    wf = _waterfall()
-    tok = decode_step.token_rates(wf, "eager")
-    assert tok["added"].tolist() == ["reference", "mla-split-override", "route-sort"]
-    assert tok["gain vs previous"].iloc[2] == pytest.approx(0.5)
-    assert tok["vs reference"].iloc[2] == pytest.approx(1.8)
-    assert tok["launches per token"].tolist() == [400, 360, 160]
-    per_layer = decode_step.launches_per_layer(wf, tok)
-    assert per_layer.index.tolist() == tok["added"].tolist()
-    assert decode_step.full_stack(wf).names == ("mla-split-override", "route-sort")
-    head = decode_step.headline(tok, per_layer, "eager")
-    assert head["full stack speedup"] == 1.8 and head["kda launch reduction"] == 2.5
-    assert head["largest single gain"] == "route-sort +50.0%"
-    assert decode_step.mode_of(torch.device("cpu")) == "eager"
-    assert len(decode_step.catalogue()) == len(decode_step.stack.CATALOGUE)

@@ -1,103 +1,318 @@
-"""The decode-step notebook's studies (90_decode_step): the catalogue's table, the waterfall's
-projected tok/s change by change, launches per layer and whole-layer timelines under a stack,
-and the interactive stack picker."""
+"""The decode-step notebook's studies (90_decode_step): the whole token under the engine
+baseline, the stacks' waterfalls, where the time goes, the bytes floor, the modeled
+all-reduces, the context sweep and the anchors.
+
+The token figures come from ``k3lab.studies.decode_token`` (graph timing, labels, extrapolation)
+and ``k3lab.studies.decode_bytes`` (the floor); the stacks from ``k3lab.stack``.
+"""
 
 from __future__ import annotations
 
+import math
+
 import pandas as pd
+import torch
 
 from k3lab import plots, profile, stack
-from k3lab.reference.layer import make_layer
+from k3lab.reference import layer as ref_layer
+from k3lab.studies import decode_token
+from k3lab.studies.decode_bytes import token_bytes
+from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 
-__all__ = ["catalogue", "mode_of", "token_rates", "waterfall_plot", "launches_per_layer",
-           "full_stack", "layer_timelines", "headline", "picker"]
+__all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
+           "set_context", "check_token", "LOGITS_RTOL", "waterfall", "waterfall_table",
+           "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "breakdown_plot",
+           "layer_timelines", "context_sweep", "headline", "picker"]
+
+# The campaign's banked endpoint: the seed PR's own figure and its conditions.
+SEED_ANCHOR = {"tok/s": 60.909, "machine": "AMD MI355X", "GPUs": 8,
+               "communication": "included", "what": "end-to-end serving decode, the seed PR's "
+               "banked endpoint (route-sort + AttnRes integration, +20.3 %)"}
+# Default all-reduce latency and where it comes from (issue 25 asks for a public small-message
+# figure until it is measured on several GPUs).
+ALLREDUCE = {"us": 10.0, "source": "sgl-project/sglang PR #2904 (H100, tp 8, without CUDA "
+             "graphs): vLLM's custom all-reduce, the path engines take instead of NCCL for "
+             "decode-sized messages, 9.3 us at 4 KiB and 11.8 us at 32 KiB; K3's 14 KiB "
+             "(7168 bf16) taken as 10 us. NCCL's ring / tree all-reduce is not latency-optimal "
+             "at this size (vLLM PR #2192's design note), so NCCL itself would cost more"}
+MODELS = (
+    "Modeled: one tp rank's decode token at batch 1: the embedding row, layer 0 (KDA attention "
+    "and the dense MLP), a window of consecutive layers after it with distinct, cold weights "
+    "and caches (every AttnRes read, block sums sealed every attn_res_block layers), the final "
+    "AttnRes read + RMSNorm and the LM head over the rank's vocabulary shard, captured and "
+    "replayed as one CUDA graph, so the gaps between kernels are in the figure; the remaining "
+    "layers are extrapolated at the mean of the window's layers of their kind; the two "
+    "all-reduces per layer are modeled as allreduce_us each, shown apart. Left out: sampling "
+    "and the host's scheduling between steps, the embedding's all-reduce and the logits' "
+    "gather across ranks, overlap of communication with compute, the deeper AttnRes reads of "
+    "later blocks (up to 9 candidates instead of the window's 2 or 3, a few KB more each), "
+    "batch sizes above 1, and the accuracy of synthetic weights (the routing of real weights "
+    "picks other experts; the bytes are the same).")
+LOGITS_RTOL = 0.1  # of the largest |logit|: bf16 hand-offs through every op of every layer
 
 
 def catalogue() -> pd.DataFrame:
-    """The changes of ``stack.CATALOGUE``: what each owns, requires and supersedes."""
+    """The changes of ``stack.CATALOGUE``: what each owns, requires, supersedes and needs, and
+    the stacks that hold it."""
     return pd.DataFrame([{"change": c.name, "what": c.title, "owns": ", ".join(c.owns),
                           "requires": ", ".join(c.requires),
                           "supersedes": ", ".join(c.supersedes),
-                          "seed commit": c.seed_commit or "(vLLM side)"}
+                          "stacks": ", ".join(n for n, s in stack.STACKS.items() if c.name in s),
+                          "seed commit": c.seed_commit or "",
+                          "kernel here": c.missing() or "yes"}
                          for c in stack.CATALOGUE])
 
 
-def mode_of(device) -> str:
-    """The mode the waterfall projects from: graph on a GPU, eager on the CPU."""
-    return "graph" if str(getattr(device, "type", device)).startswith("cuda") else "eager"
+def configs_for(device) -> stack.Configs:
+    """The launchers' configs: their defaults on a GPU; under the interpreter, few big programs
+    (each interpreted program costs the same Python overhead, whatever its size)."""
+    if torch.device(device).type == "cuda":
+        return stack.Configs()
+    from k3lab.kernels import RouteConfig
+    from k3lab.kernels.dense import GemvConfig
+    return stack.Configs(gemv=GemvConfig(block_n=128, block_k=256),
+                         route=RouteConfig(gemv_row_programs=0))
 
 
-def token_rates(wf: pd.DataFrame, mode: str) -> pd.DataFrame:
-    """Per waterfall step (``stack.waterfall`` records): the change added, the projected tok/s
-    in ``mode``, the gain over the previous step and over the reference, launches per token."""
-    tok = wf[(wf.metric == "tok_per_s") & (wf["mode"] == mode)][["step", "added", "value"]]
-    tok = tok.rename(columns={"value": "tok/s"}).reset_index(drop=True)
-    tok["gain vs previous"] = tok["tok/s"].pct_change()
-    tok["vs reference"] = tok["tok/s"] / tok["tok/s"].iloc[0]
-    lpt = wf[wf.metric == "launches_per_token"].groupby("step")["value"].sum()
-    tok["launches per token"] = tok["step"].map(lpt)
-    return tok
+def build(cfg, device, *, window: int = 0, context: int = 8192, expert_format: str = "mxfp4",
+          seed: int = 0) -> dict:
+    """The token of ``make_token``; window 0 = one AttnRes block (12 layers at K3)."""
+    return ref_layer.make_token(cfg, device, window=window or cfg.attn_res_block, seed=seed,
+                                context=context, expert_format=expert_format)
 
 
-def waterfall_plot(tok: pd.DataFrame, mode: str, title: str):
-    """Projected tok/s per step, the reference gray, each bar labelled with its gain."""
-    fig, ax = plots.subplots(figsize=(9, 3.8))
-    ax.bar(range(len(tok)), tok["tok/s"], color=["#999"] + ["#3a7"] * (len(tok) - 1))
-    ax.set_xticks(range(len(tok)), tok["added"], rotation=35, ha="right")
-    for i, (v, g) in enumerate(zip(tok["tok/s"], tok["gain vs previous"], strict=True)):
-        ax.annotate(f"{v:.3g}" + ("" if pd.isna(g) else f"\n{g:+.1%}"), (i, v), ha="center",
-                    va="bottom", fontsize=8)
-    ax.set_ylabel(f"projected tok/s ({mode})")
-    ax.set_title(title)
-    return plots.finish(fig)
+def set_context(token: dict, context: int, seed: int = 0) -> None:
+    """Give the token's MLA layers a cache of ``context`` rows (the token at context - 1)."""
+    from k3lab.weights import make_generator, mla_cache
+
+    cfg, dev = token["cfg"], token["rows"].device
+    for state in token["layers"]:
+        if state["kind"] == "mla":
+            gen = make_generator(seed + context, dev)
+            state["cache"] = mla_cache(cfg, token["m"], context, max(context - 1, 1), gen)
+            state["position"].fill_(context - 1)
+    token["context"] = context
 
 
-def launches_per_layer(wf: pd.DataFrame, tok: pd.DataFrame) -> pd.DataFrame:
-    """Launches of each layer kind per waterfall step, indexed by the change added."""
-    table = wf[wf.metric == "launches"].pivot_table(index="step", columns="kind", values="value")
-    table.index = tok.set_index("step").loc[table.index, "added"]
-    return table
+def _snapshot(token: dict) -> list:
+    return [{k: v.clone() for k, v in s["cache"].items()} for s in token["layers"]]
 
 
-def full_stack(wf: pd.DataFrame) -> stack.Stack:
-    """The stack of every change the waterfall added."""
-    return stack.compose([n for n in dict.fromkeys(wf.added) if n != "reference"])
+def _restore(token: dict, snap: list) -> None:
+    for s, saved in zip(token["layers"], snap, strict=True):
+        for k, v in saved.items():
+            s["cache"][k].copy_(v)
 
 
-def layer_timelines(cfg, device, full: stack.Stack, *, seed: int = 0, context: int = 64,
-                    expert_format: str = "bf16", num_splits: int = 4) -> dict:
-    """{(layer kind, "reference" or "full stack"): one call's timeline} for every layer kind
-    the preset has."""
-    out = {}
-    for kind in [k for k, n in stack.layer_counts(cfg).items() if n]:
-        state = make_layer(cfg, kind, device, seed=seed, context=context,
-                           expert_format=expert_format)
-        for label, st in (("reference", stack.compose([])), ("full stack", full)):
-            out[(kind, label)] = profile.timeline(
-                lambda s, st=st: stack.run_layer(st, s, num_splits=num_splits), state)
+def check_token(token: dict, stacks: dict, configs: stack.Configs, num_splits: int
+                ) -> pd.DataFrame:
+    """Each stack's logits against the fp32 truth (``reference.layer.run_token``) from the same
+    caches, the truth's MoE layers using the experts the stack chose (a router near-tie flips
+    an expert on a rounding difference; a column says in how many layers the stack chose the
+    engine baseline's experts): max abs error, the tolerance (LOGITS_RTOL of the largest
+    |logit|), pass."""
+    snap = _snapshot(token)
+    own: list = []
+    rows = []
+    for label, st in stacks.items():
+        _restore(token, snap)
+        chosen: list = []
+        got = stack.run_token(st, token, num_splits=num_splits, configs=configs,
+                              record=chosen).float()
+        _restore(token, snap)
+        truth = ref_layer.run_token(token, topk_ids=chosen)
+        if not own:
+            _restore(token, snap)
+            own = _own_routing(token)
+        tol = LOGITS_RTOL * float(truth.abs().max())
+        err = float((got - truth).abs().max())
+        same = sum(a is not None and torch.equal(a.sort(-1).values.long(), b.sort(-1).values.long())
+                   for a, b in zip(chosen, own, strict=True))
+        moe = sum(a is not None for a in chosen)
+        rows.append({"stack": label, "max abs error": err, "tolerance": tol, "ok": err <= tol,
+                     "routing as the engine baseline's": f"{same} of {moe} MoE layers"})
+    _restore(token, snap)
+    return pd.DataFrame(rows)
+
+
+def _own_routing(token: dict) -> list:
+    """The experts the engine baseline (the reference router) picks per layer."""
+    chosen: list = []
+    stack.run_token(stack.compose([]), token, record=chosen)
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# waterfalls
+
+
+def waterfall(token: dict, device, order, *, configs: stack.Configs, num_splits: int,
+              repeats: int | None = None, cache: dict | None = None) -> list[tuple]:
+    """[(change added, TokenFigures or None, note)] for ``stack.steps(order)``: a change whose
+    kernel is absent is skipped with its note (and the step's figures are the previous ones).
+    ``cache`` ({owner map: figures}) shares measurements between waterfalls."""
+    cache = {} if cache is None else cache
+    out = []
+    for added, names in stack.steps(order):
+        st, notes = stack.runnable(stack.compose(names))
+        key = tuple(sorted((op, o) for op, o in st.owner.items() if o))
+        if key not in cache:
+            cache[key] = measure_token(st, token, device, label=added, configs=configs,
+                                       num_splits=num_splits, repeats=repeats)
+        fresh = [n for n in notes if n.startswith(f"{added} ")]
+        out.append((added, cache[key], "; ".join(fresh)))
     return out
 
 
-def headline(tok: pd.DataFrame, per_layer: pd.DataFrame, mode: str) -> dict:
-    """Reference and full-stack tok/s, the launch reduction per layer kind, the largest gain."""
-    ref_tok, full_tok = float(tok["tok/s"].iloc[0]), float(tok["tok/s"].iloc[-1])
-    ref_l, full_l = per_layer.iloc[0], per_layer.iloc[-1]
-    head = {f"reference tok/s ({mode}, projected)": round(ref_tok, 2),
-            f"full stack tok/s ({mode}, projected)": round(full_tok, 2),
-            "full stack speedup": round(full_tok / ref_tok, 2)}
-    for kind in per_layer.columns:
-        head[f"{kind} layer launches reference -> full"] = (f"{int(ref_l[kind])} -> "
-                                                            f"{int(full_l[kind])}")
-        head[f"{kind} launch reduction"] = round(float(ref_l[kind] / full_l[kind]), 1)
-    if len(tok) > 1:
-        best = tok.iloc[1:].sort_values("gain vs previous").iloc[-1]
-        head["largest single gain"] = f"{best['added']} {best['gain vs previous']:+.1%}"
-    return head
+def waterfall_table(steps: list[tuple]) -> pd.DataFrame:
+    """Per step: the change added, tok/s (comm excluded), gain over the previous step and over
+    the engine baseline, launches per token, note."""
+    rows = [{"added": a, "tok/s": f.tok_per_s, "launches per token": round(f.launches),
+             "note": note} for a, f, note in steps]
+    t = pd.DataFrame(rows)
+    t["gain vs previous"] = t["tok/s"].pct_change()
+    t["vs engine baseline"] = t["tok/s"] / t["tok/s"].iloc[0]
+    return t
 
 
-def picker(cfg, device, full: stack.Stack, **measure_kw):
-    """Tick changes and press *measure*: ``stack.measure_stack`` of the chosen stack, or why
-    it is refused (ipywidgets)."""
+def waterfall_plot(tables: dict, title: str):
+    """Both stacks' waterfalls side by side: tok/s per step, launches per token above."""
+    fig, axes = plots.subplots(1, len(tables), figsize=(6.5 * len(tables), 4.2), sharey=True)
+    axes = axes if hasattr(axes, "__len__") else [axes]
+    for ax, (name, t) in zip(axes, tables.items(), strict=True):
+        colors = ["#999"] + ["#bbb" if n else "#3a7" for n in t["note"].iloc[1:]]
+        ax.bar(range(len(t)), t["tok/s"], color=colors)
+        ax.set_xticks(range(len(t)), t["added"], rotation=40, ha="right", fontsize=8)
+        for i, (v, n) in enumerate(zip(t["tok/s"], t["launches per token"], strict=True)):
+            ax.annotate(f"{v:.3g}\n{n} l", (i, v), ha="center", va="bottom", fontsize=7)
+        ax.set_title(f"{name} stack")
+    axes[0].set_ylabel("tok/s, comm excluded (l: launches per token)")
+    fig.suptitle(title)
+    return plots.finish(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# floor, rates, where the time goes
+
+
+def floor(token: dict, device) -> dict:
+    """The token's bytes by category, the copy bandwidth measured in this run, the floor in us
+    and the roofline tok/s."""
+    b = token_bytes(token["cfg"], token["context"], token["expert_format"])
+    bw = profile.copy_bandwidth(device)
+    us = profile.roofline_us(int(sum(b.values())), bw)
+    return {"bytes": b, "total bytes": sum(b.values()), "copy bandwidth": bw, "floor_us": us,
+            "roofline tok/s": 1e6 / us}
+
+
+def rates(figs: dict, fl: dict, cfg, allreduce_us: float) -> pd.DataFrame:
+    """Per stack: per-token us, tok/s without and with the modeled all-reduces, the roofline
+    tok/s and the fraction of it reached, launches per token."""
+    comm = allreduces(cfg) * allreduce_us
+    rows = []
+    for label, f in figs.items():
+        rows.append({"stack": label, "token us": f.token_us, "tok/s (comm excluded)":
+                     f.tok_per_s, "all-reduce us": comm,
+                     "tok/s (comm included)": 1e6 / (f.token_us + comm),
+                     "roofline tok/s": fl["roofline tok/s"],
+                     "fraction of floor": fl["floor_us"] / f.token_us,
+                     "launches per token": round(f.launches)})
+    return pd.DataFrame(rows)
+
+
+def rates_plot(r: pd.DataFrame, title: str):
+    """tok/s per stack without and with the all-reduces, the roofline and the seed's anchor."""
+    fig, ax = plots.subplots(figsize=(8, 3.8))
+    x = range(len(r))
+    ax.bar([i - 0.2 for i in x], r["tok/s (comm excluded)"], 0.4, label="comm excluded",
+           color="#3a7")
+    ax.bar([i + 0.2 for i in x], r["tok/s (comm included)"], 0.4, label="comm included (modeled)",
+           color="#27a")
+    ax.axhline(float(r["roofline tok/s"].iloc[0]), color="#a33", ls="--", label="bytes floor")
+    ax.axhline(SEED_ANCHOR["tok/s"], color="#777", ls=":",
+               label=f"seed {SEED_ANCHOR['tok/s']} ({SEED_ANCHOR['machine']}, "
+                     f"{SEED_ANCHOR['GPUs']} GPUs, comm included)")
+    ax.set_xticks(list(x), r["stack"])
+    ax.set_ylabel("tok/s (one tp rank)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return plots.finish(fig)
+
+
+def breakdown(figs: dict, comm_us: float) -> pd.DataFrame:
+    """us per token by category (and the modeled all-reduces), one column per stack."""
+    cols = {}
+    for label, f in figs.items():
+        cols[label] = {**f.categories, "all-reduce (modeled)": comm_us}
+    return pd.DataFrame(cols)
+
+
+def breakdown_plot(b: pd.DataFrame, title: str):
+    """Stacked bars of :func:`breakdown`."""
+    fig, ax = plots.subplots(figsize=(7, 4.2))
+    bottom = [0.0] * b.shape[1]
+    for cat, row in b.iterrows():
+        vals = [max(float(v), 0.0) for v in row]
+        ax.bar(range(b.shape[1]), vals, bottom=bottom, label=cat)
+        bottom = [a + v for a, v in zip(bottom, vals, strict=True)]
+    ax.set_xticks(range(b.shape[1]), b.columns)
+    ax.set_ylabel("us per token")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper right")
+    return plots.finish(fig)
+
+
+def layer_timelines(f: TokenFigures, token: dict) -> dict:
+    """{(kind, layer): that layer's launches} for the window's first KDA and first MLA layer."""
+    mla = set(token["cfg"].mla_layers)
+    out = {}
+    for kind in ("kda", "mla"):
+        layer = next((x for x in token["layer_ids"][1:] if (x in mla) == (kind == "mla")), None)
+        if layer is not None:
+            tl = f.timeline[f.timeline["segment"] == f"layer {layer}"]
+            out[(kind, layer)] = tl[["kernel", "start_us", "end_us", "dur_us", "stream",
+                                     "category"]].reset_index(drop=True)
+    return out
+
+
+def context_sweep(token: dict, device, contexts, stacks: dict, *, configs, num_splits,
+                  allreduce_us: float, repeats=None) -> pd.DataFrame:
+    """tok/s of each stack (with and without the all-reduces) and the roofline per MLA context;
+    the token's caches are rebuilt for each context and left at the last."""
+    rows = []
+    for c in contexts:
+        set_context(token, int(c))
+        fl = floor(token, device)
+        figs = {label: measure_token(st, token, device, label=label, configs=configs,
+                                     num_splits=num_splits, repeats=repeats)
+                for label, st in stacks.items()}
+        rows.append(rates(figs, fl, token["cfg"], allreduce_us).assign(context=int(c)))
+    return pd.concat(rows, ignore_index=True)
+
+
+def headline(r: pd.DataFrame, fl: dict, tables: dict) -> dict:
+    """The report's headline: engine baseline and full stack tok/s with and without the
+    all-reduces, the roofline, the fraction reached, the seed's anchor, launches."""
+    by = r.set_index("stack")
+    head = {}
+    for label in by.index:
+        head[f"{label} tok/s (comm excluded)"] = round(float(by.loc[label,
+                                                                   "tok/s (comm excluded)"]), 2)
+        head[f"{label} tok/s (comm included)"] = round(float(by.loc[label,
+                                                                   "tok/s (comm included)"]), 2)
+        head[f"{label} fraction of floor"] = round(float(by.loc[label, "fraction of floor"]), 3)
+        head[f"{label} launches per token"] = int(by.loc[label, "launches per token"])
+    head["roofline tok/s"] = round(fl["roofline tok/s"], 2)
+    head["copy bandwidth TB/s"] = round(fl["copy bandwidth"] / 1e12, 3)
+    head["seed anchor tok/s (MI355X, 8 GPUs, comm included)"] = SEED_ANCHOR["tok/s"]
+    for name, t in tables.items():
+        head[f"{name} stack end tok/s"] = round(float(t["tok/s"].iloc[-1]), 2)
+    return {k: v for k, v in head.items() if not (isinstance(v, float) and math.isnan(v))}
+
+
+def picker(token: dict, device, full: stack.Stack, **measure_kw):
+    """Tick changes and press *measure*: the chosen stack's token figures, or why it is refused
+    (ipywidgets)."""
     import ipywidgets as widgets
     from IPython.display import display
 
@@ -114,7 +329,12 @@ def picker(cfg, device, full: stack.Stack, **measure_kw):
             except ValueError as exc:
                 print("rejected:", exc)
                 return
-            display(stack.measure_stack(chosen, cfg, device, **measure_kw))
+            st, notes = stack.runnable(chosen)
+            f = decode_token.measure_token(st, token, device, **measure_kw)
+            display(pd.Series({"tok/s": f.tok_per_s, "launches per token": f.launches,
+                               **f.categories, "notes": "; ".join(notes + f.notes)}))
 
     button.on_click(measure)
     return widgets.VBox([*boxes, button, out])
+
+
