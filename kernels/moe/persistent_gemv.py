@@ -59,7 +59,8 @@ def pow2_scales(amax):
 def round_e4m3(v):
     """fp32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even: the fp32 bits
     rounded to 3 mantissa bits; below 2^-6 (e4m3 subnormals, spacing 2^-9) the same on
-    |v| + 2^-6, which has that spacing."""
+    |v| + 2^-6, which has that spacing (exact for inputs whose lowest set bit is >= 2^-29, so
+    for every bf16 value the kernel quantizes)."""
     a = tl.abs(v)
     small = a < E4M3_MIN_NORMAL
     w = tl.where(small, a + E4M3_MIN_NORMAL, a)
