@@ -57,9 +57,9 @@ W4A16_FP8_TAIL_FRO, W4A16_FP8_TAIL_ELEM = 0.052, 0.16
 # may round to another e4m3 value, one element of a D- or I-long dot product: within them.
 SAME_QUANT_ATOL, SAME_QUANT_RTOL = W4A16_ATOL, W4A16_RTOL
 
-# few, large work items under the interpreter (every program and item costs Python time);
-# 64-row expert tiles split the tiny preset's 96 rows into a full and a masked tile
-BIG = PersistentMoEConfig(front_block_n=128, expert_block_n=64, tail_block_n=256, block_k=256)
+# few, large work items under the interpreter (every program and item costs Python time), each
+# masked at the tiny preset's sizes; test_block_gpu_tiles_several_programs runs the GPU tiles
+BIG = PersistentMoEConfig(front_block_n=128, expert_block_n=128, tail_block_n=256, block_k=256)
 
 
 def _setup(device, *, name="tiny", tp=1, M=1, fmt="bf16", seed=0, crowd=False, **changes):
@@ -189,9 +189,7 @@ CASES = [
                          and v[0] == "M" else "")
 def test_block_tiny(case, M, fmt, acts, det, device):
     cfg, w, x = _setup(device, M=M, fmt=fmt, seed=M)
-    # M 16: 64 plan tiles; whole-width expert tiles keep the item count down
-    config = dataclasses.replace(BIG, activations=acts, deterministic=det,
-                                 expert_block_n=64 if M < 16 else 128)
+    config = dataclasses.replace(BIG, activations=acts, deterministic=det)
     _check(x, w, cfg, _plan(cfg, x, w), config)
 
 
@@ -230,7 +228,7 @@ def test_block_plan_tiles_of_several_tokens(device):
 
 def test_block_no_latent(device):
     """K2-style: no latent (z is x), SiLU, grouped routing and a routed scaling factor."""
-    cfg, w, x = _setup(device, M=3, latent=0, activation="silu", routed_scaling=2.827,
+    cfg, w, x = _setup(device, M=2, latent=0, activation="silu", routed_scaling=2.827,
                        n_group=4, topk_group=2)
     for acts in ("bf16", "fp8"):
         _check(x, w, cfg, _plan(cfg, x, w), dataclasses.replace(BIG, activations=acts))
@@ -282,6 +280,38 @@ def test_routing_inside_is_two_launches(device):
                  atol=W4A16_ATOL, rtol=W4A16_RTOL)
     assert count_launches(lambda i: moe_persistent(x, w, cfg=cfg, plan=i, config=BIG),
                           plan, warmup=False).count == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the moe boundary's persistent variants
+
+
+def test_boundary_tolerances_are_the_derived_ones():
+    from k3lab.boundaries import moe as bmoe
+    assert bmoe.QUANTIZED_TOLERANCES == {
+        "a8w4": (A8W4_FRO, A8W4_ELEM), "a8w4+fp8 tail": (FP8_TAIL_FRO, FP8_TAIL_ELEM),
+        "w4a16+fp8 tail": (W4A16_FP8_TAIL_FRO, W4A16_FP8_TAIL_ELEM)}
+
+
+@pytest.mark.parametrize("name", ["persistent", "persistent_a8w4"])
+def test_boundary_variants(name, device):
+    """Registered on the moe boundary: the boundary's check passes (with the format's
+    tolerances), and the launches are the boundary's LAUNCHES (1 given the plan, 2 routing)."""
+    from k3lab.boundaries import clone_inputs, get
+    from k3lab.boundaries import moe as bmoe
+    b = get("moe")
+    inputs = b.make_inputs(preset("tiny", 1), device, 3, M=1, expert_format="mxfp4",
+                           route=True)
+    v = b.variant(name)
+    assert v.role == "fused"
+    inputs = {**inputs, "config": BIG}
+    out = v.fn(clone_inputs(inputs))
+    assert getattr(out, "k3lab_numerics", None) == ("a8w4" if name.endswith("a8w4") else None)
+    b.check(out, None, inputs)
+    lc = count_launches(v.fn, clone_inputs(inputs), warmup=False)
+    assert lc.count == bmoe.LAUNCHES[name][1], lc.kernels
+    given = {**inputs, "route": False}
+    assert count_launches(v.fn, given, warmup=False).count == bmoe.LAUNCHES[name][0]
 
 
 # ---------------------------------------------------------------------------------------------
