@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from ..mxfp4 import MXFP4, mxfp4_layout
+from ..mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
 from ..plan import RoutePlan
 from ..route import route_sort
 from ..runtime import INTERPRETED
@@ -97,13 +97,16 @@ def _check_config(config) -> PersistentMoEConfig:
 
 def persistent_kernel_weights(weights: dict, config: PersistentMoEConfig | None = None) -> dict:
     """``weights`` (k3lab.weights.moe_weights' dict) as moe_persistent reads them: MXFP4
-    experts in the row layout and, with ``config.tail_fp8`` and a latent, ``latent_up_fp8``
+    experts in the row layout (the tiled one, where the shapes allow, for multiply='klane',
+    whose GEMVs read it fastest) and, with ``config.tail_fp8`` and a latent, ``latent_up_fp8``
     (:func:`fp8_rows_quantize` of latent_up). Made once, as an engine lays out its checkpoint."""
     config = _check_config(config)
     out = dict(weights)
     for name in ("w13", "w2"):
-        if isinstance(out.get(name), MXFP4):
-            out[name] = mxfp4_layout(out[name], "rows")
+        w = out.get(name)
+        if isinstance(w, MXFP4):
+            tiled = config.multiply == "klane" and mxfp4_tiled_ok(w.shape)
+            out[name] = mxfp4_layout(w, "tiled" if tiled else "rows")
     if config.tail_fp8 and "latent_up" in out and "latent_up_fp8" not in out:
         out["latent_up_fp8"] = fp8_rows_quantize(out["latent_up"])
     return out
@@ -128,9 +131,10 @@ def _check_formats(weights: dict, cfg, config: PersistentMoEConfig, dev) -> tupl
         raise ValueError("w2: w13 and w2 must both be bf16 or both MXFP4")
     for name in ("w13", "w2"):
         w = weights[name]
-        if isinstance(w, MXFP4) and w.layout != "rows":
-            raise ValueError(f"{name}: moe_persistent reads MXFP4 in the row layout, got "
-                             f"{w.layout!r} (persistent_kernel_weights converts)")
+        if isinstance(w, MXFP4) and w.layout != "rows" and config.multiply != "klane":
+            raise ValueError(f"{name}: moe_persistent reads MXFP4 in the row layout (the "
+                             f"tiled one with multiply='klane'), got {w.layout!r} "
+                             "(persistent_kernel_weights converts)")
     up = weights.get("latent_up") if cfg.latent else None
     if cfg.latent and config.tail_fp8:
         up = weights.get("latent_up_fp8")
@@ -215,8 +219,14 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
     y = torch.empty((m, d), device=dev, dtype=f32)
     part = torch.empty((m * top_k, d) if config.deterministic else (1, 1), device=dev, dtype=f32)
     out = torch.empty((m, h), device=dev, dtype=bf16)
-    w13v, w13s = (w13.packed, w13.scales) if fp4 else (w13, w13)
-    w2v, w2s = (w2.packed, w2.scales) if fp4 else (w2, w2)
+    klane = config.multiply == "klane"
+
+    def values(w):  # (values, scales) arguments; the K-lane GEMVs read int32 words / pairs
+        v = w.packed if fp4 else w
+        v = v.view(torch.int32) if klane else v
+        return v, (w.scales if fp4 else v)
+
+    (w13v, w13s), (w2v, w2s) = values(w13), values(w2)
     if up is None:
         upv = ups = nw = wd = x
     elif isinstance(up, FP8Rows):
@@ -228,12 +238,15 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
     ws13 = weights["shared_w13"] if s else x
     ws2 = weights["shared_w2"] if s else x
     moe_persistent_kernel[grid](
-        x, wd, z, ws13, a_s, plan.sorted_ids, plan.sorted_weights, plan.block_expert_ids,
-        plan.num_valid, plan.topk_weights, w13v, w13s, a, w2v, w2s, y, part, nw, upv, ups, ws2,
-        out, sync, m, h, d, i, s, m * top_k, block_m, top_k, n_tiles, n_z, n_sh, n_i, n_d, n_dr,
-        n_t, float(cfg.situ_beta), float(cfg.situ_linear_beta), float(cfg.rms_eps),
+        x, wd, z, z.view(torch.int32) if klane else z, ws13, a_s, plan.sorted_ids,
+        plan.sorted_weights, plan.block_expert_ids, plan.num_valid, plan.topk_weights, w13v,
+        w13s, a, a.view(torch.int32) if klane else a, w2v, w2s, y, part, nw, upv, ups, ws2, out,
+        sync, m, h, d, i, s, m * top_k, block_m, top_k, n_tiles, n_z, n_sh, n_i, n_d, n_dr, n_t,
+        float(cfg.situ_beta), float(cfg.situ_linear_beta), float(cfg.rms_eps),
         ACT=act, LATENT=bool(cfg.latent), SHARED=bool(s), FP4=fp4, XQ=config.fp8,
-        DOT=config.multiply == "dot", EMULATE=INTERPRETED,
+        DOT=config.multiply == "dot", EMULATE=INTERPRETED, KLANE=klane,
+        TILED13=fp4 and w13.layout == "tiled", TILED2=fp4 and w2.layout == "tiled",
+        TOKEN_LOOP=not INTERPRETED,
         DETERMINISTIC=config.deterministic, UP_FP8=isinstance(up, FP8Rows), **t,
         num_warps=config.num_warps)
     return out

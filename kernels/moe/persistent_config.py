@@ -15,7 +15,9 @@ ACTIVATION_FORMATS = ("bf16", "fp8")
 # path). dot: tl.dot on the tensor cores, bf16 operands for bf16 activations and e4m3 x e4m3
 # (FP4 codes converted to e4m3 in registers, the E8M0 factor applied per 32-wide K step) for
 # fp8 activations; under the interpreter the same tiles run on fp32 operands of equal value.
-MULTIPLY_MODES = ("fma", "dot")
+# klane: the MoE stages' tuned K-lane GEMVs (kernels/moe/gemv.py: int32 code words, FFMA
+# chains per group; bf16 activations only; MXFP4 in either layout).
+MULTIPLY_MODES = ("fma", "dot", "klane")
 
 
 def _check_bool(name: str, value) -> None:
@@ -75,6 +77,9 @@ class PersistentMoEConfig:
             _check_bool(name, getattr(self, name))
         _check_choice("activations", self.activations, ACTIVATION_FORMATS)
         _check_choice("multiply", self.multiply, MULTIPLY_MODES)
+        if self.multiply == "klane" and self.activations != "bf16":
+            raise ValueError(f"multiply: 'klane' reads bf16 activations, got activations="
+                             f"{self.activations!r}")
         for name in ("front_block_n", "expert_block_n", "tail_block_n"):
             _check_int(name, getattr(self, name), 16 if self.multiply == "dot" else 1, 512,
                        pow2=True)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..runtime import INTERPRETED  # noqa: F401  (sets the interpreter up before any jit)
-from .gemv import act, to_bf16
+from .gemv import act, expert_gemv, gate_up_act, to_bf16
 from .persistent_gemv import gemv, pow2_scales, row_amax, signal_count, wait_count
 from .stages import _plan_tile, _plan_tile_runs
 
@@ -71,13 +71,16 @@ def _front_item(j, p_x, p_wd, p_z, p_y, p_ws13, p_as, p_sync, M, H, D, S, n_z, b
 
 
 @triton.jit
-def _stage1_item(j, p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_sync,
+def _stage1_item(j, p_z, p_z32, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_sync,
                  n_entries, block_m, top_k, N_I, D, n_i, n_z, beta, linear_beta,
                  ACT: tl.constexpr, FP4: tl.constexpr, XQ: tl.constexpr, DOT: tl.constexpr,
-                 EMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 EMULATE: tl.constexpr, KLANE: tl.constexpr, TILED: tl.constexpr,
+                 TOKEN_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_KQ: tl.constexpr):
     """Stage-1 item j = (plan tile, I tile): gate and up GEMVs of the tile's tokens' z rows
-    (XQ: quantized to e4m3 per row) against expert e's w13, the activation, a bf16 store."""
+    (XQ: quantized to e4m3 per row) against expert e's w13, the activation, a bf16 store.
+    KLANE: the GEMVs of kernels/moe/gemv.py (z as int32 pairs at p_z32, MXFP4 codes as int32
+    words at p_w, TILED: in the tiled layout)."""
     i_b, i_n = j // n_i, j % n_i
     wait_count(p_sync + CNT_Z, n_z)
     n_valid = tl.load(p_num_valid)
@@ -86,30 +89,35 @@ def _stage1_item(j, p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, 
     if _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent):
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N_I
-        if FP4:
-            p_we = p_w + i_e * (N_I * D)  # 2I rows of D / 2 code bytes
-            p_se = p_ws + i_e * (2 * N_I * (D // 32))
+        # expert e's 2I rows: D / 2 code bytes (KLANE: D / 8 int32 words) or D bf16 values
+        # (KLANE: D / 2 int32 pairs) a row
+        p_we = p_w + i_e * (2 * N_I * ((D // 8 if KLANE else D // 2) if FP4
+                                       else (D // 2 if KLANE else D)))
+        p_se = p_ws + i_e * (2 * N_I * (D // 32)) if FP4 else p_ws
+        if KLANE:
+            b_a = gate_up_act(p_z32, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D // 2, beta,
+                              linear_beta, ACT, BLOCK_M, BLOCK_N, BLOCK_K // 2, FP4, 0,
+                              TOKEN_LOOP, TILED)
         else:
-            p_we = p_w + i_e * (2 * N_I * D)
-            p_se = p_ws
-        b_inv = tl.full([BLOCK_M], 1.0, tl.float32)
-        b_sc = b_inv
-        if XQ:
-            b_inv, b_sc = pow2_scales(row_amax(p_z, b_tok, m_ent, D, BLOCK_M, BLOCK_KQ))
-        b_g = gemv(p_z, b_tok, m_ent, b_inv, p_we, p_se, o_n, m_n, D, p_z, FP4, XQ, False, True,
-                   DOT, EMULATE, BLOCK_M, BLOCK_N, BLOCK_K)
-        b_u = gemv(p_z, b_tok, m_ent, b_inv, p_we, p_se, o_n + N_I, m_n, D, p_z, FP4, XQ, False,
-                   True, DOT, EMULATE, BLOCK_M, BLOCK_N, BLOCK_K)
-        b_a = act(b_g * b_sc[:, None], b_u * b_sc[:, None], beta, linear_beta, ACT)
+            b_inv = tl.full([BLOCK_M], 1.0, tl.float32)
+            b_sc = b_inv
+            if XQ:
+                b_inv, b_sc = pow2_scales(row_amax(p_z, b_tok, m_ent, D, BLOCK_M, BLOCK_KQ))
+            b_g = gemv(p_z, b_tok, m_ent, b_inv, p_we, p_se, o_n, m_n, D, p_z, FP4, XQ, False,
+                       True, DOT, EMULATE, BLOCK_M, BLOCK_N, BLOCK_K)
+            b_u = gemv(p_z, b_tok, m_ent, b_inv, p_we, p_se, o_n + N_I, m_n, D, p_z, FP4, XQ,
+                       False, True, DOT, EMULATE, BLOCK_M, BLOCK_N, BLOCK_K)
+            b_a = act(b_g * b_sc[:, None], b_u * b_sc[:, None], beta, linear_beta, ACT)
         tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], to_bf16(b_a),
                  mask=m_ent[:, None] & m_n[None, :])
     signal_count(p_sync + CNT_TILE + i_b)
 
 
 @triton.jit
-def _stage2_item(j, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid, p_y,
-                 p_part, p_sync, n_entries, block_m, top_k, N_I, D, n_d, n_i,
+def _stage2_item(j, p_a, p_a32, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
+                 p_y, p_part, p_sync, n_entries, block_m, top_k, N_I, D, n_d, n_i,
                  FP4: tl.constexpr, XQ: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr,
+                 KLANE: tl.constexpr, TILED: tl.constexpr, TOKEN_LOOP: tl.constexpr,
                  DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_KQ: tl.constexpr):
     """Stage-2 item j = (plan tile, D tile): the tile's a rows (XQ: quantized per row) against
@@ -124,18 +132,19 @@ def _stage2_item(j, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < D
         m_o = m_ent[:, None] & m_n[None, :]
-        if FP4:
-            p_we = p_w + i_e * (D * (N_I // 2))
-            p_se = p_ws + i_e * (D * (N_I // 32))
+        p_we = p_w + i_e * (D * ((N_I // 8 if KLANE else N_I // 2) if FP4
+                                 else (N_I // 2 if KLANE else N_I)))
+        p_se = p_ws + i_e * (D * (N_I // 32)) if FP4 else p_ws
+        if KLANE:
+            b_p = expert_gemv(p_a32, b_ent, m_ent, p_we, p_se, o_n, m_n, N_I // 2, BLOCK_M,
+                              BLOCK_N, BLOCK_K // 2, FP4, 0, TOKEN_LOOP, TILED)
         else:
-            p_we = p_w + i_e * (D * N_I)
-            p_se = p_ws
-        b_inv = tl.full([BLOCK_M], 1.0, tl.float32)
-        b_sc = b_inv
-        if XQ:
-            b_inv, b_sc = pow2_scales(row_amax(p_a, b_ent, m_ent, N_I, BLOCK_M, BLOCK_KQ))
-        b_p = gemv(p_a, b_ent, m_ent, b_inv, p_we, p_se, o_n, m_n, N_I, p_a, FP4, XQ, False, True,
-                   DOT, EMULATE, BLOCK_M, BLOCK_N, BLOCK_K) * b_sc[:, None]
+            b_inv = tl.full([BLOCK_M], 1.0, tl.float32)
+            b_sc = b_inv
+            if XQ:
+                b_inv, b_sc = pow2_scales(row_amax(p_a, b_ent, m_ent, N_I, BLOCK_M, BLOCK_KQ))
+            b_p = gemv(p_a, b_ent, m_ent, b_inv, p_we, p_se, o_n, m_n, N_I, p_a, FP4, XQ, False,
+                       True, DOT, EMULATE, BLOCK_M, BLOCK_N, BLOCK_K) * b_sc[:, None]
         if DETERMINISTIC:
             tl.store(p_part + b_ent[:, None] * D + o_n[None, :], b_p, mask=m_o)
         else:
@@ -204,12 +213,14 @@ def _tail_item(j, p_as, p_ws2, p_y, p_nw, p_up, p_ups, p_o, p_sync, M, D, H, S, 
 
 @triton.jit
 def moe_persistent_kernel(
-        p_x, p_wd, p_z, p_ws13, p_as, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
-        p_topk_w, p_w13, p_w13s, p_a, p_w2, p_w2s, p_y, p_part, p_nw, p_up, p_ups, p_ws2, p_o,
+        p_x, p_wd, p_z, p_z32, p_ws13, p_as, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
+        p_topk_w, p_w13, p_w13s, p_a, p_a32, p_w2, p_w2s, p_y, p_part, p_nw, p_up, p_ups, p_ws2,
+        p_o,
         p_sync, M, H, D, N_I, S, n_entries, block_m, top_k, n_tiles, n_z, n_sh, n_i, n_d, n_dr,
         n_t, beta, linear_beta, eps,
         ACT: tl.constexpr, LATENT: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr,
-        XQ: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr,
+        XQ: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr, KLANE: tl.constexpr,
+        TILED13: tl.constexpr, TILED2: tl.constexpr, TOKEN_LOOP: tl.constexpr,
         DETERMINISTIC: tl.constexpr, UP_FP8: tl.constexpr, BLOCK_MT: tl.constexpr,
         BLOCK_ME: tl.constexpr, BLOCK_NF: tl.constexpr, BLOCK_NE: tl.constexpr,
         BLOCK_NT: tl.constexpr, BLOCK_KF: tl.constexpr, BLOCK_KE: tl.constexpr):
@@ -229,15 +240,15 @@ def moe_persistent_kernel(
                         linear_beta, ACT, LATENT, not DETERMINISTIC, BLOCK_MT, BLOCK_NF,
                         BLOCK_KF)
         elif t < e_s1:
-            _stage1_item(t - e_front, p_z, p_w13, p_w13s, p_sorted, p_block_expert, p_num_valid,
-                         p_a, p_sync, n_entries, block_m, top_k, N_I, D, n_i, n_z, beta,
-                         linear_beta, ACT, FP4, XQ, DOT, EMULATE, BLOCK_ME, BLOCK_NE, BLOCK_KE,
-                         BLOCK_KF)
+            _stage1_item(t - e_front, p_z, p_z32, p_w13, p_w13s, p_sorted, p_block_expert,
+                         p_num_valid, p_a, p_sync, n_entries, block_m, top_k, N_I, D, n_i, n_z,
+                         beta, linear_beta, ACT, FP4, XQ, DOT, EMULATE, KLANE, TILED13,
+                         TOKEN_LOOP, BLOCK_ME, BLOCK_NE, BLOCK_KE, BLOCK_KF)
         elif t < e_s2:
-            _stage2_item(t - e_s1, p_a, p_w2, p_w2s, p_sorted, p_sorted_w, p_block_expert,
-                         p_num_valid, p_y, p_part, p_sync, n_entries, block_m, top_k, N_I, D, n_d,
-                         n_i, FP4, XQ, DOT, EMULATE, DETERMINISTIC, BLOCK_ME, BLOCK_NE,
-                         BLOCK_KE, BLOCK_KF)
+            _stage2_item(t - e_s1, p_a, p_a32, p_w2, p_w2s, p_sorted, p_sorted_w,
+                         p_block_expert, p_num_valid, p_y, p_part, p_sync, n_entries, block_m,
+                         top_k, N_I, D, n_d, n_i, FP4, XQ, DOT, EMULATE, KLANE, TILED2,
+                         TOKEN_LOOP, DETERMINISTIC, BLOCK_ME, BLOCK_NE, BLOCK_KE, BLOCK_KF)
         elif t < e_red:
             _reduce_item(t - e_s2, p_part, p_topk_w, p_y, p_sync, M, D, top_k, n_tiles * n_d,
                          BLOCK_MT, BLOCK_NE)

@@ -250,6 +250,19 @@ def test_block_dot_mode(acts, device):
                                                             multiply="dot"))
 
 
+@pytest.mark.parametrize("fmt,latent,M,block_m", [("mxfp4", 256, 1, 1), ("bf16", 96, 3, 4)],
+                         ids=["mxfp4-tiled-w13", "bf16-tiles-of-3"])
+def test_block_klane(fmt, latent, M, block_m, device):
+    """The stages' K-lane GEMVs inside the persistent launch (multiply='klane'): MXFP4 with w13
+    in the tiled layout (a latent of 256 allows it), bf16 experts with tiles of several
+    tokens."""
+    cfg, w, x = _setup(device, M=M, fmt=fmt, latent=latent, crowd=block_m > 1)
+    config = dataclasses.replace(BIG, multiply="klane", block_k=64)
+    if fmt == "mxfp4":
+        assert persistent_kernel_weights(w, config)["w13"].layout == "tiled"
+    _check(x, w, cfg, _plan(cfg, x, w, block_m), config)
+
+
 def test_atomic_and_deterministic_agree(device):
     """Atomic and deterministic stage 2 sum the same partials in other orders: outputs within a
     bf16 rounding of each other; the deterministic one bitwise the same call after call."""
@@ -268,15 +281,17 @@ def test_routing_inside_is_two_launches(device):
     result is the reference's given route_sort's plan."""
     cfg, w, x = _setup(device, M=1, fmt="mxfp4", seed=2)
 
+    outs = []
+
     def run(inp):
-        return moe_persistent(inp["x"], inp["w"], cfg=cfg, config=BIG)
+        outs.append(moe_persistent(inp["x"], inp["w"], cfg=cfg, config=BIG))
 
     lc = count_launches(run, {"x": x, "w": w})  # the warm-up makes the per-device counters
     assert lc.count <= 2, lc.kernels
     plan = route_sort(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
                       n_group=cfg.n_group, topk_group=cfg.topk_group,
                       renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling)
-    assert_close("out", run({"x": x, "w": w}), ref.latent_moe_from_plan_reference(x, plan, w, cfg),
+    assert_close("out", outs[-1], ref.latent_moe_from_plan_reference(x, plan, w, cfg),
                  atol=W4A16_ATOL, rtol=W4A16_RTOL)
     assert count_launches(lambda i: moe_persistent(x, w, cfg=cfg, plan=i, config=BIG),
                           plan, warmup=False).count == 1
@@ -321,10 +336,11 @@ def test_boundary_variants(name, device):
 @pytest.mark.parametrize("field,value", [
     ("programs_per_sm", 0), ("deterministic", 1), ("activations", "fp4"), ("multiply", "mma"),
     ("tail_fp8", "yes"), ("front_block_n", 24), ("expert_block_n", 0), ("tail_block_n", 1024),
-    ("block_k", 16), ("num_warps", 3)])
+    ("block_k", 16), ("num_warps", 3), ("multiply", "klane")])
 def test_bad_config(field, value):
-    with pytest.raises(ValueError, match=f"^{field}: expected"):
-        PersistentMoEConfig(**{field: value})
+    extra = {"activations": "fp8"} if (field, value) == ("multiply", "klane") else {}
+    with pytest.raises(ValueError, match=f"^{field}: (expected|'klane' reads bf16)"):
+        PersistentMoEConfig(**{field: value}, **extra)
 
 
 def test_bad_input(device):
@@ -333,7 +349,8 @@ def test_bad_input(device):
     with pytest.raises(ValueError, match="config: expected a PersistentMoEConfig"):
         moe_persistent(x, w, cfg=cfg, plan=plan, config={"deterministic": True})
     cfg256, w256, _ = _setup(device, M=1, fmt="mxfp4", latent=256)  # w13 can be tiled
-    with pytest.raises(ValueError, match="w13: moe_persistent reads MXFP4 in the row layout"):
+    with pytest.raises(ValueError, match="w13: moe_persistent reads MXFP4 in the row layout "
+                       r"\(the tiled one with multiply='klane'\)"):
         moe_persistent(x, {**w256, "w13": mxfp4_layout(w256["w13"], "tiled")}, cfg=cfg256,
                        plan=_plan(cfg256, x, w256))
     with pytest.raises(ValueError, match="weights: config.tail_fp8 needs"):
@@ -368,6 +385,7 @@ GPU_CONFIGS = {
     "a8w4-det": PersistentMoEConfig(activations="fp8", deterministic=True),
     "a8w4-dot-fp8tail": PersistentMoEConfig(activations="fp8", multiply="dot", tail_fp8=True),
     "w4a16-dot": PersistentMoEConfig(multiply="dot"),
+    "w4a16-klane": PersistentMoEConfig(multiply="klane"),
 }
 
 
