@@ -46,7 +46,7 @@ from ..runtime import INTERPRETED
 from .block import _check_block_weights
 from .checks import check_activation, check_plan, check_tensor, check_tokens
 from .persistent_config import PersistentMoEConfig
-from .persistent_kernel import CNT_TILE, moe_persistent_kernel
+from .persistent_kernel import SYNC_HEADER, moe_persistent_kernel
 
 __all__ = ["moe_persistent", "persistent_kernel_weights", "fp8_rows_quantize", "FP8Rows",
            "PersistentMoEConfig"]
@@ -211,7 +211,7 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
         num_sms = 1 if dev.type != "cuda" else \
             torch.cuda.get_device_properties(dev).multi_processor_count
     grid = (max(1, min(n_items, num_sms * config.programs_per_sm)),)
-    sync = _sync_words(dev, CNT_TILE + n_tiles)
+    sync = _sync_words(dev, SYNC_HEADER + n_tiles)
     bf16, f32 = torch.bfloat16, torch.float32
     z = torch.empty((m, d), device=dev, dtype=bf16)
     a = torch.empty((m * top_k, i), device=dev, dtype=bf16)

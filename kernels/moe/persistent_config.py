@@ -15,6 +15,8 @@ ACTIVATION_FORMATS = ("bf16", "fp8")
 # path). dot: tl.dot on the tensor cores, bf16 operands for bf16 activations and e4m3 x e4m3
 # (FP4 codes converted to e4m3 in registers, the E8M0 factor applied per 32-wide K step) for
 # fp8 activations; under the interpreter the same tiles run on fp32 operands of equal value.
+# (Tiles of at most 16 rows compile on sm_90 to mma.sync, Triton feeding e4m3 as f16, which
+# holds every e4m3 value exactly; wgmma's native e4m3 needs 64-row tiles.)
 # klane: the MoE stages' tuned K-lane GEMVs (kernels/moe/gemv.py: int32 code words, FFMA
 # chains per group; bf16 activations only; MXFP4 in either layout).
 MULTIPLY_MODES = ("fma", "dot", "klane")

@@ -29,8 +29,9 @@ from .gemv import act, expert_gemv, gate_up_act, to_bf16
 from .persistent_gemv import gemv, pow2_scales, row_amax, signal_count, wait_count
 from .stages import _plan_tile, _plan_tile_runs
 
-WORK, EXIT, CNT_Z, CNT_SH, CNT_S2, CNT_RED = 0, 1, 2, 3, 4, 5
-CNT_TILE = 8  # plan tile b's stage-1 counter is p_sync[CNT_TILE + b]
+SYNC_HEADER = 8  # sync words before the plan tiles' counters (python int, for the launcher)
+WORK, EXIT, CNT_Z, CNT_SH, CNT_S2, CNT_RED = (tl.constexpr(i) for i in range(6))
+CNT_TILE = tl.constexpr(SYNC_HEADER)  # plan tile b's stage-1 counter is p_sync[CNT_TILE + b]
 RESET_BLOCK = tl.constexpr(1024)
 
 

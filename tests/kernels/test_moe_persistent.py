@@ -26,7 +26,7 @@ from k3lab.kernels.moe.persistent import (
     persistent_kernel_weights,
 )
 from k3lab.kernels.moe.persistent_gemv import pow2_scales, round_e4m3
-from k3lab.kernels.moe.persistent_kernel import CNT_TILE
+from k3lab.kernels.moe.persistent_kernel import SYNC_HEADER
 from k3lab.kernels.mxfp4 import mxfp4_layout
 from k3lab.profile import count_launches
 from k3lab.reference import moe as ref
@@ -214,7 +214,7 @@ def test_block_gpu_tiles_several_programs(device):
     x2 = hidden_states(cfg, 1, make_generator(8, device))
     _check(x2, w, cfg, _plan(cfg, x2, w), config, num_sms=3)
     from k3lab.kernels.moe import persistent as mod
-    assert int(mod._SYNC[x.device][:CNT_TILE + cfg.top_k].abs().sum()) == 0
+    assert int(mod._SYNC[x.device][:SYNC_HEADER + cfg.top_k].abs().sum()) == 0
 
 
 def test_block_plan_tiles_of_several_tokens(device):
@@ -373,6 +373,92 @@ def test_bad_input(device):
     with pytest.raises(ValueError, match="plan"):
         moe_persistent(x, w, cfg=cfg, plan=_plan(cfg, hidden_states(cfg, 2, make_generator(
             1, device)), w))
+
+
+# ---------------------------------------------------------------------------------------------
+# compiled for sm_90 without a GPU (a subprocess with the kernels imported compiled)
+
+_COMPILE_SCRIPT = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from k3lab.kernels.moe import persistent as P
+import k3lab.kernels.runtime as rt
+from k3lab.config import preset
+from k3lab.weights import make_generator, moe_weights, hidden_states
+from k3lab.reference.route import route_sort_reference
+assert not P.INTERPRETED
+rt.INTERPRETED = True  # the launcher's checks take CPU tensors; the kernel is compiled below
+fn, seen = P.moe_persistent_kernel, {}
+
+class Capture:
+    def __getitem__(self, grid):
+        return lambda *args, **kw: seen.update(args=args, kw=kw)
+
+P.moe_persistent_kernel = Capture()
+names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int32: "i32",
+         torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
+cfg = preset("tiny")
+gen = make_generator(0, "cpu")
+for fmt, spec in (("mxfp4", "PersistentMoEConfig(activations='fp8')"),
+                  ("mxfp4", "PersistentMoEConfig(activations='fp8', multiply='dot')"),
+                  ("mxfp4", "PersistentMoEConfig(multiply='klane', deterministic=True)"),
+                  ("bf16", "PersistentMoEConfig(multiply='dot', tail_fp8=True)")):
+    config = eval("P." + spec)
+    w = moe_weights(cfg, gen, expert_format=fmt)
+    x = hidden_states(cfg, 2, gen)
+    plan = route_sort_reference(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
+                                block_m=1, out_dim=cfg.moe_in)
+    P.moe_persistent(x, P.persistent_kernel_weights(w, config), cfg=cfg, plan=plan,
+                     config=config)
+    kw = dict(seen["kw"])
+    warps = kw.pop("num_warps")
+    values = list(seen["args"]) + [kw[p.name] for p in fn.params[len(seen["args"]):]]
+    sig, const = {}, {}
+    for p, v in zip(fn.params, values):
+        if p.is_constexpr:
+            sig[p.name], const[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + names[v.dtype]
+        else:
+            sig[p.name] = "fp32" if isinstance(v, float) else "i32"
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
+    print("CONFIG", fmt, spec)
+    print(k.asm["ptx"])
+"""
+
+
+@pytest.mark.slow
+def test_compiles_for_sm90_with_its_memory_ordering():
+    """Four configs compile for sm_90 (fma and dot A8W4, K-lane deterministic, bf16 dot with
+    the fp8 tail), and each keeps the synchronization the schedule relies on: relaxed ticket
+    adds, release increments, acquire RMWs after volatile polls, an acq_rel exit count, and
+    (dot) tensor-core mma instructions."""
+    import os
+    import re
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=900)
+    tail = run.stderr[-2000:]
+    if (run.returncode and re.search(r"FileNotFoundError|No such file|not found", tail)
+            and "CompilationError" not in tail):
+        pytest.skip(f"no CUDA compiler backend here: {run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    parts = run.stdout.split("CONFIG ")[1:]
+    assert len(parts) == 4
+    for part in parts:
+        head = part.splitlines()[0]
+        for pattern in (r"atom\.global\.gpu\.relaxed\.add", r"red\.global\.gpu\.release\.add",
+                        r"atom\.global\.gpu\.acquire\.max", r"ld\.volatile\.global",
+                        r"atom\.global\.gpu\.acq_rel\.add"):
+            assert re.search(pattern, part), (head, pattern)
+        if "multiply='dot'" in head:
+            assert re.search(r"mma\.sync\.aligned", part), head
 
 
 # ---------------------------------------------------------------------------------------------
