@@ -54,6 +54,7 @@ __all__ = ["moe_persistent", "persistent_kernel_weights", "fp8_rows_quantize", "
 E4M3_MAX = 448.0
 DOT_MIN_ROWS = 16  # tl.dot tiles: at least 16 rows a side
 FP8_DOT_BLOCK_K = 32  # e4m3 x e4m3 dots: one MXFP4 group a step
+MIN_BLOCK_K = 32  # an MXFP4 group
 MIN_SYNC_WORDS = 4096
 _SYNC: dict[torch.device, torch.Tensor] = {}
 _DEFAULT = PersistentMoEConfig()
@@ -152,20 +153,33 @@ def _check_formats(weights: dict, cfg, config: PersistentMoEConfig, dev) -> tupl
     return fp4, up
 
 
+def _fit_k(block_k: int, rows: int, cols: int, budget: int) -> int:
+    """The K step halved (down to MIN_BLOCK_K) until rows x cols x K products fit the budget."""
+    while block_k > MIN_BLOCK_K and rows * cols * block_k > budget:
+        block_k //= 2
+    return block_k
+
+
 def _tiles(config, m, block_m, sizes, fp4):
-    """Block constexprs from the config and the shapes."""
+    """Block constexprs from the config and the shapes (fma GEMVs: config.max_products)."""
     h, d, i, s = sizes
     dot = config.multiply == "dot"
     p2 = triton.next_power_of_2
+    t = dict(BLOCK_MT=p2(m), BLOCK_ME=max(DOT_MIN_ROWS if dot else 1, p2(block_m)),
+             BLOCK_NF=min(config.front_block_n, p2(max(d, s, 1))),
+             BLOCK_NE=min(config.expert_block_n, p2(max(d, i))) if not dot
+             else max(DOT_MIN_ROWS, min(config.expert_block_n, p2(max(d, i)))),
+             BLOCK_NT=min(config.tail_block_n, p2(h)))
+    # the front and the tail broadcast-multiply; the experts too unless on the tensor cores
+    t["BLOCK_KF"] = _fit_k(min(config.block_k, p2(max(h, d, s, 1))), t["BLOCK_MT"],
+                           max(t["BLOCK_NF"], t["BLOCK_NT"]), config.max_products)
     block_ke = min(config.block_k, p2(max(d, i)))
     if dot and config.fp8 and fp4:
         block_ke = FP8_DOT_BLOCK_K
-    return dict(BLOCK_MT=p2(m), BLOCK_ME=max(DOT_MIN_ROWS if dot else 1, p2(block_m)),
-                BLOCK_NF=min(config.front_block_n, p2(max(d, s, 1))),
-                BLOCK_NE=min(config.expert_block_n, p2(max(d, i))) if not dot
-                else max(DOT_MIN_ROWS, min(config.expert_block_n, p2(max(d, i)))),
-                BLOCK_NT=min(config.tail_block_n, p2(h)),
-                BLOCK_KF=min(config.block_k, p2(max(h, d, s, 1))), BLOCK_KE=block_ke)
+    elif not dot:
+        block_ke = _fit_k(block_ke, t["BLOCK_ME"], t["BLOCK_NE"], config.max_products)
+    t["BLOCK_KE"] = block_ke
+    return t
 
 
 def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
@@ -221,10 +235,10 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
     out = torch.empty((m, h), device=dev, dtype=bf16)
     klane = config.multiply == "klane"
 
-    def values(w):  # (values, scales) arguments; the K-lane GEMVs read int32 words / pairs
-        v = w.packed if fp4 else w
-        v = v.view(torch.int32) if klane else v
-        return v, (w.scales if fp4 else v)
+    def values(w):  # (values, scales): MXFP4 codes as int32 words; K-lane bf16 as pairs
+        if fp4:
+            return w.packed.view(torch.int32), w.scales
+        return (w.view(torch.int32), w) if klane else (w, w)
 
     (w13v, w13s), (w2v, w2s) = values(w13), values(w2)
     if up is None:

@@ -60,6 +60,9 @@ class PersistentMoEConfig:
         block_k: K elements a GEMV step (the dot mode takes 32 for fp8 activations: one MXFP4
             group a dot).
         num_warps: warps a program.
+        max_products: a broadcast-multiply GEMV step's products (rows of x x weight rows x K)
+            at most: the K step is halved (down to 32) until a step fits (tokens x rows x K
+            products live in registers).
     """
 
     programs_per_sm: int = 4
@@ -72,6 +75,7 @@ class PersistentMoEConfig:
     tail_block_n: int = 32
     block_k: int = 128
     num_warps: int = 4
+    max_products: int = 8192
 
     def __post_init__(self):
         _check_int("programs_per_sm", self.programs_per_sm, 1, 64)
@@ -87,6 +91,7 @@ class PersistentMoEConfig:
                        pow2=True)
         _check_int("block_k", self.block_k, 32, 4096, pow2=True)
         _check_int("num_warps", self.num_warps, 1, 16, pow2=True)
+        _check_int("max_products", self.max_products, 1, 1 << 24)
 
     @property
     def fp8(self) -> bool:

@@ -4,7 +4,7 @@ Every product is ``x[rows] @ w[o_n]^T`` over K in ``BLOCK_K`` steps with fp32 ac
 either a broadcast multiply and ``tl.sum`` (``DOT`` False) or ``tl.dot`` (bf16 operands, or
 e4m3 x e4m3 for quantized activations against MXFP4 codes). Weights are bf16 / e4m3 rows
 (a typed load, then fp32) or MXFP4 in the row layout (uint8 codes [N, K / 2], E8M0 scales
-[N, K / 32]) decoded element by element.
+[N, K / 32]) decoded in registers from whole int32 words.
 
 FP8 activations: each row is scaled by a power of two 2^-s (s the smallest with amax 2^-s <=
 448, so the scaling is exact) and rounded to the e4m3 grid, to nearest even, with integer ops
@@ -85,26 +85,28 @@ def row_amax(p_x, o_r, m_r, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _fp4_values(p_w, o_n, m_n, o_k, m_k, K):
-    """E2M1 values [rows, BLOCK_K] fp32 of MXFP4 codes uint8 [N, K / 2] (row layout, the even
-    element in the low nibble), without the group factor."""
-    b_b = tl.load(p_w + o_n[:, None] * (K // 2) + (o_k // 2)[None, :],
-                  mask=m_n[:, None] & m_k[None, :], other=0).to(tl.int32)
-    c = (b_b >> (4 * (o_k % 2))[None, :]) & 15
+def _fp4_tile(p_w, p_s, o_n, m_n, k0, K, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """MXFP4 weight tile [BLOCK_N, BLOCK_K] fp32 (columns k0 ..) from codes viewed as int32
+    words [N, K / 8] (row layout; element 8q + j in bits 4j..4j + 3 of word q) and E8M0 scales
+    uint8 [N, K / 32]: the E2M1 values, times their group factor 2^(s - 127) when SCALED (s = 0,
+    an all-zero group, gives 0). Words are loaded whole and split in registers."""
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    o_w = k0 // 8 + tl.arange(0, BLOCK_W)
+    m_w = m_n[:, None] & (o_w < K // 8)[None, :]
+    b_w = tl.load(p_w + o_n[:, None] * (K // 8) + o_w[None, :], mask=m_w, other=0)
+    c = (b_w[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15
     e = (c >> 1) & 3
     mant = (c & 1).to(tl.float32)
     # e == 0: m / 2; else 2^(e - 1) (1 + m / 2), the power of two built from its bits
     p2 = ((e + 126) << 23).to(tl.float32, bitcast=True)
     mag = tl.where(e == 0, 0.5 * mant, p2 * (1.0 + 0.5 * mant))
-    return tl.where((c & 8) != 0, -mag, mag)
-
-
-@triton.jit
-def _fp4_factors(p_s, o_n, m_n, o_k, m_k, K):
-    """E8M0 group factors 2^(s - 127) [rows, BLOCK_K] fp32 (s = 0, an all-zero group: 0)."""
-    b_s = tl.load(p_s + o_n[:, None] * (K // 32) + (o_k // 32)[None, :],
-                  mask=m_n[:, None] & m_k[None, :], other=0).to(tl.int32)
-    return (b_s << 23).to(tl.float32, bitcast=True)
+    b_v = tl.where((c & 8) != 0, -mag, mag)
+    if SCALED:
+        b_s = tl.load(p_s + o_n[:, None] * (K // 32) + (o_w // 4)[None, :], mask=m_w,
+                      other=0).to(tl.int32)
+        b_v = b_v * (b_s << 23).to(tl.float32, bitcast=True)[:, :, None]
+    return tl.reshape(b_v, [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
@@ -128,8 +130,9 @@ def gemv(p_x, o_r, m_r, x_inv, p_w, p_s, o_n, m_n, K, p_xs,
     x [rows, K] bf16 or fp32; x' = x * xs (HAS_XS: fp32 [K], the RMSNorm weight), then with XQ
     round_e4m3(x' * x_inv[:, None]) (the caller multiplies the result by the rows' 2^s). X_CG:
     x was written in this launch (read through L2). w [N, K] bf16 / e4m3, or MXFP4 (FP4: codes
-    p_w, scales p_s). DOT: tensor-core dots (BLOCK_M, BLOCK_N >= 16); with FP4 and XQ the e4m3
-    codes meet the e4m3 activations and each 32-wide group's factor scales its dot."""
+    as int32 words p_w, scales p_s; BLOCK_K >= 32). DOT: tensor-core dots (BLOCK_M, BLOCK_N >=
+    16); with FP4 and XQ the e4m3 codes meet the e4m3 activations a 32-wide group a step
+    (BLOCK_K 32), the group's factor scaling the dot."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         o_k = k0 + tl.arange(0, BLOCK_K)
@@ -146,13 +149,13 @@ def gemv(p_x, o_r, m_r, x_inv, p_w, p_s, o_n, m_n, K, p_xs,
         if XQ:
             b_x = round_e4m3(b_x * x_inv[:, None])
         if FP4:
-            b_w = _fp4_values(p_w, o_n, m_n, o_k, m_k, K)
             if DOT and XQ:  # e4m3 codes x e4m3 activations; BLOCK_K 32: one group a step
+                b_w = _fp4_tile(p_w, p_s, o_n, m_n, k0, K, False, BLOCK_N, BLOCK_K)
                 b_f = tl.load(p_s + o_n * (K // 32) + k0 // 32, mask=m_n, other=0).to(tl.int32)
                 acc += _dot(b_x, b_w, True, EMULATE) * (b_f << 23).to(tl.float32,
                                                                      bitcast=True)[None, :]
             else:
-                b_w = b_w * _fp4_factors(p_s, o_n, m_n, o_k, m_k, K)
+                b_w = _fp4_tile(p_w, p_s, o_n, m_n, k0, K, True, BLOCK_N, BLOCK_K)
         else:
             b_w = tl.load(p_w + o_n[:, None] * K + o_k[None, :],
                           mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)

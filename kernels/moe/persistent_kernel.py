@@ -80,8 +80,8 @@ def _stage1_item(j, p_z, p_z32, p_w, p_ws, p_sorted, p_block_expert, p_num_valid
                  BLOCK_K: tl.constexpr, BLOCK_KQ: tl.constexpr):
     """Stage-1 item j = (plan tile, I tile): gate and up GEMVs of the tile's tokens' z rows
     (XQ: quantized to e4m3 per row) against expert e's w13, the activation, a bf16 store.
-    KLANE: the GEMVs of kernels/moe/gemv.py (z as int32 pairs at p_z32, MXFP4 codes as int32
-    words at p_w, TILED: in the tiled layout)."""
+    MXFP4 codes come as int32 words. KLANE: the GEMVs of kernels/moe/gemv.py (z as int32 pairs
+    at p_z32, bf16 weights as pairs; TILED: codes in the tiled layout)."""
     i_b, i_n = j // n_i, j % n_i
     wait_count(p_sync + CNT_Z, n_z)
     n_valid = tl.load(p_num_valid)
@@ -90,10 +90,8 @@ def _stage1_item(j, p_z, p_z32, p_w, p_ws, p_sorted, p_block_expert, p_num_valid
     if _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent):
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N_I
-        # expert e's 2I rows: D / 2 code bytes (KLANE: D / 8 int32 words) or D bf16 values
-        # (KLANE: D / 2 int32 pairs) a row
-        p_we = p_w + i_e * (2 * N_I * ((D // 8 if KLANE else D // 2) if FP4
-                                       else (D // 2 if KLANE else D)))
+        # expert e's 2I rows: D / 8 int32 code words or D bf16 values (KLANE: D / 2 pairs)
+        p_we = p_w + i_e * (2 * N_I * (D // 8 if FP4 else (D // 2 if KLANE else D)))
         p_se = p_ws + i_e * (2 * N_I * (D // 32)) if FP4 else p_ws
         if KLANE:
             b_a = gate_up_act(p_z32, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D // 2, beta,
@@ -133,8 +131,7 @@ def _stage2_item(j, p_a, p_a32, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < D
         m_o = m_ent[:, None] & m_n[None, :]
-        p_we = p_w + i_e * (D * ((N_I // 8 if KLANE else N_I // 2) if FP4
-                                 else (N_I // 2 if KLANE else N_I)))
+        p_we = p_w + i_e * (D * (N_I // 8 if FP4 else (N_I // 2 if KLANE else N_I)))
         p_se = p_ws + i_e * (D * (N_I // 32)) if FP4 else p_ws
         if KLANE:
             b_p = expert_gemv(p_a32, b_ent, m_ent, p_we, p_se, o_n, m_n, N_I // 2, BLOCK_M,

@@ -59,7 +59,8 @@ SAME_QUANT_ATOL, SAME_QUANT_RTOL = W4A16_ATOL, W4A16_RTOL
 
 # few, large work items under the interpreter (every program and item costs Python time), each
 # masked at the tiny preset's sizes; test_block_gpu_tiles_several_programs runs the GPU tiles
-BIG = PersistentMoEConfig(front_block_n=128, expert_block_n=128, tail_block_n=256, block_k=256)
+BIG = PersistentMoEConfig(front_block_n=128, expert_block_n=128, tail_block_n=256, block_k=256,
+                          max_products=1 << 22)
 
 
 def _setup(device, *, name="tiny", tp=1, M=1, fmt="bf16", seed=0, crowd=False, **changes):
@@ -263,6 +264,22 @@ def test_block_klane(fmt, latent, M, block_m, device):
     _check(x, w, cfg, _plan(cfg, x, w, block_m), config)
 
 
+def test_tiles_fit_the_product_budget():
+    """The fma GEMVs' K step shrinks (down to one MXFP4 group) until tokens x rows x K products
+    fit config.max_products; the fp8 dot steps one group; shapes cap the blocks."""
+    from k3lab.kernels.moe.persistent import _tiles
+    k3 = (7168, 3584, 384, 768)
+    t = _tiles(PersistentMoEConfig(), 16, 1, k3, True)
+    assert (t["BLOCK_MT"], t["BLOCK_NF"], t["BLOCK_KF"]) == (16, 32, 32)
+    assert (t["BLOCK_ME"], t["BLOCK_NE"], t["BLOCK_KE"]) == (1, 32, 128)
+    assert _tiles(PersistentMoEConfig(), 1, 1, k3, True)["BLOCK_KF"] == 128
+    assert _tiles(PersistentMoEConfig(), 4, 16, k3, True)["BLOCK_KE"] == 32
+    dot = _tiles(PersistentMoEConfig(multiply="dot", activations="fp8"), 1, 1, k3, True)
+    assert (dot["BLOCK_ME"], dot["BLOCK_NE"], dot["BLOCK_KE"]) == (16, 32, 32)
+    tiny = _tiles(PersistentMoEConfig(), 1, 1, (200, 96, 96, 120), True)
+    assert (tiny["BLOCK_KF"], tiny["BLOCK_KE"]) == (128, 128)
+
+
 def test_atomic_and_deterministic_agree(device):
     """Atomic and deterministic stage 2 sum the same partials in other orders: outputs within a
     bf16 rounding of each other; the deterministic one bitwise the same call after call."""
@@ -336,7 +353,7 @@ def test_boundary_variants(name, device):
 @pytest.mark.parametrize("field,value", [
     ("programs_per_sm", 0), ("deterministic", 1), ("activations", "fp4"), ("multiply", "mma"),
     ("tail_fp8", "yes"), ("front_block_n", 24), ("expert_block_n", 0), ("tail_block_n", 1024),
-    ("block_k", 16), ("num_warps", 3), ("multiply", "klane")])
+    ("block_k", 16), ("num_warps", 3), ("multiply", "klane"), ("max_products", 0)])
 def test_bad_config(field, value):
     extra = {"activations": "fp8"} if (field, value) == ("multiply", "klane") else {}
     with pytest.raises(ValueError, match=f"^{field}: (expected|'klane' reads bf16)"):
