@@ -7,7 +7,8 @@ RMSNorm + up-projection + shared down + add) as work items of one grid of about 
 config.programs_per_sm`` programs (kernels/moe/persistent_kernel.py). Without a plan it routes
 first: route_sort's launch plus this one, 2 launches for the block with routing.
 
-Formats: experts bf16 or MXFP4 (row layout); activations bf16 (W4A16) or, with
+Formats: experts bf16 or MXFP4 (row layout; also the tiled one with ``multiply="klane"``, the
+MoE stages' K-lane GEMVs); activations bf16 (W4A16) or, with
 ``config.activations = "fp8"`` (A8W4), each stage's input rows (z per token, a per routed row)
 quantized in the kernel to e4m3 with a power-of-two per-row scale from the row's amax
 (``persistent_gemv.pow2_scales``); ``config.tail_fp8``: the latent up-projection in e4m3 with
@@ -20,8 +21,9 @@ What is guaranteed on the GPU:
   runs, and an item waits only for items of lower tickets, which running programs hold; a wait
   gives up after stages.MAX_SPIN polls (a wrong result instead of a hang, should that break);
 - visibility: producers count an item done with a release increment after a CTA barrier,
-  consumers acquire the count then pass a CTA barrier, and data written inside the launch is
-  read through L2 (``.cg``);
+  consumers acquire the count (a GPU-scope RMW) then pass a CTA barrier before reading what
+  the producers wrote; the fma / dot GEMVs read it through L2 (``.cg``) besides, the K-lane
+  GEMVs of ``multiply="klane"`` with plain loads (ordered by the acquire);
 - every call and graph replay starts from zeroed counters: the last program to exit zeroes
   them. The counters live in one int32 buffer per device, shared by every call: calls on one
   device must not run concurrently on different streams, and the first call on a device (or
