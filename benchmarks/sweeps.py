@@ -203,6 +203,10 @@ _SWEEPS = [
           "bf16 against MXFP4 experts, the fused block given the plan, M = 1", tp=1),
     Sweep("routed", "moe", ({"route": False}, {"route": True}),
           "the block given the plan, and routing itself (route_sort + the block)"),
+    Sweep("persistent", "moe", grid(_M, ({"expert_format": "mxfp4"},)),
+          "the single-launch persistent block, W4A16 and A8W4, against the 4-launch block, "
+          "all with routing", variants=("fused", "persistent", "persistent_a8w4"),
+          params={"route": True}, tp=8),
     Sweep("block_m", "route", ({"M": 16, "block_m": 1}, {"M": 16, "block_m": 4},
                                {"M": 16, "block_m": 16}),
           "plan tile height (entries of one expert a tile) at 16 tokens"),

@@ -12,6 +12,10 @@ issue's whole-block figure. Variants:
   layout where the shapes allow); the other variants read the model's row layout. It passes
   ``inputs.get("config")`` (a ``k3lab.kernels.moe.MoEConfig`` or None: the defaults) to the
   launchers, which is how a benchmark sweep sets the kernels' tuning choices;
+- persistent / persistent_a8w4: ``k3lab.kernels.moe.persistent.moe_persistent``, the whole block
+  in one launch (route_sort's plus one with routing), W4A16 (bf16 activations) or A8W4 (e4m3
+  activations quantized in the kernel); it passes ``inputs["config"]`` when that is a
+  ``PersistentMoEConfig`` (else the defaults), with its activation format set by the variant;
 - grouped: strong eager torch: gather the selected experts' weights (MXFP4 dequantized), two
   batched matmuls (bmm), fp32 weighted sum, cuBLAS dense projections;
 - torch.compile: of the reference (CUDA only).
@@ -42,6 +46,11 @@ from k3lab.kernels import (
     route_sort,
 )
 from k3lab.kernels.moe import MoEConfig, mma_prepare_x
+from k3lab.kernels.moe.persistent import (
+    PersistentMoEConfig,
+    fp8_rows_quantize,
+    moe_persistent,
+)
 from k3lab.kernels.mxfp4 import MXFP4, mxfp4_tiled_codes
 from k3lab.reference.moe import (
     activate,
@@ -184,6 +193,48 @@ def _fused_dense(inputs: dict) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# the persistent single-owner block
+
+# Launches of the fused variants: (given the plan, with routing).
+LAUNCHES = {"fused": (3, 4), "persistent": (1, 2), "persistent_a8w4": (1, 2)}
+# Output vs the fp32 truth for quantized numerics, which the persistent variants mark their
+# output with (``k3lab_numerics``): (relative norm error, elementwise error as a multiple of
+# rms(truth)); derived in tests/kernels/test_moe_persistent.py, which checks these values.
+QUANTIZED_TOLERANCES = {"a8w4": (0.09, 0.27), "a8w4+fp8 tail": (0.1, 0.31),
+                        "w4a16+fp8 tail": (0.052, 0.16)}
+_FP8_TAILS: dict = {}  # id of a latent_up -> (it, its FP8Rows): quantized once, as at load time
+
+
+def _persistent_weights(weights, config: PersistentMoEConfig):
+    """The weights moe_persistent reads: the model's (MXFP4 rows), plus the fp8 tail's."""
+    if not (config.tail_fp8 and "latent_up" in weights):
+        return weights
+    up = weights["latent_up"]
+    key = (id(up), up.data_ptr())
+    if key not in _FP8_TAILS:
+        _FP8_TAILS[key] = (up, fp8_rows_quantize(up))
+    return {**weights, "latent_up_fp8": _FP8_TAILS[key][1]}
+
+
+def _persistent(activations: str):
+    def run(inputs: dict) -> torch.Tensor:
+        config = inputs.get("config")  # a PersistentMoEConfig (a sweep's point), else defaults
+        if not isinstance(config, PersistentMoEConfig):
+            config = PersistentMoEConfig()
+        config = dataclasses.replace(config, activations=activations)
+        cfg = inputs["cfg"]
+        out = moe_persistent(inputs["x"], _persistent_weights(inputs["weights"], config),
+                             cfg=cfg, plan=None if inputs["route"] else inputs["plan"],
+                             block_m=inputs["block_m"], config=config)
+        numerics = ("a8w4" if config.fp8 else "w4a16") + (
+            "+fp8 tail" if config.tail_fp8 and cfg.latent else "")
+        if numerics in QUANTIZED_TOLERANCES:
+            out.k3lab_numerics = numerics
+        return out
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
 # the grouped eager peer
 
 
@@ -257,6 +308,14 @@ def check(out: torch.Tensor, ref: torch.Tensor, inputs: dict) -> dict:
     """out [M, H] against the fp32 truth of the same plan, within OUT_ATOL + OUT_RTOL * |truth|
     (``ref``, the bf16 reference, is itself checked the same way when passed as ``out``)."""
     truth = _reference(inputs, dtype=torch.float32)
+    numerics = getattr(out, "k3lab_numerics", None)  # quantized: QUANTIZED_TOLERANCES
+    if numerics in QUANTIZED_TOLERANCES:
+        fro, elem = QUANTIZED_TOLERANCES[numerics]
+        rel = float((out.float() - truth).norm() / truth.norm())
+        if rel > fro:
+            raise AssertionError(f"out: relative norm error {rel:.3g} exceeds {fro} ({numerics})")
+        atol = elem * float(truth.pow(2).mean().sqrt())
+        return {"out": assert_close("out", out.float(), truth, atol=atol)}
     return {"out": assert_close("out", out.float(), truth, atol=OUT_ATOL, rtol=OUT_RTOL)}
 
 
@@ -457,6 +516,13 @@ BOUNDARY = Boundary(
                 "gate/up as one dense GEMV launch (weights concatenated once), stage 1, stage 2 "
                 "alone, then RMSNorm + up-projection + shared down as one dense GEMV (4 launches "
                 "given a plan; presets without a latent run the plain fused block)"),
+        Variant("persistent", "fused", _persistent("bf16"),
+                "one persistent Triton launch (plus route_sort's with routing): latent down, "
+                "shared gate/up, stage 1, stage 2 and the tail as ticket-ordered work items, "
+                "bf16 activations (W4A16 with MXFP4 experts)"),
+        Variant("persistent_a8w4", "fused", _persistent("fp8"),
+                "the persistent launch with e4m3 expert activations quantized per row in the "
+                "kernel (A8W4 with MXFP4 experts)"),
         Variant("grouped", "peer", _grouped,
                 "eager torch: gather the selected experts' weights (MXFP4 dequantized), bmm for "
                 "each stage, fp32 weighted sum, cuBLAS dense projections"),

@@ -31,7 +31,8 @@ __all__ = [
     "situ", "silu_mul", "activate", "dequantize_mxfp4", "expert_matrix", "expert_act",
     "expert_down", "expert_forward", "moe_stage1_reference", "moe_stage2_reference",
     "rms_norm_reference", "shared_mlp_reference", "latent_moe_tail_reference",
-    "latent_moe_from_plan_reference", "latent_moe_reference",
+    "latent_moe_from_plan_reference", "latent_moe_reference", "fp8_row_scales",
+    "fp8_quantize_rows", "latent_moe_a8_from_plan_reference",
 ]
 
 ACTIVATIONS = ("situ", "silu")
@@ -262,3 +263,62 @@ def latent_moe_reference(x: torch.Tensor, weights: dict, cfg, *, dtype=torch.flo
         n_group=cfg.n_group, topk_group=cfg.topk_group, renormalize=cfg.renormalize,
         routed_scaling_factor=cfg.routed_scaling, block_m=block_m, out_dim=None)
     return latent_moe_from_plan_reference(x, plan, weights, cfg, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 (e4m3) activations: the A8W4 numerics of the persistent kernel (kernels/moe/persistent.py)
+
+E4M3_MAX = 448.0
+
+
+def fp8_row_scales(x: torch.Tensor) -> torch.Tensor:
+    """Per-row power-of-two scales 2^s [..., 1] fp32 of x [..., K]: s the smallest integer with
+    amax(|row|) / 2^s <= 448 (e4m3's largest value, 1.75 x 2^8), clamped to [-126, 126]; an
+    all-zero row gets 1. A power of two makes the scaling exact both ways."""
+    amax = x.float().abs().amax(-1, keepdim=True)
+    bits = amax.view(torch.int32)
+    s = ((bits >> 23) & 255) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    s = torch.where(amax > 0, s, torch.zeros_like(s)).clamp(-126, 126)
+    return torch.exp2(s.float())
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as the kernel's e4m3 activations see it, dequantized: each row divided by its
+    :func:`fp8_row_scales` scale, rounded to e4m3 (nearest even), multiplied back; fp32."""
+    scale = fp8_row_scales(x)
+    return (x.float() / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def latent_moe_a8_from_plan_reference(x: torch.Tensor, plan, weights: dict, cfg, *,
+                                      up_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """The moe boundary's ops given the route plan with FP8 expert activations (A8W4 with MXFP4
+    experts), in fp32 otherwise: z = x @ W_down^T rounded to bf16 then quantized per token
+    (:func:`fp8_quantize_rows`); per selected expert a = act(zq @ W1^T, zq @ W3^T) rounded to
+    bf16 then quantized per routed row, y = sum_k w_k (aq @ W2^T); the tail and the shared MLP
+    as :func:`latent_moe_from_plan_reference` (fp32). up_weight: the latent up-projection to
+    use instead of weights["latent_up"] (e.g. an FP8 weight dequantized). x [M, H] -> fp32."""
+    act = dict(activation=cfg.activation, situ_beta=cfg.situ_beta,
+               situ_linear_beta=cfg.situ_linear_beta)
+    z = _mm(x, weights["latent_down"], torch.float32) if cfg.latent else x.float()
+    zq = fp8_quantize_rows(z.to(torch.bfloat16))
+    m, top_k = plan.topk_ids.shape
+    ids = plan.topk_ids.long()
+    ys = []
+    for t in range(m):
+        y = None
+        for k in range(top_k):
+            e = ids[t, k:k + 1]
+            a = expert_act(zq[t], expert_matrix(weights["w13"], e), **act)
+            aq = fp8_quantize_rows(a.to(torch.bfloat16))
+            part = plan.topk_weights[t, k].float() * expert_down(aq, expert_matrix(weights["w2"],
+                                                                                   e))
+            y = part if y is None else y + part
+        ys.append(y)
+    y = torch.stack(ys)
+    shared = None
+    if cfg.shared_intermediate:
+        shared = {"x": x, "w13": weights["shared_w13"], "w2": weights["shared_w2"], **act}
+    if not cfg.latent:
+        return latent_moe_tail_reference(y, None, None, shared)
+    up = weights["latent_up"] if up_weight is None else up_weight
+    return latent_moe_tail_reference(y, weights["latent_norm"], up, shared, cfg.rms_eps)

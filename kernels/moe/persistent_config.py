@@ -1,0 +1,98 @@
+"""Tuning and format choices of the persistent MoE launch, as one immutable value.
+
+``PersistentMoEConfig()`` is what ``moe_persistent`` runs by default; a sweep or a test passes
+another one as ``config=``. Nothing here is read from module globals at launch time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["PersistentMoEConfig", "ACTIVATION_FORMATS", "MULTIPLY_MODES"]
+
+ACTIVATION_FORMATS = ("bf16", "fp8")
+# fma: operands upcast to fp32, broadcast multiply and tl.sum (every format; the interpreter's
+# path). dot: tl.dot on the tensor cores, bf16 operands for bf16 activations and e4m3 x e4m3
+# (FP4 codes converted to e4m3 in registers, the E8M0 factor applied per 32-wide K step) for
+# fp8 activations; under the interpreter the same tiles run on fp32 operands of equal value.
+# (Tiles of at most 16 rows compile on sm_90 to mma.sync, Triton feeding e4m3 as f16, which
+# holds every e4m3 value exactly; wgmma's native e4m3 needs 64-row tiles.)
+# klane: the MoE stages' tuned K-lane GEMVs (kernels/moe/gemv.py: int32 code words, FFMA
+# chains per group; bf16 activations only; MXFP4 in either layout).
+MULTIPLY_MODES = ("fma", "dot", "klane")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def _check_int(name: str, value, low: int, high: int, pow2: bool = False) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+    if not ok or (pow2 and value & (value - 1)):
+        extra = " and a power of two" if pow2 else ""
+        raise ValueError(f"{name}: expected an int in [{low}, {high}]{extra}, got {value!r}")
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PersistentMoEConfig:
+    """Choices of the single-launch MoE (kernels/moe/persistent.py).
+
+    Attributes:
+        programs_per_sm: resident programs the grid asks for per SM (the grid is
+            ``num_sms * programs_per_sm``, at most the number of work items).
+        deterministic: stage 2 writes each routed row's partial output and a reduce phase sums
+            every token's top_k slots in slot order (bit-identical across runs); False: fp32
+            atomics into the accumulator (order-dependent rounding).
+        activations: "bf16" (W4A16 with MXFP4 experts) or "fp8" (A8W4: each activation row
+            quantized in the kernel to e4m3 with a power-of-two per-row scale).
+        multiply: "fma" or "dot" (MULTIPLY_MODES above).
+        tail_fp8: the latent up-projection reads e4m3 weights with one fp32 scale per output
+            channel (``fp8_rows_quantize``) instead of bf16.
+        front_block_n, expert_block_n, tail_block_n: output rows a work item of the front
+            (latent down, shared gate/up), of the experts (stage 1: gate rows, with their up
+            rows) and of the tail own.
+        block_k: K elements a GEMV step (the dot mode takes 32 for fp8 activations: one MXFP4
+            group a dot).
+        num_warps: warps a program.
+        max_products: a broadcast-multiply GEMV step's products (rows of x x weight rows x K)
+            at most: the K step is halved (down to 32) until a step fits (tokens x rows x K
+            products live in registers).
+    """
+
+    programs_per_sm: int = 4
+    deterministic: bool = False
+    activations: str = "bf16"
+    multiply: str = "fma"
+    tail_fp8: bool = False
+    front_block_n: int = 32
+    expert_block_n: int = 32
+    tail_block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    max_products: int = 8192
+
+    def __post_init__(self):
+        _check_int("programs_per_sm", self.programs_per_sm, 1, 64)
+        for name in ("deterministic", "tail_fp8"):
+            _check_bool(name, getattr(self, name))
+        _check_choice("activations", self.activations, ACTIVATION_FORMATS)
+        _check_choice("multiply", self.multiply, MULTIPLY_MODES)
+        if self.multiply == "klane" and self.activations != "bf16":
+            raise ValueError(f"multiply: 'klane' reads bf16 activations, got activations="
+                             f"{self.activations!r}")
+        for name in ("front_block_n", "expert_block_n", "tail_block_n"):
+            _check_int(name, getattr(self, name), 16 if self.multiply == "dot" else 1, 512,
+                       pow2=True)
+        _check_int("block_k", self.block_k, 32, 4096, pow2=True)
+        _check_int("num_warps", self.num_warps, 1, 16, pow2=True)
+        _check_int("max_products", self.max_products, 1, 1 << 24)
+
+    @property
+    def fp8(self) -> bool:
+        return self.activations == "fp8"
