@@ -196,7 +196,8 @@ def _fused_dense(inputs: dict) -> torch.Tensor:
 # the persistent single-owner block
 
 # Launches of the fused variants: (given the plan, with routing).
-LAUNCHES = {"fused": (3, 4), "persistent": (1, 2), "persistent_a8w4": (1, 2)}
+LAUNCHES = {"fused": (3, 4), "fused+dense": (4, 5), "persistent": (1, 2),
+            "persistent_a8w4": (1, 2)}
 # Output vs the fp32 truth for quantized numerics, which the persistent variants mark their
 # output with (``k3lab_numerics``): (relative norm error, elementwise error as a multiple of
 # rms(truth)); derived in tests/kernels/test_moe_persistent.py, which checks these values.
