@@ -1,7 +1,8 @@
 """Command line: ``k3lab run [NOTEBOOK...]`` and ``k3lab list``.
 
-Exit codes: 0 all notebooks ok; 1 at least one notebook failed; 2 a usage error (bad preset, tp,
-notebook name or parameter), reported on one line before anything runs.
+Exit codes: 0 all notebooks ok; 1 at least one notebook failed (or the index could not be
+written); 2 a usage error (bad preset, tp, notebook name, parameter, timeout or output folder),
+reported on one line before anything runs; 130 interrupted (Ctrl-C), on one line.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, metavar="DIR",
                    help="output folder (default: executed/local; GPU reports: executed/h200)")
     r.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="per-cell time limit in seconds")
+                   help="per-cell time limit in seconds (a positive number)")
     r.add_argument("--show-code", action="store_true", help="keep code cells in the HTML")
-    sub.add_parser("list", parents=[common], help="show the notebooks and their parameters")
+    r.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress: only errors and the exit code")
+    sub.add_parser("list", parents=[common],
+                   help="show the notebooks, their parameters, defaults and contracts")
     return p
 
 
@@ -53,11 +57,15 @@ def _list(nb_dir) -> int:
     if not paths:
         print(f"no notebooks in {runner.notebook_dir(nb_dir)}")
     for path in paths:
-        params = runner.notebook_parameters(path)
+        params = runner.declared(path)
         print(path.stem)
         width = max((len(k) for k in params), default=0)
-        for key, default in params.items():
-            print(f"    {key:<{width}} = {default!r}")
+        dwidth = max((len(repr(p.default)) for p in params.values()), default=0)
+        for key, p in params.items():
+            note = p.help or ("(comment unreadable by papermill: no '=' in parameter comments)"
+                              if not p.read_by_papermill else "")
+            line = f"    {key:<{width}} = {p.default!r:<{dwidth}}"
+            print(f"{line}  # {note}" if note else line.rstrip())
         if not params:
             print("    (no parameters cell)")
     return 0
@@ -73,14 +81,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             return _list(args.notebooks)
         if args.command == "run":
+            quiet = args.quiet
             results = runner.run(args.names, device=args.device, preset=args.preset, tp=args.tp,
                                  params=_params(args.param), out_dir=args.out,
                                  timeout=args.timeout, hide_code=not args.show_code,
-                                 notebook_dir=args.notebooks)
-            return 0 if all(r.ok for r in results) else 1
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+                                 notebook_dir=args.notebooks, progress=not quiet,
+                                 cells=not quiet and sys.stderr.isatty())
+            if results.interrupted:
+                return 130
+            return 0 if results.ok else 1
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         print(f"k3lab: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("k3lab: interrupted before any notebook ran; nothing was written", file=sys.stderr)
+        return 130
     parser.print_help()
     return 2
 

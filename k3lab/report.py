@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -273,7 +274,8 @@ def shared_assets_in_use(folder: str | os.PathLike) -> set[str]:
     """Names of the shared stylesheets in ``folder/_assets`` that some page of the folder
     links."""
     folder = Path(folder)
-    pages = [p.read_text(encoding="utf-8", errors="replace") for p in folder.glob("*.html")]
+    pages = [p.read_text(encoding="utf-8", errors="replace") for p in folder.glob("*.html")
+             if p.is_file()]
     return {a.name for a in (folder / ASSETS_DIR).glob(SHARED_CSS_PATTERN)
             if any(f"{ASSETS_DIR}/{a.name}" in page for page in pages)}
 
@@ -335,7 +337,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to a temp file beside ``path`` and rename it over ``path`` (atomic)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # the pid in the name lets the next run tell a killed run's leftovers from a live one's
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}-",
+                               suffix=".tmp")
     try:
         readable(tmp)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -358,7 +362,7 @@ def manifest_summary(m: dict | None) -> str:
         parts.insert(1, f"driver {m['driver']}")
     commit = m.get("git_commit")
     if commit:
-        parts.append(f"git {commit[:10]}{' (dirty)' if m.get('git_dirty') else ''}")
+        parts.append(f"git {str(commit)[:10]}{' (dirty)' if m.get('git_dirty') else ''}")
     return ", ".join(str(p) for p in parts if p)
 
 
@@ -367,6 +371,7 @@ body { font-family: system-ui, sans-serif; margin: 2em; }
 table { border-collapse: collapse; }
 th, td { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }
 .ok { color: #070; font-weight: bold; } .failed { color: #b00; font-weight: bold; }
+.corrupt { color: #fff; background: #b00; font-weight: bold; padding: 0 4px; }
 .err { font-family: monospace; white-space: pre-wrap; color: #b00; max-width: 40em; }
 .head td, .head th { border: none; padding: 0 6px 0 0; font-size: 90%; }
 .small { font-size: 85%; color: #444; }
@@ -374,9 +379,12 @@ th, td { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-ali
 
 
 def _link(href: str | None, text: str) -> str:
+    """A link to a file of the folder: the name percent-encoded behind "./", so no file name
+    (``javascript:x.html``, ``a#b.html``) is read as a scheme, a fragment or a query."""
     if not href:
         return ""
-    return f"<a href='{html.escape(href, quote=True)}'>{html.escape(text)}</a>"
+    url = "./" + urllib.parse.quote(href, safe="")
+    return f"<a href='{html.escape(url, quote=True)}'>{html.escape(text)}</a>"
 
 
 def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k3lab reports"):
@@ -393,7 +401,8 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
             _link(e.get("html"), "report" if status == "ok" else "last good report"),
             _link(e.get("failed_html"), "failed run"),
             _link(e.get("metrics"), "metrics")) if x)
-        state = f"<span class='{'ok' if status == 'ok' else 'failed'}'>{html.escape(status)}</span>"
+        css = {"ok": "ok", "corrupt": "corrupt"}.get(status, "failed")
+        state = f"<span class='{css}'>{html.escape(status)}</span>"
         if e.get("error"):
             state += f"<div class='err'>{html.escape(str(e['error']))}</div>"
         if e.get("erratum"):

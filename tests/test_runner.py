@@ -185,7 +185,7 @@ def test_index_lists_every_notebook_with_status(batch):
     assert page.count("class='ok'") == 2 and page.count("class='failed'") == 1
     assert "ZeroDivisionError: division by zero" in page
     assert "<th>sum_sizes</th><td>7</td>" in page
-    assert "href='00_echo.html'" in page and "href='20_broken.failed.html'" in page
+    assert "href='./00_echo.html'" in page and "href='./20_broken.failed.html'" in page
     manifest = _json(out / "manifest.json")["reports"]
     assert {k: v["status"] for k, v in manifest.items()} == {
         "00_echo": "ok", "10_other": "ok", "20_broken": "failed"}
