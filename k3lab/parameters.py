@@ -7,7 +7,8 @@ A parameter's comment may state its contract, checked before anything runs::
     M = 1                    # decode tokens; range: 1..16
     sweep_tokens = []        # type: list[int] range: 1..64; []: the device's default sweep
 
-``one of: A, B`` lists the allowed values (up to a ``;``, a `` (`` or the end); ``range: LO..HI``
+``one of: A, B`` lists the allowed values (up to a ``;``, a `` (`` or the end; ``A | B``
+opening the comment says the same); ``range: LO..HI``
 bounds a number inclusively (either end may be left out); both apply to each item of a list.
 ``type: list[int]`` (papermill's type comment, first in the comment) types the items of a list
 whose default is empty. Comments must not contain ``=``: papermill skips such a line.
@@ -26,6 +27,9 @@ from typing import Any
 __all__ = ["Param", "declared", "notebook_parameters", "coerce", "check", "validate"]
 
 _ONE_OF = re.compile(r"\bone of:\s*([^;(]+)")
+# the older spelling "a | b | c" opening the comment (words, each with an optional "(note)")
+_WORD = r"[\w.+-]+(?:\s*\([^)]*\))?"
+_PIPES = re.compile(rf"^\s*({_WORD}(?:\s*\|\s*{_WORD})+)")
 _RANGE = re.compile(r"\brange:\s*(-?[\d.]+(?:e-?\d+)?)?\s*\.\.\s*(-?[\d.]+(?:e-?\d+)?)?")
 _ITEM_TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 
@@ -70,8 +74,10 @@ class Param:
         default = _literal(default_src)
         choices = low = high = None
         m = _ONE_OF.search(help_text)
-        if m:
-            items = [s.strip() for s in m.group(1).split(",") if s.strip()]
+        pipes = None if m else _PIPES.match(help_text)
+        if m or pipes:
+            items = ([s.strip() for s in m.group(1).split(",") if s.strip()] if m else
+                     [re.sub(r"\(.*", "", s).strip() for s in pipes.group(1).split("|")])
             choices = tuple(v if not isinstance(v := _literal(s), _Expr) else str(s)
                             for s in items)
         m = _RANGE.search(help_text)

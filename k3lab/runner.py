@@ -403,10 +403,10 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
         last = _last_seconds(out, path.stem)
         bar = None
-        if cells and progress:
-            bar = {"desc": f"[{i}/{len(paths)}] {path.stem}", "unit": "cell", "leave": False}
-            if last is not None:
-                say(f"[{i}/{len(paths)}] {path.stem}: last run took {last:.1f} s")
+        if cells and progress:  # papermill's tqdm bar: cells done, elapsed, cells per second
+            was = f" (last run {last:.0f} s)" if last is not None else ""
+            bar = {"desc": f"[{i}/{len(paths)}] {path.stem}{was}", "unit": "cell",
+                   "leave": False}
         try:
             res = _run_one(path, out, nb_params, options, timeout, hide_code, bar)
         except KeyboardInterrupt:

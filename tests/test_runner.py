@@ -264,3 +264,19 @@ def test_erratum_shown_beside_report_untouched(batch, tmp_path):
     assert manifest["00_echo"]["erratum"] == "the <bar> check left out a row"
     assert "erratum" not in manifest["10_other"]
     assert (out / "00_echo.metrics.json").read_bytes() == before
+
+
+def test_cell_progress_with_last_run_and_quiet(batch, nb_env, tmp_path, capsys):
+    """A per-cell bar (papermill's tqdm) names the notebook and the previous run's time;
+    --quiet prints nothing but errors."""
+    _, batch_out = batch
+    out = tmp_path / "out"
+    shutil.copytree(batch_out, out)
+    last = _json(out / "10_other.metrics.json")["seconds"]
+    runner.run(["other"], out_dir=out, cells=True)
+    captured = capsys.readouterr()
+    assert f"[1/1] 10_other (last run {last:.0f} s)" in captured.err and "cell" in captured.err
+    assert f"(last {last:.1f} s)" in captured.out
+    assert cli.main(["run", "other", "-q", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
