@@ -1,4 +1,5 @@
-"""Command line: ``k3lab run [NOTEBOOK...]`` and ``k3lab list``.
+"""Command line: ``k3lab run [NOTEBOOK...]``, ``k3lab list``, ``k3lab export RUN_DIR`` and
+``k3lab compare A B``.
 
 Exit codes: 0 all notebooks ok; 1 at least one notebook failed (or the index could not be
 written); 2 a usage error (bad preset, tp, notebook name, parameter, timeout or output folder),
@@ -21,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"notebooks folder (default: ${runner.NOTEBOOKS_ENV}, else the "
                              "repo's notebooks/)")
     p = argparse.ArgumentParser(prog="k3lab", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", metavar="{run,list}")
+    sub = p.add_subparsers(dest="command", metavar="{run,list,export,compare}")
     r = sub.add_parser("run", parents=[common], help="execute notebooks and write their reports")
     r.add_argument("names", nargs="*", metavar="NOTEBOOK",
                    help="e.g. 00_overview, overview or 00_overview.ipynb (default: all)")
@@ -39,7 +40,51 @@ def _parser() -> argparse.ArgumentParser:
                    help="no progress: only errors and the exit code")
     sub.add_parser("list", parents=[common],
                    help="show the notebooks, their parameters, defaults and contracts")
+    e = sub.add_parser("export", help="write every record of a run folder as one CSV")
+    e.add_argument("run_dir", metavar="RUN_DIR")
+    e.add_argument("-o", "--output", metavar="FILE", default=None,
+                   help="CSV to write (default: RUN_DIR/records.csv; - for stdout)")
+    c = sub.add_parser("compare", help="two run folders side by side, with ratios b / a")
+    c.add_argument("a", metavar="A")
+    c.add_argument("b", metavar="B")
+    c.add_argument("-o", "--output", metavar="FILE", default=None, help="also write it as CSV")
     return p
+
+
+def _export(run_dir: str, output: str | None) -> int:
+    from pathlib import Path
+
+    from k3lab import compare
+
+    df = compare.records(run_dir)
+    if output == "-":
+        df.to_csv(sys.stdout, index=False)
+        return 0
+    path = Path(output) if output else Path(run_dir) / "records.csv"
+    df.to_csv(path, index=False)
+    print(f"k3lab: {len(df)} records of {df['notebook'].nunique()} notebook(s) -> {path}")
+    return 0
+
+
+def _compare(a: str, b: str, output: str | None) -> int:
+    import pandas as pd
+
+    from k3lab import compare
+
+    table = compare.compare(a, b)
+    if table.empty:
+        print(f"k3lab: no record of {a} matches one of {b}")
+        return 1
+    if output:  # before printing: a pager closed early must not lose it
+        table.to_csv(output, index=False)
+        print(f"k3lab: {len(table)} rows -> {output}", file=sys.stderr)
+    shown = table.loc[:, [c for c in table.columns if (table[c] != "").any()]]
+    shown = shown.apply(lambda col: col.str.slice(0, 28) if col.dtype == object
+                        or pd.api.types.is_string_dtype(col) else col)
+    with pd.option_context("display.max_rows", None, "display.width", 250,
+                           "display.float_format", "{:.4g}".format):
+        print(f"a: {a}\nb: {b}\n" + shown.to_string(index=False))
+    return 0
 
 
 def _params(pairs: list[str]) -> dict[str, str]:
@@ -80,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "list":
             return _list(args.notebooks)
+        if args.command == "export":
+            return _export(args.run_dir, args.output)
+        if args.command == "compare":
+            return _compare(args.a, args.b, args.output)
         if args.command == "run":
             quiet = args.quiet
             results = runner.run(args.names, device=args.device, preset=args.preset, tp=args.tp,
@@ -90,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             if results.interrupted:
                 return 130
             return 0 if results.ok else 1
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
+    except BrokenPipeError:  # output piped into head or less, closed early
+        return 0
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:
         print(f"k3lab: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -9,7 +9,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from k3lab import report
+from k3lab import compare, report
 
 __all__ = ["RESERVED", "prepare", "stale_temp_files", "remove_stale", "load_record",
            "update_index", "TEMP_PATTERN"]
@@ -94,7 +94,7 @@ def load_record(path: Path) -> tuple[dict | None, str | None]:
     return data, None
 
 
-def _entry(out_dir: Path, name: str) -> dict:
+def _entry(out_dir: Path, name: str, repo: Path | None) -> dict:
     good, good_problem = load_record(out_dir / f"{name}.metrics.json")
     failed, failed_problem = load_record(out_dir / f"{name}.failed.json")
     problem = failed_problem or good_problem
@@ -117,25 +117,31 @@ def _entry(out_dir: Path, name: str) -> dict:
         "last_good_date": (good.get("manifest") or {}).get("date") if good else None,
         "headline": (good or {}).get("headline"),
         "manifest": latest.get("manifest"),
+        "stale": (None if repo is None or not good else
+                  compare.stale_files((good.get("manifest") or {}).get("git_commit"), name, repo)),
     }
 
 
-def update_index(out_dir: str | os.PathLike) -> Path:
+def update_index(out_dir: str | os.PathLike, repo: str | os.PathLike | None = None) -> Path:
     """Rewrite ``out_dir/index.html`` and ``out_dir/manifest.json`` (each report's status and
     manifest: git commit, GPU, driver, torch, triton, date) from every report found there, and
     drop the shared stylesheets of ``out_dir/_assets`` that no report links any more.
 
     A record that cannot be read shows as "corrupt" (never "ok", never a crash). A committed
     ``<name>.erratum.txt`` beside a report (a person's note of a mistake found in it after it
-    ran) is shown with it; the measured report itself is never edited."""
+    ran) is shown with it; the measured report itself is never edited. A report whose commit
+    is behind HEAD of ``repo`` (default: this checkout) in the files it depends on is flagged
+    with those files."""
     out_dir = Path(out_dir)
     names = sorted({p.name.removesuffix(suffix) for suffix in (".metrics.json", ".failed.json")
                     for p in out_dir.glob(f"*{suffix}") if not p.name.startswith(".")})
-    entries = [_entry(out_dir, name) for name in names]
+    repo = Path(repo) if repo is not None else report.REPO_ROOT
+    entries = [_entry(out_dir, name, repo) for name in names]
     report.prune_shared_assets(out_dir)
     report.atomic_write_text(out_dir / "manifest.json", json.dumps(report.json_safe({
         "reports": {e["name"]: {"status": e["status"], "manifest": e["manifest"],
                                 **({"erratum": e["erratum"]} if e["erratum"] else {}),
-                                **({"error": e["error"]} if e["status"] == "corrupt" else {})}
+                                **({"error": e["error"]} if e["status"] == "corrupt" else {}),
+                                **({"stale_files": e["stale"]} if e["stale"] else {})}
                     for e in entries}}), indent=1) + "\n")
     return report.write_index(out_dir, entries)

@@ -372,6 +372,7 @@ table { border-collapse: collapse; }
 th, td { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }
 .ok { color: #070; font-weight: bold; } .failed { color: #b00; font-weight: bold; }
 .corrupt { color: #fff; background: #b00; font-weight: bold; padding: 0 4px; }
+.stale { color: #850; font-size: 85%; max-width: 30em; }
 .err { font-family: monospace; white-space: pre-wrap; color: #b00; max-width: 40em; }
 .head td, .head th { border: none; padding: 0 6px 0 0; font-size: 90%; }
 .small { font-size: 85%; color: #444; }
@@ -407,6 +408,10 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
             state += f"<div class='err'>{html.escape(str(e['error']))}</div>"
         if e.get("erratum"):
             state += f"<div class='err'>erratum: {html.escape(str(e['erratum']))}</div>"
+        if e.get("stale"):
+            files = ", ".join(e["stale"][:4]) + (", ..." if len(e["stale"]) > 4 else "")
+            state += (f"<div class='stale'>behind HEAD: {len(e['stale'])} file(s) it depends "
+                      f"on changed since its commit ({html.escape(files)})</div>")
         if status != "ok" and e.get("last_good_date"):
             state += (f"<div class='small'>last good report: "
                       f"{html.escape(str(e['last_good_date']))}</div>")

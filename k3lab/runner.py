@@ -347,10 +347,10 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         tmp.unlink(missing_ok=True)
 
 
-def update_index(out_dir: str | os.PathLike) -> Path:
+def update_index(out_dir: str | os.PathLike, repo: str | os.PathLike | None = None) -> Path:
     """Rewrite ``out_dir/index.html`` and ``out_dir/manifest.json`` (see
     :func:`k3lab.folder.update_index`)."""
-    return folder.update_index(out_dir)
+    return folder.update_index(out_dir, repo)
 
 
 class Results(list):
