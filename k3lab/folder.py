@@ -9,7 +9,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from k3lab import compare, report
+from k3lab import compare, readable, report
 
 __all__ = ["RESERVED", "prepare", "stale_temp_files", "remove_stale", "load_record",
            "update_index", "TEMP_PATTERN"]
@@ -117,6 +117,8 @@ def _entry(out_dir: Path, name: str, repo: Path | None) -> dict:
         "last_good_date": (good.get("manifest") or {}).get("date") if good else None,
         "headline": (good or {}).get("headline"),
         "manifest": latest.get("manifest"),
+        "card": (readable.summary_card(good.get("records") or [], good.get("headline"),
+                                       good.get("manifest")) if good else None),
         "stale": (None if repo is None or not good else
                   compare.stale_files((good.get("manifest") or {}).get("git_commit"), name, repo)),
     }

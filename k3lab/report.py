@@ -82,9 +82,9 @@ def significant(x, digits: int = 3) -> float:
 
 
 def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    from k3lab.readable import human
+
+    return human(v)
 
 
 def _headline_table(headline: dict) -> str:
@@ -373,6 +373,10 @@ th, td { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-ali
 .ok { color: #070; font-weight: bold; } .failed { color: #b00; font-weight: bold; }
 .corrupt { color: #fff; background: #b00; font-weight: bold; padding: 0 4px; }
 .stale { color: #850; font-size: 85%; max-width: 30em; }
+.k3lab-card-table th, .k3lab-card-table td { border: none; border-bottom: 1px solid #eee; }
+.k3lab-bar { padding: 1px 6px; border-radius: 3px; font-size: 85%; }
+.k3lab-caveat { color: #a50; font-weight: bold; font-size: 85%; }
+.k3lab-small { font-size: 85%; color: #555; }
 .err { font-family: monospace; white-space: pre-wrap; color: #b00; max-width: 40em; }
 .head td, .head th { border: none; padding: 0 6px 0 0; font-size: 90%; }
 .small { font-size: 85%; color: #444; }
@@ -393,7 +397,9 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
 
     entries: dicts with name, status ("ok"/"failed"), error, date, seconds, html (relative link
     to the report), failed_html (link to the failed run's page), last_good_date, headline (dict),
-    manifest (dict) and erratum (text or None). Everything is HTML-escaped.
+    manifest (dict), erratum (text or None), stale (files changed since its commit) and card
+    (the summary card's HTML, :func:`k3lab.readable.summary_card`). Everything is
+    HTML-escaped.
     """
     rows = []
     for e in entries:
@@ -419,6 +425,10 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
         head_html = "<table class='head'>" + "".join(
             f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
             for k, v in head.items()) + "</table>" if head else ""
+        if head and e.get("card"):  # the card has the answer; the full headline on demand
+            head_html = (f"<details><summary>headline ({len(head)} figures)</summary>"
+                         f"{head_html}</details>")
+        head_html = (e.get("card") or "") + head_html  # built escaped by readable.summary_card
         if head and status != "ok":
             head_html = "<div class='small'>from the last good report</div>" + head_html
         seconds = e.get("seconds")

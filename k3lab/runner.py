@@ -26,9 +26,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import k3lab
-from k3lab import folder, report
+from k3lab import folder, readable, report
 from k3lab.parameters import coerce, declared, notebook_parameters, validate
 
 __all__ = ["Result", "Results", "notebook_dir", "list_notebooks", "resolve",
@@ -40,7 +41,10 @@ RUN_OPTIONS = ("device", "preset", "tp")  # given by their own options, injected
 NOTEBOOKS_ENV = "K3LAB_NOTEBOOKS"
 # the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
 # break the one-line-per-notebook progress; a cell's errors still reach the report
-KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL"]
+KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",
+               # tables for people: floats to the digits a reader uses (k3lab.readable.human)
+               "--IPKernelApp.exec_lines=import k3lab.readable as _k3r; _k3r.human_tables(); "
+               "del _k3r"]
 
 
 @dataclass
@@ -263,6 +267,10 @@ def _header(name: str, params: dict, man: dict) -> str:
 def _publish_ok(name: str, out_dir: Path, tmp: Path, page: str, info: dict, metrics: dict,
                 seconds: float) -> Result:
     report.atomic_write_text(out_dir / f"{name}.html", page)
+    if metrics["warnings"]:
+        report.atomic_write_text(out_dir / f"{name}.log", "".join(metrics["warnings"]))
+    else:
+        (out_dir / f"{name}.log").unlink(missing_ok=True)
     os.replace(tmp, out_dir / f"{name}.ipynb")
     _write_json(out_dir / f"{name}.metrics.json",
                 {**info, "status": "ok", "error": None, "headline": metrics["headline"],
@@ -289,23 +297,29 @@ def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code:
                   out_dir / f"{name}.failed.json")
 
 
-def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, device: str,
+def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
              timeout: float | None, hide_code: bool, header: str, progress: dict | None):
     """Run the notebook into ``tmp``; (error or None, report page, metrics)."""
     import nbformat
     import papermill
 
     try:
-        with _kernel_env(device), _quiet_papermill():
+        with _kernel_env(man["device"]), _quiet_papermill():
             papermill.execute_notebook(
                 str(src), str(tmp), parameters=params, kernel_name=KERNEL_NAME,
                 cwd=str(repo_root()), execution_timeout=timeout,
                 progress_bar=progress if progress is not None else False,
                 log_output=False, extra_arguments=KERNEL_ARGS)
-        nb = nbformat.read(tmp, as_version=4)
+        nb = nbformat.read(tmp, as_version=4)  # the page's copy: the .ipynb keeps everything
         metrics = report.read_metrics(nb)
-        page = report.to_html(nb, hide_code=hide_code, title=src.stem, header=header,
-                              folder=out_dir)
+        metrics["warnings"] = readable.split_warnings(nb)
+        readable.fold_long_tables(nb)
+        card = readable.summary_card(metrics["records"], metrics["headline"], man)
+        logged = (f"<div class='k3lab-small'>{len(metrics['warnings'])} warning(s) of the run "
+                  f"are in <a href='./{quote(src.stem)}.log'>{html.escape(src.stem)}.log</a>"
+                  "</div>") if metrics["warnings"] else ""
+        page = report.to_html(nb, hide_code=hide_code, title=src.stem,
+                              header=header + card + logged, folder=out_dir)
     except Exception as exc:  # a failing notebook is reported, and the batch goes on
         return _error_text(exc, timeout), None, None
     return None, page, metrics
@@ -328,8 +342,8 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         report.readable(tmp)
         man = report.manifest({**options, **params})
         header = _header(name, params, man)
-        error, page, metrics = _execute(src, tmp, out_dir, params, options["device"], timeout,
-                                        hide_code, header, progress)
+        error, page, metrics = _execute(src, tmp, out_dir, params, man, timeout, hide_code,
+                                        header, progress)
         seconds = time.perf_counter() - t0
         info = {"notebook": name, "source": str(src), "seconds": round(seconds, 3),
                 "parameters": params, "manifest": man}

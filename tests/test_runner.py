@@ -280,3 +280,17 @@ def test_cell_progress_with_last_run_and_quiet(batch, nb_env, tmp_path, capsys):
     assert cli.main(["run", "other", "-q", "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""
+
+
+def test_report_is_for_people(batch):
+    """Floats at a reader's precision, long tables folded, warnings in a log beside the page
+    (the executed notebook keeps them)."""
+    _, out = batch
+    page = (out / "00_echo.html").read_text()
+    assert "670.015991" not in page and "1.192093e-07" not in page and "530.0<" not in page
+    assert ">670<" in page.replace("</td>", "<").replace("<td>", ">") and "1.2e-07" in page
+    assert "<details><summary>table of 40 rows" in page
+    assert "FIXTURE_WARNING" not in page and "warning(s) of the run" in page
+    assert "FIXTURE_WARNING" in (out / "00_echo.log").read_text()
+    assert "FIXTURE_WARNING" in (out / "00_echo.ipynb").read_text()
+    assert not (out / "10_other.log").exists()
