@@ -385,22 +385,52 @@ def _last_seconds(out: Path, name: str) -> float | None:
     return float(seconds) if seconds is not None else None
 
 
+def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results,
+                  line) -> None:
+    from k3lab import batch
+
+    slots = batch.gpu_slots(options["device"], min(jobs, len(paths)))
+    done: dict[int, Result] = {}
+
+    def on_done(i, res, gpu):
+        done[i] = res
+        line(i + 1, res, lasts[i], f"  [gpu {gpu}]" if gpu is not None else "")
+
+    def on_error(i, exc):
+        return Result(paths[i].stem, "failed", 0.0, f"worker failed: {_error_text(exc)}")
+
+    tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None))
+             for i, (p, nb_params) in enumerate(zip(paths, plans, strict=True))]
+    completed = batch.run_slots(tasks, slots, _run_one, on_done, on_error)
+    results.extend(done[i] for i in sorted(done))
+    if not completed:
+        results.interrupted = ", ".join(p.stem for i, p in enumerate(paths) if i not in done) \
+            or "the last notebooks"
+
+
 def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 1,
         params: dict | None = None, out_dir: str | os.PathLike | None = None,
         timeout: float | None = None, progress: bool = True, hide_code: bool = True,
-        notebook_dir: str | os.PathLike | None = None, cells: bool = False) -> Results:
+        notebook_dir: str | os.PathLike | None = None, cells: bool = False,
+        jobs: int = 1) -> Results:
     """Execute ``notebooks`` (names, see :func:`resolve`; None: all) and write their reports.
 
     device / preset / tp are injected into each notebook that declares them; every other key of
     ``params`` must be declared by at least one selected notebook and goes only to those. All
     parameters of all notebooks, the timeout and the output folder are checked before the first
     one runs (ValueError / TypeError). timeout: per-cell limit in seconds. progress: one line per
-    notebook; cells: a per-cell progress bar too. Returns one :class:`Result` per notebook; a
-    Ctrl-C stops the batch, keeps every report written so far and sets ``interrupted``.
+    notebook; cells: a per-cell progress bar too (one notebook at a time only). jobs: notebooks
+    run at once, each in a worker process, one GPU each on a multi-GPU host (see
+    :mod:`k3lab.batch`). Returns one :class:`Result` per notebook, in order; a Ctrl-C stops the
+    batch, keeps every report written so far and sets ``interrupted``.
     """
     options = {"device": device, "preset": preset, "tp": tp}
     _check_options(device, preset, tp)
     timeout = _check_timeout(timeout)
+    if isinstance(jobs, bool) or not isinstance(jobs, int):
+        raise TypeError(f"jobs: expected an int, got {jobs!r}")
+    if jobs < 1:
+        raise ValueError(f"--jobs: expected at least 1, got {jobs}")
     paths = resolve(notebooks, notebook_dir)
     plans = _plan(paths, options, dict(params or {}))
     _check_kernel()
@@ -414,25 +444,33 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
         say(f"k3lab: left {len(busy)} temp file(s) of a run still going: {', '.join(busy)}")
     results = Results()
     width = max(len(p.stem) for p in paths)
-    for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
-        last = _last_seconds(out, path.stem)
-        bar = None
-        if cells and progress:  # papermill's tqdm bar: cells done, elapsed, cells per second
-            was = f" (last run {last:.0f} s)" if last is not None else ""
-            bar = {"desc": f"[{i}/{len(paths)}] {path.stem}{was}", "unit": "cell",
-                   "leave": False}
-        try:
-            res = _run_one(path, out, nb_params, options, timeout, hide_code, bar)
-        except KeyboardInterrupt:
-            results.interrupted = path.stem
-            # the kernel died with the interrupt: its pending nbclient task would print a
-            # "Task exception was never retrieved" trace when collected
-            logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-            break
-        results.append(res)
+
+    def line(i: int, res: Result, last: float | None, where: str = "") -> None:
         was = f"  (last {last:.1f} s)" if last is not None else ""
         say(f"[{i}/{len(paths)}] {res.name:<{width}}  {res.status:<6} {res.seconds:7.1f} s"
-            + (f"  {res.error}" if res.error else was))
+            + where + (f"  {res.error}" if res.error else was))
+
+    lasts = [_last_seconds(out, p.stem) for p in paths]
+    if jobs > 1:
+        _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results, line)
+    else:
+        for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
+            last = lasts[i - 1]
+            bar = None
+            if cells and progress:  # papermill's tqdm bar: cells done, elapsed, cells per second
+                was = f" (last run {last:.0f} s)" if last is not None else ""
+                bar = {"desc": f"[{i}/{len(paths)}] {path.stem}{was}", "unit": "cell",
+                       "leave": False}
+            try:
+                res = _run_one(path, out, nb_params, options, timeout, hide_code, bar)
+            except KeyboardInterrupt:
+                results.interrupted = path.stem
+                # the kernel died with the interrupt: its pending nbclient task would print a
+                # "Task exception was never retrieved" trace when collected
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+                break
+            results.append(res)
+            line(i, res, last)
     try:
         results.index = update_index(out)
     except OSError as exc:
@@ -440,8 +478,8 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
               flush=True)
     if results.interrupted:
         kept = ", ".join(r.name for r in results) or "none"
-        print(f"k3lab: interrupted while running {results.interrupted}: its last good report is "
-              f"untouched; reports written before it: {kept}; the rest did not run"
+        print(f"k3lab: interrupted while running {results.interrupted}: last good reports are "
+              f"untouched; finished before it: {kept}; nothing else ran"
               + (f"; index: {results.index}" if results.index else ""),
               file=sys.stderr, flush=True)
     elif results.index is not None:

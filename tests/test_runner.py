@@ -294,3 +294,27 @@ def test_report_is_for_people(batch):
     assert "FIXTURE_WARNING" in (out / "00_echo.log").read_text()
     assert "FIXTURE_WARNING" in (out / "00_echo.ipynb").read_text()
     assert not (out / "10_other.log").exists()
+
+
+def test_jobs_run_notebooks_concurrently(batch, nb_env, tmp_path, capsys):
+    """--jobs 2 on the CPU: every notebook in a worker of its own, the same files and index as
+    one at a time, the results in notebook order."""
+    _, serial = batch
+    out = tmp_path / "out"
+    assert cli.main(["run", "--jobs", "2", "--tp", "2", "-p", "label=hello", "-p", "sizes=[3,4]",
+                     "-p", "scale=2", "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert sorted(ln.split()[1] for ln in text.splitlines() if ln.startswith("[")) == [
+        "00_echo", "10_other", "20_broken"]
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == sorted(
+        p.name for p in serial.iterdir() if p.is_file())
+    assert _json(out / "00_echo.metrics.json")["records"] == \
+        _json(serial / "00_echo.metrics.json")["records"]
+    assert _json(out / "manifest.json")["reports"].keys() == {"00_echo", "10_other",
+                                                              "20_broken"}
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2"])
+def test_bad_jobs_exit_2(nb_env, tmp_path, capsys, jobs):
+    assert cli.main(["run", "echo", f"--jobs={jobs}", "--out", str(tmp_path / "o")]) == 2
+    assert "--jobs" in capsys.readouterr().err and not (tmp_path / "o").exists()
