@@ -8,6 +8,7 @@ No side files are written from inside a notebook.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import html
@@ -194,26 +195,75 @@ def _gpu(device: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+CODE_PATHS = ("kernels", "k3lab", "notebooks", "benchmarks", "pyproject.toml")
+
+
+def _sources(text: str) -> list | None:
+    """A notebook's cells as (type, source): what a run executes, outputs left out."""
+    try:
+        cells = json.loads(text).get("cells", [])
+    except (ValueError, AttributeError):
+        return None
+    return [(c.get("cell_type"), "".join(c.get("source", ""))) for c in cells]
+
+
+def git_state(root: str | os.PathLike) -> tuple[str | None, bool | None, list[str]]:
+    """(commit, dirty, the files that make it dirty) of the checkout at ``root``.
+
+    Dirty means the run's code differs from the commit: a changed tracked file, or an untracked
+    one under :data:`CODE_PATHS`. A notebook whose cells' sources equal the commit's (only
+    outputs or execution counts differ, as JupyterLab's autosave leaves them) is not a change.
+    """
+    root = Path(root)
+    commit = _cmd(["git", "rev-parse", "HEAD"], cwd=root)
+    try:  # not _cmd: porcelain's leading status column must survive
+        out = subprocess.run(["git", "status", "--porcelain", "-z", "--untracked-files=all"],
+                             cwd=root, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    if not commit or out is None or out.returncode:
+        return commit, None, []
+    status = out.stdout
+    files = []
+    entries = iter(status.split("\0"))
+    for entry in entries:
+        if len(entry) < 4:
+            continue
+        code, path = entry[:2], entry[3:]
+        if "R" in code or "C" in code:
+            next(entries, None)  # the rename's source path
+        if code == "??" and not path.startswith(tuple(f"{c}/" for c in CODE_PATHS[:-1])):
+            continue
+        if path.endswith(".ipynb") and code.strip() == "M":
+            old = _cmd(["git", "show", f"HEAD:{path}"], cwd=root)
+            with contextlib.suppress(OSError):
+                if old is not None and _sources(old) == _sources((root / path).read_text()):
+                    continue
+        files.append(path)
+    return commit, bool(files), sorted(files)
+
+
 def manifest(params: dict | None = None) -> dict:
     """What makes a report reproducible: code, machine, library versions, parameters, date.
 
     $K3LAB_GIT_COMMIT (and $K3LAB_GIT_DIRTY) name the commit of a copied tree and win over the
-    tree's own git metadata, which a copy may carry from an older checkout.
+    tree's own git metadata, which a copy may carry from an older checkout. ``git_dirty`` says
+    whether the code run differs from the commit (see :func:`git_state`), ``git_dirty_files``
+    which files make it so.
     """
     params = dict(params or {})
-    commit = os.environ.get("K3LAB_GIT_COMMIT")
+    commit, files = os.environ.get("K3LAB_GIT_COMMIT"), []
     if commit:
         flag = os.environ.get("K3LAB_GIT_DIRTY")
         dirty = None if flag is None else flag.lower() in ("1", "true", "yes")
     else:
-        commit = _cmd(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
-        status = _cmd(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
-        dirty = bool(status) if commit and status is not None else None
+        commit, dirty, files = git_state(REPO_ROOT)
     device = str(params.get("device", "cpu"))
     gpu, driver = _gpu(device)
     return json_safe({
         "git_commit": commit,
         "git_dirty": dirty,
+        "git_dirty_files": files[:50],
         "device": device,
         "gpu": gpu,
         "driver": driver,
