@@ -1,7 +1,8 @@
 """Notebooks of one batch run concurrently: ``jobs`` slots, each with a worker process of its
 own (the kernel environment a notebook needs never crosses another's), one GPU per slot on a
 host with several (``CUDA_VISIBLE_DEVICES``), and all slots sharing the CPU or the one GPU
-otherwise."""
+otherwise; or, with the ray extra, one Ray task per notebook over a cluster's GPUs, the report
+files sent back to the driver's output folder."""
 
 from __future__ import annotations
 
@@ -82,3 +83,84 @@ def run_slots(tasks: list[tuple], slots: list[str | None], fn: Callable[..., Any
         for p in pools:
             p.shutdown(wait=True, cancel_futures=True)
     return completed and not stop.is_set()
+
+
+# ---------------------------------------------------------------- Ray
+
+def _remote_run(source: str, name: str, args: tuple) -> tuple:
+    """On a Ray worker: run the notebook (its source text) into a temp folder; returns the
+    Result and every file written there (relative path -> bytes) for the driver to place."""
+    import tempfile
+    from pathlib import Path
+
+    from k3lab import runner
+
+    params, options, timeout, hide_code = args
+    with tempfile.TemporaryDirectory(prefix="k3lab-ray-") as d:
+        src, out = Path(d) / "src" / f"{name}.ipynb", Path(d) / "out"
+        src.parent.mkdir()
+        out.mkdir()
+        src.write_text(source, encoding="utf-8")
+        res = runner._run_one(src, out, params, options, timeout, hide_code)
+        files = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    res.notebook = res.html = res.metrics = None
+    return res, files
+
+
+def _place(out, name: str, res, files: dict) -> None:
+    """Write a Ray task's files into ``out`` as a local run would leave them: a good run
+    replaces the report and clears its failure files, a failed one leaves the report alone."""
+    from k3lab import report
+
+    for rel, data in sorted(files.items(), key=lambda kv: kv[0].endswith(".metrics.json")):
+        path = out / rel
+        if rel.startswith("_assets/") and path.exists():
+            continue  # content-named: the same name is the same stylesheet
+        report.atomic_write_text(path, data.decode("utf-8"))
+    if res.ok:
+        for suffix in (".failed.ipynb", ".failed.html", ".failed.json"):
+            (out / f"{name}{suffix}").unlink(missing_ok=True)
+        res.notebook, res.html = out / f"{name}.ipynb", out / f"{name}.html"
+        res.metrics = out / f"{name}.metrics.json"
+    else:
+        res.metrics = out / f"{name}.failed.json" if f"{name}.failed.json" in files else None
+
+
+def run_ray(tasks: list[tuple], address: str, gpu: bool, out,
+            on_done: Callable[[int, Any, str | None], None],
+            on_error: Callable[[int, BaseException], Any]) -> bool:
+    """Run every ``(i, (path, params, options, timeout, hide_code))`` of ``tasks`` as a Ray task
+    asking for one GPU (``gpu``) or one CPU, on the cluster at ``address`` ("local": start one
+    on this machine); the files come back to ``out``. Every node must have this checkout
+    installed at the same commit. Returns False when a Ctrl-C stopped the batch."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise RuntimeError("--ray needs the ray extra: pip install -e '.[ray]'") from exc
+
+    if address == "local":
+        ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    else:
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+    remote = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)(_remote_run)
+    try:
+        refs = {remote.remote(p.read_text(encoding="utf-8"), p.stem, tuple(rest)): (i, p.stem)
+                for i, (p, *rest) in tasks}
+        pending = list(refs)
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                i, name = refs[ready[0]]
+                try:
+                    res, files = ray.get(ready[0])
+                    _place(out, name, res, files)
+                except Exception as exc:  # the task or its node failed
+                    res = on_error(i, exc)
+                on_done(i, res, None)
+        except KeyboardInterrupt:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            return False
+        return True
+    finally:
+        ray.shutdown()

@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--show-code", action="store_true", help="keep code cells in the HTML")
     r.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
                    help="notebooks run at once (one GPU each on a multi-GPU host; default 1)")
+    r.add_argument("--ray", metavar="ADDRESS", default=None,
+                   help="run each notebook as a Ray task (one GPU each) on the cluster at "
+                        "ADDRESS ('local': start one here); needs the ray extra")
     r.add_argument("-q", "--quiet", action="store_true",
                    help="no progress: only errors and the exit code")
     sub.add_parser("list", parents=[common],
@@ -137,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                                  params=_params(args.param), out_dir=args.out,
                                  timeout=args.timeout, hide_code=not args.show_code,
                                  notebook_dir=args.notebooks, progress=not quiet,
-                                 cells=not quiet and sys.stderr.isatty(), jobs=args.jobs)
+                                 cells=not quiet and sys.stderr.isatty(), jobs=args.jobs,
+                                 ray=args.ray)
             if results.interrupted:
                 return 130
             return 0 if results.ok else 1

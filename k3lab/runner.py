@@ -386,10 +386,9 @@ def _last_seconds(out: Path, name: str) -> float | None:
 
 
 def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results,
-                  line) -> None:
+                  line, ray_address: str | None = None) -> None:
     from k3lab import batch
 
-    slots = batch.gpu_slots(options["device"], min(jobs, len(paths)))
     done: dict[int, Result] = {}
 
     def on_done(i, res, gpu):
@@ -399,9 +398,16 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
     def on_error(i, exc):
         return Result(paths[i].stem, "failed", 0.0, f"worker failed: {_error_text(exc)}")
 
-    tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None))
-             for i, (p, nb_params) in enumerate(zip(paths, plans, strict=True))]
-    completed = batch.run_slots(tasks, slots, _run_one, on_done, on_error)
+    pairs = list(enumerate(zip(paths, plans, strict=True)))
+    if ray_address:
+        tasks = [(i, (p, nb_params, options, timeout, hide_code)) for i, (p, nb_params) in pairs]
+        completed = batch.run_ray(tasks, ray_address, str(options["device"]).startswith("cuda"),
+                                  out, on_done, on_error)
+    else:
+        slots = batch.gpu_slots(options["device"], min(jobs, len(paths)))
+        tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None))
+                 for i, (p, nb_params) in pairs]
+        completed = batch.run_slots(tasks, slots, _run_one, on_done, on_error)
     results.extend(done[i] for i in sorted(done))
     if not completed:
         results.interrupted = ", ".join(p.stem for i, p in enumerate(paths) if i not in done) \
@@ -412,7 +418,7 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
         params: dict | None = None, out_dir: str | os.PathLike | None = None,
         timeout: float | None = None, progress: bool = True, hide_code: bool = True,
         notebook_dir: str | os.PathLike | None = None, cells: bool = False,
-        jobs: int = 1) -> Results:
+        jobs: int = 1, ray: str | None = None) -> Results:
     """Execute ``notebooks`` (names, see :func:`resolve`; None: all) and write their reports.
 
     device / preset / tp are injected into each notebook that declares them; every other key of
@@ -421,7 +427,9 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     one runs (ValueError / TypeError). timeout: per-cell limit in seconds. progress: one line per
     notebook; cells: a per-cell progress bar too (one notebook at a time only). jobs: notebooks
     run at once, each in a worker process, one GPU each on a multi-GPU host (see
-    :mod:`k3lab.batch`). Returns one :class:`Result` per notebook, in order; a Ctrl-C stops the
+    :mod:`k3lab.batch`). ray: a Ray cluster's address ("local" starts one here): every
+    notebook a Ray task asking for one GPU (one CPU on a CPU run), its files sent back here.
+    Returns one :class:`Result` per notebook, in order; a Ctrl-C stops the
     batch, keeps every report written so far and sets ``interrupted``.
     """
     options = {"device": device, "preset": preset, "tp": tp}
@@ -451,8 +459,9 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
             + where + (f"  {res.error}" if res.error else was))
 
     lasts = [_last_seconds(out, p.stem) for p in paths]
-    if jobs > 1:
-        _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results, line)
+    if jobs > 1 or ray:
+        _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results, line,
+                      ray)
     else:
         for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
             last = lasts[i - 1]
