@@ -87,7 +87,7 @@ def run_slots(tasks: list[tuple], slots: list[str | None], fn: Callable[..., Any
 
 # ---------------------------------------------------------------- Ray
 
-def _remote_run(source: str, name: str, args: tuple) -> tuple:
+def _remote_run(source: str, name: str, args: tuple, origin: str) -> tuple:
     """On a Ray worker: run the notebook (its source text) into a temp folder; returns the
     Result and every file written there (relative path -> bytes) for the driver to place."""
     import tempfile
@@ -101,7 +101,7 @@ def _remote_run(source: str, name: str, args: tuple) -> tuple:
         src.parent.mkdir()
         out.mkdir()
         src.write_text(source, encoding="utf-8")
-        res = runner._run_one(src, out, params, options, timeout, hide_code)
+        res = runner._run_one(src, out, params, options, timeout, hide_code, source=origin)
         files = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     res.notebook = res.html = res.metrics = None
     return res, files
@@ -144,8 +144,8 @@ def run_ray(tasks: list[tuple], address: str, gpu: bool, out,
         ray.init(address=address, log_to_driver=False, configure_logging=False)
     remote = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)(_remote_run)
     try:
-        refs = {remote.remote(p.read_text(encoding="utf-8"), p.stem, tuple(rest)): (i, p.stem)
-                for i, (p, *rest) in tasks}
+        refs = {remote.remote(p.read_text(encoding="utf-8"), p.stem, tuple(rest), str(p)):
+                (i, p.stem) for i, (p, *rest) in tasks}
         pending = list(refs)
         try:
             while pending:

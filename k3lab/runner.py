@@ -326,9 +326,10 @@ def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
 
 
 def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: float | None,
-             hide_code: bool, progress: dict | None = None) -> Result:
+             hide_code: bool, progress: dict | None = None, source: str | None = None) -> Result:
     """Execute one notebook into ``out_dir``. A failing notebook and a report that cannot be
-    written (disk full, a folder in the way) both give a failed Result; the batch goes on."""
+    written (disk full, a folder in the way) both give a failed Result; the batch goes on.
+    source: the notebook's path as recorded (default ``src``; a Ray task runs a copy)."""
     name = src.stem
     t0 = time.perf_counter()
     try:
@@ -345,7 +346,7 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         error, page, metrics = _execute(src, tmp, out_dir, params, man, timeout, hide_code,
                                         header, progress)
         seconds = time.perf_counter() - t0
-        info = {"notebook": name, "source": str(src), "seconds": round(seconds, 3),
+        info = {"notebook": name, "source": source or str(src), "seconds": round(seconds, 3),
                 "parameters": params, "manifest": man}
         if error is None:
             try:

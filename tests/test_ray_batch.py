@@ -28,6 +28,7 @@ def test_ray_batch_on_a_local_cluster(tmp_path, capsys):
     assert rc == 1 and "1 ok, 1 failed" in text
     m = json.loads((out / "10_other.metrics.json").read_text())
     assert m["status"] == "ok" and m["records"][0]["label"] == "ray"
+    assert m["source"] == str(nbs / "10_other.ipynb")
     assert (out / "10_other.html").is_file() and (out / "10_other.ipynb").is_file()
     assert json.loads((out / "20_broken.failed.json").read_text())["error"].startswith(
         "ZeroDivisionError")
