@@ -1,8 +1,8 @@
 """Notebooks of one batch run concurrently: ``jobs`` slots, each with a worker process of its
-own (the kernel environment a notebook needs never crosses another's), one GPU per slot on a
-host with several (``CUDA_VISIBLE_DEVICES``), and all slots sharing the CPU or the one GPU
-otherwise; or, with the ray extra, one Ray task per notebook over a cluster's GPUs, the report
-files sent back to the driver's output folder."""
+own (the kernel environment a notebook needs never crosses another's): on the CPU, slots share
+it; on CUDA, one slot per GPU (``CUDA_VISIBLE_DEVICES``), never more slots than GPUs. Or, with
+the ray extra, one Ray task per notebook over a cluster's GPUs, the report files sent back to
+the driver's output folder."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ __all__ = ["gpu_slots", "run_slots"]
 
 
 def gpu_slots(device: str, jobs: int) -> list[str | None]:
-    """The GPU each of ``jobs`` slots sees (None: what the process sees, all slots alike)."""
+    """The GPU each slot sees (None: what the process sees). A CUDA run gets at most one slot
+    per GPU: two notebooks timing on one GPU would disturb each other's figures."""
     if not str(device).startswith("cuda"):
         return [None] * jobs
     import torch
 
     n = torch.cuda.device_count()
-    return [str(i % n) for i in range(jobs)] if n > 1 else [None] * jobs
+    return [str(i) for i in range(min(jobs, n))] if n > 1 else [None]
 
 
 def _init_worker(gpu: str | None) -> None:

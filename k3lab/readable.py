@@ -115,9 +115,10 @@ def summary_card(records: list[dict], headline: dict | None = None,
     """The card: one line per boundary (launches reference -> fused, graph and eager latency,
     fraction of the copy bandwidth, speedup over the reference and the best peer), each bar's
     and check's verdict in colour (green yes, red no), the device, and the CPU caveat on a CPU
-    run. "" with nothing to show."""
+    run (shown on its own when a CPU run has no figures). "" with nothing to show."""
     rows, bars, man = summary(records or []), _bars(headline or {}), manifest or {}
-    if not rows and not bars:
+    cpu = str(man.get("device", "cpu")).startswith("cpu") if man else False
+    if not rows and not bars and not cpu:
         return ""
     body = []
     for r in rows:
@@ -138,7 +139,6 @@ def summary_card(records: list[dict], headline: dict | None = None,
         f"<span class='k3lab-bar' style='background:{'#d7f5d7' if ok else '#fbd5d5'};"
         f"color:{'#064' if ok else '#900'}'>{html.escape(str(k))}: "
         f"{'yes' if ok else 'no'}</span> " for k, ok in bars)
-    cpu = str(man.get("device", "cpu")).startswith("cpu") if man else False
     device = man.get("gpu") or ("CPU (Triton interpreter)" if cpu else man.get("device"))
     where = (f"<div class='k3lab-small'>{html.escape(str(device))}"
              + (f", preset {html.escape(str(man['preset']))}" if man.get("preset") else "")

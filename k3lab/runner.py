@@ -406,6 +406,9 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
                                   out, on_done, on_error)
     else:
         slots = batch.gpu_slots(options["device"], min(jobs, len(paths)))
+        if len(slots) < min(jobs, len(paths)):
+            print(f"k3lab: --jobs {jobs} on {len(slots)} GPU(s): {len(slots)} at a time, one "
+                  "notebook per GPU, so that timings do not disturb each other", flush=True)
         tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None))
                  for i, (p, nb_params) in pairs]
         completed = batch.run_slots(tasks, slots, _run_one, on_done, on_error)

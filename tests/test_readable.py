@@ -60,6 +60,7 @@ def test_card_shows_the_answer_verdicts_and_device():
 def test_card_on_a_cpu_run_says_so():
     card = readable.summary_card(RECORDS, {}, {"device": "cpu", "preset": "tiny", "tp": 1})
     assert readable.CPU_CAVEAT in card and "CPU (Triton interpreter)" in card
+    assert readable.CPU_CAVEAT in readable.summary_card([], {}, {"device": "cpu"})
 
 
 def test_card_escapes_and_is_empty_without_figures():

@@ -318,3 +318,14 @@ def test_jobs_run_notebooks_concurrently(batch, nb_env, tmp_path, capsys):
 def test_bad_jobs_exit_2(nb_env, tmp_path, capsys, jobs):
     assert cli.main(["run", "echo", f"--jobs={jobs}", "--out", str(tmp_path / "o")]) == 2
     assert "--jobs" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_cuda_slots_never_share_a_gpu():
+    import torch
+
+    from k3lab import batch
+
+    assert batch.gpu_slots("cpu", 3) == [None, None, None]
+    n = torch.cuda.device_count()
+    slots = batch.gpu_slots("cuda", 8)
+    assert slots == ([None] if n <= 1 else [str(i) for i in range(min(8, n))])
