@@ -1,7 +1,9 @@
-"""Command line: ``k3lab run [NOTEBOOK...]`` and ``k3lab list``.
+"""Command line: ``k3lab run [NOTEBOOK...]``, ``k3lab list``, ``k3lab export RUN_DIR`` and
+``k3lab compare A B``.
 
-Exit codes: 0 all notebooks ok; 1 at least one notebook failed; 2 a usage error (bad preset, tp,
-notebook name or parameter), reported on one line before anything runs.
+Exit codes: 0 all notebooks ok; 1 at least one notebook failed (or the index could not be
+written); 2 a usage error (bad preset, tp, notebook name, parameter, timeout or output folder),
+reported on one line before anything runs; 130 interrupted (Ctrl-C), on one line.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"notebooks folder (default: ${runner.NOTEBOOKS_ENV}, else the "
                              "repo's notebooks/)")
     p = argparse.ArgumentParser(prog="k3lab", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", metavar="{run,list}")
+    sub = p.add_subparsers(dest="command", metavar="{run,list,export,compare}")
     r = sub.add_parser("run", parents=[common], help="execute notebooks and write their reports")
     r.add_argument("names", nargs="*", metavar="NOTEBOOK",
                    help="e.g. 00_overview, overview or 00_overview.ipynb (default: all)")
@@ -32,10 +34,62 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, metavar="DIR",
                    help="output folder (default: executed/local; GPU reports: executed/h200)")
     r.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="per-cell time limit in seconds")
+                   help="per-cell time limit in seconds (a positive number)")
     r.add_argument("--show-code", action="store_true", help="keep code cells in the HTML")
-    sub.add_parser("list", parents=[common], help="show the notebooks and their parameters")
+    r.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                   help="notebooks run at once (one GPU each on a multi-GPU host; default 1)")
+    r.add_argument("--ray", metavar="ADDRESS", default=None,
+                   help="run each notebook as a Ray task (one GPU each) on the cluster at "
+                        "ADDRESS ('local': start one here); needs the ray extra")
+    r.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress: only errors and the exit code")
+    sub.add_parser("list", parents=[common],
+                   help="show the notebooks, their parameters, defaults and contracts")
+    e = sub.add_parser("export", help="write every record of a run folder as one CSV")
+    e.add_argument("run_dir", metavar="RUN_DIR")
+    e.add_argument("-o", "--output", metavar="FILE", default=None,
+                   help="CSV to write (default: RUN_DIR/records.csv; - for stdout)")
+    c = sub.add_parser("compare", help="two run folders side by side, with ratios b / a")
+    c.add_argument("a", metavar="A")
+    c.add_argument("b", metavar="B")
+    c.add_argument("-o", "--output", metavar="FILE", default=None, help="also write it as CSV")
     return p
+
+
+def _export(run_dir: str, output: str | None) -> int:
+    from pathlib import Path
+
+    from k3lab import compare
+
+    df = compare.records(run_dir)
+    if output == "-":
+        df.to_csv(sys.stdout, index=False)
+        return 0
+    path = Path(output) if output else Path(run_dir) / "records.csv"
+    df.to_csv(path, index=False)
+    print(f"k3lab: {len(df)} records of {df['notebook'].nunique()} notebook(s) -> {path}")
+    return 0
+
+
+def _compare(a: str, b: str, output: str | None) -> int:
+    import pandas as pd
+
+    from k3lab import compare
+
+    table = compare.compare(a, b)
+    if table.empty:
+        print(f"k3lab: no record of {a} matches one of {b}")
+        return 1
+    if output:  # before printing: a pager closed early must not lose it
+        table.to_csv(output, index=False)
+        print(f"k3lab: {len(table)} rows -> {output}", file=sys.stderr)
+    shown = table.loc[:, [c for c in table.columns if (table[c] != "").any()]]
+    shown = shown.apply(lambda col: col.str.slice(0, 28) if col.dtype == object
+                        or pd.api.types.is_string_dtype(col) else col)
+    with pd.option_context("display.max_rows", None, "display.width", 250,
+                           "display.float_format", "{:.4g}".format):
+        print(f"a: {a}\nb: {b}\n" + shown.to_string(index=False))
+    return 0
 
 
 def _params(pairs: list[str]) -> dict[str, str]:
@@ -53,11 +107,15 @@ def _list(nb_dir) -> int:
     if not paths:
         print(f"no notebooks in {runner.notebook_dir(nb_dir)}")
     for path in paths:
-        params = runner.notebook_parameters(path)
+        params = runner.declared(path)
         print(path.stem)
         width = max((len(k) for k in params), default=0)
-        for key, default in params.items():
-            print(f"    {key:<{width}} = {default!r}")
+        dwidth = max((len(repr(p.default)) for p in params.values()), default=0)
+        for key, p in params.items():
+            note = p.help or ("(comment unreadable by papermill: no '=' in parameter comments)"
+                              if not p.read_by_papermill else "")
+            line = f"    {key:<{width}} = {p.default!r:<{dwidth}}"
+            print(f"{line}  # {note}" if note else line.rstrip())
         if not params:
             print("    (no parameters cell)")
     return 0
@@ -72,15 +130,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "list":
             return _list(args.notebooks)
+        if args.command == "export":
+            return _export(args.run_dir, args.output)
+        if args.command == "compare":
+            return _compare(args.a, args.b, args.output)
         if args.command == "run":
+            quiet = args.quiet
             results = runner.run(args.names, device=args.device, preset=args.preset, tp=args.tp,
                                  params=_params(args.param), out_dir=args.out,
                                  timeout=args.timeout, hide_code=not args.show_code,
-                                 notebook_dir=args.notebooks)
-            return 0 if all(r.ok for r in results) else 1
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+                                 notebook_dir=args.notebooks, progress=not quiet,
+                                 cells=not quiet and sys.stderr.isatty(), jobs=args.jobs,
+                                 ray=args.ray)
+            if results.interrupted:
+                return 130
+            return 0 if results.ok else 1
+    except BrokenPipeError:  # output piped into head or less, closed early
+        return 0
+    except (ValueError, TypeError, OSError, RuntimeError) as exc:
         print(f"k3lab: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("k3lab: interrupted before any notebook ran; nothing was written", file=sys.stderr)
+        return 130
     parser.print_help()
     return 2
 

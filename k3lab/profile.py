@@ -201,13 +201,33 @@ def _cuda_profile(fn: Callable, inputs: Any):
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA], prof
 
 
+def _signature_split(name: str) -> tuple[str, str]:
+    """(return type, function name with template arguments) of a demangled signature: the name
+    ends at the first "(" outside template brackets; the return type is what precedes the
+    name's last top-level space (``std::enable_if<!(x), void>::type f<...>(...)``)."""
+    depth, space, end = 0, -1, len(name)
+    for i, ch in enumerate(name):
+        if ch in "<(" and not (ch == "(" and depth == 0):
+            depth += 1
+        elif ch in ">)" and depth > 0:
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            end = i
+            break
+        elif ch == " " and depth == 0:
+            space = i
+    return name[:space].strip() if space >= 0 else "", name[space + 1:end]
+
+
 def short_kernel_name(name: str, width: int = 80) -> str:
-    """A CUDA kernel's name without ``void``, ``at::native::`` and argument lists, cut to width."""
-    name = name.removeprefix("void ")
-    for noise in ("at::native::", "(anonymous namespace)::", "binary_internal::", "std::"):
+    """A CUDA kernel's name without its return type, ``at::native::``-style namespaces and
+    argument list, cut to width (Triton kernels keep their own names)."""
+    name = name.strip().replace("(anonymous namespace)::", "")
+    if not name.startswith("triton") and (
+            "::" in name or "<" in name or name.startswith("void ")):  # a C++ signature
+        name = _signature_split(name)[1] or name
+    for noise in ("at::native::", "binary_internal::", "std::"):
         name = name.replace(noise, "")
-    if "(" in name and not name.startswith("triton"):
-        name = name[: name.index("(")] if name.index("(") > 0 else name
     return name if len(name) <= width else name[: width - 1] + "…"
 
 

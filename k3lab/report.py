@@ -8,6 +8,7 @@ No side files are written from inside a notebook.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import html
@@ -19,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -81,9 +83,9 @@ def significant(x, digits: int = 3) -> float:
 
 
 def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    from k3lab.readable import human
+
+    return human(v)
 
 
 def _headline_table(headline: dict) -> str:
@@ -193,26 +195,75 @@ def _gpu(device: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+CODE_PATHS = ("kernels", "k3lab", "notebooks", "benchmarks", "pyproject.toml")
+
+
+def _sources(text: str) -> list | None:
+    """A notebook's cells as (type, source): what a run executes, outputs left out."""
+    try:
+        cells = json.loads(text).get("cells", [])
+    except (ValueError, AttributeError):
+        return None
+    return [(c.get("cell_type"), "".join(c.get("source", ""))) for c in cells]
+
+
+def git_state(root: str | os.PathLike) -> tuple[str | None, bool | None, list[str]]:
+    """(commit, dirty, the files that make it dirty) of the checkout at ``root``.
+
+    Dirty means the run's code differs from the commit: a changed tracked file, or an untracked
+    one under :data:`CODE_PATHS`. A notebook whose cells' sources equal the commit's (only
+    outputs or execution counts differ, as JupyterLab's autosave leaves them) is not a change.
+    """
+    root = Path(root)
+    commit = _cmd(["git", "rev-parse", "HEAD"], cwd=root)
+    try:  # not _cmd: porcelain's leading status column must survive
+        out = subprocess.run(["git", "status", "--porcelain", "-z", "--untracked-files=all"],
+                             cwd=root, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        out = None
+    if not commit or out is None or out.returncode:
+        return commit, None, []
+    status = out.stdout
+    files = []
+    entries = iter(status.split("\0"))
+    for entry in entries:
+        if len(entry) < 4:
+            continue
+        code, path = entry[:2], entry[3:]
+        if "R" in code or "C" in code:
+            next(entries, None)  # the rename's source path
+        if code == "??" and not path.startswith(tuple(f"{c}/" for c in CODE_PATHS[:-1])):
+            continue
+        if path.endswith(".ipynb") and code.strip() == "M":
+            old = _cmd(["git", "show", f"HEAD:{path}"], cwd=root)
+            with contextlib.suppress(OSError):
+                if old is not None and _sources(old) == _sources((root / path).read_text()):
+                    continue
+        files.append(path)
+    return commit, bool(files), sorted(files)
+
+
 def manifest(params: dict | None = None) -> dict:
     """What makes a report reproducible: code, machine, library versions, parameters, date.
 
     $K3LAB_GIT_COMMIT (and $K3LAB_GIT_DIRTY) name the commit of a copied tree and win over the
-    tree's own git metadata, which a copy may carry from an older checkout.
+    tree's own git metadata, which a copy may carry from an older checkout. ``git_dirty`` says
+    whether the code run differs from the commit (see :func:`git_state`), ``git_dirty_files``
+    which files make it so.
     """
     params = dict(params or {})
-    commit = os.environ.get("K3LAB_GIT_COMMIT")
+    commit, files = os.environ.get("K3LAB_GIT_COMMIT"), []
     if commit:
         flag = os.environ.get("K3LAB_GIT_DIRTY")
         dirty = None if flag is None else flag.lower() in ("1", "true", "yes")
     else:
-        commit = _cmd(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT)
-        status = _cmd(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT)
-        dirty = bool(status) if commit and status is not None else None
+        commit, dirty, files = git_state(REPO_ROOT)
     device = str(params.get("device", "cpu"))
     gpu, driver = _gpu(device)
     return json_safe({
         "git_commit": commit,
         "git_dirty": dirty,
+        "git_dirty_files": files[:50],
         "device": device,
         "gpu": gpu,
         "driver": driver,
@@ -273,7 +324,8 @@ def shared_assets_in_use(folder: str | os.PathLike) -> set[str]:
     """Names of the shared stylesheets in ``folder/_assets`` that some page of the folder
     links."""
     folder = Path(folder)
-    pages = [p.read_text(encoding="utf-8", errors="replace") for p in folder.glob("*.html")]
+    pages = [p.read_text(encoding="utf-8", errors="replace") for p in folder.glob("*.html")
+             if p.is_file()]
     return {a.name for a in (folder / ASSETS_DIR).glob(SHARED_CSS_PATTERN)
             if any(f"{ASSETS_DIR}/{a.name}" in page for page in pages)}
 
@@ -335,7 +387,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to a temp file beside ``path`` and rename it over ``path`` (atomic)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # the pid in the name lets the next run tell a killed run's leftovers from a live one's
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}-",
+                               suffix=".tmp")
     try:
         readable(tmp)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -358,7 +412,7 @@ def manifest_summary(m: dict | None) -> str:
         parts.insert(1, f"driver {m['driver']}")
     commit = m.get("git_commit")
     if commit:
-        parts.append(f"git {commit[:10]}{' (dirty)' if m.get('git_dirty') else ''}")
+        parts.append(f"git {str(commit)[:10]}{' (dirty)' if m.get('git_dirty') else ''}")
     return ", ".join(str(p) for p in parts if p)
 
 
@@ -367,6 +421,12 @@ body { font-family: system-ui, sans-serif; margin: 2em; }
 table { border-collapse: collapse; }
 th, td { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-align: left; }
 .ok { color: #070; font-weight: bold; } .failed { color: #b00; font-weight: bold; }
+.corrupt { color: #fff; background: #b00; font-weight: bold; padding: 0 4px; }
+.stale { color: #850; font-size: 85%; max-width: 30em; }
+.k3lab-card-table th, .k3lab-card-table td { border: none; border-bottom: 1px solid #eee; }
+.k3lab-bar { padding: 1px 6px; border-radius: 3px; font-size: 85%; }
+.k3lab-caveat { color: #a50; font-weight: bold; font-size: 85%; }
+.k3lab-small { font-size: 85%; color: #555; }
 .err { font-family: monospace; white-space: pre-wrap; color: #b00; max-width: 40em; }
 .head td, .head th { border: none; padding: 0 6px 0 0; font-size: 90%; }
 .small { font-size: 85%; color: #444; }
@@ -374,9 +434,12 @@ th, td { border: 1px solid #ccc; padding: 4px 8px; vertical-align: top; text-ali
 
 
 def _link(href: str | None, text: str) -> str:
+    """A link to a file of the folder: the name percent-encoded behind "./", so no file name
+    (``javascript:x.html``, ``a#b.html``) is read as a scheme, a fragment or a query."""
     if not href:
         return ""
-    return f"<a href='{html.escape(href, quote=True)}'>{html.escape(text)}</a>"
+    url = "./" + urllib.parse.quote(href, safe="")
+    return f"<a href='{html.escape(url, quote=True)}'>{html.escape(text)}</a>"
 
 
 def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k3lab reports"):
@@ -384,7 +447,9 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
 
     entries: dicts with name, status ("ok"/"failed"), error, date, seconds, html (relative link
     to the report), failed_html (link to the failed run's page), last_good_date, headline (dict),
-    manifest (dict) and erratum (text or None). Everything is HTML-escaped.
+    manifest (dict), erratum (text or None), stale (files changed since its commit) and card
+    (the summary card's HTML, :func:`k3lab.readable.summary_card`). Everything is
+    HTML-escaped.
     """
     rows = []
     for e in entries:
@@ -393,11 +458,16 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
             _link(e.get("html"), "report" if status == "ok" else "last good report"),
             _link(e.get("failed_html"), "failed run"),
             _link(e.get("metrics"), "metrics")) if x)
-        state = f"<span class='{'ok' if status == 'ok' else 'failed'}'>{html.escape(status)}</span>"
+        css = {"ok": "ok", "corrupt": "corrupt"}.get(status, "failed")
+        state = f"<span class='{css}'>{html.escape(status)}</span>"
         if e.get("error"):
             state += f"<div class='err'>{html.escape(str(e['error']))}</div>"
         if e.get("erratum"):
             state += f"<div class='err'>erratum: {html.escape(str(e['erratum']))}</div>"
+        if e.get("stale"):
+            files = ", ".join(e["stale"][:4]) + (", ..." if len(e["stale"]) > 4 else "")
+            state += (f"<div class='stale'>behind HEAD: {len(e['stale'])} file(s) it depends "
+                      f"on changed since its commit ({html.escape(files)})</div>")
         if status != "ok" and e.get("last_good_date"):
             state += (f"<div class='small'>last good report: "
                       f"{html.escape(str(e['last_good_date']))}</div>")
@@ -405,6 +475,10 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
         head_html = "<table class='head'>" + "".join(
             f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
             for k, v in head.items()) + "</table>" if head else ""
+        if head and e.get("card"):  # the card has the answer; the full headline on demand
+            head_html = (f"<details><summary>headline ({len(head)} figures)</summary>"
+                         f"{head_html}</details>")
+        head_html = (e.get("card") or "") + head_html  # built escaped by readable.summary_card
         if head and status != "ok":
             head_html = "<div class='small'>from the last good report</div>" + head_html
         seconds = e.get("seconds")

@@ -7,16 +7,18 @@ file and an atomic rename. A notebook that fails leaves ``NAME.failed.ipynb``,
 ``NAME.failed.html`` and ``NAME.failed.json`` beside the last good report, which it never
 touches; the batch goes on, and ``index.html`` lists every notebook of the output folder.
 
-Parameters are checked against each notebook's ``parameters`` cell before anything runs.
+Parameters are checked against each notebook's ``parameters`` cell (names, types and the
+contract its comments state, see :mod:`k3lab.parameters`), and the output folder for being
+writable, before anything runs.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import html
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -24,21 +26,25 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from urllib.parse import quote
 
 import k3lab
-from k3lab import report
+from k3lab import folder, readable, report
+from k3lab.parameters import coerce, declared, notebook_parameters, validate
 
-__all__ = ["Result", "notebook_dir", "list_notebooks", "resolve", "notebook_parameters",
-           "validate", "coerce", "run", "update_index", "repo_root", "default_out_dir",
-           "RUN_OPTIONS", "KERNEL_NAME"]
+__all__ = ["Result", "Results", "notebook_dir", "list_notebooks", "resolve",
+           "notebook_parameters", "declared", "validate", "coerce", "run", "update_index",
+           "repo_root", "default_out_dir", "RUN_OPTIONS", "KERNEL_NAME"]
 
 KERNEL_NAME = "python3"
 RUN_OPTIONS = ("device", "preset", "tp")  # given by their own options, injected when declared
 NOTEBOOKS_ENV = "K3LAB_NOTEBOOKS"
-# the kernel's own start-up warnings (e.g. "running over TCP without encryption") would break the
-# one-line-per-notebook progress; errors still show
-KERNEL_ARGS = ["--IPKernelApp.log_level=ERROR"]
+# the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
+# break the one-line-per-notebook progress; a cell's errors still reach the report
+KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",
+               # tables for people: floats to the digits a reader uses (k3lab.readable.human)
+               "--IPKernelApp.exec_lines=import k3lab.readable as _k3r; _k3r.human_tables(); "
+               "del _k3r"]
 
 
 @dataclass
@@ -96,7 +102,7 @@ def resolve(names, nb_dir: str | os.PathLike | None = None) -> list[Path]:
     if not names:
         if not available:
             raise ValueError(f"no notebooks in {notebook_dir(nb_dir)}")
-        return available
+        return _unreserved(available)
     found, unknown = [], []
     for name in names:
         path = Path(name)
@@ -116,136 +122,19 @@ def resolve(names, nb_dir: str | os.PathLike | None = None) -> list[Path]:
         names_list = ", ".join(p.stem for p in available) or "(none)"
         raise ValueError(f"unknown notebook {', '.join(map(repr, unknown))}; "
                          f"available: {names_list}")
-    return list(dict.fromkeys(found))
+    return _unreserved(list(dict.fromkeys(found)))
+
+
+def _unreserved(paths: list[Path]) -> list[Path]:
+    bad = [p.name for p in paths if p.stem.lower() in folder.RESERVED]
+    if bad:
+        raise ValueError(f"notebook {', '.join(bad)}: the names {', '.join(folder.RESERVED)} are "
+                         "reserved for the output folder's index.html and manifest.json; "
+                         "rename the notebook")
+    return paths
 
 
 # ---------------------------------------------------------------- parameters
-
-def _parameters_cell(nb) -> str | None:
-    for cell in nb.cells:
-        if cell.cell_type == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
-            return cell.source
-    return None
-
-
-def notebook_parameters(path: str | os.PathLike) -> dict[str, Any]:
-    """name -> default of the notebook's ``parameters``-tagged cell ({} without one).
-
-    Defaults must be Python literals; a non-literal default is kept as its source text wrapped in
-    :class:`_Expr` (any value is then accepted for it).
-    """
-    import nbformat
-
-    nb = nbformat.read(path, as_version=4)
-    source = _parameters_cell(nb)
-    if source is None:
-        return {}
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as exc:
-        raise ValueError(f"{Path(path).name}: cannot parse the parameters cell: {exc}") from exc
-    params: dict[str, Any] = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            target, value = node.targets[0], node.value
-        elif isinstance(node, ast.AnnAssign) and node.value is not None:
-            target, value = node.target, node.value
-        else:
-            continue
-        if not isinstance(target, ast.Name):
-            continue
-        try:
-            params[target.id] = ast.literal_eval(value)
-        except ValueError:
-            params[target.id] = _Expr(ast.get_source_segment(source, value) or "")
-    return params
-
-
-class _Expr(str):
-    """A parameter default that is an expression, not a literal (no type check for it)."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-_TRUE = {"true", "1", "yes", "on"}
-_FALSE = {"false", "0", "no", "off"}
-
-
-def _type_name(v: Any) -> str:
-    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", tuple: "list",
-            dict: "dict"}.get(type(v), type(v).__name__)
-
-
-def coerce(name: str, value: Any, default: Any) -> Any:
-    """``value`` checked against (and converted to) the type of ``default``.
-
-    Strings (as they come from ``-p KEY=VALUE``) are parsed for non-string defaults: bool from
-    true/false/1/0/yes/no, int, float, list ("[1, 2, 4]" or "1,2,4"), dict. A value of another
-    type raises ValueError naming the parameter and the expected type.
-    """
-    if default is None or isinstance(default, _Expr):
-        if isinstance(value, str):
-            try:
-                return ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                return value
-        return value
-    kind = _type_name(default)
-
-    def bad(why: str = "") -> ValueError:
-        return ValueError(f"parameter {name!r}: expected {kind} (default {default!r}), "
-                          f"got {value!r}{why}")
-
-    if isinstance(value, str) and kind != "str":
-        text = value.strip()
-        if kind == "bool":
-            if text.lower() in _TRUE | _FALSE:
-                return text.lower() in _TRUE
-            raise bad()
-        try:
-            if kind == "int":
-                return int(text)
-            if kind == "float":
-                return float(text)
-            if kind == "list" and not text.startswith(("[", "(")):
-                text = f"[{text}]"
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError) as exc:
-            raise bad() from exc
-    if kind == "bool":
-        ok = isinstance(value, bool)
-    elif kind == "int":
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind == "float":
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif kind == "list":
-        ok = isinstance(value, list | tuple)
-        value = list(value) if ok else value
-    else:
-        ok = isinstance(value, type(default))
-    if not ok:
-        raise bad()
-    return value
-
-
-def validate(path: str | os.PathLike, params: dict) -> dict:
-    """``params`` checked against the notebook's parameters; returns them coerced.
-
-    Unknown key: ValueError naming it and the allowed keys. Wrong type: ValueError (see coerce).
-    """
-    declared = notebook_parameters(path)
-    name = Path(path).stem
-    unknown = [k for k in params if k not in declared]
-    if unknown:
-        raise ValueError(f"{name}: unknown parameter {', '.join(map(repr, unknown))}; "
-                         f"allowed: {', '.join(declared) or '(none)'}")
-    try:
-        return {k: coerce(k, v, declared[k]) for k, v in params.items()}
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-
 
 def _check_options(device: str, preset: str, tp: int) -> None:
     from k3lab.config import preset as make_preset
@@ -265,29 +154,39 @@ def _plan(paths: list[Path], options: dict, params: dict) -> list[dict]:
     clash = [k for k in params if k in RUN_OPTIONS]
     if clash:
         raise ValueError(f"parameter {clash[0]!r} has its own option: use --{clash[0]}")
-    declared = {p: notebook_parameters(p) for p in paths}
-    unknown = [k for k in params if not any(k in d for d in declared.values())]
+    decl = {p: declared(p) for p in paths}
+    unknown = [k for k in params if not any(k in d for d in decl.values())]
     if unknown:
-        allowed = sorted({k for d in declared.values() for k in d if k not in RUN_OPTIONS})
+        allowed = sorted({k for d in decl.values() for k in d if k not in RUN_OPTIONS})
         raise ValueError(f"unknown parameter {', '.join(map(repr, unknown))} for "
                          f"{', '.join(p.stem for p in paths)}; allowed: "
                          f"{', '.join(allowed) or '(none)'}")
     plans = []
     for p in paths:
-        given = {k: v for k, v in {**options, **params}.items() if k in declared[p]}
-        plans.append(validate(p, given))
+        given = {k: v for k, v in {**options, **params}.items() if k in decl[p]}
+        plans.append(validate(p, given, decl[p]))
     return plans
+
+
+def _check_timeout(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TypeError(f"timeout: expected seconds as a number, got {timeout!r}")
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"--timeout: expected a positive number of seconds, got {timeout!r}")
+    return float(timeout)
 
 
 # ---------------------------------------------------------------- executing
 
 @contextlib.contextmanager
 def _quiet_papermill():
-    """papermill warns about what the runner has already checked (parameter cell parsing,
-    unknown parameters); keep its errors only, so progress stays one line per notebook."""
+    """papermill logs what the runner checks or reports itself (parameter cell parsing, unknown
+    parameters, a cell timeout); keep it quiet so progress stays one line per notebook."""
     log = logging.getLogger("papermill")
     level = log.level
-    log.setLevel(logging.ERROR)
+    log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
@@ -336,7 +235,17 @@ def _check_kernel() -> None:
                       "k3lab must be importable there", file=sys.stderr)
 
 
-def _error_text(exc: BaseException) -> str:
+def _error_text(exc: BaseException, timeout: float | None = None) -> str:
+    """One line: the cell's exception, or what timed out."""
+    from nbclient.exceptions import CellTimeoutError
+
+    if isinstance(exc, CellTimeoutError | TimeoutError):
+        preview = re.search(r"-{5,}\n(.*?)\n-{5,}", str(exc), re.S)
+        lines = [ln.strip() for ln in preview.group(1).splitlines()] if preview else []
+        cell = "; ".join(ln for ln in lines if ln)[:80]
+        cell = f": {cell}" if cell else ""
+        return f"timed out: a cell ran longer than --timeout {timeout:g} s{cell}" if timeout \
+            else f"timed out{cell}"
     ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
     if ename:
         where = getattr(exc, "exec_count", None)
@@ -348,144 +257,245 @@ def _write_json(path: Path, data: dict) -> None:
     report.atomic_write_text(path, json.dumps(report.json_safe(data), indent=1) + "\n")
 
 
-def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: float | None,
-             hide_code: bool) -> Result:
+def _header(name: str, params: dict, man: dict) -> str:
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items()) or "defaults"
+    return (f"<div class='k3lab-header'><b>k3lab report {html.escape(name)}</b>: "
+            f"{html.escape(shown)}. Run {html.escape(str(man['date']))} on "
+            f"{html.escape(report.manifest_summary(man))}.</div>")
+
+
+def _publish_ok(name: str, out_dir: Path, tmp: Path, page: str, info: dict, metrics: dict,
+                seconds: float) -> Result:
+    report.atomic_write_text(out_dir / f"{name}.html", page)
+    if metrics["warnings"]:
+        report.atomic_write_text(out_dir / f"{name}.log", "".join(metrics["warnings"]))
+    else:
+        (out_dir / f"{name}.log").unlink(missing_ok=True)
+    os.replace(tmp, out_dir / f"{name}.ipynb")
+    _write_json(out_dir / f"{name}.metrics.json",
+                {**info, "status": "ok", "error": None, "headline": metrics["headline"],
+                 "records": metrics["records"]})
+    for suffix in (".failed.ipynb", ".failed.html", ".failed.json"):
+        (out_dir / f"{name}{suffix}").unlink(missing_ok=True)
+    return Result(name, "ok", seconds, None, out_dir / f"{name}.ipynb",
+                  out_dir / f"{name}.html", out_dir / f"{name}.metrics.json")
+
+
+def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code: bool,
+                    info: dict, error: str, seconds: float) -> Result:
+    failed_nb, failed_html = out_dir / f"{name}.failed.ipynb", None
+    if tmp.exists() and tmp.stat().st_size:
+        with contextlib.suppress(Exception):  # a half-written notebook may not render
+            page = report.to_html(tmp, hide_code=hide_code, title=f"{name} (failed)",
+                                  header=header, folder=out_dir)
+            failed_html = report.atomic_write_text(out_dir / f"{name}.failed.html", page)
+        os.replace(tmp, failed_nb)
+    else:
+        failed_nb = None
+    _write_json(out_dir / f"{name}.failed.json", {**info, "status": "failed", "error": error})
+    return Result(name, "failed", seconds, error, failed_nb, failed_html,
+                  out_dir / f"{name}.failed.json")
+
+
+def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
+             timeout: float | None, hide_code: bool, header: str, progress: dict | None):
+    """Run the notebook into ``tmp``; (error or None, report page, metrics)."""
     import nbformat
     import papermill
 
-    name = src.stem
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.", suffix=".running.ipynb")
-    os.close(fd)
-    tmp = Path(tmp)
-    report.readable(tmp)
-    man = report.manifest({**options, **params})
-    shown = ", ".join(f"{k}={v!r}" for k, v in params.items()) or "defaults"
-    header = (f"<div class='k3lab-header'><b>k3lab report {html.escape(name)}</b>: "
-              f"{html.escape(shown)}. Run {html.escape(str(man['date']))} on "
-              f"{html.escape(report.manifest_summary(man))}.</div>")
-    t0 = time.perf_counter()
-    error = None
     try:
-        with _kernel_env(options["device"]), _quiet_papermill():
+        with _kernel_env(man["device"]), _quiet_papermill():
             papermill.execute_notebook(
                 str(src), str(tmp), parameters=params, kernel_name=KERNEL_NAME,
-                cwd=str(repo_root()), execution_timeout=timeout, progress_bar=False,
+                cwd=str(repo_root()), execution_timeout=timeout,
+                progress_bar=progress if progress is not None else False,
                 log_output=False, extra_arguments=KERNEL_ARGS)
-        nb = nbformat.read(tmp, as_version=4)
+        nb = nbformat.read(tmp, as_version=4)  # the page's copy: the .ipynb keeps everything
         metrics = report.read_metrics(nb)
-        page = report.to_html(nb, hide_code=hide_code, title=name, header=header,
-                              folder=out_dir)
+        metrics["warnings"] = readable.split_warnings(nb)
+        readable.fold_long_tables(nb)
+        card = readable.summary_card(metrics["records"], metrics["headline"], man)
+        logged = (f"<div class='k3lab-small'>{len(metrics['warnings'])} warning(s) of the run "
+                  f"are in <a href='./{quote(src.stem)}.log'>{html.escape(src.stem)}.log</a>"
+                  "</div>") if metrics["warnings"] else ""
+        page = report.to_html(nb, hide_code=hide_code, title=src.stem,
+                              header=header + card + logged, folder=out_dir)
     except Exception as exc:  # a failing notebook is reported, and the batch goes on
-        error = _error_text(exc)
-    seconds = time.perf_counter() - t0
-    info = {"notebook": name, "source": str(src), "seconds": round(seconds, 3),
-            "parameters": params, "manifest": man}
+        return _error_text(exc, timeout), None, None
+    return None, page, metrics
+
+
+def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: float | None,
+             hide_code: bool, progress: dict | None = None, source: str | None = None) -> Result:
+    """Execute one notebook into ``out_dir``. A failing notebook and a report that cannot be
+    written (disk full, a folder in the way) both give a failed Result; the batch goes on.
+    source: the notebook's path as recorded (default ``src``; a Ray task runs a copy)."""
+    name = src.stem
+    t0 = time.perf_counter()
     try:
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.{os.getpid()}-",
+                                   suffix=".running.ipynb")
+        os.close(fd)
+    except OSError as exc:
+        return Result(name, "failed", 0.0, f"could not create a temp file in {out_dir}: {exc}")
+    tmp = Path(tmp)
+    try:  # tmp goes whatever happens, a Ctrl-C included
+        report.readable(tmp)
+        man = report.manifest({**options, **params})
+        header = _header(name, params, man)
+        error, page, metrics = _execute(src, tmp, out_dir, params, man, timeout, hide_code,
+                                        header, progress)
+        seconds = time.perf_counter() - t0
+        info = {"notebook": name, "source": source or str(src), "seconds": round(seconds, 3),
+                "parameters": params, "manifest": man}
         if error is None:
-            report.atomic_write_text(out_dir / f"{name}.html", page)
-            os.replace(tmp, out_dir / f"{name}.ipynb")
-            _write_json(out_dir / f"{name}.metrics.json",
-                        {**info, "status": "ok", "error": None, "headline": metrics["headline"],
-                         "records": metrics["records"]})
-            for suffix in (".failed.ipynb", ".failed.html", ".failed.json"):
-                (out_dir / f"{name}{suffix}").unlink(missing_ok=True)
-            return Result(name, "ok", seconds, None, out_dir / f"{name}.ipynb",
-                          out_dir / f"{name}.html", out_dir / f"{name}.metrics.json")
-        failed_nb = out_dir / f"{name}.failed.ipynb"
-        failed_html = None
-        if tmp.exists() and tmp.stat().st_size:
-            with contextlib.suppress(Exception):  # a half-written notebook may not render
-                page = report.to_html(tmp, hide_code=hide_code, title=f"{name} (failed)",
-                                      header=header, folder=out_dir)
-                failed_html = report.atomic_write_text(out_dir / f"{name}.failed.html", page)
-            os.replace(tmp, failed_nb)
-        else:
-            failed_nb = None
-        _write_json(out_dir / f"{name}.failed.json", {**info, "status": "failed", "error": error})
-        return Result(name, "failed", seconds, error, failed_nb, failed_html,
-                      out_dir / f"{name}.failed.json")
+            try:
+                return _publish_ok(name, out_dir, tmp, page, info, metrics, seconds)
+            except OSError as exc:
+                error = f"could not write the report: {exc}"
+        try:
+            return _publish_failed(name, out_dir, tmp, header, hide_code, info, error, seconds)
+        except OSError as exc:
+            return Result(name, "failed", seconds,
+                          f"{error}; could not write the failure record either: {exc}")
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _load(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+def update_index(out_dir: str | os.PathLike, repo: str | os.PathLike | None = None) -> Path:
+    """Rewrite ``out_dir/index.html`` and ``out_dir/manifest.json`` (see
+    :func:`k3lab.folder.update_index`)."""
+    return folder.update_index(out_dir, repo)
 
 
-def update_index(out_dir: str | os.PathLike) -> Path:
-    """Rewrite ``out_dir/index.html`` and ``out_dir/manifest.json`` (each report's status and
-    manifest: git commit, GPU, driver, torch, triton, date) from every report found there, and
-    drop the shared stylesheets of ``out_dir/_assets`` that no report links any more.
+class Results(list):
+    """The batch's :class:`Result` list, with ``index`` (the index page, None when it could not
+    be written) and ``interrupted`` (the notebook a Ctrl-C stopped, else None)."""
 
-    A committed ``<name>.erratum.txt`` beside a report (a person's note of a mistake found in it
-    after it ran, e.g. a bar check that left out a requirement) is shown with it; the measured
-    report itself is never edited."""
-    out_dir = Path(out_dir)
-    names = sorted({p.name.removesuffix(suffix) for suffix in (".metrics.json", ".failed.json")
-                    for p in out_dir.glob(f"*{suffix}") if not p.name.startswith(".")})
-    entries = []
-    for name in names:
-        good = _load(out_dir / f"{name}.metrics.json")
-        failed = _load(out_dir / f"{name}.failed.json")
-        latest = failed or good or {}
-        erratum = out_dir / f"{name}.erratum.txt"
-        entries.append({
-            "erratum": erratum.read_text().strip() if erratum.exists() else None,
-            "name": name,
-            "status": "failed" if failed else "ok",
-            "error": failed.get("error") if failed else None,
-            "date": (latest.get("manifest") or {}).get("date"),
-            "seconds": latest.get("seconds"),
-            "html": f"{name}.html" if good and (out_dir / f"{name}.html").exists() else None,
-            "failed_html": (f"{name}.failed.html"
-                            if failed and (out_dir / f"{name}.failed.html").exists() else None),
-            "metrics": f"{name}.metrics.json" if good else None,
-            "last_good_date": (good.get("manifest") or {}).get("date") if good else None,
-            "headline": (good or {}).get("headline"),
-            "manifest": latest.get("manifest"),
-        })
-    report.prune_shared_assets(out_dir)
-    _write_json(out_dir / "manifest.json", {
-        "reports": {e["name"]: {"status": e["status"], "manifest": e["manifest"],
-                                **({"erratum": e["erratum"]} if e["erratum"] else {})}
-                    for e in entries}})
-    return report.write_index(out_dir, entries)
+    index: Path | None = None
+    interrupted: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.index is not None and not self.interrupted and all(r.ok for r in self)
+
+
+def _last_seconds(out: Path, name: str) -> float | None:
+    record, _ = folder.load_record(out / f"{name}.metrics.json")
+    seconds = (record or {}).get("seconds")
+    return float(seconds) if seconds is not None else None
+
+
+def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results,
+                  line, ray_address: str | None = None) -> None:
+    from k3lab import batch
+
+    done: dict[int, Result] = {}
+
+    def on_done(i, res, gpu):
+        done[i] = res
+        line(i + 1, res, lasts[i], f"  [gpu {gpu}]" if gpu is not None else "")
+
+    def on_error(i, exc):
+        return Result(paths[i].stem, "failed", 0.0, f"worker failed: {_error_text(exc)}")
+
+    pairs = list(enumerate(zip(paths, plans, strict=True)))
+    if ray_address:
+        tasks = [(i, (p, nb_params, options, timeout, hide_code)) for i, (p, nb_params) in pairs]
+        completed = batch.run_ray(tasks, ray_address, str(options["device"]).startswith("cuda"),
+                                  out, on_done, on_error)
+    else:
+        slots = batch.gpu_slots(options["device"], min(jobs, len(paths)))
+        if len(slots) < min(jobs, len(paths)):
+            print(f"k3lab: --jobs {jobs} on {len(slots)} GPU(s): {len(slots)} at a time, one "
+                  "notebook per GPU, so that timings do not disturb each other", flush=True)
+        tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None))
+                 for i, (p, nb_params) in pairs]
+        completed = batch.run_slots(tasks, slots, _run_one, on_done, on_error)
+    results.extend(done[i] for i in sorted(done))
+    if not completed:
+        results.interrupted = ", ".join(p.stem for i, p in enumerate(paths) if i not in done) \
+            or "the last notebooks"
 
 
 def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 1,
         params: dict | None = None, out_dir: str | os.PathLike | None = None,
         timeout: float | None = None, progress: bool = True, hide_code: bool = True,
-        notebook_dir: str | os.PathLike | None = None) -> list[Result]:
+        notebook_dir: str | os.PathLike | None = None, cells: bool = False,
+        jobs: int = 1, ray: str | None = None) -> Results:
     """Execute ``notebooks`` (names, see :func:`resolve`; None: all) and write their reports.
 
     device / preset / tp are injected into each notebook that declares them; every other key of
     ``params`` must be declared by at least one selected notebook and goes only to those. All
-    parameters of all notebooks are validated before the first one runs (ValueError). timeout:
-    per-cell limit in seconds. Returns one :class:`Result` per notebook; check ``r.ok``.
+    parameters of all notebooks, the timeout and the output folder are checked before the first
+    one runs (ValueError / TypeError). timeout: per-cell limit in seconds. progress: one line per
+    notebook; cells: a per-cell progress bar too (one notebook at a time only). jobs: notebooks
+    run at once, each in a worker process, one GPU each on a multi-GPU host (see
+    :mod:`k3lab.batch`). ray: a Ray cluster's address ("local" starts one here): every
+    notebook a Ray task asking for one GPU (one CPU on a CPU run), its files sent back here.
+    Returns one :class:`Result` per notebook, in order; a Ctrl-C stops the
+    batch, keeps every report written so far and sets ``interrupted``.
     """
     options = {"device": device, "preset": preset, "tp": tp}
     _check_options(device, preset, tp)
+    timeout = _check_timeout(timeout)
+    if isinstance(jobs, bool) or not isinstance(jobs, int):
+        raise TypeError(f"jobs: expected an int, got {jobs!r}")
+    if jobs < 1:
+        raise ValueError(f"--jobs: expected at least 1, got {jobs}")
     paths = resolve(notebooks, notebook_dir)
     plans = _plan(paths, options, dict(params or {}))
     _check_kernel()
-    out = Path(out_dir) if out_dir is not None else default_out_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    if progress:
-        print(f"k3lab: {len(paths)} notebook(s) on {device}, preset {preset}, tp {tp} -> {out}",
-              flush=True)
-    results = []
+    out = folder.prepare(Path(out_dir) if out_dir is not None else default_out_dir())
+    removed, busy = folder.remove_stale(out)
+    say = (lambda text: print(text, flush=True)) if progress else (lambda text: None)
+    say(f"k3lab: {len(paths)} notebook(s) on {device}, preset {preset}, tp {tp} -> {out}")
+    if removed:
+        say(f"k3lab: removed {len(removed)} temp file(s) a killed run left: {', '.join(removed)}")
+    if busy:
+        say(f"k3lab: left {len(busy)} temp file(s) of a run still going: {', '.join(busy)}")
+    results = Results()
     width = max(len(p.stem) for p in paths)
-    for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
-        res = _run_one(path, out, nb_params, options, timeout, hide_code)
-        results.append(res)
-        if progress:
-            line = f"[{i}/{len(paths)}] {res.name:<{width}}  {res.status:<6} {res.seconds:7.1f} s"
-            print(line + (f"  {res.error}" if res.error else ""), flush=True)
-    index = update_index(out)
-    if progress:
+
+    def line(i: int, res: Result, last: float | None, where: str = "") -> None:
+        was = f"  (last {last:.1f} s)" if last is not None else ""
+        say(f"[{i}/{len(paths)}] {res.name:<{width}}  {res.status:<6} {res.seconds:7.1f} s"
+            + where + (f"  {res.error}" if res.error else was))
+
+    lasts = [_last_seconds(out, p.stem) for p in paths]
+    if jobs > 1 or ray:
+        _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results, line,
+                      ray)
+    else:
+        for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
+            last = lasts[i - 1]
+            bar = None
+            if cells and progress:  # papermill's tqdm bar: cells done, elapsed, cells per second
+                was = f" (last run {last:.0f} s)" if last is not None else ""
+                bar = {"desc": f"[{i}/{len(paths)}] {path.stem}{was}", "unit": "cell",
+                       "leave": False}
+            try:
+                res = _run_one(path, out, nb_params, options, timeout, hide_code, bar)
+            except KeyboardInterrupt:
+                results.interrupted = path.stem
+                # the kernel died with the interrupt: its pending nbclient task would print a
+                # "Task exception was never retrieved" trace when collected
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+                break
+            results.append(res)
+            line(i, res, last)
+    try:
+        results.index = update_index(out)
+    except OSError as exc:
+        print(f"k3lab: error: could not write the index of {out}: {exc}", file=sys.stderr,
+              flush=True)
+    if results.interrupted:
+        kept = ", ".join(r.name for r in results) or "none"
+        print(f"k3lab: interrupted while running {results.interrupted}: last good reports are "
+              f"untouched; finished before it: {kept}; nothing else ran"
+              + (f"; index: {results.index}" if results.index else ""),
+              file=sys.stderr, flush=True)
+    elif results.index is not None:
         failed = sum(not r.ok for r in results)
-        print(f"k3lab: {len(results) - failed} ok, {failed} failed; index: {index}", flush=True)
+        say(f"k3lab: {len(results) - failed} ok, {failed} failed; index: {results.index}")
     return results

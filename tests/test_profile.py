@@ -288,3 +288,20 @@ def test_quiet_warnings_silence_only_their_notices():
                       UserWarning, stacklevel=1)
         warnings.warn("a warning worth reading", UserWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["a warning worth reading"]
+
+
+@pytest.mark.parametrize("name, short", [
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+     "std::array<char*, 1ul> >(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)",
+     "vectorized_elementwise_kernel<4, FillFunctor<float>, array<char*, 1ul> >"),
+    ("std::enable_if<!(false), void>::type internal::gpu_kernel_impl_nocast<"
+     "at::native::MulFunctor<float> >(at::TensorIteratorBase&, at::native::MulFunctor<float> "
+     "const&)", "internal::gpu_kernel_impl_nocast<MulFunctor<float> >"),
+    ("std::enable_if<!true, void>::type at::native::(anonymous namespace)::"
+     "elementwise_kernel<128, 4>(int, Foo)", "elementwise_kernel<128, 4>"),
+    ("void f(int)", "f"), ("triton_poi_fused_add_0", "triton_poi_fused_add_0"),
+    ("Memcpy DtoD (Device -> Device)", "Memcpy DtoD (Device -> Device)"),
+    ("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT", "nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT"),
+], ids=["vectorized", "enable_if-paren", "enable_if-anon", "void", "triton", "memcpy", "nvjet"])
+def test_short_kernel_name_drops_return_types_and_arguments(name, short):
+    assert profile.short_kernel_name(name) == short

@@ -176,10 +176,10 @@ def test_write_index_escapes_and_links(tmp_path):
     path = report.write_index(tmp_path, entries)
     page = path.read_text()
     assert "<script>alert" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
-    assert "<b>00_&lt;overview&gt;</b>" in page and "href='00_&lt;overview&gt;.html'" in page
-    assert "<th>&lt;k&gt;</th><td>&lt;v&gt;</td>" in page and "<td>3.142</td>" in page
+    assert "<b>00_&lt;overview&gt;</b>" in page and "href='./00_%3Coverview%3E.html'" in page
+    assert "<th>&lt;k&gt;</th><td>&lt;v&gt;</td>" in page and "<td>3.14</td>" in page
     assert "NVIDIA H200, driver 570.1, preset kimi-k3, tp 8" in page and "(dirty)" in page
-    assert "last good report" in page and "href='10_route.failed.html'" in page
+    assert "last good report" in page and "href='./10_route.failed.html'" in page
     assert [p.name for p in tmp_path.iterdir()] == ["index.html"]  # no temp file left
 
 

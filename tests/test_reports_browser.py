@@ -117,3 +117,35 @@ def test_checker_catches_a_broken_page(browser, tmp_path):
     kinds = {p.split(":")[0] for p in problems}
     assert {"console", "broken image", "broken link"} <= kinds
     assert any(p.startswith("broken link") and p.endswith("gone.css") for p in problems)
+
+
+def test_index_card_is_visible(browser, tmp_path):
+    """The summary card of a report's metrics shows at the top of its index row, its verdicts
+    coloured, and the folded headline opens on a click."""
+    import json
+
+    records = [{"boundary": "route", "variant": v, "role": r, "metric": m, "mode": mode,
+                "value": x, "sweep": None}
+               for v, r, m, mode, x in (("reference", "reference", "launches", "", 53.0),
+                                        ("fused", "fused", "launches", "", 1.0),
+                                        ("fused", "fused", "latency_us", "graph", 9.09),
+                                        ("fused", "fused", "speedup_vs_reference", "graph",
+                                         15.4))]
+    (tmp_path / "10_route.metrics.json").write_text(json.dumps({
+        "notebook": "10_route", "status": "ok", "seconds": 1.0, "records": records,
+        "headline": {"bar met": False, "fused launches": 1},
+        "manifest": {"device": "cuda", "gpu": "NVIDIA H200", "date": "2026-01-01"}}))
+    index = runner.update_index(tmp_path)
+    assert _check_page(browser, index, tmp_path / "shots") == []
+    page = browser.new_page()
+    page.goto(index.as_uri(), wait_until="load")
+    card = page.locator(".k3lab-card").first
+    assert card.is_visible() and "53 → 1" in card.inner_text() and "15.4x" in card.inner_text()
+    bar = page.locator(".k3lab-bar").first
+    assert "bar met: no" in bar.inner_text()
+    assert page.evaluate("getComputedStyle(document.querySelector('.k3lab-bar')).color") \
+        == "rgb(153, 0, 0)"
+    assert not page.locator("table.head").first.is_visible()  # folded
+    page.locator("details summary").first.click()
+    assert page.locator("table.head").first.is_visible()
+    page.close()

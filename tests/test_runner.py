@@ -185,7 +185,7 @@ def test_index_lists_every_notebook_with_status(batch):
     assert page.count("class='ok'") == 2 and page.count("class='failed'") == 1
     assert "ZeroDivisionError: division by zero" in page
     assert "<th>sum_sizes</th><td>7</td>" in page
-    assert "href='00_echo.html'" in page and "href='20_broken.failed.html'" in page
+    assert "href='./00_echo.html'" in page and "href='./20_broken.failed.html'" in page
     manifest = _json(out / "manifest.json")["reports"]
     assert {k: v["status"] for k, v in manifest.items()} == {
         "00_echo": "ok", "10_other": "ok", "20_broken": "failed"}
@@ -264,3 +264,68 @@ def test_erratum_shown_beside_report_untouched(batch, tmp_path):
     assert manifest["00_echo"]["erratum"] == "the <bar> check left out a row"
     assert "erratum" not in manifest["10_other"]
     assert (out / "00_echo.metrics.json").read_bytes() == before
+
+
+def test_cell_progress_with_last_run_and_quiet(batch, nb_env, tmp_path, capsys):
+    """A per-cell bar (papermill's tqdm) names the notebook and the previous run's time;
+    --quiet prints nothing but errors."""
+    _, batch_out = batch
+    out = tmp_path / "out"
+    shutil.copytree(batch_out, out)
+    last = _json(out / "10_other.metrics.json")["seconds"]
+    runner.run(["other"], out_dir=out, cells=True)
+    captured = capsys.readouterr()
+    assert f"[1/1] 10_other (last run {last:.0f} s)" in captured.err and "cell" in captured.err
+    assert f"(last {last:.1f} s)" in captured.out
+    assert cli.main(["run", "other", "-q", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ""
+
+
+def test_report_is_for_people(batch):
+    """Floats at a reader's precision, long tables folded, warnings in a log beside the page
+    (the executed notebook keeps them)."""
+    _, out = batch
+    page = (out / "00_echo.html").read_text()
+    assert "670.015991" not in page and "1.192093e-07" not in page and "530.0<" not in page
+    assert ">670<" in page.replace("</td>", "<").replace("<td>", ">") and "1.2e-07" in page
+    assert "<details><summary>table of 40 rows" in page
+    assert "FIXTURE_WARNING" not in page and "warning(s) of the run" in page
+    assert "FIXTURE_WARNING" in (out / "00_echo.log").read_text()
+    assert "FIXTURE_WARNING" in (out / "00_echo.ipynb").read_text()
+    assert not (out / "10_other.log").exists()
+
+
+def test_jobs_run_notebooks_concurrently(batch, nb_env, tmp_path, capsys):
+    """--jobs 2 on the CPU: every notebook in a worker of its own, the same files and index as
+    one at a time, the results in notebook order."""
+    _, serial = batch
+    out = tmp_path / "out"
+    assert cli.main(["run", "--jobs", "2", "--tp", "2", "-p", "label=hello", "-p", "sizes=[3,4]",
+                     "-p", "scale=2", "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert sorted(ln.split()[1] for ln in text.splitlines() if ln.startswith("[")) == [
+        "00_echo", "10_other", "20_broken"]
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == sorted(
+        p.name for p in serial.iterdir() if p.is_file())
+    assert _json(out / "00_echo.metrics.json")["records"] == \
+        _json(serial / "00_echo.metrics.json")["records"]
+    assert _json(out / "manifest.json")["reports"].keys() == {"00_echo", "10_other",
+                                                              "20_broken"}
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2"])
+def test_bad_jobs_exit_2(nb_env, tmp_path, capsys, jobs):
+    assert cli.main(["run", "echo", f"--jobs={jobs}", "--out", str(tmp_path / "o")]) == 2
+    assert "--jobs" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_cuda_slots_never_share_a_gpu():
+    import torch
+
+    from k3lab import batch
+
+    assert batch.gpu_slots("cpu", 3) == [None, None, None]
+    n = torch.cuda.device_count()
+    slots = batch.gpu_slots("cuda", 8)
+    assert slots == ([None] if n <= 1 else [str(i) for i in range(min(8, n))])
