@@ -25,7 +25,6 @@ docs/decisions.md).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -33,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .runtime import check_device
+from .runtime import check_device, check_number
 
 __all__ = ["mla_decode", "default_num_splits", "MLAConfig", "BLOCK_H", "MAX_SPLITS",
            "COMBINE_MAX_BLOCK_S"]
@@ -399,9 +398,7 @@ def _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits):
                              f"{t.stride()}")
     if not seq_lens.is_contiguous():
         raise ValueError("seq_lens: expected a contiguous tensor")
-    if (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
-            or not math.isfinite(sm_scale) or sm_scale <= 0):
-        raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale!r}")
+    check_number("sm_scale", sm_scale, positive=True)
     if num_splits is not None and (isinstance(num_splits, bool)
                                    or not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= MAX_SPLITS):

@@ -6,8 +6,10 @@ import torch
 
 from ..plan import RoutePlan
 from ..route import route_sort
+from ..runtime import check_number
 from .checks import (
     check_activation,
+    check_betas,
     check_config,
     check_experts,
     check_plan,
@@ -93,6 +95,7 @@ def latent_moe_tail(y: torch.Tensor, norm_weight: torch.Tensor | None,
     shared_out, shared_a, shared_w2 = _tail_shared(shared, y, m, h, config)
     if up_weight is None and shared is None:
         raise ValueError("shared: without a latent (up_weight None) the tail needs a shared term")
+    eps = check_number("eps", eps, positive=True)
     tail = _tail_args(config, y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps)
     _launch_stage2_tail(config, None, tail)
     return tail[2]
@@ -159,7 +162,8 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     m, h = x.shape
     check_tokens("x", m)
     act = check_activation(cfg.activation)
-    betas = (cfg.situ_beta, cfg.situ_linear_beta)
+    betas = check_betas(cfg.situ_beta, cfg.situ_linear_beta)
+    check_number("cfg.rms_eps", cfg.rms_eps, positive=True)
     w13, w2, (e, d, i) = _check_block_weights(x, weights, cfg, plan)
     if plan is None:
         plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,

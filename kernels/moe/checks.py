@@ -6,11 +6,11 @@ import torch
 
 from ..mxfp4 import MXFP4, MXFP4_GROUP, mxfp4_tiled_ok
 from ..plan import RoutePlan
-from ..runtime import check_tensor
+from ..runtime import check_number, check_tensor
 from .config import MoEConfig
 
 __all__ = ["MAX_TOKENS", "ACT_CODES", "check_config", "check_tensor", "check_tokens",
-           "check_experts", "check_plan", "check_prepared", "check_activation",
+           "check_experts", "check_plan", "check_betas", "check_prepared", "check_activation",
            "check_shared_weights", "pairs"]
 
 # Decode-batch kernels: a GEMV tile serves its M tokens one after the other from registers, so
@@ -38,6 +38,12 @@ def check_activation(activation) -> int:
     if activation not in ACT_CODES:
         raise ValueError(f"activation: expected one of {sorted(ACT_CODES)}, got {activation!r}")
     return ACT_CODES[activation]
+
+
+def check_betas(situ_beta, situ_linear_beta) -> tuple[float, float]:
+    """SiTU's two betas: finite and positive (each divides a tanh argument)."""
+    return (check_number("situ_beta", situ_beta, positive=True),
+            check_number("situ_linear_beta", situ_linear_beta, positive=True))
 
 
 def pairs(name, t):

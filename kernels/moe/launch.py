@@ -14,6 +14,7 @@ from ..plan import RoutePlan
 from ..runtime import INTERPRETED
 from .checks import (
     check_activation,
+    check_betas,
     check_config,
     check_experts,
     check_plan,
@@ -130,6 +131,7 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
     m, h = x.shape
     check_tokens("x", m)
     act = check_activation(activation)
+    situ_beta, situ_linear_beta = check_betas(situ_beta, situ_linear_beta)
     x_p = pairs("x", x)
     d = s = 0
     if down_weight is not None:
@@ -229,6 +231,7 @@ def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ
     m, d = z.shape
     check_tokens("z", m)
     act = check_activation(activation)
+    situ_beta, situ_linear_beta = check_betas(situ_beta, situ_linear_beta)
     e, two_i, k, _ = check_experts("w13", w13, z.device)
     if k != d or two_i % 4:
         raise ValueError(f"w13: expected [E, 2I, D={d}] with I even, got {list(w13.shape)}")
