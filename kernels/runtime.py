@@ -14,7 +14,8 @@ import os
 
 import torch
 
-__all__ = ["INTERPRETED", "prepare", "check_device", "check_tensor", "check_number"]
+__all__ = ["INTERPRETED", "prepare", "check_device", "check_tensor", "check_number",
+           "VALIDATE_MODES", "check_validate"]
 
 
 def prepare() -> bool:
@@ -69,3 +70,14 @@ def check_number(name: str, value, *, positive: bool = False) -> float:
     if positive and not value > 0:
         raise ValueError(f"{name}: expected a positive number, got {value!r}")
     return float(value)
+
+
+# How much a launcher checks on entry: "cheap" (shapes, dtypes, devices, scalars: no host sync,
+# so CUDA-graph capture works) or "full" (also values in device tensors: a host sync per call).
+VALIDATE_MODES = ("cheap", "full")
+
+
+def check_validate(validate) -> str:
+    if validate not in VALIDATE_MODES:
+        raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {validate!r}")
+    return validate
