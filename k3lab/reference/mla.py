@@ -44,7 +44,8 @@ def check_seq_lens(seq_lens: torch.Tensor, max_len: int, validate: str = "cheap"
         raise ValueError(f"validate: expected 'cheap' or 'full', got {validate!r}")
     if seq_lens.device.type != "cpu" and validate != "full":
         return
-    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    lens = seq_lens.cpu().numpy()  # no ATen op on host tensors (CPU launch counts unchanged)
+    lo, hi = int(lens.min()), int(lens.max())
     if lo < 0 or hi > max_len:
         raise ValueError(f"seq_lens: expected lengths in [0, L_max={max_len}] (the cache's "
                          f"rows), got min {lo}, max {hi}")
