@@ -11,6 +11,7 @@ from .checks import (
     check_activation,
     check_betas,
     check_config,
+    check_deterministic,
     check_experts,
     check_plan,
     check_shared_weights,
@@ -139,8 +140,8 @@ def _check_block_weights(x, weights, cfg, plan):
 
 
 def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
-              block_m: int = 1, deterministic: bool = False, fuse_tail: bool = True,
-              config: MoEConfig | None = None) -> torch.Tensor:
+              block_m: int = 1, deterministic: bool | None = None, fuse_tail: bool = True,
+              config: MoEConfig | None = None, validate: str = "cheap") -> torch.Tensor:
     """The latent MoE block of ARCHITECTURE.md section 4: route_sort (unless ``plan`` is given),
     front (latent down + shared gate/up), stage 1, then stage 2 and the tail (+ shared down) as
     one ticket-ordered launch: 3 launches given a plan, route_sort's plus 3 with routing.
@@ -155,9 +156,12 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     (gate_weight, correction_bias; latent_down [D, H], latent_norm [D], latent_up [H, D] when
     cfg.latent; w13 [E, 2I, D], w2 [E, D, I] bf16 or MXFP4; shared_w13 [2S, H], shared_w2
     [H, S] when cfg.shared_intermediate). cfg: a k3lab Preset. plan: a RoutePlan for x (skips
-    routing; block_m is then the plan's; its out is re-zeroed by stage 1). Returns bf16 [M, H].
+    routing; block_m is then the plan's; its out is re-zeroed by stage 1). deterministic: the
+    stage-2 mode (None: ``config.deterministic_stage2``). validate: "cheap" or "full" (the
+    plan's values too: one host sync; see moe_stage1). Returns bf16 [M, H].
     """
     config = check_config(config)
+    deterministic = check_deterministic(deterministic, config)
     check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
     m, h = x.shape
     check_tokens("x", m)
@@ -170,7 +174,7 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
                           n_group=cfg.n_group, topk_group=cfg.topk_group,
                           renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
                           block_m=block_m, out_dim=d)
-    _, _, n_tiles = check_plan(plan, m, e, x.device, out_dim=d)
+    _, _, n_tiles = check_plan(plan, m, e, x.device, out_dim=d, validate=validate)
     if plan.out is None:
         raise ValueError("plan.out: moe_block needs the plan's zeroed fp32 [M, D] buffer "
                          "(route_sort(..., out_dim=D))")

@@ -74,6 +74,12 @@ class MoEConfig:
         front_target_programs: the same for the front launch (latent down + shared gate/up).
         tiled_weights: moe_kernel_weights lays MXFP4 experts out in the tiled layout where the
             shapes allow.
+        deterministic_stage2: stage 2's default mode where the launcher is not told
+            (``deterministic=None`` of moe_stage2 / moe_block): one program per (token, D tile)
+            summing its top_k slots in slot order and storing (bitwise reproducible), instead of
+            fp32 atomics per plan tile. Same one launch; its programs read a token's experts'
+            weights each (no sharing of a weight tile between tokens of one expert), so it
+            costs more the more tokens share experts (about the same at B1).
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
@@ -93,11 +99,12 @@ class MoEConfig:
     target_programs: int = 528
     front_target_programs: int = 1056
     tiled_weights: bool = True
+    deterministic_stage2: bool = False
     interpret_gpu_tiles: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
-                     "tiled_weights", "interpret_gpu_tiles"):
+                     "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)
