@@ -69,6 +69,7 @@ def test_unabsorbed_ignores_rows_past_the_length():
 BAD_LENGTHS = [[17, 4], [4, 1000], [-1, 4]]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("lens", BAD_LENGTHS, ids=lambda v: "-".join(map(str, v)))
 @pytest.mark.parametrize("fn", ["kernel", "reference", "unabsorbed"])
 def test_lengths_beyond_the_cache_refused(fn, lens):
@@ -83,6 +84,7 @@ def test_lengths_beyond_the_cache_refused(fn, lens):
             mla_decode_unabsorbed(q_lat[..., :8], q_rope, kv, sl, w, w, sm_scale=0.2)
 
 
+@pytest.mark.interpreter
 def test_validate_mode_checked():
     q_lat, q_rope, kv, sl = _inputs([3], 16, "cpu")
     for fn in (mla_decode, mla_decode_reference):

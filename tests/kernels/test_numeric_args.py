@@ -24,6 +24,8 @@ from k3lab.kernels.dense.launch import dense_gemv
 from k3lab.reference.route import route_sort_reference
 from k3lab.weights import hidden_states, make_generator, moe_weights
 
+# the launchers get CPU tensors (the scalars are checked before the devices only in some)
+pytestmark = pytest.mark.interpreter
 NAN, INF = float("nan"), float("inf")
 NOT_FINITE = [NAN, INF, -INF]
 NOT_A_NUMBER = ["1.0", None, True, torch.tensor(1.0)]
