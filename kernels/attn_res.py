@@ -18,14 +18,13 @@ traffic, score -inf), the live row a [BLOCK_H] vector beside it. The tiling is a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
 import triton
 import triton.language as tl
 
-from .runtime import check_device
+from .runtime import check_device, check_number
 
 __all__ = ["attn_res_norm", "AttnResConfig", "MAX_SEALED"]
 
@@ -201,8 +200,7 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     _check_weight("res_norm_weight", res_norm_weight, H, device)
     _check_weight("res_proj_weight", res_proj_weight, H, device)
     _check_weight("norm_weight", norm_weight, H, device)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 < eps < math.inf:
-        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
+    eps = check_number("eps", eps, positive=True)
     if config is not None and not isinstance(config, AttnResConfig):
         raise ValueError(f"config: expected an AttnResConfig or None, got "
                          f"{type(config).__name__}")

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import check_device
+from .runtime import check_device, check_number
 
 __all__ = ["KDAConfig", "KDAConv", "KDAOutGate", "kda_decode"]
 
@@ -259,12 +259,8 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     _check("b_logits", b_logits, (m, hl), device=dev)
     _check("state", state, (m, hl, d, d), (torch.float32,), dev)
     check_device("q", q)
-    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
-        raise ValueError(f"lower_bound: expected a float, got {lower_bound!r}")
-    if scale is None:
-        scale = d ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale: expected a positive float or None, got {scale!r}")
+    lower_bound = check_number("lower_bound", lower_bound)
+    scale = d ** -0.5 if scale is None else check_number("scale", scale, positive=True)
 
     c = 2
     q_cache = k_cache = v_cache = q_conv = k_conv = v_conv = q  # placeholders, never read
@@ -288,9 +284,7 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
             raise ValueError(f"out_gate: expected a KDAOutGate, got {type(out_gate).__name__}")
         _check("out_gate.logits", out_gate.logits, (m, hl, d), device=dev)
         _check("out_gate.weight", out_gate.weight, (d,), device=dev)
-        eps = out_gate.eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-            raise ValueError(f"out_gate: eps must be a positive float, got {eps!r}")
+        eps = check_number("out_gate.eps", out_gate.eps, positive=True)
         gate_logits, o_norm = out_gate.logits, out_gate.weight
 
     if config is not None and not isinstance(config, KDAConfig):

@@ -25,7 +25,6 @@ docs/decisions.md).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -33,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .runtime import check_device
+from .runtime import check_device, check_number, check_validate
 
 __all__ = ["mla_decode", "default_num_splits", "MLAConfig", "BLOCK_H", "MAX_SPLITS",
            "COMBINE_MAX_BLOCK_S"]
@@ -158,7 +157,7 @@ def _tile_scores(p_n, m_n, o_w, o_r, b_q0, b_q1, b_q2, b_q3, b_qr, sm_scale_log2
 @triton.jit
 def _mla_decode_split_kernel(
     q_lat, q_rope, kv, seq_lens, o, lse,
-    sm_scale_log2, num_splits, H,
+    sm_scale_log2, num_splits, H, L_max,
     stride_ql_m, stride_ql_h, stride_qr_m, stride_qr_h, stride_kv_m, stride_kv_n,
     stride_o_m, stride_o_h, stride_o_s, stride_lse_m, stride_lse_h,
     C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -184,6 +183,10 @@ def _mla_decode_split_kernel(
         gdc_launch_dependents()
     i_m64 = i_m.to(tl.int64)
     L = tl.load(seq_lens + i_m)
+    # a length outside [0, L_max] reads nothing and poisons the token's output (NaN) instead of
+    # reading past the cache; the host refuses it where it can check without a sync
+    bad = (L < 0) | (L_max < L)
+    L = tl.where(bad, 0, L)
     blocks_per_split = tl.cdiv(tl.cdiv(L, BLOCK_N), num_splits)
     start = i_s * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, L)
@@ -241,6 +244,8 @@ def _mla_decode_split_kernel(
     b_lse = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
     if FINAL:
         b_lse = b_lse * 0.6931471805599453  # base 2 -> natural log
+    b_den = tl.where(bad, float("nan"), b_den)
+    b_lse = tl.where(bad, float("nan"), b_lse)
     p_o = o + i_m64 * stride_o_m + i_s * stride_o_s + o_h[:, None] * stride_o_h + o_w[None, :]
     tl.store(p_o, (b_acc0 / b_den).to(o.dtype.element_ty), mask=m_h[:, None])
     if CHUNKS > 1:
@@ -283,10 +288,12 @@ def _mla_decode_combine_kernel(
     b_m = tl.full([1], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([1], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    b_nan = tl.zeros([1], dtype=tl.int32)  # NaN partials (a refused length): NaN out
     for s0 in range(0, num_splits, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
         m_s = o_s < num_splits
         b_lse = tl.load(p_lp + o_s, mask=m_s, other=float("-inf"), cache_modifier=CACHE)
+        b_nan += tl.sum((b_lse != b_lse).to(tl.int32), axis=0)
         b_m_new = tl.maximum(b_m, tl.max(b_lse, axis=0))
         b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)  # no -inf - -inf
         b_alpha = tl.exp2(b_m - b_ref)
@@ -299,11 +306,12 @@ def _mla_decode_combine_kernel(
         b_l = b_l * b_alpha + tl.sum(b_w, axis=0)
         b_m = b_m_new
 
-    b_o = b_acc / tl.where(b_l > 0, b_l, 1.0)
+    b_o = b_acc / tl.where(b_nan > 0, float("nan"), tl.where(b_l > 0, b_l, 1.0))
     tl.store(o + i_m64 * stride_o_m + i_h * stride_o_h + o_c, b_o.to(o.dtype.element_ty),
              mask=m_c)
     if i_c == 0:
         b_lse_out = tl.where(b_l > 0, b_m + tl.log2(tl.where(b_l > 0, b_l, 1.0)), float("-inf"))
+        b_lse_out = tl.where(b_nan > 0, float("nan"), b_lse_out)
         tl.store(lse + i_m64 * stride_lse_m + i_h + tl.arange(0, 1), b_lse_out * 0.6931471805599453)
 
 
@@ -358,6 +366,21 @@ def _is_pow2_at_least_16(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
+def check_seq_lens(seq_lens: torch.Tensor, max_len: int, validate: str) -> None:
+    """Refuse lengths outside [0, max_len] (the cache's rows): always when ``seq_lens`` is on
+    the host (no sync), and on a GPU with ``validate="full"`` (one device-to-host copy and
+    sync per call; not allowed inside a CUDA-graph capture). Otherwise a bad length is left to
+    the kernel, which reads nothing for that token and writes NaN."""
+    check_validate(validate)
+    if seq_lens.device.type != "cpu" and validate != "full":
+        return
+    lens = seq_lens.cpu().numpy()  # no ATen op on host tensors (CPU launch counts unchanged)
+    lo, hi = int(lens.min()), int(lens.max())
+    if lo < 0 or hi > max_len:
+        raise ValueError(f"seq_lens: expected lengths in [0, L_max={max_len}] (the cache's "
+                         f"rows), got min {lo}, max {hi}")
+
+
 def _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits):
     for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_cache", kv_cache),
                     ("seq_lens", seq_lens)):
@@ -399,9 +422,7 @@ def _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits):
                              f"{t.stride()}")
     if not seq_lens.is_contiguous():
         raise ValueError("seq_lens: expected a contiguous tensor")
-    if (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))
-            or not math.isfinite(sm_scale) or sm_scale <= 0):
-        raise ValueError(f"sm_scale: expected a finite positive float, got {sm_scale!r}")
+    check_number("sm_scale", sm_scale, positive=True)
     if num_splits is not None and (isinstance(num_splits, bool)
                                    or not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= MAX_SPLITS):
@@ -411,23 +432,30 @@ def _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits):
 
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
                seq_lens: torch.Tensor, *, sm_scale: float, num_splits: int | None = None,
-               return_lse: bool = False, config: MLAConfig | None = None):
+               return_lse: bool = False, config: MLAConfig | None = None,
+               validate: str = "cheap"):
     """Absorbed MLA decode attention over the latent cache (split-KV, two kernels).
 
     q_lat: [M, Hl, C] bf16/fp16 (q_nope absorbed through W_uk; C = kv_lora, 512 for K3).
     q_rope: [M, Hl, R] same dtype (R = qk_rope, 64 for K3).
     kv_cache: [M, L_max, C + R] same dtype; per position the latent c then the rope values kr.
-    seq_lens: [M] int32 on the same device; lengths in [1, L_max] (read on the device only; a
-        zero length gives o = 0, lse = -inf). Rows at or past a length are never read.
+    seq_lens: [M] int32 on the same device; lengths in [1, L_max] (a zero length gives o = 0,
+        lse = -inf). Rows at or past a length are never read. A length beyond L_max (or
+        negative) is a ValueError where it can be checked without a host sync (CPU tensors, or
+        ``validate="full"``); otherwise that token's output and lse are NaN and nothing past
+        the cache is read.
     sm_scale: the score scale (K3: (qk_nope + qk_rope) ** -0.5).
     num_splits: pieces the context is cut into. None picks :func:`default_num_splits` from the
         host shapes (M, Hl, L_max) and the SM count; an int in [1, MAX_SPLITS] fixes the grid,
         so one captured CUDA graph serves every length up to L_max.
     config: the :class:`MLAConfig` (None: the defaults); it changes speed, not the result.
+    validate: "cheap" (shapes, dtypes, devices, scalars; no sync) or "full" (also the lengths
+        of CUDA ``seq_lens``: one host sync).
     Returns o_lat [M, Hl, C] in q_lat's dtype; with ``return_lse`` also lse [M, Hl] fp32 (natural
     log of sum_t exp(score), scores scaled). No host synchronization.
     """
     _validate(q_lat, q_rope, kv_cache, seq_lens, sm_scale, num_splits)
+    check_seq_lens(seq_lens, kv_cache.shape[1], validate)
     cfg = _config(config)
     m, h, c = q_lat.shape
     r = q_rope.shape[2]
@@ -452,7 +480,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         sl = (lse_dst.stride(0), lse_dst.stride(1))
     _mla_decode_split_kernel[(m, triton.cdiv(h, BLOCK_H), num_splits)](
         q_lat, q_rope, kv_cache, seq_lens, o_dst, lse_dst,
-        sm_scale * _LOG2E, num_splits, h,
+        sm_scale * _LOG2E, num_splits, h, kv_cache.shape[1],
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), *so, *sl,
         C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, CHUNKS=_score_chunks(c, cfg),

@@ -9,11 +9,13 @@ to fix it, instead of failing deep inside Triton.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
-__all__ = ["INTERPRETED", "prepare", "check_device", "check_tensor"]
+__all__ = ["INTERPRETED", "prepare", "check_device", "check_tensor", "check_number",
+           "VALIDATE_MODES", "check_validate"]
 
 
 def prepare() -> bool:
@@ -56,3 +58,26 @@ def check_tensor(name: str, t, *, dtypes, dim: int, device=None) -> None:
     check_device(name, t)
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+
+
+def check_number(name: str, value, *, positive: bool = False) -> float:
+    """A finite real number (a Python int or float, not a bool, string or tensor), > 0 when
+    ``positive``, as a float; anything else is a ValueError naming the parameter."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"{name}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+# How much a launcher checks on entry: "cheap" (shapes, dtypes, devices, scalars: no host sync,
+# so CUDA-graph capture works) or "full" (also values in device tensors: a host sync per call).
+VALIDATE_MODES = ("cheap", "full")
+
+
+def check_validate(validate) -> str:
+    if validate not in VALIDATE_MODES:
+        raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {validate!r}")
+    return validate

@@ -137,17 +137,23 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
 
-def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, *, atol: float,
-                 rtol: float = 0.0) -> float:
+def assert_close(name: str, actual, expected, *, atol: float, rtol: float = 0.0) -> float:
     """Assert ``|actual - expected| <= atol + rtol * |expected|`` elementwise; return the max
-    abs error. The message names the field, the tolerance and the worst element."""
+    abs error over the finite expected elements. A non-finite expected element passes only when
+    the actual one is the same (NaN where NaN, inf of the same sign); a non-finite actual element
+    where a finite one is expected fails. Numbers are taken as 0-d tensors. The message names the
+    field, the tolerance and the worst element."""
+    actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
     if actual.shape != expected.shape:
         raise AssertionError(f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
     a, e = actual.float(), expected.float()
-    err = (a - e).abs()
-    bad = err > atol + rtol * e.abs()
-    if bad.any() or not torch.isfinite(a).all():
-        idx = int(torch.nan_to_num(err, nan=float("inf")).flatten().argmax())
+    e_finite = torch.isfinite(e)
+    same = (torch.isnan(a) & torch.isnan(e)) | (a == e)  # the non-finite matches
+    err = torch.where(e_finite, (a - e).abs(), torch.where(same, 0.0, float("inf")))
+    err = torch.where(torch.isnan(err), float("inf"), err)  # finite expected, NaN actual
+    bad = err > atol + rtol * torch.where(e_finite, e.abs(), 0.0)
+    if bad.any():
+        idx = int(err.flatten().argmax())
         raise AssertionError(
             f"{name}: max abs error {float(err.max()):.3g} exceeds atol={atol:g} rtol={rtol:g} "
             f"({int(bad.sum())} of {err.numel()} elements; worst at flat index {idx}: "

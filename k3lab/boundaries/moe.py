@@ -144,10 +144,15 @@ class Weights(Mapping):
 
 
 def make_inputs(cfg: Preset, device, seed: int, M: int = 1, expert_format: str = "bf16",
-                block_m: int = 1, route: bool = False) -> dict:
+                block_m: int = 1, route: bool = False,
+                deterministic_stage2: bool = False) -> dict:
     """x [M, H] bf16; weights (``k3lab.weights.moe_weights``, experts bf16 or MXFP4) wrapped in
     :class:`Weights`; plan: the reference RoutePlan of x (block_m, zeroed out [M, D]); cfg;
-    route: whether the variants route themselves (then ``plan`` is only the reference's)."""
+    route: whether the variants route themselves (then ``plan`` is only the reference's);
+    deterministic_stage2: the fused variants' stage 2 sums each token's slots in order
+    (``inputs["config"] = MoEConfig(deterministic_stage2=True)``) instead of fp32 atomics."""
+    if not isinstance(deterministic_stage2, bool):
+        raise ValueError(f"deterministic_stage2: expected a bool, got {deterministic_stage2!r}")
     dev = torch.device(device)
     gen = make_generator(seed, dev)
     weights = Weights(moe_weights(cfg, gen, expert_format=expert_format))
@@ -156,8 +161,11 @@ def make_inputs(cfg: Preset, device, seed: int, M: int = 1, expert_format: str =
         x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
         n_group=cfg.n_group, topk_group=cfg.topk_group, renormalize=cfg.renormalize,
         routed_scaling_factor=cfg.routed_scaling, block_m=block_m, out_dim=cfg.moe_in)
-    return {"x": x, "plan": plan, "weights": weights, "cfg": cfg, "block_m": block_m,
-            "route": bool(route), "expert_format": expert_format}
+    inputs = {"x": x, "plan": plan, "weights": weights, "cfg": cfg, "block_m": block_m,
+              "route": bool(route), "expert_format": expert_format}
+    if deterministic_stage2:
+        inputs["config"] = MoEConfig(deterministic_stage2=True)
+    return inputs
 
 
 def _plan(inputs: dict, fused: bool):
@@ -532,5 +540,6 @@ BOUNDARY = Boundary(
     ),
     check=check,
     bytes_moved=bytes_moved,
-    params={"M": 1, "expert_format": "bf16", "block_m": 1, "route": False},
+    params={"M": 1, "expert_format": "bf16", "block_m": 1, "route": False,
+            "deterministic_stage2": False},
 )

@@ -36,33 +36,61 @@ __all__ = ["mla_decode_reference", "mla_decode_unabsorbed", "mla_layer_reference
 ROPE_THETA = 50000.0
 
 
+def check_seq_lens(seq_lens: torch.Tensor, max_len: int, validate: str = "cheap") -> None:
+    """Refuse lengths outside [0, max_len] (the cache's rows): always for host ``seq_lens``, on
+    a GPU with ``validate="full"`` (a host sync); otherwise the callers poison those tokens
+    (NaN) on the device, so the reference stays free of syncs (graph capture, torch.compile)."""
+    if validate not in ("cheap", "full"):
+        raise ValueError(f"validate: expected 'cheap' or 'full', got {validate!r}")
+    if seq_lens.device.type != "cpu" and validate != "full":
+        return
+    lens = seq_lens.cpu().numpy()  # no ATen op on host tensors (CPU launch counts unchanged)
+    lo, hi = int(lens.min()), int(lens.max())
+    if lo < 0 or hi > max_len:
+        raise ValueError(f"seq_lens: expected lengths in [0, L_max={max_len}] (the cache's "
+                         f"rows), got min {lo}, max {hi}")
+
+
 def _length_mask(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
     """[M, max_len] bool: True where position t < seq_lens[m]."""
     pos = torch.arange(max_len, device=seq_lens.device)
     return pos[None, :] < seq_lens.to(torch.int64)[:, None]
 
 
+def _bad_length(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[M] bool: a length outside [0, max_len] (its token's outputs become NaN)."""
+    return (seq_lens < 0) | (seq_lens > max_len)
+
+
 def mla_decode_reference(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,
-                         seq_lens: torch.Tensor, *, sm_scale: float, return_lse: bool = False):
+                         seq_lens: torch.Tensor, *, sm_scale: float, return_lse: bool = False,
+                         validate: str = "cheap"):
     """Absorbed MLA decode attention in fp32.
 
     q_lat: [M, Hl, C] (q_nope absorbed through W_uk); q_rope: [M, Hl, R];
     kv_cache: [M, L_max, C + R] (latent c then rope kr per position); seq_lens: [M] int, every
-    length in [1, L_max]; positions at or past a sequence's length are ignored.
+    length in [1, L_max]; positions at or past a sequence's length are ignored (never reach the
+    output, whatever they hold); a zero length gives o = 0, lse = -inf. A length beyond L_max or
+    negative: a ValueError (see :func:`check_seq_lens`), else NaN for that token.
     Returns o_lat [M, Hl, C] fp32, and with ``return_lse`` also lse [M, Hl] fp32, the natural log
     of ``sum_t exp(score[h, t])`` (scores already multiplied by sm_scale).
     """
+    max_len = kv_cache.shape[1]
+    check_seq_lens(seq_lens, max_len, validate)
     c_dim = q_lat.shape[-1]
-    kv = kv_cache.float()
+    mask = _length_mask(seq_lens, max_len)
+    kv = kv_cache.float().masked_fill(~mask[:, :, None], 0.0)  # rows past a length: unread
     c, kr = kv[..., :c_dim], kv[..., c_dim:]
     scores = torch.einsum("mhc,mlc->mhl", q_lat.float(), c)
     scores = scores + torch.einsum("mhr,mlr->mhl", q_rope.float(), kr)
     scores = scores * sm_scale
-    mask = _length_mask(seq_lens, kv_cache.shape[1])
     scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    p = torch.softmax(scores, dim=-1)
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a zero length: all -inf, o = 0
     o_lat = torch.einsum("mhl,mlc->mhc", p, c)
+    bad = _bad_length(seq_lens, max_len)
+    o_lat = o_lat.masked_fill(bad[:, None, None], float("nan"))
+    lse = lse.masked_fill(bad[:, None], float("nan"))
     return (o_lat, lse) if return_lse else o_lat
 
 
@@ -82,8 +110,10 @@ def mla_decode_unabsorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: 
     values ``c @ W_uv[h]^T`` ([M, Hl, L, v]). Returns o [M, Hl, v] fp32, equal to
     ``mla_decode_reference(q_nope @ W_uk, ...) @ W_uv^T`` per head.
     """
+    check_seq_lens(seq_lens, kv_cache.shape[1])
     c_dim = w_uk.shape[-1]
-    kv = kv_cache.float()
+    keep = _length_mask(seq_lens, kv_cache.shape[1])
+    kv = kv_cache.float().masked_fill(~keep[:, :, None], 0.0)  # rows past a length: unread
     c, kr = kv[..., :c_dim], kv[..., c_dim:]
     k_nope = torch.einsum("mlc,hnc->mhln", c, w_uk.float())
     k_rope = kr[:, None].expand(-1, k_nope.shape[1], -1, -1)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
-from ..runtime import INTERPRETED, check_tensor
+from ..runtime import INTERPRETED, check_number, check_tensor
 from .config import GemvConfig
 from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
 
@@ -43,11 +41,7 @@ def default_config(m: int, rows: int, k: int) -> GemvConfig:
 
 
 def _number(name, v, *, positive=False):
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ValueError(f"{name}: expected a finite number, got {v!r}")
-    if positive and v <= 0:
-        raise ValueError(f"{name}: expected a positive number, got {v!r}")
-    return float(v)
+    return check_number(name, v, positive=positive)
 
 
 def _ticket_buffer(device: torch.device, tiles: int) -> torch.Tensor:

@@ -7,9 +7,12 @@ import torch
 from ..dense import dense_gemv
 from ..plan import RoutePlan
 from ..route import route_sort
+from ..runtime import check_number
 from .checks import (
     check_activation,
+    check_betas,
     check_config,
+    check_deterministic,
     check_experts,
     check_plan,
     check_shared_weights,
@@ -94,6 +97,7 @@ def latent_moe_tail(y: torch.Tensor, norm_weight: torch.Tensor | None,
     shared_out, shared_a, shared_w2 = _tail_shared(shared, y, m, h, config)
     if up_weight is None and shared is None:
         raise ValueError("shared: without a latent (up_weight None) the tail needs a shared term")
+    eps = check_number("eps", eps, positive=True)
     tail = _tail_args(config, y, norm_weight, up_weight, shared_out, shared_a, shared_w2, eps)
     _launch_stage2_tail(config, None, tail)
     return tail[2]
@@ -137,8 +141,8 @@ def _check_block_weights(x, weights, cfg, plan):
 
 
 def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
-              block_m: int = 1, deterministic: bool = False, fuse_tail: bool = True,
-              config: MoEConfig | None = None) -> torch.Tensor:
+              block_m: int = 1, deterministic: bool | None = None, fuse_tail: bool = True,
+              config: MoEConfig | None = None, validate: str = "cheap") -> torch.Tensor:
     """The latent MoE block of ARCHITECTURE.md section 4: route_sort (unless ``plan`` is given),
     front (latent down + shared gate/up), stage 1, then stage 2 and the tail (+ shared down) as
     one ticket-ordered launch: 3 launches given a plan, route_sort's plus 3 with routing.
@@ -154,22 +158,26 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     cfg.latent; w13 [E, 2I, D], w2 [E, D, I] bf16 or MXFP4; shared_w13 [2S, H], shared_w2
     [H, S] when cfg.shared_intermediate; with ``config.dense_projections`` optionally front
     [D + 2S, H], latent_down and shared_w13 concatenated once, for a one-launch front).
-    cfg: a k3lab Preset. plan: a RoutePlan for x (skips
-    routing; block_m is then the plan's; its out is re-zeroed by stage 1). Returns bf16 [M, H].
+    cfg: a k3lab Preset. plan: a RoutePlan for x (skips routing; block_m is then the plan's; its
+    out is re-zeroed by stage 1). deterministic: the stage-2 mode (None:
+    ``config.deterministic_stage2``). validate: "cheap" or "full" (the plan's values too: one
+    host sync; see moe_stage1). Returns bf16 [M, H].
     """
     config = check_config(config)
+    deterministic = check_deterministic(deterministic, config)
     check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
     m, h = x.shape
     check_tokens("x", m)
     act = check_activation(cfg.activation)
-    betas = (cfg.situ_beta, cfg.situ_linear_beta)
+    betas = check_betas(cfg.situ_beta, cfg.situ_linear_beta)
+    check_number("cfg.rms_eps", cfg.rms_eps, positive=True)
     w13, w2, (e, d, i) = _check_block_weights(x, weights, cfg, plan)
     if plan is None:
         plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
                           n_group=cfg.n_group, topk_group=cfg.topk_group,
                           renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
                           block_m=block_m, out_dim=d)
-    _, _, n_tiles = check_plan(plan, m, e, x.device, out_dim=d)
+    _, _, n_tiles = check_plan(plan, m, e, x.device, out_dim=d, validate=validate)
     if plan.out is None:
         raise ValueError("plan.out: moe_block needs the plan's zeroed fp32 [M, D] buffer "
                          "(route_sort(..., out_dim=D))")

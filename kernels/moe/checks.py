@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from ..mxfp4 import MXFP4, MXFP4_GROUP, mxfp4_tiled_ok
-from ..plan import RoutePlan
-from ..runtime import check_tensor
+from ..plan import RoutePlan, plan_capacity
+from ..runtime import check_number, check_tensor, check_validate
 from .config import MoEConfig
 
 __all__ = ["MAX_TOKENS", "ACT_CODES", "check_config", "check_tensor", "check_tokens",
-           "check_experts", "check_plan", "check_prepared", "check_activation",
-           "check_shared_weights", "pairs"]
+           "check_experts", "check_plan", "check_plan_values", "check_betas",
+           "check_deterministic", "check_prepared", "check_activation", "check_shared_weights",
+           "pairs"]
 
 # Decode-batch kernels: a GEMV tile serves its M tokens one after the other from registers, so
 # the work per weight byte grows with M; beyond a few tokens a tensor-core grouped GEMM wins.
@@ -29,6 +30,15 @@ def check_config(config) -> MoEConfig:
     return config
 
 
+def check_deterministic(deterministic, config: MoEConfig) -> bool:
+    """A launcher's ``deterministic``: a bool, or None for ``config.deterministic_stage2``."""
+    if deterministic is None:
+        return config.deterministic_stage2
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"deterministic: expected a bool or None, got {deterministic!r}")
+    return deterministic
+
+
 def check_tokens(name, m):
     if not 1 <= m <= MAX_TOKENS:
         raise ValueError(f"{name}: expected 1 <= M <= {MAX_TOKENS} tokens, got M={m}")
@@ -38,6 +48,12 @@ def check_activation(activation) -> int:
     if activation not in ACT_CODES:
         raise ValueError(f"activation: expected one of {sorted(ACT_CODES)}, got {activation!r}")
     return ACT_CODES[activation]
+
+
+def check_betas(situ_beta, situ_linear_beta) -> tuple[float, float]:
+    """SiTU's two betas: finite and positive (each divides a tanh argument)."""
+    return (check_number("situ_beta", situ_beta, positive=True),
+            check_number("situ_linear_beta", situ_linear_beta, positive=True))
 
 
 def pairs(name, t):
@@ -68,8 +84,14 @@ def check_experts(name, w, device):
     return e, n, k, False
 
 
-def check_plan(plan, m, n_experts, device, out_dim=None):
-    """Validate a RoutePlan for M tokens over n_experts; returns (top_k, block_m, n_tiles)."""
+def check_plan(plan, m, n_experts, device, out_dim=None, validate="cheap"):
+    """Validate a RoutePlan for M tokens over n_experts; returns (top_k, block_m, n_tiles).
+
+    Always (no host sync): types, dtypes, shapes, devices, and sizes consistent with M, top_k,
+    block_m and at most n_experts. With ``validate="full"`` also the values of its tensors
+    (:func:`check_plan_values`: about twenty small device ops and one device-to-host copy, so
+    a host sync per call; not allowed in a CUDA-graph capture)."""
+    check_validate(validate)
     if not isinstance(plan, RoutePlan):
         raise ValueError(f"plan: expected a k3lab.kernels.RoutePlan, got {type(plan).__name__}")
     check_tensor("plan.topk_ids", plan.topk_ids, dtypes=(torch.int32,), dim=2, device=device)
@@ -96,13 +118,70 @@ def check_plan(plan, m, n_experts, device, out_dim=None):
             f"sorted_ids {cap}, sorted_weights {plan.sorted_weights.numel()}, block_expert_ids "
             f"{plan.block_expert_ids.numel()} (expected sorted_ids >= M*top_k, sorted_weights "
             f"alike, block_expert_ids = sorted_ids // block_m)")
+    if cap > plan_capacity(m, top_k, n_experts, block_m):
+        raise ValueError(f"plan: sorted_ids has {cap} entries, more than a plan of M={m}, "
+                         f"top_k={top_k}, block_m={block_m} over E={n_experts} experts can hold "
+                         f"({plan_capacity(m, top_k, n_experts, block_m)}): built for more "
+                         f"experts than the weights have?")
     if plan.out is not None and out_dim is not None:
         check_tensor("plan.out", plan.out, dtypes=(torch.float32,), dim=2, device=device)
         if tuple(plan.out.shape) != (m, out_dim):
             raise ValueError(f"plan.out: expected [M, D] = [{m}, {out_dim}], got "
                              f"{tuple(plan.out.shape)}")
+    if validate == "full":
+        check_plan_values(plan, n_experts)
     # every valid tile holds at least one of the M * top_k entries: no more tiles than that
     return top_k, block_m, min(cap // block_m, m * top_k)
+
+
+def check_plan_values(plan: RoutePlan, n_experts: int) -> None:
+    """The plan's values (one host sync): expert ids in [0, E) and distinct per token; sorted
+    entries in [0, M * top_k] (the sentinel last); tile experts in [-1, E); num_valid a
+    multiple of block_m within the capacity; every valid tile's expert >= 0 and that of each of
+    its entries; every entry exactly once among the valid positions; finite weights."""
+    ids, srt, blocks = plan.topk_ids.long(), plan.sorted_ids.long(), plan.block_expert_ids.long()
+    n, bm, cap = ids.numel(), plan.block_m, srt.numel()
+    n_valid = plan.num_valid.long()[0]
+    pos = torch.arange(cap, device=srt.device)
+    tile = (pos // bm).clamp(max=max(blocks.numel() - 1, 0))
+    valid = pos < n_valid
+    real = valid & (srt >= 0) & (srt < n)
+    entry_expert = ids.flatten()[srt.clamp(0, n - 1)]
+    tile_expert = blocks[tile] if blocks.numel() else torch.zeros_like(srt)
+    seen = torch.zeros(n + 1, dtype=torch.long, device=srt.device).index_add_(
+        0, torch.where(real, srt, n), torch.ones_like(srt))
+    row = ids.sort(dim=1).values
+    stats = torch.stack([
+        ids.min(), ids.max(), (row[:, 1:] == row[:, :-1]).sum(), srt.min(), srt.max(),
+        blocks.min() if blocks.numel() else n_valid * 0, blocks.max() if blocks.numel()
+        else n_valid * 0, n_valid, (valid & (tile_expert < 0)).sum(),
+        (real & (entry_expert != tile_expert)).sum(), (seen[:n] != 1).sum(),
+        (~torch.isfinite(plan.topk_weights)).sum() + (~torch.isfinite(plan.sorted_weights)).sum(),
+    ]).tolist()
+    lo, hi, dup, s_lo, s_hi, b_lo, b_hi, nv, neg_tiles, mismatched, not_once, nonfinite = stats
+    if lo < 0 or hi >= n_experts:
+        raise ValueError(f"plan.topk_ids: expected expert ids in [0, E={n_experts}), got min "
+                         f"{lo}, max {hi}")
+    if dup:
+        raise ValueError(f"plan.topk_ids: a token's experts must be distinct ({dup} repeats)")
+    if s_lo < 0 or s_hi > n:
+        raise ValueError(f"plan.sorted_ids: expected entries in [0, M * top_k = {n}] (the "
+                         f"sentinel), got min {s_lo}, max {s_hi}")
+    if b_lo < -1 or b_hi >= n_experts:
+        raise ValueError(f"plan.block_expert_ids: expected experts in [-1, E={n_experts}), got "
+                         f"min {b_lo}, max {b_hi}")
+    if not 0 <= nv <= cap or nv % bm:
+        raise ValueError(f"plan.num_valid: expected a multiple of block_m={bm} in [0, {cap}], "
+                         f"got {nv}")
+    if neg_tiles or mismatched:
+        raise ValueError(f"plan.block_expert_ids: {neg_tiles + mismatched} valid positions "
+                         f"whose tile has no expert or another expert than topk_ids gives")
+    if not_once:
+        raise ValueError(f"plan.sorted_ids: {not_once} of the {n} entries are not exactly once "
+                         f"among the first num_valid={nv} positions")
+    if nonfinite:
+        raise ValueError(f"plan.topk_weights: {nonfinite} non-finite router weights (in "
+                         f"topk_weights or sorted_weights)")
 
 
 def check_prepared(name, t, shape, device):

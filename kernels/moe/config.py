@@ -78,6 +78,12 @@ class MoEConfig:
             launches (latent presets): latent down and shared gate/up as one launch before stage
             1, stage 2 alone, then the tail's RMSNorm + up-projection + shared down as one
             launch (4 launches given a plan instead of 3: each GEMV at its own tiling).
+        deterministic_stage2: stage 2's default mode where the launcher is not told
+            (``deterministic=None`` of moe_stage2 / moe_block): one program per (token, D tile)
+            summing its top_k slots in slot order and storing (bitwise reproducible), instead of
+            fp32 atomics per plan tile. Same one launch; its programs read a token's experts'
+            weights each (no sharing of a weight tile between tokens of one expert), so it
+            costs more the more tokens share experts (about the same at B1).
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
@@ -97,12 +103,14 @@ class MoEConfig:
     target_programs: int = 528
     front_target_programs: int = 1056
     tiled_weights: bool = True
+    deterministic_stage2: bool = False
     interpret_gpu_tiles: bool = False
     dense_projections: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
-                     "tiled_weights", "interpret_gpu_tiles", "dense_projections"):
+                     "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
+                     "dense_projections"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)

@@ -14,7 +14,9 @@ from ..plan import RoutePlan
 from ..runtime import INTERPRETED
 from .checks import (
     check_activation,
+    check_betas,
     check_config,
+    check_deterministic,
     check_experts,
     check_plan,
     check_prepared,
@@ -39,6 +41,9 @@ __all__ = ["latent_down", "moe_stage1", "moe_stage2", "moe_kernel_weights"]
 
 NUM_WARPS = MMA_WARPS  # every launch: 4 warps (the tensor-core tiles' index math needs 4)
 ZERO_MIN_BLOCK = 16  # stage 1 zeroes stage 2's accumulator in slices of at least this
+ZERO_Y_BLOCK = 1024  # the self-zeroing atomic stage 2 zeroes y in stores of this many
+# int32 [3] counters (ticket, zeroed flag, done) per device of the self-zeroing atomic stage 2
+_ZERO_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _pdl_on(config: MoEConfig) -> bool:
@@ -130,6 +135,7 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
     m, h = x.shape
     check_tokens("x", m)
     act = check_activation(activation)
+    situ_beta, situ_linear_beta = check_betas(situ_beta, situ_linear_beta)
     x_p = pairs("x", x)
     d = s = 0
     if down_weight is not None:
@@ -206,7 +212,8 @@ def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_til
 def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ",
                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                z_mma: torch.Tensor | None = None, a_mma_out: torch.Tensor | None = None,
-               pdl: bool = False, config: MoEConfig | None = None) -> torch.Tensor:
+               pdl: bool = False, config: MoEConfig | None = None,
+               validate: str = "cheap") -> torch.Tensor:
     """Stage 1 "direct tile": a[t * top_k + k] = act(z[t] @ W1[e]^T, z[t] @ W3[e]^T),
     e = plan.topk_ids[t, k], computed along the plan's expert-sorted tiles.
 
@@ -223,17 +230,20 @@ def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ
     ``config.pdl``; ignored otherwise): the kernel may start during the previous launch and
     reads the plan before waiting for it, so the plan must have been written at least two
     launches before this one.
+    validate: "cheap" (shapes, dtypes, sizes: no host sync) or "full" (also the plan's values,
+    see checks.check_plan_values: out-of-range ids, misplaced entries; one host sync).
     """
     config = check_config(config)
     check_tensor("z", z, dtypes=(torch.bfloat16,), dim=2)
     m, d = z.shape
     check_tokens("z", m)
     act = check_activation(activation)
+    situ_beta, situ_linear_beta = check_betas(situ_beta, situ_linear_beta)
     e, two_i, k, _ = check_experts("w13", w13, z.device)
     if k != d or two_i % 4:
         raise ValueError(f"w13: expected [E, 2I, D={d}] with I even, got {list(w13.shape)}")
     pairs("z", z)
-    _, _, n_tiles = check_plan(plan, m, e, z.device, out_dim=d)
+    _, _, n_tiles = check_plan(plan, m, e, z.device, out_dim=d, validate=validate)
     check_prepared("z_mma", z_mma, (m, d), z.device)
     if a_mma_out is not None and (two_i // 2) % 8:
         raise ValueError(f"a_mma_out: needs I a multiple of 8, got I={two_i // 2}")
@@ -242,16 +252,34 @@ def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ
                           z_mma=z_mma, a_mma_out=a_mma_out, pdl=pdl)
 
 
-def _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma=None):
-    """Stage-2 kernel arguments (validated inputs; a_mma: a's mma_prepare_x copy or None);
-    returns (kwargs, programs, y)."""
+def _zero_counters(dev: torch.device) -> torch.Tensor:
+    """The device's int32 [3] counters of the self-zeroing atomic stage 2 (zero between
+    launches: the launch's last program resets them), created by the first call outside a
+    CUDA-graph capture."""
+    counters = _ZERO_COUNTERS.get(dev)
+    if counters is None:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"a: moe_stage2's counters on {dev} do not exist yet and cannot be created "
+                "inside a CUDA-graph capture; call moe_stage2 once on this device before "
+                "capturing")
+        counters = _ZERO_COUNTERS[dev] = torch.zeros(3, dtype=torch.int32, device=dev)
+    return counters
+
+
+def _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma=None, zero=False):
+    """Stage-2 kernel arguments (validated inputs; a_mma: a's mma_prepare_x copy or None; zero:
+    the atomic launch zeroes y itself, else y is plan.out as zeroed by stage 1); returns
+    (kwargs, programs, y)."""
     top_k, block_m = plan.topk_ids.shape[1], plan.block_m
     m, i = a.shape[0] // top_k, a.shape[1]
     d = w2.shape[1]
     y = plan.out
-    if y is None:  # without route_sort's zeroed buffer: a memset (one more launch)
-        y = (torch.empty if deterministic else torch.zeros)((m, d), device=a.device,
-                                                            dtype=torch.float32)
+    zero = zero and not deterministic
+    if y is None:  # the deterministic stage 2 overwrites; the atomic one zeroes it (zero)
+        if not (zero or deterministic):
+            raise ValueError("plan.out: the atomic stage 2 needs a buffer zeroed by stage 1")
+        y = torch.empty((m, d), device=a.device, dtype=torch.float32)
     stage = 0 if deterministic else 2
     rows = m if deterministic else n_tiles
     t = expert_tiles(config, w2, stage, block_m, rows, d, i // 2)
@@ -268,7 +296,10 @@ def _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma=None):
               **_expert_constexprs(config, w2, t, stage, x_prepared),
               DETERMINISTIC=bool(deterministic),
               BLOCK_M2=1 if deterministic else triton.next_power_of_2(block_m),
-              BLOCK_N2=t.block_n, BLOCK_KP2=t.block_kp, TILED=_tiled(w2))
+              BLOCK_N2=t.block_n, BLOCK_KP2=t.block_kp, TILED=_tiled(w2),
+              ZERO_Y=zero, n_zero=m * d, ZERO_BLOCK=ZERO_Y_BLOCK)
+    if zero:
+        kw["p_sync"] = _zero_counters(a.device)
     return kw, rows * n_d, y
 
 
@@ -304,7 +335,7 @@ def _stage2_tail_kwargs(config, stage2, tail, sync=None):
                   D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0,
                   **_expert_constexprs(config, None, ExpertTiles(MIN_ROWS, MIN_PAIRS), 2, False),
                   DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS,
-                  TILED=False)
+                  TILED=False, ZERO_Y=False, n_zero=0, ZERO_BLOCK=ZERO_Y_BLOCK)
     else:
         kw.update(stage2[0])
     if tail is None:
@@ -317,7 +348,9 @@ def _stage2_tail_kwargs(config, stage2, tail, sync=None):
         kw.pop("p_y")
         kw["p_y"] = tail[0]["p_y"] if stage2 is None else stage2[2]
     n = (stage2[1] if stage2 else 0) + (tail[1] if tail else 0)
-    kw["p_sync"] = sync if sync is not None else kw["p_y"]
+    if sync is not None:
+        kw["p_sync"] = sync
+    kw.setdefault("p_sync", kw["p_y"])
     kw.update(STAGE2=stage2 is not None, TAIL=tail is not None, TOKEN_LOOP=token_loop(config),
               PDL=False)
     return kw, n
@@ -336,22 +369,29 @@ def _launch_stage2_tail(config, stage2, tail, sync=None, pdl=False):
     _moe_stage2_tail_kernel[(n,)](**kw)
 
 
-def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = False,
+def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool | None = None,
                a_mma: torch.Tensor | None = None, pdl: bool = False,
-               config: MoEConfig | None = None) -> torch.Tensor:
+               config: MoEConfig | None = None, validate: str = "cheap") -> torch.Tensor:
     """Stage 2: out[t] = sum_k topk_weights[t, k] * (a[t * top_k + k] @ W2[e]^T) in fp32.
 
     a: bf16 [M * top_k, I] (stage 1's output). plan: as for moe_stage1; its ``out`` fp32 [M, D]
-    must be zeroed (route_sort and moe_stage1 zero it) and is returned; when it is None a zeroed
-    buffer is allocated. w2: bf16 [E, D, I] or MXFP4 (packed [E, D, I/2], scales [E, D, I/32]).
+    is overwritten with the result and returned (whatever it held: calling stage 2 twice on one
+    plan gives the same result twice); when it is None a buffer is allocated.
+    w2: bf16 [E, D, I] or MXFP4 (packed [E, D, I/2], scales [E, D, I/32]).
     Atomic (default): one program per (expert tile of the plan, D tile), fp32 atomic adds; the
-    order of the adds varies between runs. deterministic=True: one program per (token, D tile)
-    adding its top_k slots in slot order (bitwise reproducible; out is overwritten, not added to).
+    order of the adds varies between runs. The launch zeroes ``out`` itself (no memset launch):
+    the first program to start zeroes it, every tile's adds wait for that (after the tile's
+    GEMV) through a per-device int32 [3] counter that the launch's last program resets; so
+    calls on one device must not run concurrently on different streams, and the first call on
+    a device must not be inside a CUDA-graph capture. deterministic=True: one program per
+    (token, D tile) adding its top_k slots in slot order (bitwise reproducible; stores);
+    None: ``config.deterministic_stage2``.
     a_mma: optional ``mma_prepare_x(a)`` (as moe_stage1's a_mma_out writes it), read instead of a
     by the MXFP4 tensor-core tiles (ignored by the other paths). pdl: as for moe_stage1 (the
-    atomic tensor-core tiles only). Returns fp32 [M, D].
+    atomic tensor-core tiles only). validate: as for moe_stage1. Returns fp32 [M, D].
     """
     config = check_config(config)
+    deterministic = check_deterministic(deterministic, config)
     check_tensor("a", a, dtypes=(torch.bfloat16,), dim=2)
     e, d, i, _ = check_experts("w2", w2, a.device)
     if a.shape[1] != i or i % 2:
@@ -364,8 +404,8 @@ def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool = Fa
     if a.shape[0] != m * top_k:
         raise ValueError(f"a: expected M * top_k rows (top_k={top_k}), got {a.shape[0]}")
     check_tokens("a", m)
-    _, _, n_tiles = check_plan(plan, m, e, a.device, out_dim=d)
+    _, _, n_tiles = check_plan(plan, m, e, a.device, out_dim=d, validate=validate)
     check_prepared("a_mma", a_mma, tuple(a.shape), a.device)
-    stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
+    stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma, zero=True)
     _launch_stage2_tail(config, stage2, None, pdl=pdl)
     return stage2[2]

@@ -141,8 +141,45 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
 
 
 @triton.jit
+def _zero_y_ticket(p_y, p_sync, n_zero, ZERO_BLOCK: tl.constexpr):
+    """Atomic stage 2 owning its zeroing: take a ticket (p_sync[0]); ticket 0 zeroes y[0:n_zero]
+    and raises the flag p_sync[1] (release). Called after the PDL wait: the previous launch
+    (which may still read y, or reset the counters) has ended."""
+    i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
+    if i_t == 0:
+        o_z = tl.arange(0, ZERO_BLOCK)
+        for z0 in range(0, n_zero, ZERO_BLOCK):
+            tl.store(p_y + z0 + o_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32),
+                     mask=z0 + o_z < n_zero)
+        tl.debug_barrier()  # every thread's zeros before the release
+        tl.atomic_xchg(p_sync + 1, 1, sem="release")
+
+
+@triton.jit
+def _wait_zeroed(p_sync):
+    """Wait (plain polls, then one acquire RMW, as _tail_tile) until y is zeroed."""
+    n_spin = tl.program_id(0) * 0
+    while (tl.load(p_sync + 1, volatile=True) == 0) & (n_spin < MAX_SPIN):
+        n_spin += 1
+    tl.atomic_max(p_sync + 1, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _zero_y_done(p_sync):
+    """Count this program done (p_sync[2]); the last one resets the three counters for the next
+    launch (every program has passed its wait by then)."""
+    tl.debug_barrier()  # every thread's adds issued
+    if tl.atomic_add(p_sync + 2, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        tl.atomic_xchg(p_sync, 0, sem="relaxed")
+        tl.atomic_xchg(p_sync + 1, 0, sem="relaxed")
+        tl.atomic_xchg(p_sync + 2, 0, sem="relaxed")
+
+
+@triton.jit
 def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                  p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
+                 p_sync, n_zero, ZERO_Y: tl.constexpr, ZERO_BLOCK: tl.constexpr,
                  FP4: tl.constexpr, USE_MMA: tl.constexpr, R: tl.constexpr,
                  WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr, X_PREPARED: tl.constexpr,
                  EVICT_FIRST: tl.constexpr, ASM: tl.constexpr, KLANE_STAGES: tl.constexpr,
@@ -151,7 +188,9 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                  TILED: tl.constexpr):
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
-    slot order and stores. TILED: MXFP4 codes in the tiled layout."""
+    slot order and stores. TILED: MXFP4 codes in the tiled layout. ZERO_Y (atomic, launched
+    alone): the launch zeroes y itself (_zero_y_ticket), every tile's adds wait for it
+    (after the tile's GEMV, so the wait is hidden behind the weight reads)."""
     i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < D
@@ -178,6 +217,8 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+        if ZERO_Y:
+            _zero_y_ticket(p_y, p_sync, n_zero, ZERO_BLOCK)
         if runs:
             if USE_MMA:  # tensor-core tiles: BLOCK_N consecutive rows
                 p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
@@ -192,8 +233,12 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             else:
                 b_p = expert_gemv(p_a, b_ent, m_ent, p_we, p_se, o_n, m_n, I_PAIRS, BLOCK_M,
                                   BLOCK_N, BLOCK_KP, FP4, KLANE_STAGES, TOKEN_LOOP, TILED)
+            if ZERO_Y:
+                _wait_zeroed(p_sync)
             tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
                           mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
+        if ZERO_Y:
+            _zero_y_done(p_sync)
 
 
 @triton.jit
@@ -251,8 +296,9 @@ def _tail_tile(pid, p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_done, n_wait,
 def _moe_stage2_tail_kernel(
         p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid, p_topk_ids, p_topk_w,
         p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles, n_stage2,
-        p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync, M, H, S_PAIRS, eps,
-        STAGE2: tl.constexpr, TAIL: tl.constexpr, FP4: tl.constexpr, USE_MMA: tl.constexpr,
+        p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync, M, H, S_PAIRS, eps, n_zero,
+        STAGE2: tl.constexpr, TAIL: tl.constexpr, ZERO_Y: tl.constexpr,
+        ZERO_BLOCK: tl.constexpr, FP4: tl.constexpr, USE_MMA: tl.constexpr,
         R: tl.constexpr, WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr,
         X_PREPARED: tl.constexpr, EVICT_FIRST: tl.constexpr, ASM: tl.constexpr,
         KLANE_STAGES: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr,
@@ -265,13 +311,16 @@ def _moe_stage2_tail_kernel(
     [0, n_stage2) run stage-2 tiles and then count themselves done in p_sync[1] (release);
     later tickets run tail tiles, which wait for all stage-2 tiles (acquire). Tickets follow
     the order programs actually start, so every stage-2 tile a tail tile waits for is already
-    running: no deadlock whatever the scheduling. PDL: stage 2 alone or the tail alone."""
+    running: no deadlock whatever the scheduling. PDL: stage 2 alone or the tail alone.
+    ZERO_Y: the atomic stage 2 alone zeroes y[0:n_zero] itself, ordered by the counters
+    p_sync [3] (zero between launches); the same ticket argument rules out a deadlock."""
     if STAGE2 and TAIL:
         i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
         if i_t < n_stage2:
             _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                          p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
-                         n_d_tiles, FP4, USE_MMA, R, WARPS_K, L2_PREFETCH, X_PREPARED,
+                         n_d_tiles, p_sync, n_zero, False, ZERO_BLOCK, FP4, USE_MMA, R, WARPS_K,
+                         L2_PREFETCH, X_PREPARED,
                          EVICT_FIRST, ASM, KLANE_STAGES, DETERMINISTIC, BLOCK_M2, BLOCK_N2,
                          BLOCK_KP2, TOKEN_LOOP, False, TILED)
             tl.debug_barrier()  # every thread's adds issued before the release below
@@ -283,7 +332,8 @@ def _moe_stage2_tail_kernel(
     elif STAGE2:
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
-                     I_PAIRS, n_d_tiles, FP4, USE_MMA, R, WARPS_K, L2_PREFETCH, X_PREPARED,
+                     I_PAIRS, n_d_tiles, p_sync, n_zero, ZERO_Y, ZERO_BLOCK, FP4, USE_MMA, R,
+                     WARPS_K, L2_PREFETCH, X_PREPARED,
                      EVICT_FIRST, ASM, KLANE_STAGES, DETERMINISTIC, BLOCK_M2, BLOCK_N2,
                      BLOCK_KP2, TOKEN_LOOP, PDL, TILED)
     else:

@@ -7,7 +7,7 @@ import torch
 import triton
 
 from ..plan import RoutePlan, plan_capacity
-from ..runtime import check_device
+from ..runtime import check_device, check_number
 from .config import MAX_TOKENS, RouteConfig
 from .gemv import _gate_gemv_kernel
 from .sort import _route_sort_kernel
@@ -193,10 +193,7 @@ def _check_routing(E: int, top_k, n_group, topk_group, block_m, out_dim,
     _check_int("block_m", block_m, 1)
     if out_dim is not None:
         _check_int("out_dim", out_dim, 1)
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor,
-                                                                 (int, float)):
-        raise ValueError(f"routed_scaling_factor: expected a float, got "
-                         f"{type(routed_scaling_factor).__name__}")
+    check_number("routed_scaling_factor", routed_scaling_factor, positive=True)
 
 
 def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,

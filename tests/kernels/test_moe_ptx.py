@@ -165,3 +165,28 @@ def test_fused_tail_ptx_orders_memory():
     assert re.search(r"(atom\.global\.gpu\.acquire|ld\.global\.gpu\.acquire)", ptx), (
         "no acquire after the poll")
     assert "ld.volatile.global" in ptx  # the poll
+
+
+_ZERO_PDL_SCRIPT = _IMPORTS + _stage2_b1().replace(
+    f"{1} * cfg.top_k)", "1 * cfg.top_k, zero=True)") + r"""
+assert kw["ZERO_Y"], kw
+kw["PDL"] = True  # as launched with pdl=True
+""" + _COMPILE
+
+
+def test_self_zeroing_stage2_ptx_orders_memory():
+    """The self-zeroing atomic stage 2 (moe_stage2's launch), with PDL: no atomic (ticket, zero
+    flag, adds) and no store to y before griddepcontrol.wait (the previous launch may still
+    read y or reset the counters); the zeroing signals with a release, the adds wait for it with
+    an acquire, and the done count is an acq_rel RMW."""
+    assert "zero=True" in _ZERO_PDL_SCRIPT
+    ptx = _ptx_of(_ZERO_PDL_SCRIPT)
+    lines = ptx.splitlines()
+    wait = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    assert wait, "no griddepcontrol.wait"
+    before = lines[:wait[0]]
+    assert not [ln for ln in before if "atom." in ln or "red." in ln or "st.global" in ln]
+    assert re.search(r"atom\.global\.gpu\.release\.exch", ptx), "no release exchange (flag)"
+    assert re.search(r"atom\.global\.gpu\.acquire\.max", ptx), "no acquire after the poll"
+    assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx), "no acq_rel done count"
+    assert "ld.volatile.global" in ptx  # the poll
