@@ -12,7 +12,7 @@ FIXTURES = Path(__file__).parent / "notebooks"
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 # parameters cells still holding comments papermill cannot read (an "=" in a comment); strict:
 # the test says so once one of them is fixed
-UNREAD = {"20_moe", "90_decode_step"}
+UNREAD: set[str] = set()
 
 
 @pytest.mark.parametrize("help_text, choices, low, high", [

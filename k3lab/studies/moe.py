@@ -236,6 +236,10 @@ def _frac(df: pd.DataFrame, tp: int, fmt: str, stage: str, mode: str,
     return round(float(d.expert_frac_of_copy.iloc[0]), 4) if len(d) else None
 
 
+def _count(v: float) -> int | None:
+    return None if v != v else int(v)
+
+
 def _is_bar(s: Setup) -> bool:
     return s.on_gpu and s.cfg.name == "kimi-k3"
 
@@ -254,6 +258,19 @@ def bar(s: Setup, records: pd.DataFrame, stages: pd.DataFrame, kernels: dict,
          "target": 5, "ok": n <= 5 if s.on_gpu else None, "note": f"{kernels['fused']}"},
         {"check": f"whole block speedup vs reference ({mode}, tp {s.cfg.tp})",
          "measured": speed, "target": 3.0, "ok": speed >= 3.0 if at_tp8 else None}]
+    fused_us = _lat(rec_route, "fused", mode)
+    dense_us = _lat(rec_route, "fused+dense", mode)
+    rows.append({"check": f"fused+dense block with routing >= 1.3x faster than fused ({mode}, "
+                 f"tp {s.cfg.tp})", "measured": fused_us / dense_us, "target": 1.3,
+                 "ok": fused_us / dense_us >= 1.3 if at_tp8 else None,
+                 "note": f"fused {fused_us:.1f} us, fused+dense {dense_us:.1f} us"})
+    for v in ("persistent", "persistent_a8w4"):
+        n_v, us = profile.value(rec_route, v, "launches"), _lat(rec_route, v, mode)
+        if n_v == n_v:  # present
+            rows.append({"check": f"{v}: <= 2 launches and <= 55 us with routing ({mode}, "
+                         f"tp {s.cfg.tp})", "measured": us, "target": 55.0,
+                         "ok": (n_v <= 2 and us <= 55.0) if at_tp8 else None,
+                         "note": f"{int(n_v)} launches"})
     for st in bmoe.STAGES:
         f, g = _stage_lat(stages, st, "fused", mode), _stage_lat(stages, st, "grouped", mode)
         rows.append({"check": f"{st}: fused faster than grouped ({mode}, tp {s.cfg.tp})",
@@ -371,7 +388,12 @@ def headline(s: Setup, records: pd.DataFrame, stages: pd.DataFrame, sweep_tf: pd
         "fused launches given the plan": int(profile.value(plan_r, "fused", "launches")),
         "reference launches with routing": int(profile.value(route_r, "reference", "launches")),
         **{f"{v} block us with routing ({mode})": round(_lat(route_r, v, mode), 2)
-           for v in ("fused", "reference", "grouped")},
+           for v in ("fused", "fused+dense", "persistent", "persistent_a8w4", "reference",
+                     "grouped")},
+        **{f"{v} launches with routing": _count(profile.value(route_r, v, "launches"))
+           for v in ("fused+dense", "persistent", "persistent_a8w4")},
+        f"fused / fused+dense with routing ({mode})": round(
+            _lat(route_r, "fused", mode) / _lat(route_r, "fused+dense", mode), 3),
         f"speedup vs reference with routing ({mode})": round(
             _lat(route_r, "reference", mode) / _lat(route_r, "fused", mode), 2),
         **{f"{st} fused us ({mode})": round(_stage_lat(stages, st, "fused", mode), 2)
