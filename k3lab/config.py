@@ -1,7 +1,7 @@
 """Model presets and tensor-parallel sharding.
 
 A :class:`Preset` holds every size the references and kernels need for one GPU's shard of the
-model (ARCHITECTURE.md sections 1 and 3-8). ``preset(name, tp)`` returns it sharded the way
+model (docs/model.md). ``preset(name, tp)`` returns it sharded the way
 serving engines shard it: attention heads and the expert / shared / dense intermediate sizes are
 divided by ``tp``; the hidden size, the latent size and the expert count are not.
 """
@@ -91,7 +91,7 @@ def _every_fourth(n_layers: int) -> tuple[int, ...]:
     return tuple(sorted(layers))
 
 
-# Full-model (tp = 1) presets. Sizes from ARCHITECTURE.md; "uncertain" entries are noted.
+# Full-model (tp = 1) presets. Sizes from docs/model.md; "uncertain" entries are noted.
 PRESETS: dict[str, Preset] = {
     "kimi-k3": Preset(
         name="kimi-k3", tp=1, hidden=7168, n_layers=93, mla_layers=_every_fourth(93),

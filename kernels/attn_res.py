@@ -1,4 +1,4 @@
-"""Fused AttnRes read + the RMSNorm that follows it (ARCHITECTURE.md section 6), one launch.
+"""Fused AttnRes read + the RMSNorm that follows it (docs/model.md), one launch.
 
 For every token m, with the candidates V = stack(bank[0..N-1, m], live[m]) in fp32:
 

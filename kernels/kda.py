@@ -1,4 +1,4 @@
-"""Fused KDA (Kimi Delta Attention) decode: one launch per layer (ARCHITECTURE.md section 7).
+"""Fused KDA (Kimi Delta Attention) decode: one launch per layer (docs/model.md).
 
 Per token m and head h, with S = state[m, h] [d (k), d (v)] fp32:
 

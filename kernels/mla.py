@@ -1,4 +1,4 @@
-"""Split-KV absorbed MLA decode (ARCHITECTURE.md section 8).
+"""Split-KV absorbed MLA decode (docs/model.md).
 
 For every token m and head h, over the first ``seq_lens[m]`` rows ``[c_t | kr_t]`` of its cache::
 

@@ -1,6 +1,6 @@
 """AttnRes boundary: the attention-residual read and the RMSNorm that follows it.
 
-ARCHITECTURE.md section 6. Owns both ops of one read (``attn_res.read``, ``attn_res.norm``);
+docs/model.md. Owns both ops of one read (``attn_res.read``, ``attn_res.norm``);
 a decode layer runs it twice (before attention, before the FFN). Inputs are one read's: the
 sealed bank [N, M, H], the live sum [M, H] and the read's three weights [H].
 """

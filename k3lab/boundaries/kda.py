@@ -1,4 +1,4 @@
-"""KDA decode boundary (ARCHITECTURE.md section 7): the f_b projection, gate, beta, L2 norms and
+"""KDA decode boundary (docs/model.md): the f_b projection, gate, beta, L2 norms and
 the recurrent step with its state in place, for one decode token per sequence.
 
 Variants: the op-by-op reference; ours in one launch (``fused``), and with the short-conv step

@@ -1,4 +1,4 @@
-"""MLA decode attention boundary (ARCHITECTURE.md section 8): split-KV absorbed attention over the
+"""MLA decode attention boundary (docs/model.md): split-KV absorbed attention over the
 latent cache, the split count picked from host shapes (or fixed, for one CUDA graph at every
 length)."""
 

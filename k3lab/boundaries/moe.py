@@ -1,4 +1,4 @@
-"""Latent MoE boundary (ARCHITECTURE.md sections 4-5): latent down-projection, the selected
+"""Latent MoE boundary (docs/model.md): latent down-projection, the selected
 experts' two stages (SiTU / SiLU MLPs, weighted fp32 sum), latent RMSNorm + up-projection and the
 shared MLP, given the route plan (the route ops belong to the route boundary).
 
@@ -513,7 +513,7 @@ BOUNDARY = Boundary(
     make_inputs=make_inputs,
     variants=(
         Variant("reference", "reference", _reference,
-                "the loop of ARCHITECTURE.md section 4 in the model's numerics: per selected "
+                "the loop of docs/model.md in the model's numerics: per selected "
                 "expert index_select (+ MXFP4 dequant), two bf16 GEMVs, fp32 SiTU, fp32 "
                 "weighted sum, fp32 RMSNorm, bf16 up-projection, shared MLP"),
         Variant("fused", "fused", _fused,

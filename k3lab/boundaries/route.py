@@ -1,4 +1,4 @@
-"""Route boundary (ARCHITECTURE.md section 3): the router's gate projection with FP32 logits,
+"""Route boundary (docs/model.md): the router's gate projection with FP32 logits,
 sigmoid, correction bias, (grouped) top-k, weight renormalization and the MoE sort metadata,
 producing the :class:`k3lab.kernels.plan.RoutePlan` the expert stages consume."""
 

@@ -1,6 +1,6 @@
 """AttnRes (attention residuals) read + RMSNorm, and the per-token schedule of its reads.
 
-ARCHITECTURE.md section 6. The residual stream is a bank of block sums: the sealed rows (the token
+docs/model.md. The residual stream is a bank of block sums: the sealed rows (the token
 embedding first, then one sum per ``cfg.attn_res_block`` layers) and the live partial sum of the
 current block. Before attention and before the FFN of every layer the layer input is a softmax
 mixture of these candidates, followed by the layer's RMSNorm:
@@ -76,7 +76,7 @@ def token_schedule(cfg: Preset) -> list[Read]:
     Every sublayer output starts (first sublayer of a block) or extends the live sum. At the
     start of every layer ``l > 0`` with ``l % attn_res_block == 0`` the live sum (the outputs of
     the block's ``attn_res_block`` layers) is sealed, so that layer's first read mixes sealed rows
-    only. Where ARCHITECTURE.md is silent (what a block's first read sees) this is the
+    only. Where docs/model.md is silent (what a block's first read sees) this is the
     workbench's assumption. K3: 93 layers, block 12 -> at most 8 sealed rows + live = 9 candidates.
     """
     if not cfg.attn_res_block:

@@ -1,4 +1,4 @@
-"""KDA (Kimi Delta Attention) decode, op by op (ARCHITECTURE.md section 7).
+"""KDA (Kimi Delta Attention) decode, op by op (docs/model.md).
 
 The unfused truth of the ``kda`` boundary, written the way the model's code runs one decode token:
 every op below is its own kernel launch (its launch count is the honest "before"). All math is in

@@ -1,4 +1,4 @@
-"""MLA decode (ARCHITECTURE.md section 8): the unfused PyTorch truth.
+"""MLA decode (docs/model.md): the unfused PyTorch truth.
 
 Absorbed attention over the latent cache, for one decode token per sequence::
 

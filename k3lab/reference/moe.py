@@ -1,4 +1,4 @@
-"""Latent MoE, op by op (ARCHITECTURE.md sections 4 and 5): the unfused truth of the moe boundary.
+"""Latent MoE, op by op (docs/model.md): the unfused truth of the moe boundary.
 
 ```
 ids, w = route(x)                               # k3lab.reference.route (route boundary)
@@ -254,7 +254,7 @@ def latent_moe_from_plan_reference(x: torch.Tensor, plan, weights: dict, cfg, *,
 
 def latent_moe_reference(x: torch.Tensor, weights: dict, cfg, *, dtype=torch.float32,
                          block_m: int = 1) -> torch.Tensor:
-    """ARCHITECTURE.md section 4 end to end: route (``route_sort_reference``) then
+    """docs/model.md end to end: route (``route_sort_reference``) then
     :func:`latent_moe_from_plan_reference`. x [M, H] bf16 -> [M, H] fp32."""
     from k3lab.reference.route import route_sort_reference
 

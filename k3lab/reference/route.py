@@ -1,6 +1,6 @@
 """Routing ("route boundary", ``noaux_tc``) and the MoE sort metadata, op by op.
 
-ARCHITECTURE.md section 3::
+docs/model.md::
 
     logits = fp32(x) @ fp32(W_gate)^T          # [M, E] FP32 logits
     s      = sigmoid(logits)

@@ -1,4 +1,4 @@
-"""Latent MoE at batch 1 (ARCHITECTURE.md sections 4-5): three launches after routing.
+"""Latent MoE at batch 1 (docs/model.md): three launches after routing.
 
 ```
 front : z = x @ W_down^T            (and shared a_s = act(x @ Ws1^T, x @ Ws3^T), same launch)

@@ -143,7 +143,7 @@ def _check_block_weights(x, weights, cfg, plan):
 def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
               block_m: int = 1, deterministic: bool | None = None, fuse_tail: bool = True,
               config: MoEConfig | None = None, validate: str = "cheap") -> torch.Tensor:
-    """The latent MoE block of ARCHITECTURE.md section 4: route_sort (unless ``plan`` is given),
+    """The latent MoE block of docs/model.md: route_sort (unless ``plan`` is given),
     front (latent down + shared gate/up), stage 1, then stage 2 and the tail (+ shared down) as
     one ticket-ordered launch: 3 launches given a plan, route_sort's plus 3 with routing.
 

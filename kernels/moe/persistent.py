@@ -187,7 +187,7 @@ def _tiles(config, m, block_m, sizes, fp4):
 def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
                    block_m: int = 1, num_sms: int | None = None,
                    config: PersistentMoEConfig | None = None) -> torch.Tensor:
-    """The latent MoE block (ARCHITECTURE.md section 4) in one launch given ``plan``
+    """The latent MoE block (docs/model.md) in one launch given ``plan``
     (route_sort's; without one, route_sort runs first with ``block_m``: 2 launches).
 
     x: bf16 [M, H], M <= 16. weights: k3lab.weights.moe_weights' dict (latent_down [D, H],

@@ -1,6 +1,6 @@
 """Fused routing + MoE sort metadata (the route boundary) in one launch.
 
-Math (ARCHITECTURE.md section 3, ``noaux_tc``), per token m of M::
+Math (docs/model.md, ``noaux_tc``), per token m of M::
 
     logits = fp32(x[m]) @ fp32(W_gate)^T            # [E]
     s      = sigmoid(logits);  sb = s + bias        # sb chooses, s weighs
