@@ -192,13 +192,37 @@ def _cpu_launch_log():
         InterpretedFunction.run = original
 
 
+@dataclass(frozen=True)
+class _DeviceEvent:
+    name: str
+    start_us: float
+    end_us: float
+    stream: int
+
+
 def _cuda_profile(fn: Callable, inputs: Any):
+    """([_DeviceEvent] of one call: kernels, memsets, memcpys, profiler): keeps only work whose
+    launch call (CUDA runtime or driver API) was made inside the profiled window, matched by
+    the CUPTI correlation id; work queued before it that merely runs during it is not the
+    call's."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn(inputs)
         torch.cuda.synchronize()
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA], prof
+    cuda = torch.autograd.DeviceType.CUDA
+    try:
+        raw = list(prof.profiler.kineto_results.events())
+    except AttributeError:  # no kineto results in this torch: every device event
+        return [_DeviceEvent(e.name, e.time_range.start, e.time_range.end,
+                             getattr(e, "device_resource_id", 0))
+                for e in prof.events() if e.device_type == cuda], prof
+    launched = {e.correlation_id() for e in raw
+                if e.device_type() != cuda and e.name().startswith(("cuda", "cu"))}
+    return [_DeviceEvent(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3,
+                         e.device_resource_id())
+            for e in raw if e.device_type() == cuda
+            and (not launched or e.correlation_id() in launched)], prof
 
 
 def _signature_split(name: str) -> tuple[str, str]:
@@ -447,8 +471,8 @@ def timeline(fn: Callable[[Any], Any], inputs: Any, trace_path: str | None = Non
         events, prof = _cuda_profile(fn, inputs)
         if trace_path:
             prof.export_chrome_trace(str(trace_path))
-        rows = [(short_kernel_name(e.name), e.time_range.start, e.time_range.end,
-                 f"stream {getattr(e, 'device_resource_id', 0)}") for e in events]
+        rows = [(short_kernel_name(e.name), e.start_us, e.end_us, f"stream {e.stream}")
+                for e in events]
     else:
         with _cpu_launch_log() as events:
             fn(inputs)

@@ -41,8 +41,8 @@ __all__ = ["latent_down", "moe_stage1", "moe_stage2", "moe_kernel_weights"]
 
 NUM_WARPS = MMA_WARPS  # every launch: 4 warps (the tensor-core tiles' index math needs 4)
 ZERO_MIN_BLOCK = 16  # stage 1 zeroes stage 2's accumulator in slices of at least this
-ZERO_Y_BLOCK = 1024  # the self-zeroing atomic stage 2 zeroes y in stores of this many
-# int32 [3] counters (ticket, zeroed flag, done) per device of the self-zeroing atomic stage 2
+# int32 counters (ticket, zeroed flag, done) per D tile, per device, of the self-zeroing atomic
+# stage 2
 _ZERO_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -252,18 +252,19 @@ def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ
                           z_mma=z_mma, a_mma_out=a_mma_out, pdl=pdl)
 
 
-def _zero_counters(dev: torch.device) -> torch.Tensor:
-    """The device's int32 [3] counters of the self-zeroing atomic stage 2 (zero between
-    launches: the launch's last program resets them), created by the first call outside a
-    CUDA-graph capture."""
+def _zero_counters(dev: torch.device, n_d_tiles: int) -> torch.Tensor:
+    """The device's int32 counters (three per D tile) of the self-zeroing atomic stage 2 (zero
+    between launches: each D tile's last program resets its three), created, or grown, by a
+    call outside a CUDA-graph capture."""
     counters = _ZERO_COUNTERS.get(dev)
-    if counters is None:
+    if counters is None or counters.numel() < 3 * n_d_tiles:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError(
-                f"a: moe_stage2's counters on {dev} do not exist yet and cannot be created "
-                "inside a CUDA-graph capture; call moe_stage2 once on this device before "
-                "capturing")
-        counters = _ZERO_COUNTERS[dev] = torch.zeros(3, dtype=torch.int32, device=dev)
+                f"a: moe_stage2's counters on {dev} for {n_d_tiles} D tiles do not exist yet "
+                "and cannot be created inside a CUDA-graph capture; call moe_stage2 once on "
+                "this device with these shapes before capturing")
+        size = max(3 * n_d_tiles, 3 * 1024)
+        counters = _ZERO_COUNTERS[dev] = torch.zeros(size, dtype=torch.int32, device=dev)
     return counters
 
 
@@ -297,9 +298,9 @@ def _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma=None, zero=F
               DETERMINISTIC=bool(deterministic),
               BLOCK_M2=1 if deterministic else triton.next_power_of_2(block_m),
               BLOCK_N2=t.block_n, BLOCK_KP2=t.block_kp, TILED=_tiled(w2),
-              ZERO_Y=zero, n_zero=m * d, ZERO_BLOCK=ZERO_Y_BLOCK)
+              ZERO_Y=zero, n_zero=m, ZERO_BLOCK=triton.next_power_of_2(m))
     if zero:
-        kw["p_sync"] = _zero_counters(a.device)
+        kw["p_sync"] = _zero_counters(a.device, n_d)
     return kw, rows * n_d, y
 
 
@@ -335,7 +336,7 @@ def _stage2_tail_kwargs(config, stage2, tail, sync=None):
                   D=tail[0]["D"], I_PAIRS=1, n_d_tiles=1, n_stage2=0,
                   **_expert_constexprs(config, None, ExpertTiles(MIN_ROWS, MIN_PAIRS), 2, False),
                   DETERMINISTIC=False, BLOCK_M2=1, BLOCK_N2=MIN_ROWS, BLOCK_KP2=MIN_PAIRS,
-                  TILED=False, ZERO_Y=False, n_zero=0, ZERO_BLOCK=ZERO_Y_BLOCK)
+                  TILED=False, ZERO_Y=False, n_zero=0, ZERO_BLOCK=1)
     else:
         kw.update(stage2[0])
     if tail is None:
@@ -380,12 +381,12 @@ def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool | No
     w2: bf16 [E, D, I] or MXFP4 (packed [E, D, I/2], scales [E, D, I/32]).
     Atomic (default): one program per (expert tile of the plan, D tile), fp32 atomic adds; the
     order of the adds varies between runs. The launch zeroes ``out`` itself (no memset launch):
-    the first program to start zeroes it, every tile's adds wait for that (after the tile's
-    GEMV) through a per-device int32 [3] counter that the launch's last program resets; so
-    calls on one device must not run concurrently on different streams, and the first call on
-    a device must not be inside a CUDA-graph capture. deterministic=True: one program per
-    (token, D tile) adding its top_k slots in slot order (bitwise reproducible; stores);
-    None: ``config.deterministic_stage2``.
+    per D tile, the first program to start zeroes it, the tile's adds wait for that (after the
+    GEMV) through per-device int32 counters (three per D tile) that the tile's last program
+    resets; so calls on one device must not run concurrently on different streams, and the
+    first call on a device (and shape) must not be inside a CUDA-graph capture.
+    deterministic=True: one program per (token, D tile) adding its top_k slots in slot order
+    (bitwise reproducible; stores); None: ``config.deterministic_stage2``.
     a_mma: optional ``mma_prepare_x(a)`` (as moe_stage1's a_mma_out writes it), read instead of a
     by the MXFP4 tensor-core tiles (ignored by the other paths). pdl: as for moe_stage1 (the
     atomic tensor-core tiles only). validate: as for moe_stage1. Returns fp32 [M, D].

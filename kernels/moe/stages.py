@@ -141,39 +141,42 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
 
 
 @triton.jit
-def _zero_y_ticket(p_y, p_sync, n_zero, ZERO_BLOCK: tl.constexpr):
-    """Atomic stage 2 owning its zeroing: take a ticket (p_sync[0]); ticket 0 zeroes y[0:n_zero]
-    and raises the flag p_sync[1] (release). Called after the PDL wait: the previous launch
-    (which may still read y, or reset the counters) has ended."""
-    i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
+def _zero_y_ticket(p_y, p_c, o_n, m_n, n_rows, D, ZERO_BLOCK: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Atomic stage 2 owning its zeroing, per D tile: take a ticket (p_c[0], this tile's
+    counters); ticket 0 zeroes y[0:n_rows, o_n] and raises the flag p_c[1] (release). Called
+    after the PDL wait: the previous launch (which may still read y) has ended. One counter
+    triple per D tile keeps the atomics on one address to the plan's tile count."""
+    i_t = tl.atomic_add(p_c, 1, sem="relaxed")
     if i_t == 0:
-        o_z = tl.arange(0, ZERO_BLOCK)
-        for z0 in range(0, n_zero, ZERO_BLOCK):
-            tl.store(p_y + z0 + o_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32),
-                     mask=z0 + o_z < n_zero)
+        o_r = tl.arange(0, ZERO_BLOCK)
+        tl.store(p_y + o_r[:, None] * D + o_n[None, :],
+                 tl.zeros([ZERO_BLOCK, BLOCK_N], dtype=tl.float32),
+                 mask=(o_r < n_rows)[:, None] & m_n[None, :])
         tl.debug_barrier()  # every thread's zeros before the release
-        tl.atomic_xchg(p_sync + 1, 1, sem="release")
+        tl.atomic_xchg(p_c + 1, 1, sem="release")
 
 
 @triton.jit
-def _wait_zeroed(p_sync):
-    """Wait (plain polls, then one acquire RMW, as _tail_tile) until y is zeroed."""
+def _wait_zeroed(p_c):
+    """Wait (plain polls, then one acquire RMW, as _tail_tile) until this D tile of y is
+    zeroed."""
     n_spin = tl.program_id(0) * 0
-    while (tl.load(p_sync + 1, volatile=True) == 0) & (n_spin < MAX_SPIN):
+    while (tl.load(p_c + 1, volatile=True) == 0) & (n_spin < MAX_SPIN):
         n_spin += 1
-    tl.atomic_max(p_sync + 1, 0, sem="acquire")
+    tl.atomic_max(p_c + 1, 0, sem="acquire")
     tl.debug_barrier()
 
 
 @triton.jit
-def _zero_y_done(p_sync):
-    """Count this program done (p_sync[2]); the last one resets the three counters for the next
-    launch (every program has passed its wait by then)."""
+def _zero_y_done(p_c, n_users):
+    """Count this program done (p_c[2]); the last of the n_users programs of this D tile resets
+    its three counters for the next launch (every one has passed its wait by then)."""
     tl.debug_barrier()  # every thread's adds issued
-    if tl.atomic_add(p_sync + 2, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.atomic_xchg(p_sync, 0, sem="relaxed")
-        tl.atomic_xchg(p_sync + 1, 0, sem="relaxed")
-        tl.atomic_xchg(p_sync + 2, 0, sem="relaxed")
+    if tl.atomic_add(p_c + 2, 1, sem="acq_rel") == n_users - 1:
+        tl.atomic_xchg(p_c, 0, sem="relaxed")
+        tl.atomic_xchg(p_c + 1, 0, sem="relaxed")
+        tl.atomic_xchg(p_c + 2, 0, sem="relaxed")
 
 
 @triton.jit
@@ -189,8 +192,9 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
     slot order and stores. TILED: MXFP4 codes in the tiled layout. ZERO_Y (atomic, launched
-    alone): the launch zeroes y itself (_zero_y_ticket), every tile's adds wait for it
-    (after the tile's GEMV, so the wait is hidden behind the weight reads)."""
+    alone): the launch zeroes y itself, one D tile at a time: the first program of a D tile to
+    finish its GEMV (or a padding tile) zeroes it (_zero_y_ticket) and the others' adds wait for
+    that; the ticket comes after the GEMV so that the weight reads do not wait on an atomic."""
     i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < D
@@ -217,8 +221,6 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        if ZERO_Y:
-            _zero_y_ticket(p_y, p_sync, n_zero, ZERO_BLOCK)
         if runs:
             if USE_MMA:  # tensor-core tiles: BLOCK_N consecutive rows
                 p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
@@ -233,12 +235,15 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             else:
                 b_p = expert_gemv(p_a, b_ent, m_ent, p_we, p_se, o_n, m_n, I_PAIRS, BLOCK_M,
                                   BLOCK_N, BLOCK_KP, FP4, KLANE_STAGES, TOKEN_LOOP, TILED)
-            if ZERO_Y:
-                _wait_zeroed(p_sync)
+            if ZERO_Y:  # the first tile of this D range to get here zeroes it
+                _zero_y_ticket(p_y, p_sync + 3 * i_n, o_n, m_n, n_zero, D, ZERO_BLOCK, BLOCK_N)
+                _wait_zeroed(p_sync + 3 * i_n)
             tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
                           mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
+        elif ZERO_Y:  # a padding tile: no adds, it may still be the first here
+            _zero_y_ticket(p_y, p_sync + 3 * i_n, o_n, m_n, n_zero, D, ZERO_BLOCK, BLOCK_N)
         if ZERO_Y:
-            _zero_y_done(p_sync)
+            _zero_y_done(p_sync + 3 * i_n, tl.num_programs(0) // n_d_tiles)
 
 
 @triton.jit
@@ -312,8 +317,9 @@ def _moe_stage2_tail_kernel(
     later tickets run tail tiles, which wait for all stage-2 tiles (acquire). Tickets follow
     the order programs actually start, so every stage-2 tile a tail tile waits for is already
     running: no deadlock whatever the scheduling. PDL: stage 2 alone or the tail alone.
-    ZERO_Y: the atomic stage 2 alone zeroes y[0:n_zero] itself, ordered by the counters
-    p_sync [3] (zero between launches); the same ticket argument rules out a deadlock."""
+    ZERO_Y: the atomic stage 2 alone zeroes y[0:n_zero rows] itself, ordered by the counters
+    p_sync [3 per D tile] (zero between launches); the same ticket argument rules out a
+    deadlock."""
     if STAGE2 and TAIL:
         i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
         if i_t < n_stage2:

@@ -949,6 +949,7 @@ GPU_VARIANTS = {"klane": MoEConfig(mma=False),
 
 
 @pytest.mark.gpu
+@pytest.mark.big_gpu
 @pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("M", [1, 16])
 def test_gpu_k3_tp1_mxfp4_stages(M, variant):
@@ -972,6 +973,7 @@ def test_gpu_k3_tp1_mxfp4_stages(M, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.big_gpu
 @pytest.mark.parametrize("tp", [1, 8])
 @pytest.mark.parametrize("M", [1, 16])
 def test_gpu_k3_tiled_layout(tp, M):

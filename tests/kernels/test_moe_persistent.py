@@ -506,6 +506,7 @@ def _k3(tp, M, fmt="mxfp4"):
 
 
 @pytest.mark.gpu
+@pytest.mark.big_gpu
 @pytest.mark.parametrize("tp", [1, 8, 16])
 def test_gpu_k3_block(tp):
     """K3 shards with MXFP4 experts, M = 1, 4, 16: the block given route_sort's plan against the
