@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import check_device, check_number
+from .runtime import INTERPRETED, check_device, check_number
 
 __all__ = ["attn_res_norm", "AttnResConfig", "MAX_SEALED"]
 
@@ -44,17 +44,30 @@ class AttnResConfig:
     max_block_h: widest H chunk (the norm pass, and the read with <= 2 bank rows): 8192 covers
         K3's 7168 in one chunk.
     num_warps: warps of the one program per token.
+    split_h: 0, one program per token streams all of H (the fields above); else programs of
+        split_h columns each, cdiv(H, split_h) a token, meeting at two grid barriers (after
+        the candidates' sums, after h's sum of squares), so a token's rows are read by many
+        SMs at once. Taken only while the grid fits the machine (``max_split_programs``).
+    split_warps: warps of a split program.
+    max_split_programs: the split grid's largest size per SM (every program must be resident
+        at once for the barriers; above it the one-program-per-token kernel runs).
     """
 
     tile_elems: int = 32768
     max_block_h: int = 8192
     num_warps: int = 8
+    split_h: int = 512
+    split_warps: int = 4
+    max_split_programs: int = 2
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name == "split_h" and v == 0 and not isinstance(v, bool):
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
-                raise ValueError(f"{f.name}: expected a power of two, got {v!r}")
+                what = "0 or a power of two" if f.name == "split_h" else "a power of two"
+                raise ValueError(f"{f.name}: expected {what}, got {v!r}")
 
 
 @triton.jit
@@ -76,6 +89,18 @@ def _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank):
     b_vb = tl.load(p_bank_rows + o_h[None, :], mask=m_bank[:, None] & m_h[None, :], other=0.0)
     b_vl = tl.load(p_live_row + o_h, mask=m_h, other=0.0)
     return b_vb.to(tl.float32), b_vl.to(tl.float32)
+
+
+@triton.jit
+def _softmax(b_sq_b, b_dot_b, b_sq_l, b_dot_l, m_bank, H, eps):
+    """Softmax weights of the N bank rows (padded rows -inf) and live from their sums."""
+    b_s_b = tl.where(m_bank, b_dot_b * tl.rsqrt(b_sq_b / H + eps), float("-inf"))
+    b_s_l = b_dot_l * tl.rsqrt(b_sq_l / H + eps)
+    b_max = tl.maximum(tl.max(b_s_b, axis=0), b_s_l)
+    b_e_b = tl.exp(b_s_b - b_max)
+    b_e_l = tl.exp(b_s_l - b_max)
+    b_den = tl.sum(b_e_b, axis=0) + b_e_l
+    return b_e_b / b_den, b_e_l / b_den
 
 
 @triton.jit
@@ -109,15 +134,7 @@ def _attn_res_norm_kernel(
         b_sq_l += tl.sum(b_vl * b_vl, axis=0)
         b_dot_l += tl.sum(b_vl * b_w, axis=0)
 
-    # softmax over the N bank rows (padded rows -inf) and live
-    b_s_b = tl.where(m_bank, b_dot_b * tl.rsqrt(b_sq_b / H + eps), float("-inf"))
-    b_s_l = b_dot_l * tl.rsqrt(b_sq_l / H + eps)
-    b_max = tl.maximum(tl.max(b_s_b, axis=0), b_s_l)
-    b_e_b = tl.exp(b_s_b - b_max)
-    b_e_l = tl.exp(b_s_l - b_max)
-    b_den = tl.sum(b_e_b, axis=0) + b_e_l
-    b_p_b = b_e_b / b_den
-    b_p_l = b_e_l / b_den
+    b_p_b, b_p_l = _softmax(b_sq_b, b_dot_b, b_sq_l, b_dot_l, m_bank, H, eps)
 
     # pass 2: h = sum_j p_j V_j, stored in bf16; sum of squares of the *rounded* h
     b_h2 = 0.0
@@ -138,6 +155,122 @@ def _attn_res_norm_kernel(
         b_h = tl.load(p_h_row + o_h, mask=m_h, other=0.0).to(tl.float32)
         b_w = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
         tl.store(p_hn_row + o_h, _round_bf16(b_h * b_rstd * b_w).to(tl.bfloat16), mask=m_h)
+
+
+# ---------------------------------------------------------------------------------------------
+# split H: many programs a token, two grid barriers
+
+MAX_SPIN = tl.constexpr(1 << 24)  # polls before a barrier gives up (a wrong result, not a hang)
+
+
+@triton.jit
+def _spin_until(p_c, target):
+    """Wait until the counter p_c reaches target (plain polls, then one acquire RMW)."""
+    n_spin = tl.program_id(0) * 0
+    while (tl.load(p_c, volatile=True) < target) & (n_spin < MAX_SPIN):
+        n_spin += 1
+    tl.atomic_max(p_c, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _split_softmax(p_part_m, P, N, H, eps, BLOCK_NB: tl.constexpr, SLOT: tl.constexpr):
+    """A token's softmax weights from its P programs' partial sums, added in program order."""
+    o_n = tl.arange(0, BLOCK_NB)
+    b_sq_b = tl.zeros([BLOCK_NB], dtype=tl.float32)
+    b_dot_b = tl.zeros([BLOCK_NB], dtype=tl.float32)
+    b_sq_l = 0.0
+    b_dot_l = 0.0
+    for i in range(0, P):
+        p_s = p_part_m + i * SLOT
+        b_sq_b += tl.load(p_s + o_n, cache_modifier=".cg")
+        b_dot_b += tl.load(p_s + BLOCK_NB + o_n, cache_modifier=".cg")
+        b_sq_l += tl.load(p_s + 2 * BLOCK_NB, cache_modifier=".cg")
+        b_dot_l += tl.load(p_s + 2 * BLOCK_NB + 1, cache_modifier=".cg")
+    return _softmax(b_sq_b, b_dot_b, b_sq_l, b_dot_l, o_n < N, H, eps)
+
+
+@triton.jit
+def _split_rstd(p_part_m, P, H, eps, BLOCK_NB: tl.constexpr, SLOT: tl.constexpr):
+    b_h2 = 0.0
+    for i in range(0, P):
+        b_h2 += tl.load(p_part_m + i * SLOT + 2 * BLOCK_NB + 2, cache_modifier=".cg")
+    return tl.rsqrt(b_h2 / H + eps)
+
+
+@triton.jit
+def _attn_res_split_kernel(
+    p_bank, p_live, p_res_norm_w, p_res_proj_w, p_norm_w, p_h, p_hn, p_part, p_sync,
+    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m,
+    N, H, eps, P,
+    WAIT: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Program (i_p, token i_m) owns columns [i_p * BLOCK_H, +BLOCK_H) of one token. It stores
+    its candidates' partial sums (slot i_p of p_part), meets the token's other P - 1 programs
+    (counter p_sync[3 i_m]), mixes its h chunk from everyone's sums, stores that chunk's sum of
+    squares, meets them again (p_sync[3 i_m + 1]) and normalizes its chunk, still in
+    registers; the token's last program out resets the three counters. WAIT False (the
+    interpreter, whose programs run one after another): nobody waits, the token's last
+    program to arrive finishes every chunk itself."""
+    SLOT: tl.constexpr = 2 * BLOCK_NB + 4  # sq [BLOCK_NB], dot [BLOCK_NB], live sq, dot, h^2
+    i_p = tl.program_id(0)
+    i_m = tl.program_id(1).to(tl.int64)
+    o_n = tl.arange(0, BLOCK_NB)
+    m_bank = o_n < N
+    p_bank_rows = p_bank + i_m * stride_bank_m + o_n[:, None].to(tl.int64) * stride_bank_n
+    p_live_row = p_live + i_m * stride_live_m
+    p_h_row = p_h + i_m * stride_out_m
+    p_hn_row = p_hn + i_m * stride_out_m
+    p_part_m = p_part + i_m * P * SLOT
+    p_s = p_part_m + i_p * SLOT
+    p_c = p_sync + i_m * 3
+
+    o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
+    b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+           * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
+    tl.store(p_s + o_n, tl.sum(b_vb * b_vb, axis=1))
+    tl.store(p_s + BLOCK_NB + o_n, tl.sum(b_vb * b_w[None, :], axis=1))
+    tl.store(p_s + 2 * BLOCK_NB, tl.sum(b_vl * b_vl, axis=0))
+    tl.store(p_s + 2 * BLOCK_NB + 1, tl.sum(b_vl * b_w, axis=0))
+    tl.debug_barrier()  # every thread's sums before the release
+    i_t = tl.atomic_add(p_c, 1, sem="release")
+    if WAIT:
+        _spin_until(p_c, P)
+        b_p_b, b_p_l = _split_softmax(p_part_m, P, N, H, eps, BLOCK_NB, SLOT)
+        b_h = _round_bf16(tl.sum(b_p_b[:, None] * b_vb, axis=0) + b_p_l * b_vl)
+        tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
+        tl.store(p_s + 2 * BLOCK_NB + 2, tl.sum(b_h * b_h, axis=0))
+        tl.debug_barrier()
+        tl.atomic_add(p_c + 1, 1, sem="release")
+        _spin_until(p_c + 1, P)
+        b_rstd = _split_rstd(p_part_m, P, H, eps, BLOCK_NB, SLOT)
+        b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+        tl.store(p_hn_row + o_h, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16), mask=m_h)
+        tl.debug_barrier()
+        if tl.atomic_add(p_c + 2, 1, sem="acq_rel") == P - 1:  # everyone is past both waits
+            tl.atomic_xchg(p_c, 0, sem="relaxed")
+            tl.atomic_xchg(p_c + 1, 0, sem="relaxed")
+            tl.atomic_xchg(p_c + 2, 0, sem="relaxed")
+    elif i_t == P - 1:
+        b_p_b, b_p_l = _split_softmax(p_part_m, P, N, H, eps, BLOCK_NB, SLOT)
+        for i in range(0, P):
+            o_c = i * BLOCK_H + tl.arange(0, BLOCK_H)
+            m_c = o_c < H
+            b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_c, m_c, m_bank)
+            b_h = _round_bf16(tl.sum(b_p_b[:, None] * b_vb, axis=0) + b_p_l * b_vl)
+            tl.store(p_h_row + o_c, b_h.to(tl.bfloat16), mask=m_c)
+            tl.store(p_part_m + i * SLOT + 2 * BLOCK_NB + 2, tl.sum(b_h * b_h, axis=0))
+        b_rstd = _split_rstd(p_part_m, P, H, eps, BLOCK_NB, SLOT)
+        for i in range(0, P):
+            o_c = i * BLOCK_H + tl.arange(0, BLOCK_H)
+            m_c = o_c < H
+            b_h = tl.load(p_h_row + o_c, mask=m_c, other=0.0).to(tl.float32)
+            b_nw = tl.load(p_norm_w + o_c, mask=m_c, other=0.0).to(tl.float32)
+            tl.store(p_hn_row + o_c, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16),
+                     mask=m_c)
+        tl.atomic_xchg(p_c, 0, sem="relaxed")
 
 
 def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
@@ -170,7 +303,9 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
 
     Returns ``(h, h_normed)``, both [M, H] bf16 and contiguous: ``h`` the softmax mixture of the
     raw candidates, ``h_normed = RMSNorm(h) * norm_weight`` computed from the bf16 ``h``.
-    No host synchronization (CUDA-graph capturable).
+    No host synchronization (CUDA-graph capturable). The split schedule (``config.split_h``)
+    keeps per-device counters: calls on one device must not run concurrently on different
+    streams, and the first call with a given M must not be inside a CUDA-graph capture.
     """
     for name, t in (("bank", bank), ("live", live)):
         if not isinstance(t, torch.Tensor):
@@ -209,15 +344,52 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     h = torch.empty((M, H), dtype=torch.bfloat16, device=device)
     h_normed = torch.empty((M, H), dtype=torch.bfloat16, device=device)
     BLOCK_NB = triton.next_power_of_2(max(N, 1))
-    BLOCK_HN = min(triton.next_power_of_2(H), cfg.max_block_h)
-    BLOCK_H = min(BLOCK_HN, cfg.tile_elems // BLOCK_NB)
     # With no sealed rows the bank is never read (all rows masked); pass live so an empty
     # tensor's pointer never reaches the launcher.
     bank_arg = bank if N else live
+    strides = (bank.stride(0) if N else 0, bank.stride(1) if N else 0, live.stride(0),
+               h.stride(0))
+    n_split = triton.cdiv(H, cfg.split_h) if cfg.split_h else 0
+    if n_split > 1 and n_split * M <= _split_capacity(device, cfg):
+        block_h = cfg.split_h
+        part = torch.empty(M * n_split * (2 * BLOCK_NB + 4), dtype=torch.float32, device=device)
+        _attn_res_split_kernel[(n_split, M)](
+            bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed, part,
+            _split_counters(device, M), *strides, N, H, float(eps), n_split,
+            WAIT=not INTERPRETED, BLOCK_NB=BLOCK_NB, BLOCK_H=block_h,
+            num_warps=cfg.split_warps)
+        return h, h_normed
+    BLOCK_HN = min(triton.next_power_of_2(H), cfg.max_block_h)
+    BLOCK_H = min(BLOCK_HN, cfg.tile_elems // BLOCK_NB)
     _attn_res_norm_kernel[(M,)](
-        bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed,
-        bank.stride(0) if N else 0, bank.stride(1) if N else 0, live.stride(0), h.stride(0),
+        bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed, *strides,
         N, H, float(eps),
         BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, num_warps=cfg.num_warps,
     )
     return h, h_normed
+
+
+# int32 counters (two barriers and a done count) per token, per device, of the split kernel
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_capacity(device: torch.device, cfg: AttnResConfig) -> int:
+    """The largest split grid: every program resident at once (the interpreter: any)."""
+    if device.type != "cuda":
+        return 1 << 30
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return cfg.max_split_programs * sms
+
+
+def _split_counters(device: torch.device, m: int) -> torch.Tensor:
+    """Zeroed counters for m tokens (zero between launches: each token's last program resets
+    its three), created or grown outside a CUDA-graph capture."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < 3 * m:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"live: attn_res_norm's barrier counters on {device} for M={m} tokens do not "
+                "exist yet and cannot be created inside a CUDA-graph capture; call it once with "
+                "this M (or more) before capturing")
+        c = _COUNTERS[device] = torch.zeros(max(3 * m, 48), dtype=torch.int32, device=device)
+    return c

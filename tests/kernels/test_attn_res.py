@@ -13,6 +13,7 @@ from k3lab.config import preset
 from k3lab.kernels import AttnResConfig, attn_res_norm
 from k3lab.kernels.attn_res import MAX_SEALED
 from k3lab.ops import ATTN_RES_OPS
+from k3lab.profile import count_launches
 from k3lab.reference.attn_res import (
     attn_res_norm_reference,
     replay_token,
@@ -84,16 +85,38 @@ def test_matches_reference(device, cfg, n, m, wdtype, hidden):
     _check(_inputs(cfg, n, m, device, wdtype=wdtype, hidden=hidden))
 
 
-# Other tilings: several H chunks a pass (narrow bank tiles, narrow norm chunks), fewer warps.
-CONFIGS = [AttnResConfig(tile_elems=1024), AttnResConfig(max_block_h=256, num_warps=4),
-           AttnResConfig(tile_elems=4096, max_block_h=1024, num_warps=2)]
+# Other tilings of the one-program-per-token kernel: several H chunks a pass (narrow bank tiles,
+# narrow norm chunks), fewer warps; and the split schedule at narrow chunks (many programs a
+# token, a ragged last chunk).
+CONFIGS = [AttnResConfig(tile_elems=1024, split_h=0),
+           AttnResConfig(max_block_h=256, num_warps=4, split_h=0),
+           AttnResConfig(tile_elems=4096, max_block_h=1024, num_warps=2, split_h=0),
+           AttnResConfig(split_h=16), AttnResConfig(split_h=128, split_warps=2)]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["tile1k", "h256-w4", "tile4k-h1k-w2"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["tile1k", "h256-w4", "tile4k-h1k-w2",
+                                                 "split16", "split128-w2"])
 @pytest.mark.parametrize("n,hidden", [(0, 37), (5, None), (9, 1000)], ids=["N0", "N5", "N9"])
 def test_configs_match_reference(device, config, n, hidden):
     _check(_inputs(TINY, n, 2, device, wdtype="fp32" if n == 5 else "bf16", hidden=hidden),
            config=config)
+
+
+@pytest.mark.parametrize("n", [0, 8])
+def test_split_matches_one_program(device, n):
+    """The split schedule (many programs a token, two barriers) and the one-program kernel read
+    the same candidates: both within the reference's tolerance, h_normed within a rounding of
+    each other (their fp32 sums add in different orders); the split launch is one kernel and
+    bitwise the same call after call (partial sums added in program order)."""
+    args = _inputs(K3, n, 2, device, seed=5)
+    split = AttnResConfig(split_h=1024)
+    h_s, hn_s = _check(args, config=split)
+    h_1, hn_1 = _check(args, config=AttnResConfig(split_h=0))
+    assert (h_s.float() - h_1.float()).abs().max() <= 2 ** -7 * h_1.float().abs().max()
+    again = attn_res_norm(*args, config=split)
+    assert torch.equal(again[0], h_s) and torch.equal(again[1], hn_s)
+    names = count_launches(lambda a: attn_res_norm(*a, config=split), args).kernels
+    assert len(names) == 1 and "split" in names[0], names
 
 
 def test_k3_m64(device):
@@ -183,7 +206,9 @@ def test_bad_input(device, param, change):
 
 
 @pytest.mark.parametrize("field,value", [("tile_elems", 1000), ("tile_elems", 0),
-                                         ("max_block_h", True), ("num_warps", 8.0)])
+                                         ("max_block_h", True), ("num_warps", 8.0),
+                                         ("split_h", 100), ("split_h", -512),
+                                         ("split_h", False), ("max_split_programs", 0)])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         AttnResConfig(**{field: value})

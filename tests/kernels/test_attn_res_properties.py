@@ -17,9 +17,12 @@ from k3lab.reference.attn_res import attn_res_norm_reference
 # as tests/kernels/test_attn_res.py: one bf16 ulp of h (summation order), two of h_normed
 H_ATOL, H_RTOL = 1e-3, 2.0 ** -7
 H_NORMED_ATOL, H_NORMED_RTOL = 1e-3, 2.0 ** -6
-# the default tiles, and narrow ones: several H chunks and bank tiles, masked tails
-CONFIGS = {"default": None, "narrow": AttnResConfig(max_block_h=32, tile_elems=128),
-           "mid": AttnResConfig(max_block_h=128, tile_elems=1024)}
+# the default tiles, narrow ones (several H chunks and bank tiles, masked tails) of the
+# one-program kernel, and the split schedule at narrow chunks (many programs a token)
+CONFIGS = {"default": None,
+           "narrow": AttnResConfig(max_block_h=32, tile_elems=128, split_h=0),
+           "mid": AttnResConfig(max_block_h=128, tile_elems=1024, split_h=0),
+           "split": AttnResConfig(split_h=16)}
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow,
                                            HealthCheck.function_scoped_fixture])
