@@ -192,6 +192,18 @@ def _cpu_launch_log():
         InterpretedFunction.run = original
 
 
+@contextlib.contextmanager
+def _no_nan_fill():
+    """Deterministic mode's NaN fill of fresh allocations off (a debugging aid, as the tests
+    switch on: its fill kernels behind torch.empty are not the call's launches)."""
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 @dataclass(frozen=True)
 class _DeviceEvent:
     name: str
@@ -207,7 +219,8 @@ def _cuda_profile(fn: Callable, inputs: Any):
     call's."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with _no_nan_fill(), profile(activities=[ProfilerActivity.CPU,
+                                             ProfilerActivity.CUDA]) as prof:
         fn(inputs)
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA

@@ -44,10 +44,11 @@ class AttnResConfig:
     max_block_h: widest H chunk (the norm pass, and the read with <= 2 bank rows): 8192 covers
         K3's 7168 in one chunk.
     num_warps: warps of the one program per token.
-    split_h: 0, one program per token streams all of H (the fields above); else programs of
-        split_h columns each, cdiv(H, split_h) a token, meeting at two grid barriers (after
-        the candidates' sums, after h's sum of squares), so a token's rows are read by many
-        SMs at once. Taken only while the grid fits the machine (``max_split_programs``).
+    split_h: 0 (the default, faster at K3: docs/decisions.md), one program per token streams
+        all of H (the fields above); else programs of split_h columns each, cdiv(H, split_h)
+        a token, meeting at two grid barriers (after the candidates' sums, after h's sum of
+        squares), so a token's rows are read by many SMs at once. Taken only while the grid
+        fits the machine (``max_split_programs``).
     split_warps: warps of a split program.
     max_split_programs: the split grid's largest size per SM (every program must be resident
         at once for the barriers; above it the one-program-per-token kernel runs).
@@ -56,7 +57,7 @@ class AttnResConfig:
     tile_elems: int = 32768
     max_block_h: int = 8192
     num_warps: int = 8
-    split_h: int = 512
+    split_h: int = 0
     split_warps: int = 4
     max_split_programs: int = 2
 

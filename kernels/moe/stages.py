@@ -193,8 +193,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
     slot order and stores. TILED: MXFP4 codes in the tiled layout. ZERO_Y (atomic, launched
     alone): the launch zeroes y itself, one D tile at a time: the first program of a D tile to
-    finish its GEMV (or a padding tile) zeroes it (_zero_y_ticket) and the others' adds wait for
-    that; the ticket comes after the GEMV so that the weight reads do not wait on an atomic."""
+    start zeroes it (_zero_y_ticket) and the others' adds wait for that (after their GEMV)."""
     i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < D
@@ -221,6 +220,8 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+        if ZERO_Y:  # the first program of this D range to start zeroes it
+            _zero_y_ticket(p_y, p_sync + 3 * i_n, o_n, m_n, n_zero, D, ZERO_BLOCK, BLOCK_N)
         if runs:
             if USE_MMA:  # tensor-core tiles: BLOCK_N consecutive rows
                 p_x = p_a + tl.sum(tl.where(m_ent, b_ent, 0)) * I_PAIRS
@@ -235,13 +236,10 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
             else:
                 b_p = expert_gemv(p_a, b_ent, m_ent, p_we, p_se, o_n, m_n, I_PAIRS, BLOCK_M,
                                   BLOCK_N, BLOCK_KP, FP4, KLANE_STAGES, TOKEN_LOOP, TILED)
-            if ZERO_Y:  # the first tile of this D range to get here zeroes it
-                _zero_y_ticket(p_y, p_sync + 3 * i_n, o_n, m_n, n_zero, D, ZERO_BLOCK, BLOCK_N)
+            if ZERO_Y:
                 _wait_zeroed(p_sync + 3 * i_n)
             tl.atomic_add(p_y + b_tok[:, None] * D + o_n[None, :], b_p * b_w[:, None],
                           mask=m_ent[:, None] & m_n[None, :], sem="relaxed")
-        elif ZERO_Y:  # a padding tile: no adds, it may still be the first here
-            _zero_y_ticket(p_y, p_sync + 3 * i_n, o_n, m_n, n_zero, D, ZERO_BLOCK, BLOCK_N)
         if ZERO_Y:
             _zero_y_done(p_sync + 3 * i_n, tl.num_programs(0) // n_d_tiles)
 
