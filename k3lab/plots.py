@@ -246,7 +246,7 @@ def latency_bars(df: pd.DataFrame, title: str | None = None) -> Figure:
 def bandwidth_bars(df: pd.DataFrame, copy_bw: float, title: str | None = None) -> Figure:
     """Achieved bandwidth (bytes moved / latency, TB/s) per variant and mode vs the copy bandwidth.
 
-    copy_bw: bytes/s measured in the same session (``k3lab.profile.copy_bandwidth``).
+    copy_bw: bytes/s measured in the same process (``k3lab.profile.copy_bandwidth``).
     """
     lat = _metric(df, "latency_us")
     nbytes = _metric(df, "bytes")
