@@ -447,9 +447,9 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
 
     entries: dicts with name, status ("ok"/"failed"), error, date, seconds, html (relative link
     to the report), failed_html (link to the failed run's page), last_good_date, headline (dict),
-    manifest (dict), erratum (text or None), stale (files changed since its commit) and card
-    (the summary card's HTML, :func:`k3lab.readable.summary_card`). Everything is
-    HTML-escaped.
+    manifest (dict), erratum (text or None), stale (files changed since its commit), card
+    (the summary card's HTML, :func:`k3lab.readable.summary_card`) and traces (the report's
+    Perfetto trace files, linked under it). Everything is HTML-escaped.
     """
     rows = []
     for e in entries:
@@ -458,6 +458,17 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
             _link(e.get("html"), "report" if status == "ok" else "last good report"),
             _link(e.get("failed_html"), "failed run"),
             _link(e.get("metrics"), "metrics")) if x)
+        trace_files = [str(t) for t in e.get("traces") or []]
+        if trace_files:
+            name = str(e.get("name"))
+            labels = [t.removeprefix(f"{name}.").removesuffix(".trace.json")
+                      for t in trace_files]
+            cpu = str((e.get("manifest") or {}).get("device", "")).startswith("cpu")
+            links += ("<div class='k3lab-traces small'>Perfetto: " + " ".join(
+                _link(t, label).replace("<a ", "<a class='k3lab-trace' ", 1)
+                for t, label in zip(trace_files, labels, strict=True))
+                + (" <span title='CPU run: interpreter wall clock, not GPU times'>"
+                   "(CPU wall clock)</span>" if cpu else "") + "</div>")
         css = {"ok": "ok", "corrupt": "corrupt"}.get(status, "failed")
         state = f"<span class='{css}'>{html.escape(status)}</span>"
         if e.get("error"):

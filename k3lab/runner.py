@@ -7,6 +7,12 @@ file and an atomic rename. A notebook that fails leaves ``NAME.failed.ipynb``,
 ``NAME.failed.html`` and ``NAME.failed.json`` beside the last good report, which it never
 touches; the batch goes on, and ``index.html`` lists every notebook of the output folder.
 
+A notebook declaring ``trace_dir`` gets a private folder of the run there and writes its
+timelines' Perfetto traces into it (:mod:`k3lab.traces`); they join the report as
+``NAME.<label>.trace.json`` when it is published (a failed run's as
+``NAME.failed.<label>.trace.json``), and the traces of an older run that the new report does not
+write are removed, so a report never links another run's trace.
+
 Parameters are checked against each notebook's ``parameters`` cell (names, types and the
 contract its comments state, see :mod:`k3lab.parameters`), and the output folder for being
 writable, before anything runs.
@@ -21,6 +27,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -29,15 +36,16 @@ from pathlib import Path
 from urllib.parse import quote
 
 import k3lab
-from k3lab import folder, readable, report
+from k3lab import folder, readable, report, traces
 from k3lab.parameters import coerce, declared, notebook_parameters, validate
 
 __all__ = ["Result", "Results", "notebook_dir", "list_notebooks", "resolve",
            "notebook_parameters", "declared", "validate", "coerce", "run", "update_index",
-           "repo_root", "default_out_dir", "RUN_OPTIONS", "KERNEL_NAME"]
+           "repo_root", "default_out_dir", "RUN_OPTIONS", "TRACE_PARAM", "KERNEL_NAME"]
 
 KERNEL_NAME = "python3"
 RUN_OPTIONS = ("device", "preset", "tp")  # given by their own options, injected when declared
+TRACE_PARAM = "trace_dir"  # set by the runner, when declared, to the run's folder for traces
 NOTEBOOKS_ENV = "K3LAB_NOTEBOOKS"
 # the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
 # break the one-line-per-notebook progress; a cell's errors still reach the report
@@ -154,6 +162,9 @@ def _plan(paths: list[Path], options: dict, params: dict) -> list[dict]:
     clash = [k for k in params if k in RUN_OPTIONS]
     if clash:
         raise ValueError(f"parameter {clash[0]!r} has its own option: use --{clash[0]}")
+    if TRACE_PARAM in params:
+        raise ValueError(f"parameter {TRACE_PARAM!r} is set by the runner: a notebook's traces "
+                         "are written beside its report")
     decl = {p: declared(p) for p in paths}
     unknown = [k for k in params if not any(k in d for d in decl.values())]
     if unknown:
@@ -164,7 +175,10 @@ def _plan(paths: list[Path], options: dict, params: dict) -> list[dict]:
     plans = []
     for p in paths:
         given = {k: v for k, v in {**options, **params}.items() if k in decl[p]}
-        plans.append(validate(p, given, decl[p]))
+        plan = validate(p, given, decl[p])
+        if TRACE_PARAM in decl[p]:
+            plan[TRACE_PARAM] = ""  # a placeholder: _run_one gives the run's folder
+        plans.append(plan)
     return plans
 
 
@@ -264,8 +278,22 @@ def _header(name: str, params: dict, man: dict) -> str:
             f"{html.escape(report.manifest_summary(man))}.</div>")
 
 
+def _staged_traces(staging: Path | None, name: str) -> list[str]:
+    return traces.report_traces(staging, name) if staging is not None else []
+
+
+def _remove_traces(out_dir: Path, name: str, keep: list[str], failed: bool) -> None:
+    """Remove ``name``'s report traces (``failed``: a failed run's) that are not in ``keep``."""
+    pattern = f"{traces.glob_escape(name)}.failed.*{traces.SUFFIX}"
+    found = ([p.name for p in out_dir.glob(pattern)] if failed
+             else traces.report_traces(out_dir, name))
+    for n in found:
+        if n not in keep:
+            (out_dir / n).unlink(missing_ok=True)
+
+
 def _publish_ok(name: str, out_dir: Path, tmp: Path, page: str, info: dict, metrics: dict,
-                seconds: float) -> Result:
+                seconds: float, staging: Path | None = None) -> Result:
     report.atomic_write_text(out_dir / f"{name}.html", page)
     if metrics["warnings"]:
         report.atomic_write_text(out_dir / f"{name}.log", "".join(metrics["warnings"]))
@@ -275,19 +303,37 @@ def _publish_ok(name: str, out_dir: Path, tmp: Path, page: str, info: dict, metr
     _write_json(out_dir / f"{name}.metrics.json",
                 {**info, "status": "ok", "error": None, "headline": metrics["headline"],
                  "records": metrics["records"]})
+    # the traces last, each an atomic rename in the folder: a report that could not be written
+    # leaves them staged for the failed run's record, not beside the last good report
+    written = _staged_traces(staging, name)
+    for n in written:
+        os.replace(staging / n, out_dir / n)
     for suffix in (".failed.ipynb", ".failed.html", ".failed.json"):
         (out_dir / f"{name}{suffix}").unlink(missing_ok=True)
+    _remove_traces(out_dir, name, written, failed=False)  # an older run's: never linked
+    _remove_traces(out_dir, name, [], failed=True)
     return Result(name, "ok", seconds, None, out_dir / f"{name}.ipynb",
                   out_dir / f"{name}.html", out_dir / f"{name}.metrics.json")
 
 
 def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code: bool,
-                    info: dict, error: str, seconds: float) -> Result:
+                    info: dict, error: str, seconds: float, staging: Path | None = None,
+                    cpu: bool = False) -> Result:
     failed_nb, failed_html = out_dir / f"{name}.failed.ipynb", None
+    staged = _staged_traces(staging, name)
+    moved = {n: traces.failed_name(n, name) for n in staged}
+    _remove_traces(out_dir, name, list(moved.values()), failed=True)
+    for n, failed_n in moved.items():  # the last good report keeps its own traces
+        os.replace(staging / n, out_dir / failed_n)
     if tmp.exists() and tmp.stat().st_size:
         with contextlib.suppress(Exception):  # a half-written notebook may not render
             page = report.to_html(tmp, hide_code=hide_code, title=f"{name} (failed)",
-                                  header=header, folder=out_dir)
+                                  header=header + traces.links_html(staged, cpu),
+                                  folder=out_dir)
+            for n, failed_n in moved.items():  # its links point at this run's traces
+                for q in "'\"":
+                    page = page.replace(f"{q}./{quote(n, safe='')}{q}",
+                                        f"{q}./{quote(failed_n, safe='')}{q}")
             failed_html = report.atomic_write_text(out_dir / f"{name}.failed.html", page)
         os.replace(tmp, failed_nb)
     else:
@@ -298,8 +344,11 @@ def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code:
 
 
 def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
-             timeout: float | None, hide_code: bool, header: str, progress: dict | None):
-    """Run the notebook into ``tmp``; (error or None, report page, metrics)."""
+             timeout: float | None, hide_code: bool, header: str, progress: dict | None,
+             staging: Path | None = None):
+    """Run the notebook into ``tmp``; (error or None, report page, metrics). ``params`` are
+    the kernel's (``trace_dir`` included); the traces found in ``staging`` afterwards are
+    linked at the top of the page."""
     import nbformat
     import papermill
 
@@ -318,8 +367,10 @@ def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
         logged = (f"<div class='k3lab-small'>{len(metrics['warnings'])} warning(s) of the run "
                   f"are in <a href='./{quote(src.stem)}.log'>{html.escape(src.stem)}.log</a>"
                   "</div>") if metrics["warnings"] else ""
+        links = traces.links_html(_staged_traces(staging, src.stem),
+                                  str(man["device"]).startswith("cpu"))
         page = report.to_html(nb, hide_code=hide_code, title=src.stem,
-                              header=header + card + logged, folder=out_dir)
+                              header=header + card + links + logged, folder=out_dir)
     except Exception as exc:  # a failing notebook is reported, and the batch goes on
         return _error_text(exc, timeout), None, None
     return None, page, metrics
@@ -338,28 +389,37 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         os.close(fd)
     except OSError as exc:
         return Result(name, "failed", 0.0, f"could not create a temp file in {out_dir}: {exc}")
-    tmp = Path(tmp)
-    try:  # tmp goes whatever happens, a Ctrl-C included
+    tmp, staging = Path(tmp), None
+    params = dict(params)
+    kernel_params = params
+    try:  # tmp and the traces' folder go whatever happens, a Ctrl-C included
         report.readable(tmp)
+        if params.pop(TRACE_PARAM, None) is not None:
+            staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{name}.{os.getpid()}-",
+                                            suffix=folder.TRACES_SUFFIX))
+            kernel_params = {**params, TRACE_PARAM: str(staging)}
         man = report.manifest({**options, **params})
         header = _header(name, params, man)
-        error, page, metrics = _execute(src, tmp, out_dir, params, man, timeout, hide_code,
-                                        header, progress)
+        error, page, metrics = _execute(src, tmp, out_dir, kernel_params, man, timeout,
+                                        hide_code, header, progress, staging)
         seconds = time.perf_counter() - t0
         info = {"notebook": name, "source": source or str(src), "seconds": round(seconds, 3),
                 "parameters": params, "manifest": man}
         if error is None:
             try:
-                return _publish_ok(name, out_dir, tmp, page, info, metrics, seconds)
+                return _publish_ok(name, out_dir, tmp, page, info, metrics, seconds, staging)
             except OSError as exc:
                 error = f"could not write the report: {exc}"
         try:
-            return _publish_failed(name, out_dir, tmp, header, hide_code, info, error, seconds)
+            return _publish_failed(name, out_dir, tmp, header, hide_code, info, error, seconds,
+                                   staging, str(man["device"]).startswith("cpu"))
         except OSError as exc:
             return Result(name, "failed", seconds,
                           f"{error}; could not write the failure record either: {exc}")
     finally:
         tmp.unlink(missing_ok=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def update_index(out_dir: str | os.PathLike, repo: str | os.PathLike | None = None) -> Path:
