@@ -351,17 +351,24 @@ def to_html(nb, hide_code: bool = True, title: str | None = None,
     folder: where the page will be written. Given, the stylesheets every report shares (about
     260 KB) go once into ``folder/_assets/`` and the page links them; None, the page keeps them
     inline and stands alone.
+    Widgets show as static stand-ins drawn from the state the run saved
+    (:func:`k3lab.widgets.stand_ins`); the page loads no widget manager.
     """
     import copy
 
     import nbformat
     from nbconvert import HTMLExporter
 
+    from k3lab import widgets
+
     if isinstance(nb, str | os.PathLike):
         title = title or Path(nb).stem
         nb = nbformat.read(nb, as_version=4)
-    if header:
+    if header or widgets.present(nb):
         nb = copy.deepcopy(nb)
+        widgets.stand_ins(nb)
+        nb.get("metadata", {}).pop("widgets", None)  # nothing on the page reads it
+    if header:
         cell = nbformat.v4.new_markdown_cell(header)
         if nb.nbformat_minor >= 5:
             cell["id"] = "k3lab-report-header"
