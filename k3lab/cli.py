@@ -2,8 +2,9 @@
 ``k3lab compare A B``.
 
 Exit codes: 0 all notebooks ok; 1 at least one notebook failed (or the index could not be
-written); 2 a usage error (bad preset, tp, notebook name, parameter, timeout or output folder),
-reported on one line before anything runs; 130 interrupted (Ctrl-C), on one line.
+written); 2 a usage error (bad preset, tp, notebook name, parameter, timeout or output folder,
+or a notebook whose estimated memory does not fit the device, unless ``--force``), reported on
+one line before anything runs; 130 interrupted (Ctrl-C), on one line.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                         "ADDRESS ('local': start one here); needs the ray extra")
     r.add_argument("-q", "--quiet", action="store_true",
                    help="no progress: only errors and the exit code")
+    r.add_argument("--force", action="store_true",
+                   help="run even when a notebook's estimated memory at the preset and tp "
+                        "exceeds what the device has free")
     sub.add_parser("list", parents=[common],
                    help="show the notebooks, their parameters, defaults and contracts")
     e = sub.add_parser("export", help="write every record of a run folder as one CSV")
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                                  timeout=args.timeout, hide_code=not args.show_code,
                                  notebook_dir=args.notebooks, progress=not quiet,
                                  cells=not quiet and sys.stderr.isatty(), jobs=args.jobs,
-                                 ray=args.ray)
+                                 ray=args.ray, force=args.force)
             if results.interrupted:
                 return 130
             return 0 if results.ok else 1

@@ -157,15 +157,17 @@ def _check_options(device: str, preset: str, tp: int) -> None:
             raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
 
 
-def _plan(paths: list[Path], options: dict, params: dict) -> list[dict]:
-    """Per-notebook parameters, validated for every notebook before any runs."""
+def _plan(paths: list[Path], options: dict, params: dict,
+          decl: dict[Path, dict] | None = None) -> list[dict]:
+    """Per-notebook parameters, validated for every notebook before any runs. decl: each
+    notebook's declared parameters (read here when not given)."""
     clash = [k for k in params if k in RUN_OPTIONS]
     if clash:
         raise ValueError(f"parameter {clash[0]!r} has its own option: use --{clash[0]}")
     if TRACE_PARAM in params:
         raise ValueError(f"parameter {TRACE_PARAM!r} is set by the runner: a notebook's traces "
                          "are written beside its report")
-    decl = {p: declared(p) for p in paths}
+    decl = decl if decl is not None else {p: declared(p) for p in paths}
     unknown = [k for k in params if not any(k in d for d in decl.values())]
     if unknown:
         allowed = sorted({k for d in decl.values() for k in d if k not in RUN_OPTIONS})
@@ -180,6 +182,22 @@ def _plan(paths: list[Path], options: dict, params: dict) -> list[dict]:
             plan[TRACE_PARAM] = ""  # a placeholder: _run_one gives the run's folder
         plans.append(plan)
     return plans
+
+
+def _check_memory(paths: list[Path], plans: list[dict], decl: dict[Path, dict],
+                  options: dict, jobs: int) -> None:
+    """ValueError (one line: needed vs available) when a notebook's estimated memory at the
+    preset and tp does not fit the device (:mod:`k3lab.memory`)."""
+    from k3lab import memory
+    from k3lab.config import preset as make_preset
+
+    cfg = make_preset(options["preset"], options["tp"])
+    estimates = [memory.estimate(p.stem, cfg, options["device"],
+                                 {**{k: v.default for k, v in decl[p].items()}, **plan})
+                 for p, plan in zip(paths, plans, strict=True)]
+    problem = memory.check(estimates, options["device"], jobs)
+    if problem:
+        raise ValueError(problem)
 
 
 def _check_timeout(timeout) -> float | None:
@@ -482,7 +500,7 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
         params: dict | None = None, out_dir: str | os.PathLike | None = None,
         timeout: float | None = None, progress: bool = True, hide_code: bool = True,
         notebook_dir: str | os.PathLike | None = None, cells: bool = False,
-        jobs: int = 1, ray: str | None = None) -> Results:
+        jobs: int = 1, ray: str | None = None, force: bool = False) -> Results:
     """Execute ``notebooks`` (names, see :func:`resolve`; None: all) and write their reports.
 
     device / preset / tp are injected into each notebook that declares them; every other key of
@@ -493,6 +511,9 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     run at once, each in a worker process, one GPU each on a multi-GPU host (see
     :mod:`k3lab.batch`). ray: a Ray cluster's address ("local" starts one here): every
     notebook a Ray task asking for one GPU (one CPU on a CPU run), its files sent back here.
+    force: run even when a notebook's estimated memory (:mod:`k3lab.memory`) exceeds what the
+    device has free; without it that is a ValueError before anything runs (not checked for a
+    remote Ray cluster, whose nodes' memory is not known here).
     Returns one :class:`Result` per notebook, in order; a Ctrl-C stops the
     batch, keeps every report written so far and sets ``interrupted``.
     """
@@ -504,7 +525,10 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     if jobs < 1:
         raise ValueError(f"--jobs: expected at least 1, got {jobs}")
     paths = resolve(notebooks, notebook_dir)
-    plans = _plan(paths, options, dict(params or {}))
+    decl = {p: declared(p) for p in paths}
+    plans = _plan(paths, options, dict(params or {}), decl)
+    if not force and (not ray or ray == "local"):
+        _check_memory(paths, plans, decl, options, 1 if ray else jobs)
     _check_kernel()
     out = folder.prepare(Path(out_dir) if out_dir is not None else default_out_dir())
     removed, busy = folder.remove_stale(out)
