@@ -53,10 +53,24 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("run_dir", metavar="RUN_DIR")
     e.add_argument("-o", "--output", metavar="FILE", default=None,
                    help="CSV to write (default: RUN_DIR/records.csv; - for stdout)")
-    c = sub.add_parser("compare", help="two run folders side by side, with ratios b / a")
-    c.add_argument("a", metavar="A")
-    c.add_argument("b", metavar="B")
+    c = sub.add_parser("compare", help="two run folders (or git revisions, run first) side by "
+                                       "side, with ratios b / a")
+    c.add_argument("a", metavar="A", help="a run folder, or a git revision to run")
+    c.add_argument("b", metavar="B", help="a run folder, or a git revision to run")
     c.add_argument("-o", "--output", metavar="FILE", default=None, help="also write it as CSV")
+    c.add_argument("--notebooks", nargs="+", metavar="NOTEBOOK", default=None,
+                   help="the notebooks to run at a revision (default: those of the other "
+                        "side's folder, as they ran there)")
+    c.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="for the --notebooks a revision runs (default cpu)")
+    c.add_argument("--preset", default=None, help="for the --notebooks (default tiny)")
+    c.add_argument("--tp", type=int, default=None, help="for the --notebooks (default 1)")
+    c.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a notebook parameter for the --notebooks (repeatable)")
+    c.add_argument("--keep", metavar="DIR", default=None,
+                   help="keep the revision runs under DIR (default: a temporary folder)")
+    c.add_argument("--notebook-dir", default="notebooks", metavar="DIR",
+                   help="the notebooks folder inside a revision's tree (default notebooks)")
     return p
 
 
@@ -75,12 +89,18 @@ def _export(run_dir: str, output: str | None) -> int:
     return 0
 
 
-def _compare(a: str, b: str, output: str | None) -> int:
+def _compare(args) -> int:
     import pandas as pd
 
     from k3lab import compare
 
-    table = compare.compare(a, b)
+    options = {k: getattr(args, k) for k in ("device", "preset", "tp")
+               if getattr(args, k) is not None}
+    table, a, b = compare.compare_sides(
+        args.a, args.b, notebooks=args.notebooks, options=options,
+        params=_params(args.param), keep=args.keep, notebook_dir=args.notebook_dir,
+        say=lambda text: print(text, file=sys.stderr, flush=True))
+    output = args.output
     if table.empty:
         print(f"k3lab: no record of {a} matches one of {b}")
         return 1
@@ -137,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args.run_dir, args.output)
         if args.command == "compare":
-            return _compare(args.a, args.b, args.output)
+            return _compare(args)
         if args.command == "run":
             quiet = args.quiet
             results = runner.run(args.names, device=args.device, preset=args.preset, tp=args.tp,
