@@ -118,12 +118,17 @@ def _place(out, name: str, res, files: dict) -> None:
         if rel.startswith("_assets/") and path.exists():
             continue  # content-named: the same name is the same stylesheet
         report.atomic_write_text(path, data.decode("utf-8"))
+    from k3lab import runner
+
     if res.ok:
         for suffix in (".failed.ipynb", ".failed.html", ".failed.json"):
             (out / f"{name}{suffix}").unlink(missing_ok=True)
+        runner._remove_traces(out, name, list(files), failed=False)  # an older run's traces
+        runner._remove_traces(out, name, [], failed=True)
         res.notebook, res.html = out / f"{name}.ipynb", out / f"{name}.html"
         res.metrics = out / f"{name}.metrics.json"
     else:
+        runner._remove_traces(out, name, list(files), failed=True)
         res.metrics = out / f"{name}.failed.json" if f"{name}.failed.json" in files else None
 
 

@@ -2,8 +2,9 @@
 ``k3lab compare A B``.
 
 Exit codes: 0 all notebooks ok; 1 at least one notebook failed (or the index could not be
-written); 2 a usage error (bad preset, tp, notebook name, parameter, timeout or output folder),
-reported on one line before anything runs; 130 interrupted (Ctrl-C), on one line.
+written); 2 a usage error (bad preset, tp, notebook name, parameter, timeout or output folder,
+or a notebook whose estimated memory does not fit the device, unless ``--force``), reported on
+one line before anything runs; 130 interrupted (Ctrl-C), on one line.
 """
 
 from __future__ import annotations
@@ -43,16 +44,33 @@ def _parser() -> argparse.ArgumentParser:
                         "ADDRESS ('local': start one here); needs the ray extra")
     r.add_argument("-q", "--quiet", action="store_true",
                    help="no progress: only errors and the exit code")
+    r.add_argument("--force", action="store_true",
+                   help="run even when a notebook's estimated memory at the preset and tp "
+                        "exceeds what the device has free")
     sub.add_parser("list", parents=[common],
                    help="show the notebooks, their parameters, defaults and contracts")
     e = sub.add_parser("export", help="write every record of a run folder as one CSV")
     e.add_argument("run_dir", metavar="RUN_DIR")
     e.add_argument("-o", "--output", metavar="FILE", default=None,
                    help="CSV to write (default: RUN_DIR/records.csv; - for stdout)")
-    c = sub.add_parser("compare", help="two run folders side by side, with ratios b / a")
-    c.add_argument("a", metavar="A")
-    c.add_argument("b", metavar="B")
+    c = sub.add_parser("compare", help="two run folders (or git revisions, run first) side by "
+                                       "side, with ratios b / a")
+    c.add_argument("a", metavar="A", help="a run folder, or a git revision to run")
+    c.add_argument("b", metavar="B", help="a run folder, or a git revision to run")
     c.add_argument("-o", "--output", metavar="FILE", default=None, help="also write it as CSV")
+    c.add_argument("--notebooks", nargs="+", metavar="NOTEBOOK", default=None,
+                   help="the notebooks to run at a revision (default: those of the other "
+                        "side's folder, as they ran there)")
+    c.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="for the --notebooks a revision runs (default cpu)")
+    c.add_argument("--preset", default=None, help="for the --notebooks (default tiny)")
+    c.add_argument("--tp", type=int, default=None, help="for the --notebooks (default 1)")
+    c.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a notebook parameter for the --notebooks (repeatable)")
+    c.add_argument("--keep", metavar="DIR", default=None,
+                   help="keep the revision runs under DIR (default: a temporary folder)")
+    c.add_argument("--notebook-dir", default="notebooks", metavar="DIR",
+                   help="the notebooks folder inside a revision's tree (default notebooks)")
     return p
 
 
@@ -71,12 +89,18 @@ def _export(run_dir: str, output: str | None) -> int:
     return 0
 
 
-def _compare(a: str, b: str, output: str | None) -> int:
+def _compare(args) -> int:
     import pandas as pd
 
     from k3lab import compare
 
-    table = compare.compare(a, b)
+    options = {k: getattr(args, k) for k in ("device", "preset", "tp")
+               if getattr(args, k) is not None}
+    table, a, b = compare.compare_sides(
+        args.a, args.b, notebooks=args.notebooks, options=options,
+        params=_params(args.param), keep=args.keep, notebook_dir=args.notebook_dir,
+        say=lambda text: print(text, file=sys.stderr, flush=True))
+    output = args.output
     if table.empty:
         print(f"k3lab: no record of {a} matches one of {b}")
         return 1
@@ -133,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args.run_dir, args.output)
         if args.command == "compare":
-            return _compare(args.a, args.b, args.output)
+            return _compare(args)
         if args.command == "run":
             quiet = args.quiet
             results = runner.run(args.names, device=args.device, preset=args.preset, tp=args.tp,
@@ -141,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                                  timeout=args.timeout, hide_code=not args.show_code,
                                  notebook_dir=args.notebooks, progress=not quiet,
                                  cells=not quiet and sys.stderr.isatty(), jobs=args.jobs,
-                                 ray=args.ray)
+                                 ray=args.ray, force=args.force)
             if results.interrupted:
                 return 130
             return 0 if results.ok else 1

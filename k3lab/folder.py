@@ -6,17 +6,20 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
-from k3lab import compare, readable, report
+from k3lab import compare, readable, report, traces
 
 __all__ = ["RESERVED", "prepare", "stale_temp_files", "remove_stale", "load_record",
-           "update_index", "TEMP_PATTERN"]
+           "update_index", "TEMP_PATTERN", "TRACES_SUFFIX"]
 
 RESERVED = ("index", "manifest")  # index.html and manifest.json belong to the folder
-# a temp file of the runner or of report.atomic_write_text: ".<name>.<pid>-<random><suffix>"
-TEMP_PATTERN = re.compile(r"^\..+\.(?:(\d+)-)?[\w]+(\.running\.ipynb|\.tmp)$")
+TRACES_SUFFIX = ".traces"  # a run's folder for the traces a notebook writes (a temp folder)
+# a temp file of the runner or of report.atomic_write_text: ".<name>.<pid>-<random><suffix>",
+# or the runner's temp folder of a notebook's traces
+TEMP_PATTERN = re.compile(r"^\..+\.(?:(\d+)-)?[\w]+(\.running\.ipynb|\.tmp|\.traces)$")
 
 
 def prepare(out: Path) -> Path:
@@ -50,7 +53,8 @@ def stale_temp_files(out: Path) -> tuple[list[Path], list[Path]]:
     stale, busy = [], []
     for p in sorted(out.glob(".*")):
         m = TEMP_PATTERN.match(p.name)
-        if not m or not p.is_file():
+        if not m or not (p.is_file() or (p.is_dir() and not p.is_symlink()
+                                         and m.group(2) == TRACES_SUFFIX)):
             continue
         pid = int(m.group(1)) if m.group(1) else None
         (busy if pid is not None and pid != os.getpid() and _alive(pid) else stale).append(p)
@@ -63,7 +67,10 @@ def remove_stale(out: Path) -> tuple[list[str], list[str]]:
     removed = []
     for p in stale:
         try:
-            p.unlink()
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
             removed.append(p.name)
         except OSError:
             busy.append(p)
@@ -114,6 +121,9 @@ def _entry(out_dir: Path, name: str, repo: Path | None) -> dict:
         "failed_html": (f"{name}.failed.html"
                         if failed and (out_dir / f"{name}.failed.html").exists() else None),
         "metrics": f"{name}.metrics.json" if good else None,
+        # the last good report's traces (a run that failed leaves them as they were)
+        "traces": (traces.report_traces(out_dir, name)
+                   if good and (out_dir / f"{name}.html").exists() else []),
         "last_good_date": (good.get("manifest") or {}).get("date") if good else None,
         "headline": (good or {}).get("headline"),
         "manifest": latest.get("manifest"),

@@ -475,7 +475,8 @@ def timeline(fn: Callable[[Any], Any], inputs: Any, trace_path: str | None = Non
 
     CUDA: kernel events from torch.profiler (times relative to the first kernel); the Chrome /
     Perfetto trace is written to ``trace_path`` when given. CPU: the logical launches with
-    wall-clock times (stream "cpu").
+    wall-clock times (stream "cpu"); with ``trace_path``, the rows as a Chrome trace marked as
+    the interpreter's wall clock (:func:`k3lab.traces.write_cpu`).
     """
     device = _device_of(inputs)
     fn(inputs)
@@ -496,7 +497,12 @@ def timeline(fn: Callable[[Any], Any], inputs: Any, trace_path: str | None = Non
         df["start_us"] -= t0
         df["end_us"] -= t0
     df["dur_us"] = df["end_us"] - df["start_us"]
-    return df.sort_values("start_us").reset_index(drop=True)
+    df = df.sort_values("start_us").reset_index(drop=True)
+    if trace_path and device.type != "cuda":
+        from k3lab import traces
+
+        traces.write_cpu(df, trace_path)
+    return df
 
 
 # ---------------------------------------------------------------------------------------------
@@ -601,14 +607,17 @@ def launch_lists(boundary: Boundary, inputs: dict, device: torch.device | str,
 
 
 def variant_timelines(boundary: Boundary, inputs: dict, device: torch.device | str,
-                      variants: Iterable[str] | None = None) -> dict[str, pd.DataFrame]:
+                      variants: Iterable[str] | None = None, traces=None
+                      ) -> dict[str, pd.DataFrame]:
     """One call's :func:`timeline` per variant (default: every available one), each on fresh
-    copies of ``inputs``, with the variant's name as its ``stream``."""
+    copies of ``inputs``, with the variant's name as its ``stream``. traces: a
+    :class:`k3lab.traces.Traces`; each variant's trace is written as its label."""
     chosen = ([boundary.variant(v) for v in variants] if variants is not None
               else boundary.available_variants(device))
     out = {}
     for v in chosen:
-        t = timeline(v.fn, clone_inputs(inputs))
+        path = traces.path(v.name) if traces is not None else None
+        t = timeline(v.fn, clone_inputs(inputs), trace_path=path)
         t["stream"] = v.name
         out[v.name] = t
     return out

@@ -351,17 +351,24 @@ def to_html(nb, hide_code: bool = True, title: str | None = None,
     folder: where the page will be written. Given, the stylesheets every report shares (about
     260 KB) go once into ``folder/_assets/`` and the page links them; None, the page keeps them
     inline and stands alone.
+    Widgets show as static stand-ins drawn from the state the run saved
+    (:func:`k3lab.widgets.stand_ins`); the page loads no widget manager.
     """
     import copy
 
     import nbformat
     from nbconvert import HTMLExporter
 
+    from k3lab import widgets
+
     if isinstance(nb, str | os.PathLike):
         title = title or Path(nb).stem
         nb = nbformat.read(nb, as_version=4)
-    if header:
+    if header or widgets.present(nb):
         nb = copy.deepcopy(nb)
+        widgets.stand_ins(nb)
+        nb.get("metadata", {}).pop("widgets", None)  # nothing on the page reads it
+    if header:
         cell = nbformat.v4.new_markdown_cell(header)
         if nb.nbformat_minor >= 5:
             cell["id"] = "k3lab-report-header"
@@ -447,9 +454,9 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
 
     entries: dicts with name, status ("ok"/"failed"), error, date, seconds, html (relative link
     to the report), failed_html (link to the failed run's page), last_good_date, headline (dict),
-    manifest (dict), erratum (text or None), stale (files changed since its commit) and card
-    (the summary card's HTML, :func:`k3lab.readable.summary_card`). Everything is
-    HTML-escaped.
+    manifest (dict), erratum (text or None), stale (files changed since its commit), card
+    (the summary card's HTML, :func:`k3lab.readable.summary_card`) and traces (the report's
+    Perfetto trace files, linked under it). Everything is HTML-escaped.
     """
     rows = []
     for e in entries:
@@ -458,6 +465,17 @@ def write_index(out_dir: str | os.PathLike, entries: list[dict], title: str = "k
             _link(e.get("html"), "report" if status == "ok" else "last good report"),
             _link(e.get("failed_html"), "failed run"),
             _link(e.get("metrics"), "metrics")) if x)
+        trace_files = [str(t) for t in e.get("traces") or []]
+        if trace_files:
+            name = str(e.get("name"))
+            labels = [t.removeprefix(f"{name}.").removesuffix(".trace.json")
+                      for t in trace_files]
+            cpu = str((e.get("manifest") or {}).get("device", "")).startswith("cpu")
+            links += ("<div class='k3lab-traces small'>Perfetto: " + " ".join(
+                _link(t, label).replace("<a ", "<a class='k3lab-trace' ", 1)
+                for t, label in zip(trace_files, labels, strict=True))
+                + (" <span title='CPU run: interpreter wall clock, not GPU times'>"
+                   "(CPU wall clock)</span>" if cpu else "") + "</div>")
         css = {"ok": "ok", "corrupt": "corrupt"}.get(status, "failed")
         state = f"<span class='{css}'>{html.escape(status)}</span>"
         if e.get("error"):

@@ -7,6 +7,12 @@ file and an atomic rename. A notebook that fails leaves ``NAME.failed.ipynb``,
 ``NAME.failed.html`` and ``NAME.failed.json`` beside the last good report, which it never
 touches; the batch goes on, and ``index.html`` lists every notebook of the output folder.
 
+A notebook declaring ``trace_dir`` gets a private folder of the run there and writes its
+timelines' Perfetto traces into it (:mod:`k3lab.traces`); they join the report as
+``NAME.<label>.trace.json`` when it is published (a failed run's as
+``NAME.failed.<label>.trace.json``), and the traces of an older run that the new report does not
+write are removed, so a report never links another run's trace.
+
 Parameters are checked against each notebook's ``parameters`` cell (names, types and the
 contract its comments state, see :mod:`k3lab.parameters`), and the output folder for being
 writable, before anything runs.
@@ -21,6 +27,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -29,15 +36,16 @@ from pathlib import Path
 from urllib.parse import quote
 
 import k3lab
-from k3lab import folder, readable, report
+from k3lab import folder, readable, report, traces
 from k3lab.parameters import coerce, declared, notebook_parameters, validate
 
 __all__ = ["Result", "Results", "notebook_dir", "list_notebooks", "resolve",
            "notebook_parameters", "declared", "validate", "coerce", "run", "update_index",
-           "repo_root", "default_out_dir", "RUN_OPTIONS", "KERNEL_NAME"]
+           "repo_root", "default_out_dir", "RUN_OPTIONS", "TRACE_PARAM", "KERNEL_NAME"]
 
 KERNEL_NAME = "python3"
 RUN_OPTIONS = ("device", "preset", "tp")  # given by their own options, injected when declared
+TRACE_PARAM = "trace_dir"  # set by the runner, when declared, to the run's folder for traces
 NOTEBOOKS_ENV = "K3LAB_NOTEBOOKS"
 # the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
 # break the one-line-per-notebook progress; a cell's errors still reach the report
@@ -149,12 +157,17 @@ def _check_options(device: str, preset: str, tp: int) -> None:
             raise ValueError("device: 'cuda' was asked for but torch sees no CUDA device")
 
 
-def _plan(paths: list[Path], options: dict, params: dict) -> list[dict]:
-    """Per-notebook parameters, validated for every notebook before any runs."""
+def _plan(paths: list[Path], options: dict, params: dict,
+          decl: dict[Path, dict] | None = None) -> list[dict]:
+    """Per-notebook parameters, validated for every notebook before any runs. decl: each
+    notebook's declared parameters (read here when not given)."""
     clash = [k for k in params if k in RUN_OPTIONS]
     if clash:
         raise ValueError(f"parameter {clash[0]!r} has its own option: use --{clash[0]}")
-    decl = {p: declared(p) for p in paths}
+    if TRACE_PARAM in params:
+        raise ValueError(f"parameter {TRACE_PARAM!r} is set by the runner: a notebook's traces "
+                         "are written beside its report")
+    decl = decl if decl is not None else {p: declared(p) for p in paths}
     unknown = [k for k in params if not any(k in d for d in decl.values())]
     if unknown:
         allowed = sorted({k for d in decl.values() for k in d if k not in RUN_OPTIONS})
@@ -164,8 +177,27 @@ def _plan(paths: list[Path], options: dict, params: dict) -> list[dict]:
     plans = []
     for p in paths:
         given = {k: v for k, v in {**options, **params}.items() if k in decl[p]}
-        plans.append(validate(p, given, decl[p]))
+        plan = validate(p, given, decl[p])
+        if TRACE_PARAM in decl[p]:
+            plan[TRACE_PARAM] = ""  # a placeholder: _run_one gives the run's folder
+        plans.append(plan)
     return plans
+
+
+def _check_memory(paths: list[Path], plans: list[dict], decl: dict[Path, dict],
+                  options: dict, jobs: int) -> None:
+    """ValueError (one line: needed vs available) when a notebook's estimated memory at the
+    preset and tp does not fit the device (:mod:`k3lab.memory`)."""
+    from k3lab import memory
+    from k3lab.config import preset as make_preset
+
+    cfg = make_preset(options["preset"], options["tp"])
+    estimates = [memory.estimate(p.stem, cfg, options["device"],
+                                 {**{k: v.default for k, v in decl[p].items()}, **plan})
+                 for p, plan in zip(paths, plans, strict=True)]
+    problem = memory.check(estimates, options["device"], jobs)
+    if problem:
+        raise ValueError(problem)
 
 
 def _check_timeout(timeout) -> float | None:
@@ -264,8 +296,22 @@ def _header(name: str, params: dict, man: dict) -> str:
             f"{html.escape(report.manifest_summary(man))}.</div>")
 
 
+def _staged_traces(staging: Path | None, name: str) -> list[str]:
+    return traces.report_traces(staging, name) if staging is not None else []
+
+
+def _remove_traces(out_dir: Path, name: str, keep: list[str], failed: bool) -> None:
+    """Remove ``name``'s report traces (``failed``: a failed run's) that are not in ``keep``."""
+    pattern = f"{traces.glob_escape(name)}.failed.*{traces.SUFFIX}"
+    found = ([p.name for p in out_dir.glob(pattern)] if failed
+             else traces.report_traces(out_dir, name))
+    for n in found:
+        if n not in keep:
+            (out_dir / n).unlink(missing_ok=True)
+
+
 def _publish_ok(name: str, out_dir: Path, tmp: Path, page: str, info: dict, metrics: dict,
-                seconds: float) -> Result:
+                seconds: float, staging: Path | None = None) -> Result:
     report.atomic_write_text(out_dir / f"{name}.html", page)
     if metrics["warnings"]:
         report.atomic_write_text(out_dir / f"{name}.log", "".join(metrics["warnings"]))
@@ -275,19 +321,37 @@ def _publish_ok(name: str, out_dir: Path, tmp: Path, page: str, info: dict, metr
     _write_json(out_dir / f"{name}.metrics.json",
                 {**info, "status": "ok", "error": None, "headline": metrics["headline"],
                  "records": metrics["records"]})
+    # the traces last, each an atomic rename in the folder: a report that could not be written
+    # leaves them staged for the failed run's record, not beside the last good report
+    written = _staged_traces(staging, name)
+    for n in written:
+        os.replace(staging / n, out_dir / n)
     for suffix in (".failed.ipynb", ".failed.html", ".failed.json"):
         (out_dir / f"{name}{suffix}").unlink(missing_ok=True)
+    _remove_traces(out_dir, name, written, failed=False)  # an older run's: never linked
+    _remove_traces(out_dir, name, [], failed=True)
     return Result(name, "ok", seconds, None, out_dir / f"{name}.ipynb",
                   out_dir / f"{name}.html", out_dir / f"{name}.metrics.json")
 
 
 def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code: bool,
-                    info: dict, error: str, seconds: float) -> Result:
+                    info: dict, error: str, seconds: float, staging: Path | None = None,
+                    cpu: bool = False) -> Result:
     failed_nb, failed_html = out_dir / f"{name}.failed.ipynb", None
+    staged = _staged_traces(staging, name)
+    moved = {n: traces.failed_name(n, name) for n in staged}
+    _remove_traces(out_dir, name, list(moved.values()), failed=True)
+    for n, failed_n in moved.items():  # the last good report keeps its own traces
+        os.replace(staging / n, out_dir / failed_n)
     if tmp.exists() and tmp.stat().st_size:
         with contextlib.suppress(Exception):  # a half-written notebook may not render
             page = report.to_html(tmp, hide_code=hide_code, title=f"{name} (failed)",
-                                  header=header, folder=out_dir)
+                                  header=header + traces.links_html(staged, cpu),
+                                  folder=out_dir)
+            for n, failed_n in moved.items():  # its links point at this run's traces
+                for q in "'\"":
+                    page = page.replace(f"{q}./{quote(n, safe='')}{q}",
+                                        f"{q}./{quote(failed_n, safe='')}{q}")
             failed_html = report.atomic_write_text(out_dir / f"{name}.failed.html", page)
         os.replace(tmp, failed_nb)
     else:
@@ -298,8 +362,11 @@ def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code:
 
 
 def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
-             timeout: float | None, hide_code: bool, header: str, progress: dict | None):
-    """Run the notebook into ``tmp``; (error or None, report page, metrics)."""
+             timeout: float | None, hide_code: bool, header: str, progress: dict | None,
+             staging: Path | None = None):
+    """Run the notebook into ``tmp``; (error or None, report page, metrics). ``params`` are
+    the kernel's (``trace_dir`` included); the traces found in ``staging`` afterwards are
+    linked at the top of the page."""
     import nbformat
     import papermill
 
@@ -318,8 +385,10 @@ def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
         logged = (f"<div class='k3lab-small'>{len(metrics['warnings'])} warning(s) of the run "
                   f"are in <a href='./{quote(src.stem)}.log'>{html.escape(src.stem)}.log</a>"
                   "</div>") if metrics["warnings"] else ""
+        links = traces.links_html(_staged_traces(staging, src.stem),
+                                  str(man["device"]).startswith("cpu"))
         page = report.to_html(nb, hide_code=hide_code, title=src.stem,
-                              header=header + card + logged, folder=out_dir)
+                              header=header + card + links + logged, folder=out_dir)
     except Exception as exc:  # a failing notebook is reported, and the batch goes on
         return _error_text(exc, timeout), None, None
     return None, page, metrics
@@ -338,28 +407,37 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         os.close(fd)
     except OSError as exc:
         return Result(name, "failed", 0.0, f"could not create a temp file in {out_dir}: {exc}")
-    tmp = Path(tmp)
-    try:  # tmp goes whatever happens, a Ctrl-C included
+    tmp, staging = Path(tmp), None
+    params = dict(params)
+    kernel_params = params
+    try:  # tmp and the traces' folder go whatever happens, a Ctrl-C included
         report.readable(tmp)
+        if params.pop(TRACE_PARAM, None) is not None:
+            staging = Path(tempfile.mkdtemp(dir=out_dir, prefix=f".{name}.{os.getpid()}-",
+                                            suffix=folder.TRACES_SUFFIX))
+            kernel_params = {**params, TRACE_PARAM: str(staging)}
         man = report.manifest({**options, **params})
         header = _header(name, params, man)
-        error, page, metrics = _execute(src, tmp, out_dir, params, man, timeout, hide_code,
-                                        header, progress)
+        error, page, metrics = _execute(src, tmp, out_dir, kernel_params, man, timeout,
+                                        hide_code, header, progress, staging)
         seconds = time.perf_counter() - t0
         info = {"notebook": name, "source": source or str(src), "seconds": round(seconds, 3),
                 "parameters": params, "manifest": man}
         if error is None:
             try:
-                return _publish_ok(name, out_dir, tmp, page, info, metrics, seconds)
+                return _publish_ok(name, out_dir, tmp, page, info, metrics, seconds, staging)
             except OSError as exc:
                 error = f"could not write the report: {exc}"
         try:
-            return _publish_failed(name, out_dir, tmp, header, hide_code, info, error, seconds)
+            return _publish_failed(name, out_dir, tmp, header, hide_code, info, error, seconds,
+                                   staging, str(man["device"]).startswith("cpu"))
         except OSError as exc:
             return Result(name, "failed", seconds,
                           f"{error}; could not write the failure record either: {exc}")
     finally:
         tmp.unlink(missing_ok=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def update_index(out_dir: str | os.PathLike, repo: str | os.PathLike | None = None) -> Path:
@@ -422,7 +500,7 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
         params: dict | None = None, out_dir: str | os.PathLike | None = None,
         timeout: float | None = None, progress: bool = True, hide_code: bool = True,
         notebook_dir: str | os.PathLike | None = None, cells: bool = False,
-        jobs: int = 1, ray: str | None = None) -> Results:
+        jobs: int = 1, ray: str | None = None, force: bool = False) -> Results:
     """Execute ``notebooks`` (names, see :func:`resolve`; None: all) and write their reports.
 
     device / preset / tp are injected into each notebook that declares them; every other key of
@@ -433,6 +511,9 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     run at once, each in a worker process, one GPU each on a multi-GPU host (see
     :mod:`k3lab.batch`). ray: a Ray cluster's address ("local" starts one here): every
     notebook a Ray task asking for one GPU (one CPU on a CPU run), its files sent back here.
+    force: run even when a notebook's estimated memory (:mod:`k3lab.memory`) exceeds what the
+    device has free; without it that is a ValueError before anything runs (not checked for a
+    remote Ray cluster, whose nodes' memory is not known here).
     Returns one :class:`Result` per notebook, in order; a Ctrl-C stops the
     batch, keeps every report written so far and sets ``interrupted``.
     """
@@ -444,7 +525,10 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     if jobs < 1:
         raise ValueError(f"--jobs: expected at least 1, got {jobs}")
     paths = resolve(notebooks, notebook_dir)
-    plans = _plan(paths, options, dict(params or {}))
+    decl = {p: declared(p) for p in paths}
+    plans = _plan(paths, options, dict(params or {}), decl)
+    if not force and (not ray or ray == "local"):
+        _check_memory(paths, plans, decl, options, 1 if ray else jobs)
     _check_kernel()
     out = folder.prepare(Path(out_dir) if out_dir is not None else default_out_dir())
     removed, busy = folder.remove_stale(out)

@@ -100,3 +100,133 @@ def test_unknown_commit_is_not_flagged(repo, tmp_path):
     assert compare.stale_files("f" * 40, "10_route", repo) is None
     runner.update_index(out, repo=repo)
     assert "behind HEAD" not in (out / "index.html").read_text()
+
+
+# ---------------------------------------------------------------- a side that is a revision
+
+def _run_folder(path, notebook, value, parameters, manifest):
+    _folder(path, notebook, [_record("fused", value)])
+    record = json.loads((path / f"{notebook}.metrics.json").read_text())
+    record["parameters"], record["manifest"] = parameters, {**record["manifest"], **manifest}
+    (path / f"{notebook}.metrics.json").write_text(json.dumps(record))
+    return path
+
+
+class FakeRun:
+    """Stands in for ``run_at_revision``: records each call, writes the records a run would."""
+
+    def __init__(self, value=5.0):
+        self.calls, self.value = [], value
+
+    def __call__(self, tree, commit, names, options, params, out, notebook_dir):
+        self.calls.append({"tree": tree, "commit": commit, "names": names, "options": options,
+                           "params": params, "notebook_dir": notebook_dir,
+                           "files": sorted(p.name for p in tree.iterdir()),
+                           "kernels_link": (tree / "k3lab" / "kernels").is_symlink()})
+        for name in names:
+            _folder(out, name, [_record("fused", self.value)], commit=commit)
+        return 0
+
+
+@pytest.fixture
+def rev_repo(repo):
+    (repo / "k3lab").mkdir()
+    (repo / "k3lab" / "__init__.py").write_text("")
+    (repo / "notebooks" / "50_mla.ipynb").write_text("1\n")
+    (repo / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackage-dir = { "k3lab.kernels" = "kernels" }\n')
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "k3lab")
+    return repo
+
+
+def test_a_side_is_a_folder_or_a_revision(rev_repo, tmp_path):
+    assert compare.resolve_side(str(tmp_path), rev_repo).folder == tmp_path
+    side = compare.resolve_side("HEAD~1", rev_repo)
+    assert side.folder is None and side.commit == _git(rev_repo, "rev-parse", "HEAD~1")
+    with pytest.raises(ValueError, match="neither a run folder nor a git revision"):
+        compare.resolve_side("no-such-thing", rev_repo)
+
+
+def test_run_plan_groups_notebooks_as_they_ran(tmp_path):
+    run = _run_folder(tmp_path / "run", "10_route", 9.0,
+                      {"device": "cpu", "preset": "tiny", "tp": 2, "M": 4,
+                       "trace_dir": "/old/staging"}, {})
+    _run_folder(run, "50_mla", 3.0, {"device": "cpu", "preset": "tiny", "tp": 2, "M": 4}, {})
+    _run_folder(run, "60_attn_res", 1.0, {"seed": 1}, {"device": "cpu", "preset": "tiny",
+                                                       "tp": 1})
+    groups = compare.run_plan(run)
+    assert [(g.options, g.params, g.names) for g in groups] == [
+        ({"device": "cpu", "preset": "tiny", "tp": 2}, {"M": 4}, ["10_route", "50_mla"]),
+        ({"device": "cpu", "preset": "tiny", "tp": 1}, {"seed": 1}, ["60_attn_res"])]
+    assert [g.names for g in compare.run_plan(run, ["mla"])] == [["50_mla"]]
+
+
+def test_compare_a_folder_with_a_revision_runs_its_notebooks_there(rev_repo, tmp_path):
+    before = _git(rev_repo, "worktree", "list")
+    a = _run_folder(tmp_path / "a", "10_route", 10.0,
+                    {"device": "cpu", "preset": "tiny", "tp": 2, "M": 4}, {})
+    _run_folder(a, "70_gone", 10.0, {"device": "cpu"}, {})  # not at the revision: left out
+    fake, said = FakeRun(5.0), []
+    table, la, lb = compare.compare_sides(str(a), "HEAD", repo=rev_repo, run=fake,
+                                          keep=tmp_path / "runs", say=said.append)
+    (call,) = fake.calls
+    head = _git(rev_repo, "rev-parse", "HEAD")
+    assert call["commit"] == head and call["names"] == ["10_route"]
+    assert call["options"] == {"device": "cpu", "preset": "tiny", "tp": 2}
+    assert call["params"] == {"M": 4} and call["notebook_dir"] == "notebooks"
+    assert "notebooks" in call["files"] and call["kernels_link"]
+    assert any("no notebook 70_gone" in s for s in said)
+    assert lb == f"HEAD ({head[:10]})" and la == str(a)
+    assert table[["a", "b", "ratio"]].values.tolist() == [[10.0, 5.0, 0.5]]
+    assert (tmp_path / "runs" / f"b-{head[:12]}" / "10_route.metrics.json").is_file()
+    assert _git(rev_repo, "worktree", "list") == before  # the temporary worktree is gone
+
+
+def test_two_revisions_run_the_named_notebooks(rev_repo, tmp_path):
+    fake = FakeRun()
+    table, _, _ = compare.compare_sides("HEAD~1", "HEAD", repo=rev_repo, run=fake,
+                                        notebooks=["10_route"], options={"tp": 2},
+                                        params={"M": "2"}, say=lambda s: None)
+    assert [c["commit"][:7] for c in fake.calls] == [
+        _git(rev_repo, "rev-parse", "--short=7", r) for r in ("HEAD~1", "HEAD")]
+    assert fake.calls[0]["options"] == {"device": "cpu", "preset": "tiny", "tp": 2}
+    assert fake.calls[0]["params"] == {"M": "2"}
+    assert table["ratio"].tolist() == [1.0]
+    with pytest.raises(ValueError, match="--notebooks"):
+        compare.compare_sides("HEAD~1", "HEAD", repo=rev_repo, run=fake)
+
+
+def test_cli_compare_with_a_revision(monkeypatch, rev_repo, tmp_path, capsys):
+    a = _run_folder(tmp_path / "a", "10_route", 10.0, {"device": "cpu"}, {})
+    fake = FakeRun(20.0)
+    monkeypatch.setattr(compare, "run_at_revision", fake)
+    monkeypatch.setattr(compare, "_repo", lambda: rev_repo)
+    assert cli.main(["compare", str(a), "HEAD", "-o", str(tmp_path / "c.csv")]) == 0
+    out = capsys.readouterr()
+    assert "b: HEAD (" in out.out and "2" in out.out and "running 10_route at HEAD" in out.err
+    rows = list(csv.DictReader((tmp_path / "c.csv").open()))
+    assert [float(r["ratio"]) for r in rows] == [2.0]
+
+
+@pytest.mark.slow
+def test_compare_with_head_runs_a_fixture_notebook_in_a_worktree(tmp_path, capsys):
+    """End to end: a run folder of the views fixture here, against the same notebook run at
+    HEAD in a temporary worktree by HEAD's own k3lab (two real kernels)."""
+    a = tmp_path / "a"
+    fixtures = runner.repo_root() / "tests" / "notebooks" / "views"
+    (res,) = runner.run(["30_views"], out_dir=a, notebook_dir=fixtures, progress=False,
+                        params={"label": "cmp"})
+    assert res.ok, res.error
+    rc = cli.main(["compare", str(a), "HEAD", "--notebook-dir", "tests/notebooks/views",
+                   "--keep", str(tmp_path / "runs"), "-o", str(tmp_path / "c.csv")])
+    assert rc == 0, capsys.readouterr()
+    head = _git(runner.repo_root(), "rev-parse", "HEAD")
+    b_dir = tmp_path / "runs" / f"b-{head[:12]}"
+    b = json.loads((b_dir / "30_views.metrics.json").read_text())
+    assert b["manifest"]["git_commit"] == head and b["manifest"]["git_dirty"] is False
+    assert b["parameters"]["label"] == "cmp" and (b_dir / "30_views.cmp.trace.json").is_file()
+    rows = list(csv.DictReader((tmp_path / "c.csv").open()))
+    assert {(r["metric"], float(r["ratio"])) for r in rows} == {
+        ("launches", 1.0), ("latency_us", 1.0), ("speedup_vs_reference", 1.0)}
+    assert "k3lab-compare-" not in _git(runner.repo_root(), "worktree", "list")

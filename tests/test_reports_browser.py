@@ -4,10 +4,12 @@ request that fails (a CDN the report should not need), a broken link or an image
 decode, or a stylesheet it links that is missing. A screenshot of each page is saved under the
 test's temporary folder.
 
-Pages checked: a fresh CPU batch of the fixture notebooks, and the committed H200 reports under
-``executed/h200`` when present.
+Pages checked: a fresh CPU batch of the fixture notebooks (the views fixture with a timeline,
+its Perfetto trace, a widget and a summary card among them), and the committed H200 reports
+under ``executed/h200`` when present.
 """
 
+import json
 import shutil
 from html.parser import HTMLParser
 from pathlib import Path
@@ -19,6 +21,7 @@ from k3lab import runner
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "notebooks"
+VIEWS = FIXTURES / "views" / "30_views.ipynb"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 pytestmark = [
@@ -85,13 +88,14 @@ def _pages(index: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def fresh_reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("reports")
-    runner.run(["00_echo", "10_other"], out_dir=out, notebook_dir=FIXTURES, progress=False)
+    runner.run(["00_echo", "10_other", str(VIEWS)], out_dir=out, notebook_dir=FIXTURES,
+               progress=False)
     return out
 
 
 def test_fresh_reports_open_cleanly(browser, fresh_reports, tmp_path):
     pages = _pages(fresh_reports / "index.html")
-    assert len(pages) == 3  # the index and both reports it links
+    assert len(pages) == 4  # the index and the three reports it links
     for page in pages:
         assert _check_page(browser, page, tmp_path / "shots") == [], page.name
     assert (tmp_path / "shots" / "index.png").stat().st_size > 0
@@ -122,8 +126,6 @@ def test_checker_catches_a_broken_page(browser, tmp_path):
 def test_index_card_is_visible(browser, tmp_path):
     """The summary card of a report's metrics shows at the top of its index row, its verdicts
     coloured, and the folded headline opens on a click."""
-    import json
-
     records = [{"boundary": "route", "variant": v, "role": r, "metric": m, "mode": mode,
                 "value": x, "sweep": None}
                for v, r, m, mode, x in (("reference", "reference", "launches", "", 53.0),
@@ -149,3 +151,51 @@ def test_index_card_is_visible(browser, tmp_path):
     page.locator("details summary").first.click()
     assert page.locator("table.head").first.is_visible()
     page.close()
+
+
+def _trace_targets(page, page_path: Path) -> list[Path]:
+    hrefs = page.locator("a.k3lab-trace").evaluate_all(
+        "as => as.map(a => a.getAttribute('href'))")
+    return [(page_path.parent / unquote(urlparse(h).path)).resolve() for h in hrefs]
+
+
+def test_report_card_traces_and_widget_stand_in(browser, fresh_reports):
+    """The views report as a reader sees it: the summary card at the top (above every output
+    of the notebook), the Perfetto trace links there and under the timeline resolving to trace
+    files, the same link in the index, and the widget's static stand-in with its saved view."""
+    path = fresh_reports / "30_views.html"
+    page = browser.new_page(viewport={"width": 1200, "height": 900})
+    page.goto(path.as_uri(), wait_until="load")
+
+    card = page.locator(".k3lab-card").first
+    assert card.is_visible() and "7 → 1" in card.inner_text() and "3.5x" in card.inner_text()
+    assert "bar met: yes" in card.inner_text() and "not GPU figures" in card.inner_text()
+    card_y = card.bounding_box()["y"]
+    assert card_y < 400  # in the first screen
+    first_output = page.locator(".jp-OutputArea-output").nth(1).bounding_box()["y"]
+    assert card_y < first_output
+
+    links = page.locator("a.k3lab-trace")
+    assert links.count() >= 2 and all(links.nth(i).is_visible() for i in range(links.count()))
+    targets = _trace_targets(page, path)
+    assert {t.name for t in targets} == {"30_views.call.trace.json"}
+    for t in targets:
+        events = json.loads(t.read_text())["traceEvents"]
+        assert any(e["ph"] == "X" and e["name"].startswith("aten::") for e in events)
+    assert "wall clock" in page.locator(".k3lab-traces").first.inner_text()
+
+    stand_in = page.locator(".k3lab-widget").first
+    assert stand_in.is_visible() and "Interactive in JupyterLab" in stand_in.inner_text()
+    slider = stand_in.locator("input[type=range]")
+    assert slider.is_visible() and slider.is_disabled() and slider.input_value() == "2"
+    assert "4" in stand_in.locator("table").first.inner_text()  # the saved view: token 2 squared
+    page.close()
+
+    index = browser.new_page()
+    index.goto((fresh_reports / "index.html").as_uri(), wait_until="load")
+    row = index.locator("tr", has=index.locator("b", has_text="30_views"))
+    assert row.locator(".k3lab-card").is_visible()
+    assert [t.name for t in _trace_targets(row, fresh_reports / "index.html")] == [
+        "30_views.call.trace.json"]
+    assert all(t.is_file() for t in _trace_targets(index, fresh_reports / "index.html"))
+    index.close()

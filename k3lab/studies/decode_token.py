@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
-from k3lab import profile, stack
+from k3lab import profile, stack, traces
 from k3lab.config import Preset
 
 __all__ = ["MARKER", "TokenFigures", "measure_token", "labelled_timeline", "extrapolate",
@@ -108,7 +108,8 @@ def labelled_timeline(st: stack.Stack, token: dict, device, *, num_splits: int =
 
     CUDA: graph time from ``profile.time_variant``; launches from a profiled replay of the
     unmarked graph (its Perfetto trace written to ``trace_path``), labelled by the marked graph.
-    CPU: one marked interpreted run."""
+    CPU: one marked interpreted run (the labelled launches written to ``trace_path`` as a trace
+    of the interpreter's wall clock)."""
     dev = torch.device(device)
 
     def run(tk, tag=None):
@@ -122,6 +123,8 @@ def labelled_timeline(st: stack.Stack, token: dict, device, *, num_splits: int =
         tl = profile.timeline(marked, token)
         tags[:] = tags[len(tags) // 2:]
         lab = _labels(tl, tags)
+        if trace_path:
+            traces.write_cpu(lab, trace_path)
         span = float(lab["end_us"].max() - lab["start_us"].min())
         return lab, span, ["CPU: wall clock under the Triton interpreter, logical launches"]
     t = profile.time_variant(run, [token], mode="graph", repeats=repeats, cold=False,

@@ -201,14 +201,16 @@ def stage_plot(s: Setup, stages: pd.DataFrame, fmt: str):
                                 f"bandwidth, {s.cfg.describe()}, {fmt}, M={s.M}{s.note}")
 
 
-def timelines(s: Setup, inputs: dict, fmt: str):
+def timelines(s: Setup, inputs: dict, fmt: str, traces=None):
     """One call with routing of every variant but torch.compile: printed spans and the Gantt
-    plots (all variants; the fused launches alone)."""
+    plots (all variants; the fused launches alone). traces: a :class:`k3lab.traces.Traces`
+    each variant's Perfetto trace is written to (its name as the label)."""
     frames = {}
     for v in s.boundary.available_variants(s.device):
         if v.name == "torch.compile":
             continue
-        t = profile.timeline(v.fn, boundaries.clone_inputs(inputs))
+        path = traces.path(v.name) if traces is not None else None
+        t = profile.timeline(v.fn, boundaries.clone_inputs(inputs), trace_path=path)
         t["stream"] = v.name
         frames[v.name] = t
         print(f"{v.name:>10}: {len(t)} launches, span {t.end_us.max():.1f} us")
