@@ -3,7 +3,7 @@
 A notebook that shows a timeline declares ``trace_dir = ""`` in its parameters cell; ``k3lab
 run`` sets it to a private folder of the run and, when the notebook succeeds, moves the files
 written there beside the report as ``<notebook>.<label>.trace.json`` (see :mod:`k3lab.runner`).
-Left empty (a live session), no file is written. In the notebook::
+Left empty (in JupyterLab), no file is written. In the notebook::
 
     traces = Traces(trace_dir, "50_mla")
     tl = profile.timeline(fn, inputs, trace_path=traces.path("fused"))
