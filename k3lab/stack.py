@@ -85,7 +85,8 @@ DENSE_OPS = ("kda.q_proj", "kda.k_proj", "kda.v_proj", "kda.f_a_proj", "kda.beta
              "mlp.gate_up", "mlp.down", "token.lm_head")
 
 # The seed PR's nine changes in its order, the paired AttnRes + RMSNorm fusion, the dense GEMV,
-# then the reviewed decomposition's own changes.
+# KDA decode's neighbours (kda_decode's conv= and out_gate=), then the reviewed decomposition's
+# own changes.
 CATALOGUE: tuple[Change, ...] = (
     Change("mla-split-override", "MLA split override for graph decode", ("mla.attention",),
            seed_commit="ac4ba2dfe3"),
@@ -110,6 +111,10 @@ CATALOGUE: tuple[Change, ...] = (
            _both_reads("attn_res.read", "attn_res.norm") + ("token.final_read",)),
     Change("dense-gemv", "dense B1 GEMV for every projection (merged per layer; norm, "
            "activation and residual in its prologue / epilogue)", DENSE_OPS),
+    Change("kda-conv-fusion", "short-conv step + SiLU fused in front of KDA decode",
+           ("kda.short_conv",), requires=("fused-kda-decode",)),
+    Change("kda-out-gate-fusion", "output RMSNorm * sigmoid gate fused behind KDA decode",
+           ("kda.out_norm_gate",), requires=("fused-kda-decode",)),
     Change("persistent-moe", "single-owner persistent MoE boundary, A8W4 (aiter#2): routing, "
            "the route-to-expert handoff and both stages in one launch",
            ("moe.route_select", "moe.sort", "moe.expert_align", "moe.stage1", "moe.stage2"),
@@ -120,17 +125,17 @@ CATALOGUE: tuple[Change, ...] = (
 CHANGES = {c.name: c for c in CATALOGUE}
 
 # Both stacks in the order their waterfalls add the changes. integration: the seed PR's stack as
-# it banked it (the gate projection is skipped: route-sort supersedes it), then the dense GEMV.
-# reviewed: #20, #2, #6, #16 (KDA decode + f_b), #17, #18, the vLLM-side AttnRes boundary (#10),
-# then the dense GEMV.
+# it banked it (the gate projection is skipped: route-sort supersedes it), then the workbench's
+# own: the dense GEMV and KDA decode's two neighbours. reviewed: #20, #2, #6, #16 (KDA decode +
+# f_b), #17, #18, the vLLM-side AttnRes boundary (#10), then the same three.
 STACKS: dict[str, tuple[str, ...]] = {
     "integration": ("mla-split-override", "route-sort", "b1-gate-projection",
                     "stage1-direct-tile", "atomic-stage2", "fused-kda-decode", "kda-fb-fusion",
                     "fused-latent-tail", "prepared-routing-handoff", "attn-res-rmsnorm",
-                    "dense-gemv"),
+                    "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion"),
     "reviewed": ("mla-split-override", "persistent-moe", "b1-gate-projection",
                  "fused-kda-decode", "kda-fb-fusion", "fused-latent-tail", "fp8-latent-tail",
-                 "attn-res-rmsnorm", "dense-gemv"),
+                 "attn-res-rmsnorm", "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion"),
 }
 
 
@@ -292,8 +297,16 @@ def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual) -> torch.Ten
     q, k, v, f_low, b_logits, g = _linear(run, "kda.q_proj", x, w["in_proj"],
                                           splits=w["in_splits"])
     tag("KDA")
-    q, k, v = (ref_kda.short_conv_step(t, cache[f"{n}_conv_state"], w[f"{n}_conv"])
-               .view(m, hl, d).to(x.dtype) for n, t in zip("qkv", (q, k, v), strict=True))
+    conv = gate = None
+    if run.fused("kda.short_conv"):  # the kernel takes the projections before the conv
+        conv = _kernels().KDAConv(*(cache[f"{n}_conv_state"] for n in "qkv"),
+                                  *(w[f"{n}_conv"] for n in "qkv"))
+        q, k, v = (t.contiguous().view(m, hl, d) for t in (q, k, v))
+    else:
+        q, k, v = (ref_kda.short_conv_step(t, cache[f"{n}_conv_state"], w[f"{n}_conv"])
+                   .view(m, hl, d).to(x.dtype) for n, t in zip("qkv", (q, k, v), strict=True))
+    if run.fused("kda.out_norm_gate"):
+        gate = _kernels().KDAOutGate(g.contiguous().view(m, hl, d), w["o_norm"], cfg.rms_eps)
     if run.fused("kda.recurrence"):
         f_b = w["f_b"]
         if not run.fused("kda.f_b_proj"):
@@ -305,12 +318,13 @@ def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual) -> torch.Ten
             f_low = torch.ones(1, 1, dtype=x.dtype, device=x.device)
         o = _kernels().kda_decode(q, k, v, f_low.contiguous(), f_b, w["A_log"], w["dt_bias"],
                                   b_logits.contiguous(), cache["state"],
-                                  lower_bound=cfg.kda_lower_bound)
+                                  lower_bound=cfg.kda_lower_bound, conv=conv, out_gate=gate)
     else:
         o = ref_kda.kda_decode_reference(q, k, v, f_low, w["f_b"], w["A_log"], w["dt_bias"],
                                          b_logits, cache["state"],
                                          lower_bound=cfg.kda_lower_bound)
-    o = ref_kda.out_norm_gate(o, g.reshape(m, hl, d), w["o_norm"], cfg.rms_eps)
+    if gate is None:
+        o = ref_kda.out_norm_gate(o, g.reshape(m, hl, d), w["o_norm"], cfg.rms_eps)
     tag("dense projections")
     return _linear(run, "kda.o_proj", o.reshape(m, hl * d).to(x.dtype), w["o_proj"],
                    residual=residual)
@@ -399,9 +413,16 @@ def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
     if run.record is not None:
         run.record.append(plan.topk_ids.clone())
     tag("dense projections")
-    z = _linear(run, "moe.latent_down", x, w["latent_down"]) if cfg.latent else x
-    shared_a = (_linear(run, "moe.shared", x, w["shared_w13"], **act)
-                if cfg.shared_intermediate else None)
+    if "front" in w and all(run.stack.owned_by(op, "dense-gemv")
+                            for op in ("moe.latent_down", "moe.shared")):
+        # latent down and the shared gate/up read the same x: one launch over the merged rows
+        from k3lab.kernels.dense import dense_gemv
+        z, shared_a = dense_gemv(x, w["front"], splits=w["front_splits"],
+                                 config=run.configs.gemv, **act)
+    else:
+        z = _linear(run, "moe.latent_down", x, w["latent_down"]) if cfg.latent else x
+        shared_a = (_linear(run, "moe.shared", x, w["shared_w13"], **act)
+                    if cfg.shared_intermediate else None)
     fused_stage = run.fused("moe.stage1") or run.fused("moe.stage2")
     if fused_stage and not run.fused("moe.expert_align"):
         # without the handoff, the expert kernels align the routing themselves (a second sort)

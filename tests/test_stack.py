@@ -29,9 +29,10 @@ LAYER_ATOL, LAYER_RTOL = 6e-2, 2e-2
 
 def test_catalogue_holds_the_seed_changes_attn_res_dense_and_the_reviewed_ones():
     names = [c.name for c in CATALOGUE]
-    assert len(names) == len(set(names)) == 13
+    assert len(names) == len(set(names)) == 15
     assert sum(bool(c.seed_commit) for c in CATALOGUE) == 9
-    assert {"attn-res-rmsnorm", "dense-gemv", "persistent-moe", "fp8-latent-tail"} <= set(names)
+    assert {"attn-res-rmsnorm", "dense-gemv", "persistent-moe", "fp8-latent-tail",
+            "kda-conv-fusion", "kda-out-gate-fusion"} <= set(names)
     for order in STACKS.values():
         assert set(order) <= set(names)
 
@@ -47,6 +48,8 @@ def test_integration_stack_has_one_owner_per_op_and_leaves_the_rest_to_the_engin
     assert st.owner["moe.gate_proj"] == "route-sort"
     assert st.owner["kda.q_proj"] == "dense-gemv" and st.owner["token.lm_head"] == "dense-gemv"
     assert st.owner["moe.stage1"] == "stage1-direct-tile"
+    assert st.owner["kda.short_conv"] == "kda-conv-fusion"
+    assert st.owner["kda.out_norm_gate"] == "kda-out-gate-fusion"
     assert compose([]).owner["kda.q_proj"] is None and not compose([]).fused("kda.q_proj")
 
 
@@ -86,6 +89,9 @@ def test_superseded_change_beside_its_successor_is_rejected_and_alone_accepted()
 def test_requirements_unknown_names_and_duplicates():
     with pytest.raises(ValueError, match="'kda-fb-fusion' requires 'fused-kda-decode'"):
         compose(["kda-fb-fusion"])
+    for name in ("kda-conv-fusion", "kda-out-gate-fusion"):
+        with pytest.raises(ValueError, match=f"'{name}' requires 'fused-kda-decode'"):
+            compose([name])
     with pytest.raises(ValueError, match="'fp8-latent-tail' requires 'fused-latent-tail'"):
         compose(["fp8-latent-tail"])
     with pytest.raises(ValueError, match="unknown change 'warp-speed'"):
@@ -113,7 +119,7 @@ def test_a_change_without_its_kernel_is_skipped_with_a_note_naming_the_variant()
 def test_steps_skip_changes_that_cannot_join_at_their_turn():
     got = [added for added, _ in steps(STACKS["integration"])]
     assert got[0] == "engine baseline" and "b1-gate-projection" not in got
-    assert got[-1] == "dense-gemv" and len(got) == len(STACKS["integration"])
+    assert got[-1] == STACKS["integration"][-1] and len(got) == len(STACKS["integration"])
     got = [a for a, _ in steps(["kda-fb-fusion", "fused-kda-decode", "kda-fb-fusion"])]
     assert got == ["engine baseline", "fused-kda-decode", "kda-fb-fusion"]
     assert [a for a, _ in steps(STACKS["reviewed"])][1:] == list(STACKS["reviewed"])
@@ -123,6 +129,7 @@ LAYER_STACKS = {
     "engine": [],
     "gate-only": ["b1-gate-projection", "stage1-direct-tile"],
     "kda-no-fb": ["fused-kda-decode", "atomic-stage2"],
+    "kda-neighbours": ["fused-kda-decode", "kda-conv-fusion", "kda-out-gate-fusion"],
     "integration": INTEGRATION,
 }
 
@@ -142,6 +149,10 @@ def test_layer_under_a_stack_matches_the_reference_layer(kind, name, device):
         tol = 1e-2 if st.fused("kda.q_proj") else 2e-3
         torch.testing.assert_close(state["cache"]["state"], ref_state["cache"]["state"],
                                    atol=tol, rtol=tol)
+        for n in "qkv":  # the conv caches hold the bf16 projections, shifted by one step
+            key = f"{n}_conv_state"
+            torch.testing.assert_close(state["cache"][key], ref_state["cache"][key],
+                                       atol=tol, rtol=tol)
 
 
 def test_merged_input_projection_is_one_weight_with_row_views():

@@ -7,7 +7,8 @@
 
 ``make_layer`` builds the weights and caches of one layer (the input projections of a layer that
 read the same x concatenated once into one ``in_proj`` weight, as an engine lays out its
-checkpoint; the per-projection weights are row views of it); ``run_layer`` runs it in fp32 and
+checkpoint, and the MoE's latent down and shared gate/up into one ``front``; the per-projection
+weights are row views of them); ``run_layer`` runs it in fp32 and
 returns the new live partial sum [M, H] bf16. The KDA state and the MLA cache are updated in
 place, as in the model.
 
@@ -46,10 +47,12 @@ KDA_IN = ("q_proj", "k_proj", "v_proj", "f_a", "b_proj", "g_proj")
 MLA_IN = ("q_a", "kv_a", "g_proj")
 
 
-def _merge(w: dict, names: tuple[str, ...]) -> None:
-    """w["in_proj"] = the named weights concatenated by rows; each name becomes a row view."""
+def _merge(w: dict, names: tuple[str, ...], into: str = "in_proj") -> None:
+    """w[into] = the named weights concatenated by rows, their row counts in w[into + "_splits"]
+    (``in_splits`` for ``in_proj``); each name becomes a row view."""
     merged = torch.cat([w[n] for n in names])
-    w["in_proj"], w["in_splits"], off = merged, tuple(w[n].shape[0] for n in names), 0
+    splits = "in_splits" if into == "in_proj" else f"{into}_splits"
+    w[into], w[splits], off = merged, tuple(w[n].shape[0] for n in names), 0
     for n in names:
         rows = w[n].shape[0]
         w[n] = merged[off:off + rows]
@@ -80,6 +83,8 @@ def make_layer(cfg: Preset, kind: str, device, *, seed: int = 0, m: int = 1, con
              "res_attn": attn_res_weights(cfg, gen), "res_ffn": attn_res_weights(cfg, gen)}
     if ffn == "moe":
         state["moe"] = moe_weights(cfg, gen, expert_format=expert_format)
+        if cfg.latent and cfg.shared_intermediate:  # the MoE front's GEMVs of x, one weight
+            _merge(state["moe"], ("latent_down", "shared_w13"), into="front")
     else:
         i, h = cfg.dense_intermediate, cfg.hidden
         state["mlp"] = {"gate_up": randn((2 * i, h), gen, std=h ** -0.5),

@@ -9,7 +9,8 @@ Split K: ``SPLIT_K`` programs share a row tile; each stores its fp32 partial in 
 takes a ticket, and the last one sums the partials, resets the ticket and runs the epilogue.
 
 Prologue and epilogues remove launches around the projection: an RMSNorm of x (``NORM``: x * g,
-then rstd per token applied to the sums), gate/up activation (``ACT``: the weight holds gate rows
+then rstd per token applied to the sums; without split K the K loop sums x^2 as it goes, with it
+the finishing program reads x once more), gate/up activation (``ACT``: the weight holds gate rows
 then up rows, the output is act(gate, up)), a second product added to the first (``DUAL``: the
 MoE tail's shared down-projection beside its normalized up-projection), a residual add, outputs
 split by row segments (merged projections: segment s, rows [b_s, b_s+1), is written as its own
@@ -74,7 +75,9 @@ def _rstd(p_x, o_m, m_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] sums of x[o_m, k] (* g[k]) * W[o_n, k] over k in [k_lo, k_hi)."""
+    """(fp32 [BLOCK_M, BLOCK_N] sums of x[o_m, k] (* g[k]) * W[o_n, k] over k in [k_lo, k_hi),
+    fp32 [BLOCK_M] sums of x^2 over the same range: the RMSNorm's, when NORM)."""
+    ss = tl.zeros([BLOCK_M], tl.float32)
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     else:
@@ -87,7 +90,8 @@ def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
         b_x = tl.load(p_x + o_m[:, None] * K + o_k[None, :],
                       mask=m_m[:, None] & m_k[None, :], other=0.0)
         b_xf = b_x.to(tl.float32)
-        if NORM:
+        if NORM:  # x is in registers anyway: its sum of squares costs no second pass
+            ss += tl.sum(b_xf * b_xf, axis=1)
             b_xf = b_xf * tl.load(p_g + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
         if BLOCK_M == 1:
             acc2 += b_w.to(tl.float32) * b_xf
@@ -97,7 +101,7 @@ def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
             acc += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_w))
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
-    return acc
+    return acc, ss
 
 
 @triton.jit
@@ -191,17 +195,17 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
                 _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
         gdc_wait()
         gdc_launch_dependents()
-    acc = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, BLOCK_M, BLOCK_N, BLOCK_K,
-                  NORM, DOT_FP32, NUM_STAGES)
+    acc, ss = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, BLOCK_M, BLOCK_N,
+                      BLOCK_K, NORM, DOT_FP32, NUM_STAGES)
     acc_u = acc
     if ACT != 0:
-        acc_u = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
-                        BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES)
+        acc_u, _ = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
+                           BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES)
     if DUAL:
         k2_lo = i_k * K2_SPLIT
-        acc_u = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo,
-                        tl.minimum(k2_lo + K2_SPLIT, K2), BLOCK_M, BLOCK_N, BLOCK_K, False,
-                        DOT_FP32, NUM_STAGES)
+        acc_u, _ = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo,
+                           tl.minimum(k2_lo + K2_SPLIT, K2), BLOCK_M, BLOCK_N, BLOCK_K, False,
+                           DOT_FP32, NUM_STAGES)
     if N_SEG > 1:  # segment s is its own contiguous [M, n_s] block of the output
         start, length = _segment(o_n, N, b1, b2, b3, b4, b5, b6, b7)
         o_y = M * start[None, :] + o_m[:, None] * length[None, :] + (o_n - start)[None, :]
@@ -217,8 +221,8 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
             _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta,
                       linear_beta, ACT, NORM, RESIDUAL, DUAL)
     else:
-        if NORM:
-            rstd = _rstd(p_x, o_m, m_m, K, eps, BLOCK_M, BLOCK_K)
+        if NORM:  # the program saw all of x's K columns
+            rstd = tl.rsqrt(ss / K + eps)
         _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta, linear_beta,
                   ACT, NORM, RESIDUAL, DUAL)
 
