@@ -399,14 +399,15 @@ def _kernel_experts(w: dict) -> dict:
     return w["kernel_experts"]
 
 
-def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
-    """The latent MoE's output [M, H] (bf16 or fp32)."""
+def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
+         ) -> tuple[torch.Tensor, bool]:
+    """(the latent MoE's output [M, H] bf16 or fp32, whether ``residual`` is already added)."""
     tag = run.tag
     if run.stack.owned_by("moe.stage1", "persistent-moe"):
         tag("MoE experts")
         if run.record is not None:
             run.record.append(None)
-        return _persistent(x, w, cfg)
+        return _persistent(x, w, cfg), False
     k, act = _kernels(), _act(cfg)
     tag("routing")
     plan = _route(run, x, w, cfg)
@@ -443,7 +444,14 @@ def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
     norm, up = (w["latent_norm"], w["latent_up"]) if cfg.latent else (None, None)
     if run.fused("moe.latent_up"):
         tag("dense projections")
-        return k.latent_moe_tail(y, norm, up, shared, eps=cfg.rms_eps)
+        if cfg.latent and shared is not None:
+            # the MoE block's dense_projections tail: one dense GEMV launch, the RMSNorm in its
+            # prologue, the shared down-projection its second product, the residual its epilogue
+            from k3lab.kernels.dense import dense_gemv
+            return dense_gemv(y, up, norm_weight=norm, eps=cfg.rms_eps, x2=shared_a,
+                              weight2=shared["w2"], residual=residual,
+                              config=run.configs.gemv), True
+        return k.latent_moe_tail(y, norm, up, shared, eps=cfg.rms_eps), False
     out = y
     if cfg.latent:
         tag("norms")
@@ -453,7 +461,7 @@ def _moe(run: _Run, x, w: dict, cfg: Preset) -> torch.Tensor:
     if shared is not None:
         tag("dense projections")
         out = _linear(run, "moe.shared", shared_a, shared["w2"], residual=out.to(x.dtype))
-    return out
+    return out, False
 
 
 def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live=None,
@@ -495,7 +503,9 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
             record.append(None)
         a = _linear(run, "mlp.gate_up", x, mlp["gate_up"], **_act(cfg))
         return _linear(run, "mlp.down", a, mlp["down"], residual=live)
-    f = _moe(run, x, state["moe"], cfg)
+    f, added = _moe(run, x, state["moe"], cfg, live)
+    if added:
+        return f
     tag("dense projections")
     return (live + f.to(live.dtype)) if f.dtype == live.dtype else (
         live.float() + f.float()).to(live.dtype)
