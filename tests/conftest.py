@@ -11,6 +11,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread a worker: -n 2 on 2 cores, not 4 threads
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _nan_fill_fresh_allocations():

@@ -213,10 +213,18 @@ STAGE_CASES = [
 # last valid row of a tile) is slow under the interpreter: small cases only
 GPU_TILE_CASES = ("M1-bm1-bf16", "M1-bm1-mxfp4", "M2-bm2-mxfp4-crowd", "M3-bm4-mxfp4-crowd",
                   "M3-bm3-bf16")
+# several tokens a tile on the GPU tiles: 20-30 s each under the interpreter; the same plans run
+# on the interpreter tiles in the default selection and on the GPU in test_gpu_k3_tp8_block
+GPU_TILE_SLOW = ("M2-bm2-mxfp4-crowd", "M3-bm4-mxfp4-crowd", "M3-bm3-bf16")
+
+
+def _gpu_tile_param(case):
+    marks = pytest.mark.slow if case[0] in GPU_TILE_SLOW else ()
+    return pytest.param(case, "gpu", marks=marks)
 
 
 @pytest.mark.parametrize("case,tiles", [(c, "interp") for c in STAGE_CASES]
-                         + [(c, "gpu") for c in STAGE_CASES if c[0] in GPU_TILE_CASES],
+                         + [_gpu_tile_param(c) for c in STAGE_CASES if c[0] in GPU_TILE_CASES],
                          ids=[f"{c[0]}-interp-tiles" for c in STAGE_CASES]
                          + [f"{c}-gpu-tiles" for c in GPU_TILE_CASES])
 def test_stages(case, tiles, device):
@@ -305,7 +313,9 @@ DECODE_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("variant", DECODE_CONFIGS)
+@pytest.mark.parametrize("variant", [
+    pytest.param(v, marks=pytest.mark.slow) if v == "klane-gpu-tiles-stages" else v
+    for v in DECODE_CONFIGS])  # the staged loads read the codes klane-gpu-tiles reads
 def test_mxfp4_decode_exact(variant, device):
     """Every E2M1 code at every position of a group, under E8M0 scales from 2^-20 to 2^10, read
     back exactly through stage 2: token t (top_k 1, weight 1) carries the one-hot a = e_k, so
@@ -470,8 +480,15 @@ def _check_block(x, w, cfg, *, block_m, det, fuse_tail, config=None):
     return got
 
 
-@pytest.mark.parametrize("fuse_tail", [False, True], ids=["tail", "fused-tail"])
-@pytest.mark.parametrize("case", BLOCK_CASES, ids=[c[0] for c in BLOCK_CASES])
+# the 16-token cases with the tail apart: ~9 s each under the interpreter; their fused-tail
+# twins stay in the default selection, and test_fused_tail_matches_separate_launches ties the two
+_BLOCK_SLOW = {("M16-bm4-mxfp4", False), ("M16-bm1-bf16-det", False)}
+
+
+@pytest.mark.parametrize("case,fuse_tail", [
+    pytest.param(c, f, marks=pytest.mark.slow if (c[0], f) in _BLOCK_SLOW else (),
+                 id=f"{c[0]}-{'fused-tail' if f else 'tail'}")
+    for c in BLOCK_CASES for f in (False, True)])
 def test_block(case, fuse_tail, device):
     """moe_block with its own routing (route_sort + 3 launches; 4 with stage 2 and the tail
     apart) against the reference given the same plan; and given the reference's plan."""
@@ -685,8 +702,9 @@ K3_BLOCK_CASES = [
 
 
 # the two many-token K3 cases take ~100 s under the interpreter; the same tiles (block_m 16,
-# crowded experts) run at tiny size in test_stages, so they are slow-marked (pytest -m "")
-_K3_SLOW = {"M16-bm16-crowd-bf16", "M16-bm16-crowd-mxfp4"}
+# crowded experts) run at tiny size in test_stages, so they are slow-marked (pytest -m ""); of
+# the one-token cases (15-20 s each) the model's format at block_m 1 stays in the default
+_K3_SLOW = {"M16-bm16-crowd-bf16", "M16-bm16-crowd-mxfp4", "M1-bm1-bf16", "M1-bm16-mxfp4"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c[0] in _K3_SLOW
@@ -806,8 +824,12 @@ TILED_CASES = [("mma-gpu-tiles", 1, 1), ("klane-gpu-tiles", 1, 1),
                ("klane-interpreter-tiles", 1, 1), ("klane-interpreter-tiles", 3, 4)]
 
 
-@pytest.mark.parametrize("path,M,block_m", TILED_CASES,
-                         ids=[f"{p}-M{m}-bm{b}" for p, m, b in TILED_CASES])
+# the K-lane GPU tiles on tiled codes: ~35 s under the interpreter; the same layout runs on the
+# interpreter tiles here and on the GPU in test_gpu_k3_tiled_layout
+@pytest.mark.parametrize("path,M,block_m", [
+    pytest.param(p, m, b, id=f"{p}-M{m}-bm{b}",
+                 marks=pytest.mark.slow if p == "klane-gpu-tiles" else ())
+    for p, m, b in TILED_CASES])
 def test_tiled_layout_every_path(path, M, block_m, device):
     """Stage 1, the atomic and the deterministic stage 2, and the block on tiled codes give the
     row layout's outputs (bitwise, but for the order of GPU atomics) and match the reference."""

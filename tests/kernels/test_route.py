@@ -260,7 +260,7 @@ def test_repeated_calls_reset_the_counter(device):
     again = route_sort(*args, **kwargs)
     for name, t in first.tensors().items():
         assert torch.equal(t, again.tensors()[name]), name
-    for _ in range(2):
+    for _ in range(2 if device.type == "cuda" else 1):  # the sequence repeats a grid already
         for case in (c for name in REPEAT_CASES for c in CASES if c[0] == name):
             args, kwargs = _case_inputs(case, device)
             compare(route_sort(*args, **kwargs), route_sort_reference(*args, **kwargs))
@@ -425,8 +425,14 @@ def test_small_expert_counts_take_the_loop(E, top_k):
     assert route_launch._select_tiles(128, 1, top_k, RouteConfig())["BUCKETS"] > 0
 
 
-@pytest.mark.parametrize("M", [1, 4, MAX_TOKENS])
-@pytest.mark.parametrize("name", ["kimi-k3", "kimi-k2", "kimi-linear", "tiny"])
+# 6-14 s each under the interpreter: K3 and K2 at 64 tokens (test_threshold_fallback keeps K3's
+# 64-token blocks in the default selection) and K2's one token (K3 and Kimi Linear's stay)
+_PRESET_SLOW = {("kimi-k3", MAX_TOKENS), ("kimi-k2", MAX_TOKENS), ("kimi-k2", 1)}
+
+
+@pytest.mark.parametrize("name,M", [
+    pytest.param(n, m, id=f"{n}-{m}", marks=pytest.mark.slow if (n, m) in _PRESET_SLOW else ())
+    for n in ("kimi-k3", "kimi-k2", "kimi-linear", "tiny") for m in (1, 4, MAX_TOKENS)])
 def test_threshold_every_preset(name, M, device):
     """Every preset's expert count and top_k, one token (in registers), four (one block),
     64 (the general path, blocks of tokens): random routers stay on the fast path (at least 3
@@ -501,8 +507,11 @@ def test_threshold_fallback_ties(M, device):
     _check_all(args, kwargs, device)
 
 
-@pytest.mark.parametrize("levels", [0, 2, 40], ids=["all-equal", "3-levels", "41-ulps"])
-@pytest.mark.parametrize("M", [1, 4])
+# one token: ~17 s each under the interpreter; the crowded grid (41 ulps) stays in the default
+# selection at one token, every grid at four tokens
+@pytest.mark.parametrize("M,levels", [
+    pytest.param(m, lv, id=f"{m}-{name}", marks=pytest.mark.slow if m == 1 and lv < 40 else ())
+    for m in (1, 4) for lv, name in ((0, "all-equal"), (2, "3-levels"), (40, "41-ulps"))])
 def test_threshold_near_ties(levels, M, device):
     """Zero hidden states (every score exactly 0.5) and biases on a grid of single fp32 ulps:
     biased score 0.75 + k * 2^-24, k random in [0, levels] (exact: Sterbenz). Exact ties and
@@ -582,8 +591,7 @@ CONFIG_CASES = [
     (ALL_TOKENS_ROWS, ["K2-M3-E384-top8-g8k4-bm16", "tiny-M17-E24-top4-bm16"]),
     (RouteConfig(gemv_row_programs=0), ["tiny-M3-E24-top7-bm4-norenorm-x2.5",
                                         "tiny-M1-E24-top4-bm1"]),
-    (RouteConfig(cand_cache=".cg"), ["K2-M1-E384-top8-bm1", "KL-M6-E256-top8-bm16",
-                                     "K3-M1-E896-top16-bm1"]),
+    (RouteConfig(cand_cache=".cg"), ["KL-M6-E256-top8-bm16", "K3-M1-E896-top16-bm1"]),
     (RouteConfig(cand_cache=".cg", gemv_row_programs=0), ["K3-M1-E896-top16-bm16"]),
     (RouteConfig(scalar_keys=False), ["K3-M1-E896-top16-bm1", "tiny-M17-E24-top4-bm16",
                                       "K3-M2-E896-top16-g8k3-bm1", "tiny-M3-E24-top1-bm1"]),
