@@ -40,10 +40,11 @@ def _hrefs(page: str) -> list[str]:
 def _sleep_notebooks(folder: Path) -> Path:
     """A notebooks folder with one notebook whose second cell sleeps ``sleep`` seconds."""
     folder.mkdir()
-    params = nbformat.v4.new_code_cell("sleep = 0.0  # seconds; range: 0..")
+    params = nbformat.v4.new_code_cell('sleep = 0.0  # seconds; range: 0..\nmarker = ""')
     params.metadata["tags"] = ["parameters"]
-    nb = nbformat.v4.new_notebook(cells=[params, nbformat.v4.new_code_cell(
-        "import time\ntime.sleep(sleep)")])
+    nb = nbformat.v4.new_notebook(cells=[
+        params, nbformat.v4.new_code_cell("if marker:\n    open(marker, 'w').close()"),
+        nbformat.v4.new_code_cell("import time\ntime.sleep(sleep)")])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
     nbformat.write(nb, folder / "30_sleep.ipynb")
@@ -246,14 +247,16 @@ def test_ctrl_c_is_one_line_and_keeps_the_reports(tmp_path):
     nbs = _sleep_notebooks(tmp_path / "nbs")
     shutil.copy(FIXTURES / "10_other.ipynb", nbs / "40_other.ipynb")
     out = tmp_path / "out"
+    marker = tmp_path / "in-the-sleeping-cell"
     proc = subprocess.Popen(
         [sys.executable, "-m", "k3lab.cli", "run", "--notebooks", str(nbs), "-p", "sleep=60",
-         "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+         "-p", f"marker={marker}", "--out", str(out)], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 60
-    while not list(out.glob(".30_sleep.*.running.ipynb")) and time.monotonic() < deadline:
+    while not marker.exists() and time.monotonic() < deadline:  # the kernel wrote it: it is up
         time.sleep(0.2)
-    time.sleep(4)  # the kernel is up and in the sleeping cell
+    time.sleep(1)  # past the marker cell, into the sleeping one
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
