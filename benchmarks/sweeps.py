@@ -193,6 +193,29 @@ _M = ({"M": 1}, {"M": 4}, {"M": 16})
 _MLA_CONTEXTS = ({"context": 32768}, {"context": 131072})
 _MXFP4_TP1 = {"expert_format": "mxfp4"}
 
+# the dense boundary's shape names at K3 (the same names at every tp)
+_DENSE_SHAPES = ("kda.q_proj", "kda.f_a_proj", "kda.beta_proj", "kda.in_proj", "kda.o_proj",
+                 "mla.q_a_proj", "mla.kv_a_proj", "mla.in_proj", "mla.q_b_proj", "mla.o_proj",
+                 "moe.latent_down", "moe.latent_up", "moe.shared_gate_up", "moe.shared_down",
+                 "moe.router", "mlp.gate_up", "mlp.down", "lm_head")
+
+
+
+
+def _gemv(block_n, block_k, split_k, num_stages, prefetch_steps) -> dict:
+    return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
+                num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps)
+
+
+# the one-token tilings the tune sweep tries on every shape; kernels/dense/tuned.py picks from
+# these (GemvConfig fields; literal, so the sweep also runs against a base commit's tree)
+GEMV_CANDIDATES = (
+    _gemv(8, 1024, 4, 4, 2), _gemv(8, 1024, 1, 4, 2), _gemv(16, 256, 1, 3, 0),
+    _gemv(8, 1024, 1, 3, 0), _gemv(8, 1024, 2, 4, 2), _gemv(8, 512, 2, 5, 2),
+    _gemv(16, 512, 1, 4, 2), _gemv(8, 512, 1, 5, 0), _gemv(8, 512, 1, 2, 2),
+    _gemv(8, 512, 1, 3, 0), _gemv(8, 512, 1, 4, 0), _gemv(8, 512, 4, 4, 2))
+
+
 _SWEEPS = [
     # every variant (reference, fused, peers) of each boundary at a few decode batch sizes
     *(Sweep("variants", b, _M, "every variant at M = 1, 4, 16", variants=None)
@@ -262,6 +285,11 @@ _SWEEPS = [
                                    ({}, *({"block_n": 16, "block_k": 512, "split_k": k}
                                           for k in (1, 2, 4, 8)))),
           "K split of the B1 GEMV at 16 x 512 tiles against the per-shape default ({})"),
+    Sweep("tune", "dense", grid(tuple({"shape": n} for n in _DENSE_SHAPES),
+                                ({}, *GEMV_CANDIDATES)),
+          "every K3 projection shape, M = 1: the per-shape default ({}: the measured table, "
+          "else the rule) against each candidate tiling the table picks from; run at --tp 8 "
+          "and --tp 16 to re-tune kernels/dense/tuned.py"),
     Sweep("tiles", "kda", ({}, {"min_block_v": 16}, {"block_v": 64}, {"block_r": 32},
                            {"block_r": 128}, {"max_warps": 4}),
           "v-tile width, f_b rank chunk, warps"),

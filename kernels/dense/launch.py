@@ -8,25 +8,36 @@ import triton
 from ..runtime import INTERPRETED, check_number, check_tensor
 from .config import GemvConfig
 from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
+from .tuned import TUNED_M1
 
-__all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "dense_gemv", "default_config"]
+__all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "dense_gemv", "default_config", "heuristic_config"]
 
 MAX_TOKENS = 16  # decode batches; beyond, a GEMM tile wins
 MAX_SEGMENTS = 8
 ACTIVATIONS = {None: ACT_NONE, "situ": ACT_SITU, "silu": ACT_SILU}
-# One token: 8-row tiles (a program's rows stay few, so enough programs stream at once), 512-column
-# steps, K split until the grid holds about MIN_PROGRAMS programs (thin projections), PDL with an
-# L2 prefetch of the first steps for weights under PREFETCH_BELOW bytes (their launch and ramp are
-# a large share). Several tokens: 16-row tiles (the tensor-core path). docs/decisions.md has the
-# sweep behind these.
+# The rule, for shapes the measured table (tuned.py) does not list. One token: 8-row tiles (a
+# program's rows stay few, so enough programs stream at once), 512-column steps, K split until the
+# grid holds about MIN_PROGRAMS programs (thin projections), PDL with an L2 prefetch of the first
+# steps for weights under PREFETCH_BELOW bytes (their launch and ramp are a large share). Several
+# tokens: 16-row tiles (the tensor-core path). docs/decisions.md has the sweeps behind these.
 MIN_PROGRAMS = 160
 MAX_SPLIT = 4
 PREFETCH_BELOW = 16 << 20
 _tickets: dict = {}
 
 
-def default_config(m: int, rows: int, k: int) -> GemvConfig:
-    """The tiling for ``rows`` output rows (per gate/up half) over K at M tokens."""
+def default_config(m: int, rows: int, k: int, gated: bool = False) -> GemvConfig:
+    """The tiling for ``rows`` output rows (per gate/up half when ``gated``) over K at M tokens:
+    the measured one-token table where it lists the shape, else :func:`heuristic_config`."""
+    if m == 1:
+        tuned = TUNED_M1.get((rows, k, bool(gated)))
+        if tuned is not None:
+            return tuned
+    return heuristic_config(m, rows, k)
+
+
+def heuristic_config(m: int, rows: int, k: int) -> GemvConfig:
+    """The rule's tiling for ``rows`` output rows over K at M tokens."""
     block_k = 512 if k >= 512 else max(16, triton.next_power_of_2(k))
     block_n = 8 if m == 1 else 16
     tiles = triton.cdiv(rows, block_n)
@@ -122,7 +133,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     if config is None:
-        config = default_config(m, n + ng, k)
+        config = default_config(m, n + ng, k, gated=bool(act))
     elif not isinstance(config, GemvConfig):
         raise ValueError(f"config: expected a GemvConfig or None, got {type(config).__name__}")
     if residual is not None:

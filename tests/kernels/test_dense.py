@@ -5,7 +5,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3lab.kernels.dense import MAX_TOKENS, GemvConfig, default_config, dense_gemv
+from benchmarks.sweeps import GEMV_CANDIDATES
+from k3lab.config import preset
+from k3lab.kernels.dense import (
+    MAX_TOKENS,
+    TUNED_M1,
+    GemvConfig,
+    default_config,
+    dense_gemv,
+    heuristic_config,
+)
 from k3lab.reference.dense import dense_engine, dense_reference, rms_norm
 
 # Tolerance, derived: the output is one bf16 rounding of an fp32 sum (relative 2^-8 rounding to
@@ -205,10 +214,48 @@ def test_property_any_shape(m, n, k, split, block_k, scale, seed):
 
 
 def test_default_config_fills_the_machine():
-    cfg = default_config(1, 128, 7168)  # a thin projection: split K
+    cfg = heuristic_config(1, 128, 7168)  # a thin projection: split K
     assert cfg.split_k > 1 and cfg.block_n == 8
-    assert default_config(1, 7168, 1536).split_k == 1  # many row tiles already
-    assert default_config(4, 7168, 1536).block_n == 16  # the tensor-core path
+    assert heuristic_config(1, 7168, 1536).split_k == 1  # many row tiles already
+    assert heuristic_config(4, 7168, 1536).block_n == 16  # the tensor-core path
+    assert default_config(1, 100, 300) == heuristic_config(1, 100, 300)  # not in the table
+
+
+def test_tuned_table_lists_k3_shapes_only():
+    """Every entry of the one-token table is a dense projection of Kimi-K3 at tp 8 or 16 (a
+    stale key would never be looked up), the lookup returns it at one token only, and a gated
+    shape does not take the plain shape's entry."""
+    from k3lab.boundaries.dense import shapes
+    keys = set()
+    for tp in (8, 16):
+        for s in shapes(preset("kimi-k3", tp=tp)).values():
+            gated = bool(s.get("activation"))
+            keys.add((s["rows"] // (2 if gated else 1), s["K"], gated))
+    assert set(TUNED_M1) <= keys, set(TUNED_M1) - keys
+    for (rows, k, gated), cfg in TUNED_M1.items():
+        assert default_config(1, rows, k, gated=gated) is cfg
+        assert default_config(4, rows, k, gated=gated) == heuristic_config(4, rows, k)
+    assert default_config(1, 768, 7168, gated=True) != default_config(1, 768, 7168)
+
+
+def test_tuned_table_picks_from_the_sweep():
+    assert {GemvConfig(**c) for c in GEMV_CANDIDATES} >= set(TUNED_M1.values())
+
+
+@pytest.mark.parametrize("fields", GEMV_CANDIDATES, ids=lambda c: (
+    f"n{c['block_n']}k{c['block_k']}s{c['split_k']}st{c['num_stages']}p{c['prefetch_steps']}"))
+def test_tune_candidates(fields, device):
+    """Each tiling the tune sweep (and so the table) may pick, on a shape with a K tail, plain
+    and with the gate/up epilogue."""
+    cfg = GemvConfig(**fields)
+    x, w = _data(1, 40, 1100, 3)
+    x, w = x.to(device), w.to(device)
+    _close(dense_gemv(x, w, config=cfg).cpu(), dense_reference(x, w).cpu(), _terms(x, w).cpu())
+    got = dense_gemv(x, w, activation="silu", config=cfg)
+    t, ref = _terms(x, w).cpu(), dense_reference(x, w).cpu()  # bound as in test_gate_up_activation
+    slope = 1.2 * (ref[:, 20:].abs() + ref[:, :20].abs() + 1.0)
+    _close(got.cpu(), dense_reference(x, w, activation="silu").cpu(),
+           slope * (t[:, :20] + t[:, 20:]))
 
 
 BAD = [
