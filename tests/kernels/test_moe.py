@@ -482,6 +482,7 @@ def _check_block(x, w, cfg, *, block_m, det, fuse_tail, config=None):
 
 # the 16-token cases with the tail apart: ~9 s each under the interpreter; their fused-tail
 # twins stay in the default selection, and test_fused_tail_matches_separate_launches ties the two
+# (at 16 one-token tiles with pytest -m "")
 _BLOCK_SLOW = {("M16-bm4-mxfp4", False), ("M16-bm1-bf16-det", False)}
 
 
@@ -831,10 +832,11 @@ TILED_CASES = [("mma-gpu-tiles", 1, 1), ("klane-gpu-tiles", 1, 1),
 
 
 # the K-lane GPU tiles on tiled codes: ~35 s under the interpreter; the same layout runs on the
-# interpreter tiles here and on the GPU in test_gpu_k3_tiled_layout
+# interpreter tiles here and on the GPU in test_gpu_k3_tiled_layout; several tokens a tile on
+# the interpreter tiles (~10 s) with pytest -m ""
 @pytest.mark.parametrize("path,M,block_m", [
     pytest.param(p, m, b, id=f"{p}-M{m}-bm{b}",
-                 marks=pytest.mark.slow if p == "klane-gpu-tiles" else ())
+                 marks=pytest.mark.slow if p == "klane-gpu-tiles" or m > 1 else ())
     for p, m, b in TILED_CASES])
 def test_tiled_layout_every_path(path, M, block_m, device):
     """Stage 1, the atomic and the deterministic stage 2, and the block on tiled codes give the

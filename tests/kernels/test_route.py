@@ -253,7 +253,7 @@ def test_repeated_calls_reset_the_counter(device):
     """The counter is back at 0 after every call: the same call twice gives identical plans, and
     a run of calls with different grids each matches the reference (a counter left non-zero
     would make no program, or the wrong one, run the selection)."""
-    args, kwargs = _case_inputs(CASES[0], device)
+    args, kwargs = _case_inputs(next(c for c in CASES if c[0] == REPEAT_CASES[0]), device)
     first = route_sort(*args, **kwargs)
     counter = route_launch._COUNTERS[args[0].device]
     assert counter.dtype == torch.int32 and not counter.any()
@@ -600,6 +600,10 @@ CONFIG_CASES = [
      ["K3-M1-E896-top16-bm16", "E20-M7-top5-g5k3-bm4"]),
 ]
 CONFIG_PARAMS = [(cf, c) for cf, ids in CONFIG_CASES for c in CASES if c[0] in ids]
+# ~11 s each under the interpreter; K3 size stays in the default selection for both choices
+# (vector keys at K3-M2, the L2 read-back with row programs off at K3-M1-bm16)
+_CONFIG_SLOW = {(RouteConfig(scalar_keys=False), "K3-M1-E896-top16-bm1"),
+                (RouteConfig(cand_cache=".cg"), "K3-M1-E896-top16-bm1")}
 
 
 def _config_id(config: RouteConfig) -> str:
@@ -607,8 +611,9 @@ def _config_id(config: RouteConfig) -> str:
     return "-".join(f"{k}={v}" for k, v in vars(config).items() if getattr(default, k) != v)
 
 
-@pytest.mark.parametrize("config,case", CONFIG_PARAMS,
-                         ids=[_config_id(cf) + "-" + c[0] for cf, c in CONFIG_PARAMS])
+@pytest.mark.parametrize("config,case", [
+    pytest.param(cf, c, marks=pytest.mark.slow if (cf, c[0]) in _CONFIG_SLOW else ())
+    for cf, c in CONFIG_PARAMS], ids=[_config_id(cf) + "-" + c[0] for cf, c in CONFIG_PARAMS])
 def test_configs(config, case, device):
     """Every config gives the reference's plan, every field."""
     args, kwargs = _case_inputs(case, device)
