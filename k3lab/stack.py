@@ -115,6 +115,10 @@ CATALOGUE: tuple[Change, ...] = (
            ("kda.short_conv",), requires=("fused-kda-decode",)),
     Change("kda-out-gate-fusion", "output RMSNorm * sigmoid gate fused behind KDA decode",
            ("kda.out_norm_gate",), requires=("fused-kda-decode",)),
+    Change("mla-absorb-fusion", "MLA decode's neighbours: latent norm, cache append and q "
+           "absorb in one launch; v absorb and output gate in one",
+           ("mla.kv_a_norm", "mla.cache_append", "mla.q_absorb", "mla.v_absorb",
+            "mla.out_gate")),
     Change("persistent-moe", "single-owner persistent MoE boundary, A8W4 (aiter#2): routing, "
            "the route-to-expert handoff and both stages in one launch",
            ("moe.route_select", "moe.sort", "moe.expert_align", "moe.stage1", "moe.stage2"),
@@ -132,10 +136,12 @@ STACKS: dict[str, tuple[str, ...]] = {
     "integration": ("mla-split-override", "route-sort", "b1-gate-projection",
                     "stage1-direct-tile", "atomic-stage2", "fused-kda-decode", "kda-fb-fusion",
                     "fused-latent-tail", "prepared-routing-handoff", "attn-res-rmsnorm",
-                    "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion"),
+                    "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion",
+                    "mla-absorb-fusion"),
     "reviewed": ("mla-split-override", "persistent-moe", "b1-gate-projection",
                  "fused-kda-decode", "kda-fb-fusion", "fused-latent-tail", "fp8-latent-tail",
-                 "attn-res-rmsnorm", "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion"),
+                 "attn-res-rmsnorm", "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion",
+                 "mla-absorb-fusion"),
 }
 
 
@@ -334,33 +340,35 @@ def _mla(run: _Run, x, state: dict, residual) -> torch.Tensor:
     tag, num_splits = run.tag, run.num_splits
     cfg, w, cache = state["cfg"], state["attn"], state["cache"]
     m = x.shape[0]
-    hm, nope, r, v, c_dim = cfg.mla_heads, cfg.qk_nope, cfg.qk_rope, cfg.v_head, cfg.kv_lora
+    hm, nope, r, v = cfg.mla_heads, cfg.qk_nope, cfg.qk_rope, cfg.v_head
     tag("dense projections")
     q_a, kv, g = _linear(run, "mla.q_a_proj", x, w["in_proj"], splits=w["in_splits"])
     q = _linear(run, "mla.q_b_proj", q_a.contiguous(), w["q_b"], norm_weight=w["q_a_norm"],
                 eps=cfg.rms_eps).view(m, hm, nope + r)
     tag("MLA")
-    q_nope, q_rope = q[..., :nope].float(), q[..., nope:].float()
-    c = rms_norm(kv[:, :c_dim], w["kv_a_norm"], cfg.rms_eps)
-    kr = kv[:, c_dim:].float()
-    pos = state["position"]
-    if cfg.mla_rope:
-        q_rope, kr = ref_mla.rope_rotate(q_rope, pos), ref_mla.rope_rotate(kr, pos)
     kv_cache, seq_lens = cache["kv_cache"], cache["seq_lens"]
-    kv_cache[torch.arange(m, device=x.device), pos] = torch.cat([c, kr], -1).to(kv_cache.dtype)
-    seq_lens.copy_((pos + 1).to(seq_lens.dtype))
-    w_uk, w_uv = ref_mla.split_kv_b(w["kv_b"], hm, nope, v)
-    q_lat = torch.einsum("mhn,hnc->mhc", q_nope, w_uk.float())
+    prep = dict(qk_nope=nope, v_head=v, eps=cfg.rms_eps, rope=cfg.mla_rope)
+    if run.fused("mla.q_absorb"):  # mla-absorb-fusion: the neighbours on both sides
+        q_lat, q_rope = _kernels().mla_absorb_q(q, kv.contiguous(), w["kv_a_norm"], w["kv_b"],
+                                                state["position"], kv_cache, seq_lens, **prep)
+    else:
+        q_lat, q_rope = ref_mla.mla_absorb_q_reference(q, kv, w["kv_a_norm"], w["kv_b"],
+                                                       state["position"], kv_cache, seq_lens,
+                                                       **prep)
     sm_scale = (nope + r) ** -0.5
     if run.fused("mla.attention"):
         o_lat = _kernels().mla_decode(q_lat.to(kv_cache.dtype), q_rope.to(kv_cache.dtype),
                                       kv_cache, seq_lens, sm_scale=sm_scale,
-                                      num_splits=num_splits).float()
+                                      num_splits=num_splits)
     else:
         o_lat = ref_mla.mla_decode_reference(q_lat, q_rope, kv_cache, seq_lens,
                                              sm_scale=sm_scale)
-    o = torch.einsum("mhc,hvc->mhv", o_lat, w_uv.float()).reshape(m, hm * v)
-    o = (o * torch.sigmoid(g.float())).to(x.dtype)
+    if run.fused("mla.v_absorb"):
+        o = _kernels().mla_absorb_out(o_lat, w["kv_b"], g.contiguous(), qk_nope=nope, v_head=v,
+                                      out_dtype=x.dtype)
+    else:
+        o = ref_mla.mla_absorb_out_reference(o_lat.float(), w["kv_b"], g, qk_nope=nope,
+                                             v_head=v).to(x.dtype)
     tag("dense projections")
     return _linear(run, "mla.o_proj", o, w["o_proj"], residual=residual)
 

@@ -10,6 +10,7 @@ from .runtime import INTERPRETED  # noqa: F401  (before any import of triton)
 from .attn_res import AttnResConfig, attn_res_norm  # noqa: F401, E402
 from .kda import KDAConfig, KDAConv, KDAOutGate, kda_decode  # noqa: F401, E402
 from .mla import MLAConfig, mla_decode  # noqa: F401, E402
+from .mla_absorb import mla_absorb_out, mla_absorb_q  # noqa: F401, E402
 from .moe import (  # noqa: F401, E402
     latent_down,
     latent_moe_tail,

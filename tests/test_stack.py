@@ -29,10 +29,10 @@ LAYER_ATOL, LAYER_RTOL = 6e-2, 2e-2
 
 def test_catalogue_holds_the_seed_changes_attn_res_dense_and_the_reviewed_ones():
     names = [c.name for c in CATALOGUE]
-    assert len(names) == len(set(names)) == 15
+    assert len(names) == len(set(names)) == 16
     assert sum(bool(c.seed_commit) for c in CATALOGUE) == 9
     assert {"attn-res-rmsnorm", "dense-gemv", "persistent-moe", "fp8-latent-tail",
-            "kda-conv-fusion", "kda-out-gate-fusion"} <= set(names)
+            "kda-conv-fusion", "kda-out-gate-fusion", "mla-absorb-fusion"} <= set(names)
     for order in STACKS.values():
         assert set(order) <= set(names)
 
@@ -50,6 +50,9 @@ def test_integration_stack_has_one_owner_per_op_and_leaves_the_rest_to_the_engin
     assert st.owner["moe.stage1"] == "stage1-direct-tile"
     assert st.owner["kda.short_conv"] == "kda-conv-fusion"
     assert st.owner["kda.out_norm_gate"] == "kda-out-gate-fusion"
+    for op in ("mla.kv_a_norm", "mla.cache_append", "mla.q_absorb", "mla.v_absorb",
+               "mla.out_gate"):
+        assert st.owner[op] == "mla-absorb-fusion", op
     assert compose([]).owner["kda.q_proj"] is None and not compose([]).fused("kda.q_proj")
 
 

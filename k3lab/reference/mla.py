@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from k3lab.config import Preset
 
 __all__ = ["mla_decode_reference", "mla_decode_unabsorbed", "mla_layer_reference",
-           "split_kv_b", "rope_rotate", "ROPE_THETA"]
+           "mla_absorb_q_reference", "mla_absorb_out_reference", "split_kv_b", "rope_rotate",
+           "ROPE_THETA"]
 
 # RoPE base used for presets with ``mla_rope`` (K2). Simplified: plain rotate-half RoPE, no YaRN
 # scaling and no mscale (the workbench's kernels take q_rope / kr as given, so only the layer
@@ -123,6 +124,38 @@ def mla_decode_unabsorbed(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: 
     mask = _length_mask(seq_lens, kv_cache.shape[1])[:, None, None, :]     # [M, 1, 1, L]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sm_scale)
     return o[:, :, 0, :]
+
+
+def mla_absorb_q_reference(q: torch.Tensor, kv: torch.Tensor, kv_a_norm: torch.Tensor,
+                           kv_b: torch.Tensor, position: torch.Tensor, kv_cache: torch.Tensor,
+                           seq_lens: torch.Tensor, *, qk_nope: int, v_head: int, eps: float,
+                           rope: bool = False, rope_theta: float = ROPE_THETA):
+    """The attention's inputs from the projections (ops mla.kv_a_norm, mla.cache_append,
+    mla.q_absorb), fp32 math: q [M, H, nope + R], kv [M, C + R]. Writes the cache row
+    ``[rms_norm(kv[:, :C]) | rope(kv[:, C:])]`` at ``position`` and sets seq_lens to
+    position + 1 in place; returns (q_lat [M, H, C], q_rope [M, H, R]) fp32."""
+    m, heads, _ = q.shape
+    c_dim = kv_b.shape[1]
+    q_nope, q_rope = q[..., :qk_nope].float(), q[..., qk_nope:].float()
+    c = _rms_norm(kv[:, :c_dim], kv_a_norm, eps)
+    kr = kv[:, c_dim:].float()
+    pos = position.to(torch.int64)
+    if rope:
+        q_rope, kr = rope_rotate(q_rope, pos, rope_theta), rope_rotate(kr, pos, rope_theta)
+    kv_cache[torch.arange(m, device=q.device), pos] = torch.cat([c, kr], -1).to(kv_cache.dtype)
+    seq_lens.copy_((pos + 1).to(seq_lens.dtype))
+    w_uk, _ = split_kv_b(kv_b, heads, qk_nope, v_head)
+    return torch.einsum("mhn,hnc->mhc", q_nope, w_uk.float()), q_rope
+
+
+def mla_absorb_out_reference(o_lat: torch.Tensor, kv_b: torch.Tensor, g: torch.Tensor, *,
+                             qk_nope: int, v_head: int) -> torch.Tensor:
+    """The attention's output into o_proj's input (ops mla.v_absorb, mla.out_gate), fp32:
+    per head o_lat [M, H, C] @ W_uv^T, times sigmoid(g [M, H*v_head]); [M, H*v_head] fp32."""
+    m, heads, _ = o_lat.shape
+    _, w_uv = split_kv_b(kv_b, heads, qk_nope, v_head)
+    o = torch.einsum("mhc,hvc->mhv", o_lat.float(), w_uv.float()).reshape(m, heads * v_head)
+    return o * torch.sigmoid(g.float())
 
 
 def rope_rotate(x: torch.Tensor, position: torch.Tensor, theta: float = ROPE_THETA):
