@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread a worker: -n 2 on 2 cores, not 4 threads
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread a worker: workers share the cores
     torch.set_num_threads(1)
 
 
