@@ -84,19 +84,19 @@ def _mla_absorb_q_kernel(q_ptr, kv_ptr, norm_ptr, kvb_ptr, pos_ptr, cache_ptr, l
             tl.store(out + HALF + j, x2.to(ty), mask=j < HALF)
     else:  # the cache row: RMSNorm of the latent, the rope columns, the new length
         kv_row = kv_ptr + m * (C + R)
-        c = tl.arange(0, C_P)
-        x = tl.load(kv_row + c, mask=c < C, other=0.0).to(tl.float32)
-        g = tl.load(norm_ptr + c, mask=c < C, other=0.0).to(tl.float32)
-        latent = x * tl.rsqrt(tl.sum(x * x, axis=0) / C + eps) * g
-        x1, x2 = _rope_half(kv_row + C, j, pos_f, log2_theta, HALF, R_DIV, ROPE)
+        cols = tl.arange(0, C_P)
+        xc = tl.load(kv_row + cols, mask=cols < C, other=0.0).to(tl.float32)
+        gain = tl.load(norm_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
+        latent = xc * tl.rsqrt(tl.sum(xc * xc, axis=0) / C + eps) * gain
+        k1, k2 = _rope_half(kv_row + C, j, pos_f, log2_theta, HALF, R_DIV, ROPE)
         inside = (pos >= 0) & (pos < l_max)  # else nothing is written; the length says so
         n_c = tl.where(inside, C, 0)
         n_half = tl.where(inside, HALF, 0)
         row = cache_ptr + (m * l_max + pos) * (C + R)
-        ty = cache_ptr.dtype.element_ty
-        tl.store(row + c, latent.to(ty), mask=c < n_c)
-        tl.store(row + C + j, x1.to(ty), mask=j < n_half)
-        tl.store(row + C + HALF + j, x2.to(ty), mask=j < n_half)
+        cache_ty = cache_ptr.dtype.element_ty
+        tl.store(row + cols, latent.to(cache_ty), mask=cols < n_c)
+        tl.store(row + C + j, k1.to(cache_ty), mask=j < n_half)
+        tl.store(row + C + HALF + j, k2.to(cache_ty), mask=j < n_half)
         tl.store(lens_ptr + m, tl.where(inside, pos + 1, -1).to(lens_ptr.dtype.element_ty))
 
 
