@@ -35,6 +35,9 @@ def test_catalogue_holds_the_seed_changes_attn_res_dense_and_the_reviewed_ones()
             "kda-conv-fusion", "kda-out-gate-fusion", "mla-absorb-fusion"} <= set(names)
     for order in STACKS.values():
         assert set(order) <= set(names)
+    from k3lab.stack import CANDIDATES
+    assert set(CANDIDATES) <= set(names)
+    assert not set(CANDIDATES) & {n for order in STACKS.values() for n in order}
 
 
 def test_every_claimed_op_is_an_op_of_the_decode_token():
@@ -50,6 +53,8 @@ def test_integration_stack_has_one_owner_per_op_and_leaves_the_rest_to_the_engin
     assert st.owner["moe.stage1"] == "stage1-direct-tile"
     assert st.owner["kda.short_conv"] == "kda-conv-fusion"
     assert st.owner["kda.out_norm_gate"] == "kda-out-gate-fusion"
+    assert st.owner["mla.q_absorb"] is None  # a candidate, not in the stack
+    st = compose(INTEGRATION + ["mla-absorb-fusion"])
     for op in ("mla.kv_a_norm", "mla.cache_append", "mla.q_absorb", "mla.v_absorb",
                "mla.out_gate"):
         assert st.owner[op] == "mla-absorb-fusion", op
@@ -134,6 +139,7 @@ LAYER_STACKS = {
     "kda-no-fb": ["fused-kda-decode", "atomic-stage2"],
     "kda-neighbours": ["fused-kda-decode", "kda-conv-fusion", "kda-out-gate-fusion"],
     "integration": INTEGRATION,
+    "integration+mla-absorb": INTEGRATION + ["mla-absorb-fusion"],
 }
 
 
