@@ -200,8 +200,6 @@ _DENSE_SHAPES = ("kda.q_proj", "kda.f_a_proj", "kda.beta_proj", "kda.in_proj", "
                  "moe.router", "mlp.gate_up", "mlp.down", "lm_head")
 
 
-
-
 def _gemv(block_n, block_k, split_k, num_stages, prefetch_steps) -> dict:
     return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
                 num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps)

@@ -131,6 +131,15 @@ def test_config_probe_names_fused_variants_that_ignore_their_config():
     assert ran == ["ignores"]
 
 
+def test_tune_sweep_names_every_k3_dense_shape():
+    """The tune sweep spells the shape names out (so it runs against a base tree too); they are
+    the dense boundary's shapes at K3, no more and no fewer."""
+    from k3lab.boundaries.dense import shapes
+    from k3lab.config import preset
+    for tp in (8, 16):
+        assert sorted(sweeps._DENSE_SHAPES) == sorted(shapes(preset("kimi-k3", tp=tp)))
+
+
 def test_every_named_sweep_resolves():
     for key, s in sweeps.SWEEPS.items():
         assert key == (s.boundary, s.name)

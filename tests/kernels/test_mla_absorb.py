@@ -10,6 +10,7 @@ from k3lab.kernels import mla_absorb_out, mla_absorb_q
 from k3lab.reference.mla import (
     mla_absorb_out_reference,
     mla_absorb_q_reference,
+    mla_decode_reference,
     mla_decode_unabsorbed,
     split_kv_b,
 )
@@ -115,7 +116,6 @@ def test_absorbed_pair_is_mla(device):
     lens = torch.zeros(m, dtype=torch.int32, device=device)
     q_lat, q_rope = mla_absorb_q(q, kv, norm, kv_b, pos, cache, lens, qk_nope=nope, v_head=v,
                                  eps=1e-6)
-    from k3lab.reference.mla import mla_decode_reference
     scale = (nope + r) ** -0.5
     o_lat = mla_decode_reference(q_lat.float(), q_rope.float(), cache, lens, sm_scale=scale)
     g = torch.full((m, heads * v), 30.0, device=device)  # sigmoid(30) = 1 - 1e-13
