@@ -47,6 +47,9 @@ class Sweep:
     variants: tuple[str, ...] | None = ("fused",)
     params: dict = field(default_factory=dict)
     tp: int | None = None
+    # the config class its points set fields of, when not the boundary's (CONFIG_CLASSES):
+    # (kernel package, class name), e.g. the persistent MoE's own config
+    config: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,12 +77,12 @@ CONFIG_CLASSES: dict[str, tuple[str, str]] = {
 }
 
 
-def config_class(boundary: str) -> type | None:
-    """The frozen config dataclass of ``boundary``'s fused variant, or None when the checkout
-    has none."""
-    if boundary not in CONFIG_CLASSES:
+def config_class(boundary: str, which: tuple[str, str] | None = None) -> type | None:
+    """The frozen config dataclass of ``boundary``'s fused variant (or ``which``: (kernel
+    package, class name)), or None when the checkout has none."""
+    if which is None and boundary not in CONFIG_CLASSES:
         return None
-    package, name = CONFIG_CLASSES[boundary]
+    package, name = which or CONFIG_CLASSES[boundary]
     for module in ("k3lab.kernels", f"k3lab.kernels.{package}",
                    f"k3lab.kernels.{package}.config"):
         try:
@@ -134,7 +137,8 @@ def resolve(sweep: Sweep, points: list[int] | None = None) -> list[Point]:
 
     b = boundaries.get(sweep.boundary)
     known = _input_params(b)
-    cls = config_class(sweep.boundary)
+    cls = config_class(sweep.boundary, sweep.config) if sweep.config else \
+        config_class(sweep.boundary)
     chosen = range(len(sweep.points)) if points is None else points
     out = []
     for i in chosen:
@@ -228,6 +232,14 @@ _SWEEPS = [
           "the single-launch persistent block, W4A16 and A8W4, against the 4-launch block, "
           "all with routing", variants=("fused", "persistent", "persistent_a8w4"),
           params={"route": True}, tp=8),
+    Sweep("persistent_config", "moe",
+          grid(({"multiply": "fma"}, {"multiply": "dot"}, {"multiply": "klane"}),
+               ({}, {"programs_per_sm": 2}, {"num_warps": 8},
+                {"expert_block_n": 16, "front_block_n": 16, "tail_block_n": 16},
+                {"expert_block_n": 64, "front_block_n": 64, "tail_block_n": 64})),
+          "the persistent block's multiply modes, grid and tile rows (W4A16, with routing)",
+          variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
+          config=("moe.persistent_config", "PersistentMoEConfig")),
     Sweep("block_m", "route", ({"M": 16, "block_m": 1}, {"M": 16, "block_m": 4},
                                {"M": 16, "block_m": 16}),
           "plan tile height (entries of one expert a tile) at 16 tokens"),

@@ -131,20 +131,22 @@ CHANGES = {c.name: c for c in CATALOGUE}
 
 # Both stacks in the order their waterfalls add the changes. integration: the seed PR's stack as
 # it banked it (the gate projection is skipped: route-sort supersedes it), then the workbench's
-# own: the dense GEMV and KDA decode's two neighbours. reviewed: #20, #2, #6, #16 (KDA decode +
-# f_b), #17, #18, the vLLM-side AttnRes boundary (#10), then the same three.
+# own: the dense GEMV, KDA decode's two neighbours and MLA's. reviewed: #20, #2, #6, #16 (KDA
+# decode + f_b), #17, #18, the vLLM-side AttnRes boundary (#10), then the same four.
 STACKS: dict[str, tuple[str, ...]] = {
     "integration": ("mla-split-override", "route-sort", "b1-gate-projection",
                     "stage1-direct-tile", "atomic-stage2", "fused-kda-decode", "kda-fb-fusion",
                     "fused-latent-tail", "prepared-routing-handoff", "attn-res-rmsnorm",
-                    "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion"),
+                    "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion",
+                    "mla-absorb-fusion"),
     "reviewed": ("mla-split-override", "persistent-moe", "b1-gate-projection",
                  "fused-kda-decode", "kda-fb-fusion", "fused-latent-tail", "fp8-latent-tail",
-                 "attn-res-rmsnorm", "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion"),
+                 "attn-res-rmsnorm", "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion",
+                 "mla-absorb-fusion"),
 }
 # Catalogued, checked on the CPU, not yet in either stack: a change joins a stack once the H200
 # has run its kernels and the decode-step report has measured it.
-CANDIDATES: tuple[str, ...] = ("mla-absorb-fusion",)
+CANDIDATES: tuple[str, ...] = ()
 
 
 def all_ops() -> tuple[str, ...]:
