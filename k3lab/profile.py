@@ -67,8 +67,10 @@ _NOT_LAUNCHES = {
     "is_same_size", "_local_scalar_dense", "set_", "new_empty", "new_empty_strided",
 }
 
-DEFAULT_REPEATS = {"cpu": 3, "cuda": 50}
-DEFAULT_WARMUP = {"cpu": 1, "cuda": 5}
+# On the CPU a timing only shows that a path runs (the interpreter's wall clock says nothing of a
+# kernel's speed), so one untimed warm-up-free call per figure; nothing there compiles.
+DEFAULT_REPEATS = {"cpu": 1, "cuda": 50}
+DEFAULT_WARMUP = {"cpu": 0, "cuda": 5}
 # Warm-up also lasts at least this long on the GPU (untimed, synchronized): the first timing of a
 # process after its setup ran ~12 % slow at 5 warm-up replays, the way a GPU's clocks and
 # translation caches need some milliseconds of work before they settle (docs/decisions.md).
@@ -388,7 +390,8 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
         raise ValueError("mode: 'graph' needs a CUDA device")
 
     if mode == "eager":
-        _warm(lambda: [fn(inputs_list[i % n]) for i in range(max(warmup, 1))], device)
+        if warmup or device.type == "cuda":
+            _warm(lambda: [fn(inputs_list[i % n]) for i in range(max(warmup, 1))], device)
         if device.type != "cuda":
             samples = []
             for i in range(repeats):
@@ -470,8 +473,12 @@ def roofline_us(nbytes: int, bandwidth: float) -> float:
 # timeline
 
 
-def timeline(fn: Callable[[Any], Any], inputs: Any, trace_path: str | None = None) -> pd.DataFrame:
+def timeline(fn: Callable[[Any], Any], inputs: Any, trace_path: str | None = None, *,
+             warmup: bool | None = None) -> pd.DataFrame:
     """One call's launches in time order: columns kernel, start_us, end_us, dur_us, stream.
+
+    warmup: one unrecorded call first (None: on CUDA only, where the first call compiles; the
+    interpreter compiles nothing).
 
     CUDA: kernel events from torch.profiler (times relative to the first kernel); the Chrome /
     Perfetto trace is written to ``trace_path`` when given. CPU: the logical launches with
@@ -479,8 +486,9 @@ def timeline(fn: Callable[[Any], Any], inputs: Any, trace_path: str | None = Non
     the interpreter's wall clock (:func:`k3lab.traces.write_cpu`).
     """
     device = _device_of(inputs)
-    fn(inputs)
-    _sync(device)
+    if (device.type == "cuda") if warmup is None else warmup:
+        fn(inputs)
+        _sync(device)
     if device.type == "cuda":
         events, prof = _cuda_profile(fn, inputs)
         if trace_path:
@@ -515,16 +523,21 @@ def measure(boundary: Boundary, cfg: Preset, device: torch.device | str, *,
             repeats: int | None = None, launches: bool = True) -> pd.DataFrame:
     """Check, count and time the variants of ``boundary`` at ``cfg`` on ``device``.
 
-    Returns tidy rows (boundary, variant, role, preset, tp, device, M, mode, metric, value, unit,
-    note). Correctness comes first: a variant whose check fails gets a ``check`` row of 0 and its
-    error, and no timing. Graph mode is skipped on CPU; a variant that cannot be captured gets a
-    note instead of a figure. Ratios (``speedup_vs_reference``) compare figures of this one call.
+    Returns tidy rows (boundary, variant, role, preset, tp, device, M and the other scalar
+    ``params``, mode, metric, value, unit, note). Correctness comes first: a variant whose
+    check fails gets a ``check`` row of 0 and its error, and no timing. Graph mode is skipped
+    on CPU; a variant that cannot be captured gets a note instead of a figure. Ratios
+    (``speedup_vs_reference``) compare figures of this one call.
     """
     dev = torch.device(device)
     params = dict(params or {})
     chosen = [boundary.variant(v) for v in variants] if variants else list(boundary.variants)
+    # every row names its inputs (M, and e.g. the MLA context), so a figure cannot be read as
+    # another shape's
     base = dict(boundary=boundary.name, preset=cfg.name, tp=cfg.tp, device=dev.type,
-                M=params.get("M", 1))
+                M=params.get("M", 1),
+                **{k: v for k, v in params.items()
+                   if k != "M" and isinstance(v, (bool, int, float, str))})
     rows: list[dict] = []
 
     def row(v, metric, value, unit="", mode="", note=""):
@@ -553,7 +566,8 @@ def measure(boundary: Boundary, cfg: Preset, device: torch.device | str, *,
         for name, err in errs.items():
             row(v, "max_abs_err", err, note=name)
         if launches:
-            lc = count_launches(v.fn, clone_inputs(inputs))
+            # the check's call above was the warm-up (it compiled what the call launches)
+            lc = count_launches(v.fn, clone_inputs(inputs), warmup=False)
             row(v, "launches", lc.count, "launches", note=lc.kind)
         row(v, "bytes", nbytes, "B")
         if copies is None:

@@ -118,10 +118,8 @@ def labelled_timeline(st: stack.Stack, token: dict, device, *, num_splits: int =
     marked, tags = _marked(run, dev)
     notes: list[str] = []
     if dev.type != "cuda":
-        # the interpreter compiles nothing: one logged call (the timeline's warm-up call ran the
-        # same code unlogged before it; its tags are dropped)
-        tl = profile.timeline(marked, token)
-        tags[:] = tags[len(tags) // 2:]
+        # the interpreter compiles nothing: one logged call, no warm-up
+        tl = profile.timeline(marked, token, warmup=False)
         lab = _labels(tl, tags)
         if trace_path:
             traces.write_cpu(lab, trace_path)

@@ -10,7 +10,8 @@ from .config import GemvConfig
 from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
 from .tuned import TUNED_M1
 
-__all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "dense_gemv", "default_config", "heuristic_config"]
+__all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "dense_gemv", "default_config", "heuristic_config",
+           "interpreter_config"]
 
 MAX_TOKENS = 16  # decode batches; beyond, a GEMM tile wins
 MAX_SEGMENTS = 8
@@ -51,6 +52,16 @@ def heuristic_config(m: int, rows: int, k: int) -> GemvConfig:
                       prefetch_steps=2 if small else 0)
 
 
+def interpreter_config(m: int, rows: int, k: int) -> GemvConfig:
+    """The tiling ``dense_gemv`` takes under the Triton interpreter when given no config: the
+    fewest programs (the interpreter runs programs one after another, so a call costs about its
+    program count; a tile choice changes speed only). The GPU tilings stay reachable there by
+    passing them (the tests run every candidate of the tune sweep)."""
+    return GemvConfig(block_n=min(64, max(8, triton.next_power_of_2(rows))),
+                      block_k=max(16, min(512, triton.next_power_of_2(k))), split_k=1,
+                      num_stages=1, pdl=False, prefetch_steps=0)
+
+
 def _number(name, v, *, positive=False):
     return check_number(name, v, positive=positive)
 
@@ -87,7 +98,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     norm_weight: [K] (fp32 or bf16): y = RMSNorm(x; eps) @ weight^T, the norm in the prologue.
     x2, weight2: a second product added in the same launch, y += x2 @ weight2^T (x2 bf16 or fp32
         [M, K2], weight2 bf16 [N, K2]; not normalized; single output, no activation).
-    out_dtype: bf16 or fp32. config: GemvConfig (None: ``default_config``).
+    out_dtype: bf16 or fp32. config: GemvConfig (None: ``default_config``; under the
+    interpreter ``interpreter_config``).
     """
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float32), dim=2)
     dev = x.device
@@ -133,7 +145,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     if config is None:
-        config = default_config(m, n + ng, k, gated=bool(act))
+        config = (interpreter_config(m, n + ng, k) if INTERPRETED
+                  else default_config(m, n + ng, k, gated=bool(act)))
     elif not isinstance(config, GemvConfig):
         raise ValueError(f"config: expected a GemvConfig or None, got {type(config).__name__}")
     if residual is not None:

@@ -133,14 +133,20 @@ def test_absorbed_pair_is_mla(device):
        scale=st.sampled_from([1e-2, 1.0, 30.0]), rope=st.booleans(), seed=st.integers(0, 999))
 def test_property_any_shape(m, heads, nope, half, v, c, scale, rope, seed):
     """Any head count and widths (not multiples of a block), tiny and large values."""
-    _check_q(m, heads, nope, 2 * half, v, c, 7, seed, torch.device("cpu"), rope, scale)
+    _check_q(m, heads, nope, 2 * half, v, c, 7, seed, _DEVICE, rope, scale)
 
 
-def _bad_q(**change):
-    q, kv, norm, kv_b, pos, cache = _inputs(1, 2, 8, 4, 8, 16, 5, 0, torch.device("cpu"))
+# the property test's device (hypothesis runs the body many times; a fixture would be reused)
+_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _bad_q(device, **change):
+    q, kv, norm, kv_b, pos, cache = _inputs(1, 2, 8, 4, 8, 16, 5, 0, device)
     args = dict(q=q, kv=kv, kv_a_norm=norm, kv_b=kv_b, position=pos, kv_cache=cache,
-                seq_lens=torch.zeros(1, dtype=torch.int32), qk_nope=8, v_head=8, eps=1e-6)
-    args.update(change)
+                seq_lens=torch.zeros(1, dtype=torch.int32, device=device), qk_nope=8,
+                v_head=8, eps=1e-6, validate="full")  # full: positions checked on the GPU too
+    args.update({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                 for k, v in change.items()})
     return args
 
 
@@ -162,14 +168,15 @@ BAD_Q = [
 
 
 @pytest.mark.parametrize("change,match", BAD_Q, ids=[m for _, m in BAD_Q])
-def test_absorb_q_bad_input(change, match):
+def test_absorb_q_bad_input(change, match, device):
     with pytest.raises(ValueError, match=match):
-        mla_absorb_q(**_bad_q(**change))
+        mla_absorb_q(**_bad_q(device, **change))
 
 
-def test_absorb_out_bad_input():
-    o_lat, kv_b = torch.zeros(1, 2, 16).bfloat16(), torch.zeros(32, 16).bfloat16()
-    g = torch.zeros(1, 16).bfloat16()
+def test_absorb_out_bad_input(device):
+    o_lat = torch.zeros(1, 2, 16, device=device).bfloat16()
+    kv_b = torch.zeros(32, 16, device=device).bfloat16()
+    g = torch.zeros(1, 16, device=device).bfloat16()
     with pytest.raises(ValueError, match="kv_b: expected"):
         mla_absorb_out(o_lat, kv_b[:30], g, qk_nope=8, v_head=8)
     with pytest.raises(ValueError, match="g: expected"):
@@ -177,7 +184,8 @@ def test_absorb_out_bad_input():
     with pytest.raises(ValueError, match="out_dtype"):
         mla_absorb_out(o_lat, kv_b, g, qk_nope=8, v_head=8, out_dtype=torch.float16)
     with pytest.raises(ValueError, match="o_lat: expected a contiguous"):
-        mla_absorb_out(torch.zeros(1, 2, 32).bfloat16()[..., :16], kv_b, g, qk_nope=8, v_head=8)
+        mla_absorb_out(torch.zeros(1, 2, 32, device=device).bfloat16()[..., :16], kv_b, g,
+                       qk_nope=8, v_head=8)
 
 
 @pytest.mark.gpu
