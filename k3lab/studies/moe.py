@@ -427,3 +427,45 @@ def tidy_records(records: pd.DataFrame, *sweeps: pd.DataFrame) -> pd.DataFrame:
              "value": r["latency_us"], "unit": "us"}
             for df in sweeps for r in df.to_dict(orient="records")]
     return pd.concat([records, pd.DataFrame(rows)], ignore_index=True)
+
+
+def persistent_items(s: Setup, inputs: dict, config=None) -> pd.DataFrame:
+    """Each work item of one persistent call given the plan (after an untraced call that
+    compiles): phase, ticket, start and end in us from the first item's start on the GPU's
+    global clock, SM and program. Empty on the CPU (the trace needs the compiled kernel)."""
+    from k3lab.kernels.moe.persistent import PersistentMoEConfig, moe_persistent
+
+    if not s.on_gpu:
+        return pd.DataFrame()
+    config = config or PersistentMoEConfig()
+    w = bmoe._persistent_weights(inputs["weights"], config)
+
+    def call(trace):
+        return moe_persistent(inputs["x"], w, cfg=inputs["cfg"], plan=inputs["plan"],
+                              block_m=inputs["block_m"], config=config, trace=trace)
+
+    call(False)
+    _, tr = call(True)
+    items = tr.items.cpu().numpy()
+    df = pd.DataFrame(items, columns=["start", "end", "sm", "program"])
+    df["ticket"] = range(len(df))
+    first = sorted(tr.phases.items(), key=lambda kv: kv[1])
+    df["phase"] = ""
+    for name, start in first:
+        df.loc[df["ticket"] >= start, "phase"] = name
+    t0 = df["start"].min()
+    df["start_us"], df["end_us"] = (df["start"] - t0) / 1e3, (df["end"] - t0) / 1e3
+    df["dur_us"] = df["end_us"] - df["start_us"]
+    return df.drop(columns=["start", "end"])
+
+
+def persistent_phases(items: pd.DataFrame) -> pd.DataFrame:
+    """Per phase of a :func:`persistent_items` trace: items, first start, last end, and the
+    median and longest item (an item's time includes its waits for earlier phases)."""
+    if items.empty:
+        return pd.DataFrame()
+    g = items.groupby("phase", sort=False)
+    return pd.DataFrame({"items": g.size(), "first start us": g["start_us"].min(),
+                         "last end us": g["end_us"].max(), "median item us": g["dur_us"].median(),
+                         "longest item us": g["dur_us"].max(),
+                         "programs": g["program"].nunique()}).round(2)

@@ -51,7 +51,7 @@ from .persistent_config import PersistentMoEConfig
 from .persistent_kernel import SYNC_HEADER, moe_persistent_kernel
 
 __all__ = ["moe_persistent", "persistent_kernel_weights", "fp8_rows_quantize", "FP8Rows",
-           "PersistentMoEConfig"]
+           "PersistentMoEConfig", "PersistentTrace"]
 
 E4M3_MAX = 448.0
 DOT_MIN_ROWS = 16  # tl.dot tiles: at least 16 rows a side
@@ -184,9 +184,21 @@ def _tiles(config, m, block_m, sizes, fp4):
     return t
 
 
+@dataclass(frozen=True)
+class PersistentTrace:
+    """Where each work item of one ``moe_persistent(..., trace=True)`` call ran: ``items``
+    int64 [n_items, 4] (start ns, end ns on the GPU's global clock, SM, program), in ticket
+    order; ``phases`` the first ticket of each phase ("front", "stage1", "stage2", "reduce",
+    "tail") and ``n_items``."""
+
+    items: torch.Tensor
+    phases: dict
+    n_items: int
+
+
 def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = None,
                    block_m: int = 1, num_sms: int | None = None,
-                   config: PersistentMoEConfig | None = None) -> torch.Tensor:
+                   config: PersistentMoEConfig | None = None, trace: bool = False):
     """The latent MoE block (docs/model.md) in one launch given ``plan``
     (route_sort's; without one, route_sort runs first with ``block_m``: 2 launches).
 
@@ -197,8 +209,15 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
     Preset. num_sms: the machine's SM count (None: the device's; the interpreter: 1); the grid
     is num_sms x config.programs_per_sm programs, at most the number of work items. Returns
     bf16 [M, H]. The plan's ``out`` buffer is not used (the kernel has its own accumulator).
+    trace: also return a :class:`PersistentTrace` (each item's start and end on the GPU clock;
+    compiled only, a few stores an item).
     """
     config = _check_config(config)
+    if not isinstance(trace, bool):
+        raise ValueError(f"trace: expected a bool, got {trace!r}")
+    if trace and INTERPRETED:
+        raise ValueError("trace: needs the compiled kernel (the GPU clock); the Triton "
+                         "interpreter has no inline asm")
     check_tensor("x", x, dtypes=(torch.bfloat16,), dim=2)
     m, h = x.shape
     check_tokens("x", m)
@@ -228,6 +247,7 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
             torch.cuda.get_device_properties(dev).multi_processor_count
     grid = (max(1, min(n_items, num_sms * config.programs_per_sm)),)
     sync = _sync_words(dev, SYNC_HEADER + n_tiles)
+    items = torch.zeros((n_items, 4) if trace else (1, 4), device=dev, dtype=torch.int64)
     bf16, f32 = torch.bfloat16, torch.float32
     z = torch.empty((m, d), device=dev, dtype=bf16)
     a = torch.empty((m * top_k, i), device=dev, dtype=bf16)
@@ -257,12 +277,20 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
         x, wd, z, z.view(torch.int32) if klane else z, ws13, a_s, plan.sorted_ids,
         plan.sorted_weights, plan.block_expert_ids, plan.num_valid, plan.topk_weights, w13v,
         w13s, a, a.view(torch.int32) if klane else a, w2v, w2s, y, part, nw, upv, ups, ws2, out,
-        sync, m, h, d, i, s, m * top_k, block_m, top_k, n_tiles, n_z, n_sh, n_i, n_d, n_dr, n_t,
+        sync, items, m, h, d, i, s, m * top_k, block_m, top_k, n_tiles, n_z, n_sh, n_i, n_d,
+        n_dr, n_t,
         float(cfg.situ_beta), float(cfg.situ_linear_beta), float(cfg.rms_eps),
         ACT=act, LATENT=bool(cfg.latent), SHARED=bool(s), FP4=fp4, XQ=config.fp8,
         DOT=config.multiply == "dot", EMULATE=INTERPRETED, KLANE=klane,
         TILED13=fp4 and w13.layout == "tiled", TILED2=fp4 and w2.layout == "tiled",
         TOKEN_LOOP=not INTERPRETED,
-        DETERMINISTIC=config.deterministic, UP_FP8=isinstance(up, FP8Rows), **t,
+        DETERMINISTIC=config.deterministic, UP_FP8=isinstance(up, FP8Rows), **t, TRACE=trace,
         num_warps=config.num_warps)
-    return out
+    if not trace:
+        return out
+    e_front = n_z + n_sh
+    e_s1 = e_front + n_tiles * n_i
+    e_s2 = e_s1 + n_tiles * n_d
+    phases = {"front": 0, "stage1": e_front, "stage2": e_s1, "reduce": e_s2,
+              "tail": e_s2 + n_dr}
+    return out, PersistentTrace(items, phases, n_items)

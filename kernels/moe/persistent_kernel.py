@@ -36,6 +36,19 @@ RESET_BLOCK = tl.constexpr(1024)
 
 
 @triton.jit
+def _globaltimer():
+    """The GPU's global nanosecond clock (compiled only: the interpreter has no inline asm)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _smid():
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _front_item(j, p_x, p_wd, p_z, p_y, p_ws13, p_as, p_sync, M, H, D, S, n_z, beta,
                 linear_beta, ACT: tl.constexpr, LATENT: tl.constexpr, ZERO_Y: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -213,17 +226,18 @@ def _tail_item(j, p_as, p_ws2, p_y, p_nw, p_up, p_ups, p_o, p_sync, M, D, H, S, 
 def moe_persistent_kernel(
         p_x, p_wd, p_z, p_z32, p_ws13, p_as, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
         p_topk_w, p_w13, p_w13s, p_a, p_a32, p_w2, p_w2s, p_y, p_part, p_nw, p_up, p_ups, p_ws2,
-        p_o,
-        p_sync, M, H, D, N_I, S, n_entries, block_m, top_k, n_tiles, n_z, n_sh, n_i, n_d, n_dr,
-        n_t, beta, linear_beta, eps,
+        p_o, p_sync, p_trace, M, H, D, N_I, S, n_entries, block_m, top_k, n_tiles, n_z, n_sh, n_i,
+        n_d, n_dr, n_t, beta, linear_beta, eps,
         ACT: tl.constexpr, LATENT: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr,
         XQ: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr, KLANE: tl.constexpr,
         TILED13: tl.constexpr, TILED2: tl.constexpr, TOKEN_LOOP: tl.constexpr,
         DETERMINISTIC: tl.constexpr, UP_FP8: tl.constexpr, BLOCK_MT: tl.constexpr,
         BLOCK_ME: tl.constexpr, BLOCK_NF: tl.constexpr, BLOCK_NE: tl.constexpr,
-        BLOCK_NT: tl.constexpr, BLOCK_KF: tl.constexpr, BLOCK_KE: tl.constexpr):
+        BLOCK_NT: tl.constexpr, BLOCK_KF: tl.constexpr, BLOCK_KE: tl.constexpr,
+        TRACE: tl.constexpr):
     """Each program takes tickets from p_sync[WORK] until none is left and runs their items
-    (see the module docstring); the last program out zeroes the sync words."""
+    (see the module docstring); the last program out zeroes the sync words. TRACE: item t's
+    (start ns, end ns, SM, program) into int64 p_trace[4 t .. 4 t + 3]."""
     e_front = n_z + n_sh
     e_s1 = e_front + n_tiles * n_i
     e_s2 = e_s1 + n_tiles * n_d
@@ -233,6 +247,8 @@ def moe_persistent_kernel(
     n_y = n_dr if DETERMINISTIC else n_tiles * n_d
     t = tl.atomic_add(p_sync + WORK, 1, sem="relaxed")
     while t < n_items:
+        if TRACE:
+            t_start = _globaltimer()
         if t < e_front:
             _front_item(t, p_x, p_wd, p_z, p_y, p_ws13, p_as, p_sync, M, H, D, S, n_z, beta,
                         linear_beta, ACT, LATENT, not DETERMINISTIC, BLOCK_MT, BLOCK_NF,
@@ -253,6 +269,12 @@ def moe_persistent_kernel(
         else:
             _tail_item(t - e_red, p_as, p_ws2, p_y, p_nw, p_up, p_ups, p_o, p_sync, M, D, H, S,
                        n_sh, i_y, n_y, eps, LATENT, SHARED, UP_FP8, BLOCK_MT, BLOCK_NT, BLOCK_KF)
+        if TRACE:
+            p_t = p_trace + t.to(tl.int64) * 4
+            tl.store(p_t, t_start)
+            tl.store(p_t + 1, _globaltimer())
+            tl.store(p_t + 2, _smid().to(tl.int64))
+            tl.store(p_t + 3, tl.program_id(0).to(tl.int64))
         t = tl.atomic_add(p_sync + WORK, 1, sem="relaxed")
     tl.debug_barrier()
     n_out = tl.atomic_add(p_sync + EXIT, 1, sem="acq_rel")

@@ -587,3 +587,37 @@ def test_gpu_cuda_graph(acts):
             _check_quantized("out", out, truth, A8W4_FRO, A8W4_ELEM)
         else:
             assert_close("out", out, truth, atol=W4A16_ATOL, rtol=W4A16_RTOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# the item trace
+
+
+def test_trace_needs_the_compiled_kernel_and_a_bool(device):
+    cfg, w, x = _setup(device, M=1, fmt="mxfp4")
+    plan = _plan(cfg, x, w)
+    with pytest.raises(ValueError, match="trace: expected a bool"):
+        moe_persistent(x, w, cfg=cfg, plan=plan, config=BIG, trace=1)
+    if device.type == "cpu":
+        with pytest.raises(ValueError, match="trace: needs the compiled kernel"):
+            moe_persistent(x, w, cfg=cfg, plan=plan, config=BIG, trace=True)
+
+
+@pytest.mark.gpu
+def test_trace_stamps_every_item_in_ticket_order():
+    """Every ticket gets a start and an end on the GPU clock; an item of a later phase never
+    ends before the first item of an earlier phase starts; the output is the untraced one."""
+    cfg, w, x = _setup(torch.device("cuda"), name="kimi-k3", tp=8, M=1, fmt="mxfp4", seed=1)
+    plan = _plan(cfg, x, w)
+    config = PersistentMoEConfig(multiply="klane")
+    out, tr = moe_persistent(x, w, cfg=cfg, plan=plan, config=config, trace=True)
+    items = tr.items.cpu()
+    assert items.shape == (tr.n_items, 4)
+    start, end = items[:, 0], items[:, 1]
+    assert bool((start > 0).all()) and bool((end >= start).all())
+    assert list(tr.phases) == ["front", "stage1", "stage2", "reduce", "tail"]
+    assert sorted(tr.phases.values()) == list(tr.phases.values())
+    tail = tr.phases["tail"]
+    assert int(end[tail:].min()) >= int(start[:tr.phases["stage1"]].min())
+    assert_close("out", out, moe_persistent(x, w, cfg=cfg, plan=plan, config=config),
+                 atol=W4A16_ATOL, rtol=W4A16_RTOL)
