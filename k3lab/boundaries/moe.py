@@ -229,7 +229,9 @@ def _persistent(activations: str):
     def run(inputs: dict) -> torch.Tensor:
         config = inputs.get("config")  # a PersistentMoEConfig (a sweep's point), else defaults
         if not isinstance(config, PersistentMoEConfig):
-            config = PersistentMoEConfig()
+            # W4A16 multiplies in the stages' K-lane GEMVs (the fastest in the
+            # persistent_config sweep, docs/decisions.md); A8W4 needs another mode
+            config = PersistentMoEConfig(multiply="klane" if activations == "bf16" else "fma")
         config = dataclasses.replace(config, activations=activations)
         cfg = inputs["cfg"]
         out = moe_persistent(inputs["x"], _persistent_weights(inputs["weights"], config),

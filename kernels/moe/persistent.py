@@ -247,7 +247,8 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
             torch.cuda.get_device_properties(dev).multi_processor_count
     grid = (max(1, min(n_items, num_sms * config.programs_per_sm)),)
     sync = _sync_words(dev, SYNC_HEADER + n_tiles)
-    items = torch.zeros((n_items, 4) if trace else (1, 4), device=dev, dtype=torch.int64)
+    # untraced, the kernel never touches p_trace: pass a buffer that exists (no allocation)
+    items = torch.zeros((n_items, 4), device=dev, dtype=torch.int64) if trace else sync
     bf16, f32 = torch.bfloat16, torch.float32
     z = torch.empty((m, d), device=dev, dtype=bf16)
     a = torch.empty((m * top_k, i), device=dev, dtype=bf16)

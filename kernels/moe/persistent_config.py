@@ -70,10 +70,10 @@ class PersistentMoEConfig:
     activations: str = "bf16"
     multiply: str = "fma"
     tail_fp8: bool = False
-    front_block_n: int = 32
-    expert_block_n: int = 32
-    tail_block_n: int = 32
-    block_k: int = 128
+    front_block_n: int = 16
+    expert_block_n: int = 16
+    tail_block_n: int = 16
+    block_k: int = 512
     num_warps: int = 4
     max_products: int = 8192
 

@@ -275,14 +275,15 @@ def test_tiles_fit_the_product_budget():
     fit config.max_products; the fp8 dot steps one group; shapes cap the blocks."""
     from k3lab.kernels.moe.persistent import _tiles
     k3 = (7168, 3584, 384, 768)
-    t = _tiles(PersistentMoEConfig(), 16, 1, k3, True)
+    C32 = PersistentMoEConfig(front_block_n=32, expert_block_n=32, tail_block_n=32, block_k=128)
+    t = _tiles(C32, 16, 1, k3, True)
     assert (t["BLOCK_MT"], t["BLOCK_NF"], t["BLOCK_KF"]) == (16, 32, 32)
     assert (t["BLOCK_ME"], t["BLOCK_NE"], t["BLOCK_KE"]) == (1, 32, 128)
-    assert _tiles(PersistentMoEConfig(), 1, 1, k3, True)["BLOCK_KF"] == 128
-    assert _tiles(PersistentMoEConfig(), 4, 16, k3, True)["BLOCK_KE"] == 32
-    dot = _tiles(PersistentMoEConfig(multiply="dot", activations="fp8"), 1, 1, k3, True)
+    assert _tiles(C32, 1, 1, k3, True)["BLOCK_KF"] == 128
+    assert _tiles(C32, 4, 16, k3, True)["BLOCK_KE"] == 32
+    dot = _tiles(dataclasses.replace(C32, multiply="dot", activations="fp8"), 1, 1, k3, True)
     assert (dot["BLOCK_ME"], dot["BLOCK_NE"], dot["BLOCK_KE"]) == (16, 32, 32)
-    tiny = _tiles(PersistentMoEConfig(), 1, 1, (200, 96, 96, 120), True)
+    tiny = _tiles(C32, 1, 1, (200, 96, 96, 120), True)
     assert (tiny["BLOCK_KF"], tiny["BLOCK_KE"]) == (128, 128)
 
 
