@@ -225,14 +225,19 @@ def _persistent_weights(weights, config: PersistentMoEConfig):
     return {**weights, "latent_up_fp8": _FP8_TAILS[key][1]}
 
 
+def persistent_config(activations: str, config=None) -> PersistentMoEConfig:
+    """The config a persistent variant runs: ``config`` (a sweep's point) when it is a
+    PersistentMoEConfig, else the defaults with W4A16 multiplying in the stages' K-lane GEMVs
+    (the fastest in the persistent_config sweep, docs/decisions.md; A8W4 needs another mode);
+    with ``activations`` ("bf16" or "fp8") set."""
+    if not isinstance(config, PersistentMoEConfig):
+        config = PersistentMoEConfig(multiply="klane" if activations == "bf16" else "fma")
+    return dataclasses.replace(config, activations=activations)
+
+
 def _persistent(activations: str):
     def run(inputs: dict) -> torch.Tensor:
-        config = inputs.get("config")  # a PersistentMoEConfig (a sweep's point), else defaults
-        if not isinstance(config, PersistentMoEConfig):
-            # W4A16 multiplies in the stages' K-lane GEMVs (the fastest in the
-            # persistent_config sweep, docs/decisions.md); A8W4 needs another mode
-            config = PersistentMoEConfig(multiply="klane" if activations == "bf16" else "fma")
-        config = dataclasses.replace(config, activations=activations)
+        config = persistent_config(activations, inputs.get("config"))
         cfg = inputs["cfg"]
         out = moe_persistent(inputs["x"], _persistent_weights(inputs["weights"], config),
                              cfg=cfg, plan=None if inputs["route"] else inputs["plan"],

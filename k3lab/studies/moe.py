@@ -431,13 +431,14 @@ def tidy_records(records: pd.DataFrame, *sweeps: pd.DataFrame) -> pd.DataFrame:
 
 def persistent_items(s: Setup, inputs: dict, config=None) -> pd.DataFrame:
     """Each work item of one persistent call given the plan (after an untraced call that
-    compiles): phase, ticket, start and end in us from the first item's start on the GPU's
-    global clock, SM and program. Empty on the CPU (the trace needs the compiled kernel)."""
-    from k3lab.kernels.moe.persistent import PersistentMoEConfig, moe_persistent
+    compiles), under ``config`` (None: what the W4A16 ``persistent`` variant runs): phase,
+    ticket, start and end in us from the first item's start on the GPU's global clock, SM and
+    program. Empty on the CPU (the trace needs the compiled kernel)."""
+    from k3lab.kernels.moe.persistent import moe_persistent
 
     if not s.on_gpu:
         return pd.DataFrame()
-    config = config or PersistentMoEConfig()
+    config = bmoe.persistent_config("bf16", config)
     w = bmoe._persistent_weights(inputs["weights"], config)
 
     def call(trace):
