@@ -271,7 +271,8 @@ def short_kernel_name(name: str, width: int = 80) -> str:
 
 
 def count_launches(fn: Callable[[Any], Any], inputs: Any, *, warmup: bool = True) -> Launches:
-    """Count what one call ``fn(inputs)`` launches (after a warm-up call that compiles).
+    """Count what one call ``fn(inputs)`` launches (after a warm-up call that compiles and makes
+    what a launcher keeps between calls, e.g. its counters).
 
     CUDA: kernel, memset and memcpy events from torch.profiler. CPU: Triton launches plus ATen
     ops dispatched, views and allocations excluded (``kind`` = "logical launches (CPU)").

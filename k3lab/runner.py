@@ -487,8 +487,10 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
         if len(slots) < min(jobs, len(paths)):
             print(f"k3lab: --jobs {jobs} on {len(slots)} GPU(s): {len(slots)} at a time, one "
                   "notebook per GPU, so that timings do not disturb each other", flush=True)
+        # the longest first (by the last run), so the batch does not end on one long notebook
+        order = sorted(pairs, key=lambda ip: -(lasts[ip[0]] or 0.0))
         tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None))
-                 for i, (p, nb_params) in pairs]
+                 for i, (p, nb_params) in order]
         completed = batch.run_slots(tasks, slots, _run_one, on_done, on_error)
     results.extend(done[i] for i in sorted(done))
     if not completed:
@@ -509,8 +511,9 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     one runs (ValueError / TypeError). timeout: per-cell limit in seconds. progress: one line per
     notebook; cells: a per-cell progress bar too (one notebook at a time only). jobs: notebooks
     run at once, each in a worker process, one GPU each on a multi-GPU host (see
-    :mod:`k3lab.batch`). ray: a Ray cluster's address ("local" starts one here): every
-    notebook a Ray task asking for one GPU (one CPU on a CPU run), its files sent back here.
+    :mod:`k3lab.batch`), the longest by their last run first. ray: a Ray cluster's address
+    ("local" starts one here): every notebook a Ray task asking for one GPU (one CPU on a CPU
+    run), its files sent back here.
     force: run even when a notebook's estimated memory (:mod:`k3lab.memory`) exceeds what the
     device has free; without it that is a ValueError before anything runs (not checked for a
     remote Ray cluster, whose nodes' memory is not known here).

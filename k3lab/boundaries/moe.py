@@ -52,6 +52,7 @@ from k3lab.kernels.moe.persistent import (
     moe_persistent,
 )
 from k3lab.kernels.mxfp4 import MXFP4, mxfp4_tiled_codes
+from k3lab.kernels.runtime import INTERPRETED
 from k3lab.reference.moe import (
     activate,
     dequantize_mxfp4,
@@ -229,10 +230,19 @@ def persistent_config(activations: str, config=None) -> PersistentMoEConfig:
     """The config a persistent variant runs: ``config`` (a sweep's point) when it is a
     PersistentMoEConfig, else the defaults with W4A16 multiplying in the stages' K-lane GEMVs
     (the fastest in the persistent_config sweep, docs/decisions.md; A8W4 needs another mode);
-    with ``activations`` ("bf16" or "fp8") set."""
+    with ``activations`` ("bf16" or "fp8") set. Under the interpreter the defaults take a few
+    big work items instead (it runs programs and items one after another; the tests run the
+    GPU's items too)."""
     if not isinstance(config, PersistentMoEConfig):
-        config = PersistentMoEConfig(multiply="klane" if activations == "bf16" else "fma")
+        config = PersistentMoEConfig(multiply="klane" if activations == "bf16" else "fma",
+                                     **(_INTERPRETER_ITEMS if INTERPRETED else {}))
     return dataclasses.replace(config, activations=activations)
+
+
+# the persistent block's work items under the interpreter (as tests/kernels/test_moe_persistent's
+# BIG): whole-preset tiles at the tiny preset
+_INTERPRETER_ITEMS = dict(front_block_n=128, expert_block_n=128, tail_block_n=256, block_k=256,
+                          max_products=1 << 22)
 
 
 def _persistent(activations: str):

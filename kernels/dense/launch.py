@@ -57,8 +57,8 @@ def interpreter_config(m: int, rows: int, k: int) -> GemvConfig:
     fewest programs (the interpreter runs programs one after another, so a call costs about its
     program count; a tile choice changes speed only). The GPU tilings stay reachable there by
     passing them (the tests run every candidate of the tune sweep)."""
-    return GemvConfig(block_n=min(64, max(8, triton.next_power_of_2(rows))),
-                      block_k=max(16, min(512, triton.next_power_of_2(k))), split_k=1,
+    return GemvConfig(block_n=min(128, max(8, triton.next_power_of_2(rows))),
+                      block_k=max(16, min(256, triton.next_power_of_2(k))), split_k=1,
                       num_stages=1, pdl=False, prefetch_steps=0)
 
 
