@@ -1,0 +1,148 @@
+"""Compile every kernel path a CPU run reaches for sm_90, without a GPU (run as a script by
+test_sm90_build.py; prints one JSON line).
+
+The kernels are imported compiled (TRITON_INTERPRET=0) with a stub driver that reports an
+H200's target, and every Triton launch becomes a warm-up (compile, never run): the launchers
+run as usual on CPU tensors, their outputs are left unwritten. What runs: every fused variant
+and peer of the boundary registry at the tiny preset; the route, KDA, MLA (with its absorb
+launches), AttnRes and a few dense GEMVs at K3's widths; the integration stack's decode token;
+the AttnRes split schedule, the route's gate GEMV and the floors. Constexprs that follow the
+tensors' device (the MLA split kernel's fp32 dots, PDL keyed on CUDA tensors) take their CPU
+values here; those keyed on ``INTERPRETED`` take the GPU's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "0"
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.runtime.jit as jit  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.driver import DriverBase  # noqa: E402
+
+
+class _H200Stub(DriverBase):
+    """The active driver: an sm_90 target, device 0, stream 0; nothing else is called."""
+
+    @classmethod
+    def is_active(cls):
+        return True
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return None
+
+    def get_benchmarker(self):
+        return None
+
+    def map_python_to_cpp_type(self, ty):
+        return ty
+
+
+def _absorb(cfg) -> None:
+    """Both MLA absorb launches at cfg's head widths (two heads, a 16-row cache)."""
+    from k3lab.kernels import mla_absorb_out, mla_absorb_q
+
+    bf, m, h = torch.bfloat16, 1, 2
+    nope, r, v, c = cfg.qk_nope, cfg.qk_rope, cfg.v_head, cfg.kv_lora
+    kv_b = torch.zeros(h * (nope + v), c, dtype=bf)
+    for rope in (False, True):
+        mla_absorb_q(torch.zeros(m, h, nope + r, dtype=bf), torch.zeros(m, c + r, dtype=bf),
+                     torch.ones(c), kv_b, torch.zeros(m, dtype=torch.int32),
+                     torch.zeros(m, 16, c + r, dtype=bf), torch.zeros(m, dtype=torch.int32),
+                     qk_nope=nope, v_head=v, eps=1e-6, rope=rope)
+    mla_absorb_out(torch.zeros(m, h, c), kv_b, torch.zeros(m, h * v, dtype=bf), qk_nope=nope,
+                   v_head=v)
+
+
+def main() -> dict:
+    triton.runtime.driver.set_active(_H200Stub())
+    compiled: dict[str, int] = {}
+    run = jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kw):
+        kernel = run(self, *args, grid=grid, warmup=True, **kw)
+        compiled[self.fn.__name__] = compiled.get(self.fn.__name__, 0) + 1
+        return kernel
+
+    jit.JITFunction.run = compile_only
+    import k3lab.kernels  # noqa: F401
+
+    for name, mod in list(sys.modules.items()):  # CPU tensors are fine: nothing launches
+        if name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
+            mod.check_device = lambda name, t: None
+
+    from k3lab import boundaries, stack
+    from k3lab.config import preset
+    from k3lab.kernels import AttnResConfig, attn_res_norm, gate_logits
+    from k3lab.kernels import floors as kfloors
+    from k3lab.kernels.dense import dense_gemv
+    from k3lab.studies import decode_step
+
+    cfg, cpu = preset("tiny"), torch.device("cpu")
+    failures: dict[str, str] = {}
+
+    def attempt(label, fn):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - every failure is reported, the rest still runs
+            failures[label] = traceback.format_exc(limit=-3)[-1500:]
+
+    for b in boundaries.all_boundaries():
+        if not b.applies(cfg):
+            continue
+        inputs = b.make_inputs(cfg, cpu, 0)
+        for v in b.variants:
+            if v.role == "reference" or v.requires or v.name == "torch.compile":
+                continue
+            attempt(f"{b.name}/{v.name}", lambda v=v, i=inputs: v.fn(boundaries.clone_inputs(i)))
+    # K3's widths (tp 8) where they are cheap on the CPU: the tiny preset's are one block wide
+    # in places K3's are not (the MLA latent, 512 > one 64-column absorb block)
+    k3 = preset("kimi-k3", 8)
+    for name, params in (("route", {}), ("kda", {}), ("mla", {"context": 256}),
+                         ("attn_res", {})):
+        b = boundaries.get(name)
+        inputs = b.make_inputs(k3, cpu, 0, **params)
+        attempt(f"{name} at kimi-k3", lambda b=b, i=inputs: b.variant("fused").fn(i))
+    attempt("mla absorb at kimi-k3", lambda: _absorb(k3))
+    for rows, k, act in ((1536, 7168, None), (7168, 1536, None), (1536, 7168, "situ")):
+        attempt(f"dense {rows}x{k} {act}", lambda rows=rows, k=k, act=act: dense_gemv(
+            torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(rows, k, dtype=torch.bfloat16),
+            activation=act))
+    token = decode_step.build(cfg, cpu, window=3, context=64)
+    # the integration stack's token (the reviewed one adds the persistent block, run above)
+    names = [n for n in stack.STACKS["integration"] if n != "b1-gate-projection"]
+    st, _ = stack.runnable(stack.compose(names))
+    attempt("integration stack token", lambda: stack.run_token(st, token, num_splits=4))
+    a = boundaries.get("attn_res").make_inputs(cfg, cpu, 0)
+    attempt("attn_res split", lambda: attn_res_norm(
+        a["bank"], a["live"], a["res_norm_weight"], a["res_proj_weight"], a["norm_weight"],
+        config=AttnResConfig(split_h=16)))
+    r = boundaries.get("route").make_inputs(cfg, cpu, 0)
+    attempt("gate_logits", lambda: gate_logits(r["hidden"], r["gate_weight"]))
+    x = torch.zeros(1 << 16, dtype=torch.bfloat16)
+    for then in kfloors.THEN:
+        attempt(f"floors stream {then}", lambda then=then: kfloors.stream(x, then=then))
+    attempt("floors update", lambda: kfloors.update(torch.zeros(4096), x))
+    return {"compiled": compiled, "failures": failures}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
