@@ -172,6 +172,9 @@ def _tiles(config, m, block_m, sizes, fp4):
              BLOCK_NE=min(config.expert_block_n, p2(max(d, i))) if not dot
              else max(DOT_MIN_ROWS, min(config.expert_block_n, p2(max(d, i)))),
              BLOCK_NT=min(config.tail_block_n, p2(h)))
+    n2 = config.stage2_block_n or config.expert_block_n
+    t["BLOCK_N2"] = (min(n2, p2(max(d, i))) if not dot
+                     else max(DOT_MIN_ROWS, min(n2, p2(max(d, i)))))
     # the front and the tail broadcast-multiply; the experts too unless on the tensor cores
     t["BLOCK_KF"] = _fit_k(min(config.block_k, p2(max(h, d, s, 1))), t["BLOCK_MT"],
                            max(t["BLOCK_NF"], t["BLOCK_NT"]), config.max_products)
@@ -179,7 +182,8 @@ def _tiles(config, m, block_m, sizes, fp4):
     if dot and config.fp8 and fp4:
         block_ke = FP8_DOT_BLOCK_K
     elif not dot:
-        block_ke = _fit_k(block_ke, t["BLOCK_ME"], t["BLOCK_NE"], config.max_products)
+        block_ke = _fit_k(block_ke, t["BLOCK_ME"], max(t["BLOCK_NE"], t["BLOCK_N2"]),
+                          config.max_products)
     t["BLOCK_KE"] = block_ke
     return t
 
@@ -238,7 +242,7 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
     t = _tiles(config, m, block_m, (h, d, i, s), fp4)
     cdiv = triton.cdiv
     n_z, n_sh = cdiv(d, t["BLOCK_NF"]), cdiv(s, t["BLOCK_NF"]) if s else 0
-    n_i, n_d = cdiv(i, t["BLOCK_NE"]), cdiv(d, t["BLOCK_NE"])
+    n_i, n_d = cdiv(i, t["BLOCK_NE"]), cdiv(d, t["BLOCK_N2"])
     n_dr = n_d if config.deterministic else 0
     n_t = cdiv(h, t["BLOCK_NT"])
     n_items = n_z + n_sh + n_tiles * (n_i + n_d) + n_dr + n_t

@@ -57,6 +57,8 @@ class PersistentMoEConfig:
         front_block_n, expert_block_n, tail_block_n: output rows a work item of the front
             (latent down, shared gate/up), of the experts (stage 1: gate rows, with their up
             rows) and of the tail own.
+        stage2_block_n: output rows (of D) a stage-2 item owns, None: expert_block_n (the
+            stages' items need not be the same size: stage 2's K is I, stage 1's D).
         block_k: K elements a GEMV step (the dot mode takes 32 for fp8 activations: one MXFP4
             group a dot).
         num_warps: warps a program.
@@ -73,6 +75,7 @@ class PersistentMoEConfig:
     front_block_n: int = 16
     expert_block_n: int = 16
     tail_block_n: int = 16
+    stage2_block_n: int | None = None
     block_k: int = 512
     num_warps: int = 4
     max_products: int = 8192
@@ -89,6 +92,9 @@ class PersistentMoEConfig:
         for name in ("front_block_n", "expert_block_n", "tail_block_n"):
             _check_int(name, getattr(self, name), 16 if self.multiply == "dot" else 1, 512,
                        pow2=True)
+        if self.stage2_block_n is not None:
+            _check_int("stage2_block_n", self.stage2_block_n, 16 if self.multiply == "dot" else 1,
+                       512, pow2=True)
         _check_int("block_k", self.block_k, 32, 4096, pow2=True)
         _check_int("num_warps", self.num_warps, 1, 16, pow2=True)
         _check_int("max_products", self.max_products, 1, 1 << 24)

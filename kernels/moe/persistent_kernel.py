@@ -233,6 +233,7 @@ def moe_persistent_kernel(
         TILED13: tl.constexpr, TILED2: tl.constexpr, TOKEN_LOOP: tl.constexpr,
         DETERMINISTIC: tl.constexpr, UP_FP8: tl.constexpr, BLOCK_MT: tl.constexpr,
         BLOCK_ME: tl.constexpr, BLOCK_NF: tl.constexpr, BLOCK_NE: tl.constexpr,
+        BLOCK_N2: tl.constexpr,
         BLOCK_NT: tl.constexpr, BLOCK_KF: tl.constexpr, BLOCK_KE: tl.constexpr,
         TRACE: tl.constexpr):
     """Each program takes tickets from p_sync[WORK] until none is left and runs their items
@@ -262,10 +263,10 @@ def moe_persistent_kernel(
             _stage2_item(t - e_s1, p_a, p_a32, p_w2, p_w2s, p_sorted, p_sorted_w,
                          p_block_expert, p_num_valid, p_y, p_part, p_sync, n_entries, block_m,
                          top_k, N_I, D, n_d, n_i, FP4, XQ, DOT, EMULATE, KLANE, TILED2,
-                         TOKEN_LOOP, DETERMINISTIC, BLOCK_ME, BLOCK_NE, BLOCK_KE, BLOCK_KF)
+                         TOKEN_LOOP, DETERMINISTIC, BLOCK_ME, BLOCK_N2, BLOCK_KE, BLOCK_KF)
         elif t < e_red:
             _reduce_item(t - e_s2, p_part, p_topk_w, p_y, p_sync, M, D, top_k, n_tiles * n_d,
-                         BLOCK_MT, BLOCK_NE)
+                         BLOCK_MT, BLOCK_N2)
         else:
             _tail_item(t - e_red, p_as, p_ws2, p_y, p_nw, p_up, p_ups, p_o, p_sync, M, D, H, S,
                        n_sh, i_y, n_y, eps, LATENT, SHARED, UP_FP8, BLOCK_MT, BLOCK_NT, BLOCK_KF)

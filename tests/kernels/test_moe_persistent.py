@@ -224,6 +224,18 @@ def test_block_gpu_tiles_several_programs(device):
     assert int(mod._SYNC[x.device][:SYNC_HEADER + cfg.top_k].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "det"])
+def test_stage2_items_sized_apart_from_stage1(det, device):
+    """stage2_block_n: stage 2's D rows a work item (and the deterministic reduce's) apart from
+    stage 1's I rows, wider and narrower, K-lane and fma: the same block."""
+    cfg, w, x = _setup(device, M=2, fmt="mxfp4", seed=4)
+    plan, refs = _plan(cfg, x, w), {}
+    for multiply, n1, n2 in (("klane", 16, 64), ("fma", 64, 8)):
+        config = dataclasses.replace(BIG, multiply=multiply, expert_block_n=n1,
+                                     stage2_block_n=n2, deterministic=det)
+        _check(x, w, cfg, plan, config, num_sms=2, refs=refs)
+
+
 def test_block_plan_tiles_of_several_tokens(device):
     """block_m 4 with every token on the same experts: tiles of 3 entries and a padding row."""
     cfg, w, x = _setup(device, M=3, fmt="mxfp4", crowd=True)
@@ -360,7 +372,8 @@ def test_boundary_variants(name, device):
 @pytest.mark.parametrize("field,value", [
     ("programs_per_sm", 0), ("deterministic", 1), ("activations", "fp4"), ("multiply", "mma"),
     ("tail_fp8", "yes"), ("front_block_n", 24), ("expert_block_n", 0), ("tail_block_n", 1024),
-    ("block_k", 16), ("num_warps", 3), ("multiply", "klane"), ("max_products", 0)])
+    ("block_k", 16), ("num_warps", 3), ("multiply", "klane"), ("max_products", 0),
+    ("stage2_block_n", 3)])
 def test_bad_config(field, value):
     extra = {"activations": "fp8"} if (field, value) == ("multiply", "klane") else {}
     with pytest.raises(ValueError, match=f"^{field}: (expected|'klane' reads bf16)"):
