@@ -1,7 +1,8 @@
 """Every kernel compiles for sm_90 on a machine without a GPU (sm90_build.py, in a subprocess
 that imports the kernels compiled): a kernel that runs under the interpreter but fails Triton's
 compiler (a name bound to two types across a runtime branch, say) fails here, not on the H200.
-Skipped where Triton has no NVIDIA backend with ptxas, and where a GPU runs the kernels anyway."""
+Skipped where Triton has no NVIDIA backend with ptxas, where its internals do not fit the recipe
+(a canary kernel does not compile), and where a GPU runs the kernels anyway."""
 
 import ast
 import json
@@ -47,6 +48,9 @@ def test_every_kernel_compiles_for_sm90():
                           capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "harness" in got:
+        pytest.skip(f"this Triton's internals do not fit the compile-only recipe: "
+                    f"{got['harness'][-300:]}")
     assert not got["failures"], "\n\n".join(f"{k}:\n{v}" for k, v in got["failures"].items())
     kernels = _jit_kernels()
     assert len(kernels) >= 15, sorted(kernels)  # the scan finds the launchers' kernels
