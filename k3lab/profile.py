@@ -28,13 +28,10 @@ import torch
 
 from k3lab.boundaries import Boundary, clone_inputs
 from k3lab.config import Preset
-from k3lab.launches import (  # noqa: F401  (profile's public names; the rest for its users)
+from k3lab.launches import (  # noqa: F401  (re-exported: profile's public names)
     Launches,
-    _cpu_launch_log,
-    _cuda_profile,
     _device_of,
     _sync,
-    _tensors,
     count_launches,
     short_kernel_name,
     tensor_bytes,

@@ -65,13 +65,12 @@ def catalogue() -> pd.DataFrame:
 
 def configs_for(device) -> stack.Configs:
     """The launchers' configs: their defaults on a GPU; under the interpreter, few big programs
-    (each interpreted program costs the same Python overhead, whatever its size)."""
+    (each interpreted program costs the same Python overhead, whatever its size): the route's
+    split-K gate tiles (the dense GEMV takes its own interpreter tiling when given none)."""
     if torch.device(device).type == "cuda":
         return stack.Configs()
     from k3lab.kernels import RouteConfig
-    from k3lab.kernels.dense import GemvConfig
-    return stack.Configs(gemv=GemvConfig(block_n=128, block_k=256),
-                         route=RouteConfig(gemv_row_programs=0))
+    return stack.Configs(route=RouteConfig(gemv_row_programs=0))
 
 
 def build(cfg, device, *, window: int = 0, context: int = 8192, expert_format: str = "mxfp4",

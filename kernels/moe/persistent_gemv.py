@@ -121,43 +121,6 @@ def _dot(b_x, b_w, FP8: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _load_x(p_x, o_r, m_r, o_k, m_k, K, p_xs, HAS_XS: tl.constexpr, X_CG: tl.constexpr):
-    """x[o_r, o_k] in fp32 (X_CG: through L2), times xs[o_k] when HAS_XS."""
-    m_x = m_r[:, None] & m_k[None, :]
-    if X_CG:
-        b_x = tl.load(p_x + o_r[:, None] * K + o_k[None, :], mask=m_x, other=0.0,
-                      cache_modifier=".cg").to(tl.float32)
-    else:
-        b_x = tl.load(p_x + o_r[:, None] * K + o_k[None, :], mask=m_x, other=0.0).to(tl.float32)
-    if HAS_XS:
-        b_x *= tl.load(p_xs + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-    return b_x
-
-
-@triton.jit
-def _gemv_prefetched(p_x, o_r, m_r, p_w, o_n, m_n, K, p_xs, HAS_XS: tl.constexpr,
-                     X_CG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """gemv's plain path (typed weight rows, broadcast multiply) with the next K step's weight
-    tile loaded before this step's products: two steps of weights in flight a program (the
-    pipeliner leaves loops inside the work-item loop alone). The last step's prefetch is
-    masked off: no memory traffic."""
-    o_k = tl.arange(0, BLOCK_K)
-    b_w = tl.load(p_w + o_n[:, None] * K + o_k[None, :], mask=m_n[:, None] & (o_k < K)[None, :],
-                  other=0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        b_x = _load_x(p_x, o_r, m_r, o_k, o_k < K, K, p_xs, HAS_XS, X_CG)
-        o_kn = o_k + BLOCK_K
-        b_wn = tl.load(p_w + o_n[:, None] * K + o_kn[None, :],
-                       mask=m_n[:, None] & (o_kn < K)[None, :], other=0.0)
-        acc += tl.sum(b_x[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)
-        b_w = b_wn
-    return acc
-
-
-@triton.jit
 def gemv(p_x, o_r, m_r, x_inv, p_w, p_s, o_n, m_n, K, p_xs,
          FP4: tl.constexpr, XQ: tl.constexpr, HAS_XS: tl.constexpr, X_CG: tl.constexpr,
          DOT: tl.constexpr, EMULATE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -169,34 +132,36 @@ def gemv(p_x, o_r, m_r, x_inv, p_w, p_s, o_n, m_n, K, p_xs,
     x was written in this launch (read through L2). w [N, K] bf16 / e4m3, or MXFP4 (FP4: codes
     as int32 words p_w, scales p_s; BLOCK_K >= 32). DOT: tensor-core dots (BLOCK_M, BLOCK_N >=
     16); with FP4 and XQ the e4m3 codes meet the e4m3 activations a 32-wide group a step
-    (BLOCK_K 32), the group's factor scaling the dot. Typed weights with neither DOT nor XQ
-    (the front's and the tail's bf16 projections) take :func:`_gemv_prefetched`."""
-    if not (FP4 or DOT or XQ):
-        acc = _gemv_prefetched(p_x, o_r, m_r, p_w, o_n, m_n, K, p_xs, HAS_XS, X_CG, BLOCK_M,
-                               BLOCK_N, BLOCK_K)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            o_k = k0 + tl.arange(0, BLOCK_K)
-            m_k = o_k < K
-            b_x = _load_x(p_x, o_r, m_r, o_k, m_k, K, p_xs, HAS_XS, X_CG)
-            if XQ:
-                b_x = round_e4m3(b_x * x_inv[:, None])
-            if FP4:
-                if DOT and XQ:  # e4m3 codes x e4m3 activations; BLOCK_K 32: one group a step
-                    b_w = _fp4_tile(p_w, p_s, o_n, m_n, k0, K, False, BLOCK_N, BLOCK_K)
-                    b_f = tl.load(p_s + o_n * (K // 32) + k0 // 32, mask=m_n, other=0).to(
-                        tl.int32)
-                    acc += _dot(b_x, b_w, True, EMULATE) * (b_f << 23).to(
-                        tl.float32, bitcast=True)[None, :]
-                else:
-                    b_w = _fp4_tile(p_w, p_s, o_n, m_n, k0, K, True, BLOCK_N, BLOCK_K)
+    (BLOCK_K 32), the group's factor scaling the dot."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < K
+        m_x = m_r[:, None] & m_k[None, :]
+        if X_CG:
+            b_x = tl.load(p_x + o_r[:, None] * K + o_k[None, :], mask=m_x, other=0.0,
+                          cache_modifier=".cg").to(tl.float32)
+        else:
+            b_x = tl.load(p_x + o_r[:, None] * K + o_k[None, :], mask=m_x, other=0.0).to(
+                tl.float32)
+        if HAS_XS:
+            b_x *= tl.load(p_xs + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+        if XQ:
+            b_x = round_e4m3(b_x * x_inv[:, None])
+        if FP4:
+            if DOT and XQ:  # e4m3 codes x e4m3 activations; BLOCK_K 32: one group a step
+                b_w = _fp4_tile(p_w, p_s, o_n, m_n, k0, K, False, BLOCK_N, BLOCK_K)
+                b_f = tl.load(p_s + o_n * (K // 32) + k0 // 32, mask=m_n, other=0).to(tl.int32)
+                acc += _dot(b_x, b_w, True, EMULATE) * (b_f << 23).to(tl.float32,
+                                                                     bitcast=True)[None, :]
             else:
-                b_w = tl.load(p_w + o_n[:, None] * K + o_k[None, :],
-                              mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            if not (DOT and XQ and FP4):
-                if DOT:
-                    acc += _dot(b_x, b_w, False, EMULATE)
-                else:
-                    acc += tl.sum(b_x[:, None, :] * b_w[None, :, :], axis=2)
+                b_w = _fp4_tile(p_w, p_s, o_n, m_n, k0, K, True, BLOCK_N, BLOCK_K)
+        else:
+            b_w = tl.load(p_w + o_n[:, None] * K + o_k[None, :],
+                          mask=m_n[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        if not (DOT and XQ and FP4):
+            if DOT:
+                acc += _dot(b_x, b_w, False, EMULATE)
+            else:
+                acc += tl.sum(b_x[:, None, :] * b_w[None, :, :], axis=2)
     return acc
