@@ -251,9 +251,9 @@ _SWEEPS = [
           config=("moe.persistent_config", "PersistentMoEConfig")),
     Sweep("persistent_split", "moe",
           grid(({"multiply": "klane", "block_k": 512, "expert_block_n": 16},),
-               ({"front_block_n": 8, "tail_block_n": 8},
-                {"front_block_n": 16, "tail_block_n": 16}),
-               ({"stage2_block_n": 16}, {"stage2_block_n": 32}, {"stage2_block_n": 64})),
+               tuple({"front_block_n": f, "tail_block_n": t}
+                     for f, t in ((4, 8), (8, 8), (8, 16), (16, 16))),
+               ({"stage2_block_n": 16}, {"stage2_block_n": 64})),
           "the persistent block's front and tail items against stage 2's rows apart from "
           "stage 1's (W4A16, with routing)",
           variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,

@@ -11,8 +11,9 @@ Work items, in ticket order (each waits only for items with lower tickets):
    w * (a[entries] @ W2[e]^T); deterministic: the routed rows' partials to a scratch;
 4. reduce (deterministic only, D tile): waits for every stage-2 tile; y[t] = sum over slots k in
    order of topk_weights[t, k] * partial[t * top_k + k];
-5. tail (H tile): the shared down GEMV (after the shared tiles), then waits for y; out = rstd *
-   ((y * g) @ W_up^T) [* per-channel fp8 scale] + a_s @ Ws2^T.
+5. tail (H tile): the shared down GEMV (after the shared tiles) and the first up-projection
+   weight step, then waits for y; out = rstd * ((y * g) @ W_up^T) [* per-channel fp8 scale] +
+   a_s @ Ws2^T, the norm's sum of squares taken in the GEMV's pass over y.
 
 Sync words (int32, ``p_sync``): WORK (ticket counter), EXIT (programs done), the phase counters
 and one counter per plan tile. The last program to exit zeroes them all for the next launch
@@ -187,11 +188,34 @@ def _reduce_item(j, p_part, p_topk_w, p_y, p_sync, M, D, top_k, n_s2, BLOCK_M: t
 
 
 @triton.jit
+def _up_tile(p_up, o_n, m_n, k0, D, BLOCK_K: tl.constexpr):
+    """Latent-up weight rows o_n, columns k0 .. k0 + BLOCK_K, as stored (bf16 or e4m3)."""
+    o_k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(p_up + o_n[:, None] * D + o_k[None, :], mask=m_n[:, None] & (o_k < D)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _norm_up_step(acc, ss, b_w, p_y, p_nw, o_m, m_m, k0, D, BLOCK_K: tl.constexpr):
+    """One K step of (y * g) @ W_up^T, with the rows' sum of squares of y in the same pass."""
+    o_k = k0 + tl.arange(0, BLOCK_K)
+    m_k = o_k < D
+    b_y = tl.load(p_y + o_m[:, None] * D + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
+                  other=0.0, cache_modifier=".cg")
+    ss += tl.sum(b_y * b_y, axis=1)
+    b_x = b_y * tl.load(p_nw + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    acc += tl.sum(b_x[:, None, :] * b_w.to(tl.float32)[None, :, :], axis=2)
+    return acc, ss
+
+
+@triton.jit
 def _tail_item(j, p_as, p_ws2, p_y, p_nw, p_up, p_ups, p_o, p_sync, M, D, H, S, n_sh, i_y, n_y,
                eps, LATENT: tl.constexpr, SHARED: tl.constexpr, UP_FP8: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Tail item j (H tile): shared down GEMV, then (y ready) the latent RMSNorm + up-projection
-    (UP_FP8: e4m3 rows times their fp32 scale) or y itself, summed, stored bf16."""
+    (UP_FP8: e4m3 rows times their fp32 scale) or y itself, summed, stored bf16. The first
+    up-projection weight step is loaded before the wait for y (weights do not depend on it);
+    the norm's sum of squares is taken in the GEMV's pass over y (rstd scales whole rows)."""
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < M
     o_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,16 +227,16 @@ def _tail_item(j, p_as, p_ws2, p_y, p_nw, p_up, p_ups, p_o, p_sync, M, D, H, S, 
         wait_count(p_sync + CNT_SH, n_sh)
         b_o += gemv(p_as, o_m, m_m, one, p_ws2, p_ws2, o_n, m_n, S, p_ws2, False, False, False,
                     True, False, False, BLOCK_M, BLOCK_N, BLOCK_K)
+    if LATENT:
+        b_w0 = _up_tile(p_up, o_n, m_n, 0, D, BLOCK_K)
     wait_count(p_sync + i_y, n_y)
     if LATENT:
+        b_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         b_ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_K):
-            o_d = d0 + tl.arange(0, BLOCK_K)
-            b_v = tl.load(p_y + o_m[:, None] * D + o_d[None, :],
-                          mask=m_m[:, None] & (o_d < D)[None, :], other=0.0, cache_modifier=".cg")
-            b_ss += tl.sum(b_v * b_v, axis=1)
-        b_u = gemv(p_y, o_m, m_m, one, p_up, p_up, o_n, m_n, D, p_nw, False, False, True, True,
-                   False, False, BLOCK_M, BLOCK_N, BLOCK_K)
+        b_u, b_ss = _norm_up_step(b_u, b_ss, b_w0, p_y, p_nw, o_m, m_m, 0, D, BLOCK_K)
+        for k0 in range(BLOCK_K, D, BLOCK_K):
+            b_u, b_ss = _norm_up_step(b_u, b_ss, _up_tile(p_up, o_n, m_n, k0, D, BLOCK_K), p_y,
+                                      p_nw, o_m, m_m, k0, D, BLOCK_K)
         if UP_FP8:
             b_u *= tl.load(p_ups + o_n, mask=m_n, other=0.0)[None, :]
         b_o += b_u * (1.0 / tl.sqrt(b_ss / D + eps))[:, None]
