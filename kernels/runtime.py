@@ -28,6 +28,58 @@ def prepare() -> bool:
 INTERPRETED = prepare()
 
 
+def _patch_once_per_launch() -> bool:
+    """Under the interpreter, patch triton.language once a launch, not once a device call.
+
+    Triton's interpreter swaps the language's builtins for interpreted ones when a kernel starts
+    and restores them when it ends; it also re-runs the swap (an ``inspect.getmembers`` walk of
+    ``tl``, ``tl.core`` and ``tl.tensor``) on every call of a ``@triton.jit`` helper, where the
+    swap is already in place, and that walk is about a third of an interpreted kernel's time.
+    Here a helper's call swaps only the language modules the launch has not swapped yet (their
+    changes join the launch's, undone when it ends). Anything unexpected in Triton's internals
+    leaves them as they are (False).
+    """
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter as ip
+
+    patch, scope_type = getattr(ip, "_patch_lang", None), getattr(ip, "_LangPatchScope", None)
+    if patch is None or scope_type is None or getattr(patch, "k3lab", False):
+        return False
+    active: list = []  # per running launch: (ids of the language modules swapped, its scope)
+
+    def langs(fn) -> set:
+        return {id(v) for v in fn.__globals__.values()
+                if inspect.ismodule(v) and (v is tl or v is tl.core)}
+
+    class LaunchScope(scope_type):
+        def restore(self):
+            super().restore()
+            active.pop()
+
+    def patch_lang(fn):
+        need = langs(fn)
+        if active:  # a helper inside a launch: swap only modules the launch has not
+            done, launch = active[-1]
+            if not need <= done:
+                launch._changes.extend(patch(fn)._changes)  # restored with the launch's
+                done |= need
+            return scope_type()
+        launch = LaunchScope()
+        launch._changes = patch(fn)._changes
+        active.append((need, launch))
+        return launch
+
+    patch_lang.k3lab = True
+    ip._patch_lang = patch_lang
+    return True
+
+
+if INTERPRETED:
+    _patch_once_per_launch()
+
+
 def check_device(name: str, t: torch.Tensor) -> None:
     """Refuse a tensor the kernels as imported cannot run on, naming the parameter."""
     kind = t.device.type
