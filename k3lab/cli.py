@@ -37,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="per-cell time limit in seconds (a positive number)")
     r.add_argument("--show-code", action="store_true", help="keep code cells in the HTML")
-    r.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
-                   help="notebooks run at once (one GPU each on a multi-GPU host; default 1)")
+    r.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+                   help="notebooks run at once (default: one per CPU core on the CPU, one per "
+                        "GPU on CUDA; a per-cell progress bar needs -j 1)")
     r.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run each notebook as a Ray task (one GPU each) on the cluster at "
                         "ADDRESS ('local': start one here); needs the ray extra")

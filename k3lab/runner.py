@@ -39,7 +39,7 @@ import k3lab
 from k3lab import folder, readable, report, traces
 from k3lab.parameters import coerce, declared, notebook_parameters, validate
 
-__all__ = ["Result", "Results", "notebook_dir", "list_notebooks", "resolve",
+__all__ = ["Result", "Results", "auto_jobs", "notebook_dir", "list_notebooks", "resolve",
            "notebook_parameters", "declared", "validate", "coerce", "run", "update_index",
            "repo_root", "default_out_dir", "RUN_OPTIONS", "TRACE_PARAM", "KERNEL_NAME"]
 
@@ -498,11 +498,24 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
             or "the last notebooks"
 
 
+def auto_jobs(device: str, n_notebooks: int) -> int:
+    """Notebooks run at once by default: on the CPU one per core, on CUDA one per visible GPU
+    (timings on one GPU would disturb each other), never more than there are notebooks."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        slots = torch.cuda.device_count()
+    else:
+        slots = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+            os.cpu_count()
+    return max(1, min(slots or 1, n_notebooks))
+
+
 def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 1,
         params: dict | None = None, out_dir: str | os.PathLike | None = None,
         timeout: float | None = None, progress: bool = True, hide_code: bool = True,
         notebook_dir: str | os.PathLike | None = None, cells: bool = False,
-        jobs: int = 1, ray: str | None = None, force: bool = False) -> Results:
+        jobs: int | None = 1, ray: str | None = None, force: bool = False) -> Results:
     """Execute ``notebooks`` (names, see :func:`resolve`; None: all) and write their reports.
 
     device / preset / tp are injected into each notebook that declares them; every other key of
@@ -511,9 +524,9 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     one runs (ValueError / TypeError). timeout: per-cell limit in seconds. progress: one line per
     notebook; cells: a per-cell progress bar too (one notebook at a time only). jobs: notebooks
     run at once, each in a worker process, one GPU each on a multi-GPU host (see
-    :mod:`k3lab.batch`), the longest by their last run first. ray: a Ray cluster's address
-    ("local" starts one here): every notebook a Ray task asking for one GPU (one CPU on a CPU
-    run), its files sent back here.
+    :mod:`k3lab.batch`), the longest by their last run first; None: :func:`auto_jobs`. ray: a
+    Ray cluster's address ("local" starts one here): every notebook a Ray task asking for one
+    GPU (one CPU on a CPU run), its files sent back here.
     force: run even when a notebook's estimated memory (:mod:`k3lab.memory`) exceeds what the
     device has free; without it that is a ValueError before anything runs (not checked for a
     remote Ray cluster, whose nodes' memory is not known here).
@@ -523,11 +536,13 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     options = {"device": device, "preset": preset, "tp": tp}
     _check_options(device, preset, tp)
     timeout = _check_timeout(timeout)
-    if isinstance(jobs, bool) or not isinstance(jobs, int):
-        raise TypeError(f"jobs: expected an int, got {jobs!r}")
-    if jobs < 1:
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int)):
+        raise TypeError(f"jobs: expected an int or None, got {jobs!r}")
+    if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs: expected at least 1, got {jobs}")
     paths = resolve(notebooks, notebook_dir)
+    if jobs is None:
+        jobs = auto_jobs(device, len(paths))
     decl = {p: declared(p) for p in paths}
     plans = _plan(paths, options, dict(params or {}), decl)
     if not force and (not ray or ray == "local"):

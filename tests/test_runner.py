@@ -5,6 +5,7 @@ label, 20_broken always raises. Each run starts a real "python3" Jupyter kernel 
 """
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -329,3 +330,10 @@ def test_cuda_slots_never_share_a_gpu():
     n = torch.cuda.device_count()
     slots = batch.gpu_slots("cuda", 8)
     assert slots == ([None] if n <= 1 else [str(i) for i in range(min(8, n))])
+
+
+def test_auto_jobs_is_one_per_core_and_never_more_than_the_notebooks():
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert runner.auto_jobs("cpu", 1) == 1
+    assert runner.auto_jobs("cpu", 1000) == cores
+    assert runner.auto_jobs("cpu", 0) == 1
