@@ -258,6 +258,17 @@ _SWEEPS = [
           "stage 1's (W4A16, with routing)",
           variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
           config=("moe.persistent_config", "PersistentMoEConfig")),
+    Sweep("persistent_expert_k", "moe",
+          grid(({"multiply": "klane", "block_k": 512, "front_block_n": 8, "tail_block_n": 16,
+                 "stage2_block_n": 64, "max_products": 32768},),
+               ({"expert_block_n": 8}, {"expert_block_n": 16}),
+               tuple({"expert_block_k": k} for k in (512, 1024, 2048, 4096)))
+          + ({"multiply": "klane", "block_k": 1024, "front_block_n": 8, "tail_block_n": 16,
+              "stage2_block_n": 64, "max_products": 32768, "expert_block_k": 2048},),
+          "the experts' K step apart from the front's and the tail's, at 8 and 16 rows "
+          "(W4A16, with routing)",
+          variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
+          config=("moe.persistent_config", "PersistentMoEConfig")),
     Sweep("block_m", "route", ({"M": 16, "block_m": 1}, {"M": 16, "block_m": 4},
                                {"M": 16, "block_m": 16}),
           "plan tile height (entries of one expert a tile) at 16 tokens"),

@@ -178,7 +178,7 @@ def _tiles(config, m, block_m, sizes, fp4):
     # the front and the tail broadcast-multiply; the experts too unless on the tensor cores
     t["BLOCK_KF"] = _fit_k(min(config.block_k, p2(max(h, d, s, 1))), t["BLOCK_MT"],
                            max(t["BLOCK_NF"], t["BLOCK_NT"]), config.max_products)
-    block_ke = min(config.block_k, p2(max(d, i)))
+    block_ke = min(config.expert_block_k or config.block_k, p2(max(d, i)))
     if dot and config.fp8 and fp4:
         block_ke = FP8_DOT_BLOCK_K
     elif not dot:

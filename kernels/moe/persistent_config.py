@@ -59,8 +59,10 @@ class PersistentMoEConfig:
             rows) and of the tail own.
         stage2_block_n: output rows (of D) a stage-2 item owns, None: expert_block_n (the
             stages' items need not be the same size: stage 2's K is I, stage 1's D).
-        block_k: K elements a GEMV step (the dot mode takes 32 for fp8 activations: one MXFP4
-            group a dot).
+        block_k: K elements a GEMV step of the front and the tail (bf16 weights).
+        expert_block_k: K elements a GEMV step of the experts (MXFP4 or bf16), None: block_k
+            (the dot mode takes 32 for fp8 activations: one MXFP4 group a dot). A step is one
+            round trip to memory per item, so fewer, longer steps cut an item's latency.
         num_warps: warps a program.
         max_products: a broadcast-multiply GEMV step's products (rows of x x weight rows x K)
             at most: the K step is halved (down to 32) until a step fits (tokens x rows x K
@@ -72,11 +74,12 @@ class PersistentMoEConfig:
     activations: str = "bf16"
     multiply: str = "fma"
     tail_fp8: bool = False
-    front_block_n: int = 16
+    front_block_n: int = 8
     expert_block_n: int = 16
     tail_block_n: int = 16
-    stage2_block_n: int | None = None
+    stage2_block_n: int | None = 64
     block_k: int = 512
+    expert_block_k: int | None = None
     num_warps: int = 4
     max_products: int = 8192
 
@@ -89,13 +92,17 @@ class PersistentMoEConfig:
         if self.multiply == "klane" and self.activations != "bf16":
             raise ValueError(f"multiply: 'klane' reads bf16 activations, got activations="
                              f"{self.activations!r}")
-        for name in ("front_block_n", "expert_block_n", "tail_block_n"):
-            _check_int(name, getattr(self, name), 16 if self.multiply == "dot" else 1, 512,
-                       pow2=True)
+        # the front and the tail always broadcast-multiply; dot tiles need 16 rows
+        for name in ("front_block_n", "tail_block_n"):
+            _check_int(name, getattr(self, name), 1, 512, pow2=True)
+        _check_int("expert_block_n", self.expert_block_n, 16 if self.multiply == "dot" else 1,
+                   512, pow2=True)
         if self.stage2_block_n is not None:
             _check_int("stage2_block_n", self.stage2_block_n, 16 if self.multiply == "dot" else 1,
                        512, pow2=True)
         _check_int("block_k", self.block_k, 32, 4096, pow2=True)
+        if self.expert_block_k is not None:
+            _check_int("expert_block_k", self.expert_block_k, 32, 8192, pow2=True)
         _check_int("num_warps", self.num_warps, 1, 16, pow2=True)
         _check_int("max_products", self.max_products, 1, 1 << 24)
 

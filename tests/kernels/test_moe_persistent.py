@@ -227,12 +227,14 @@ def test_block_gpu_tiles_several_programs(device):
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "det"])
 def test_stage2_items_sized_apart_from_stage1(det, device):
     """stage2_block_n: stage 2's D rows a work item (and the deterministic reduce's) apart from
-    stage 1's I rows, wider and narrower, K-lane and fma: the same block."""
+    stage 1's I rows, wider and narrower, K-lane and fma; expert_block_k: the experts' K step
+    apart from the front's and the tail's: the same block."""
     cfg, w, x = _setup(device, M=2, fmt="mxfp4", seed=4)
     plan, refs = _plan(cfg, x, w), {}
-    for multiply, n1, n2 in (("klane", 16, 64), ("fma", 64, 8)):
+    for multiply, n1, n2, k in (("klane", 16, 64, None), ("fma", 64, 8, None),
+                                ("klane", 8, 32, 32)):
         config = dataclasses.replace(BIG, multiply=multiply, expert_block_n=n1,
-                                     stage2_block_n=n2, deterministic=det)
+                                     stage2_block_n=n2, expert_block_k=k, deterministic=det)
         _check(x, w, cfg, plan, config, num_sms=2, refs=refs)
 
 
@@ -295,6 +297,9 @@ def test_tiles_fit_the_product_budget():
     assert _tiles(C32, 4, 16, k3, True)["BLOCK_KE"] == 32
     dot = _tiles(dataclasses.replace(C32, multiply="dot", activations="fp8"), 1, 1, k3, True)
     assert (dot["BLOCK_ME"], dot["BLOCK_NE"], dot["BLOCK_KE"]) == (16, 32, 32)
+    wide = _tiles(dataclasses.replace(C32, expert_block_k=1024, max_products=1 << 16), 1, 1,
+                  k3, True)
+    assert (wide["BLOCK_KF"], wide["BLOCK_KE"]) == (128, 1024)
     tiny = _tiles(C32, 1, 1, (200, 96, 96, 120), True)
     assert (tiny["BLOCK_KF"], tiny["BLOCK_KE"]) == (128, 128)
 
@@ -373,7 +378,7 @@ def test_boundary_variants(name, device):
     ("programs_per_sm", 0), ("deterministic", 1), ("activations", "fp4"), ("multiply", "mma"),
     ("tail_fp8", "yes"), ("front_block_n", 24), ("expert_block_n", 0), ("tail_block_n", 1024),
     ("block_k", 16), ("num_warps", 3), ("multiply", "klane"), ("max_products", 0),
-    ("stage2_block_n", 3)])
+    ("stage2_block_n", 3), ("expert_block_k", 48)])
 def test_bad_config(field, value):
     extra = {"activations": "fp8"} if (field, value) == ("multiply", "klane") else {}
     with pytest.raises(ValueError, match=f"^{field}: (expected|'klane' reads bf16)"):
