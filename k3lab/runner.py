@@ -487,8 +487,12 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
         if len(slots) < min(jobs, len(paths)):
             print(f"k3lab: --jobs {jobs} on {len(slots)} GPU(s): {len(slots)} at a time, one "
                   "notebook per GPU, so that timings do not disturb each other", flush=True)
-        # the longest first (by the last run), so the batch does not end on one long notebook
-        order = sorted(pairs, key=lambda ip: -(lasts[ip[0]] or 0.0))
+        # the longest first (by the last run here, else by the committed H200 reports' run),
+        # so the batch does not end on one long notebook
+        ref = repo_root() / "executed" / "h200"
+        hints = [last if last is not None else _last_seconds(ref, p.stem)
+                 for last, p in zip(lasts, paths, strict=True)]
+        order = sorted(pairs, key=lambda ip: -(hints[ip[0]] or 0.0))
         tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None))
                  for i, (p, nb_params) in order]
         completed = batch.run_slots(tasks, slots, _run_one, on_done, on_error)
