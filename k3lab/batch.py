@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,18 @@ def gpu_slots(device: str, jobs: int) -> list[str | None]:
 def _init_worker(gpu: str | None) -> None:
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    # an idle worker ignores Ctrl-C (else it dies printing a traceback); a task takes it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _task(fn: Callable[..., Any], *args) -> Any:
+    """fn(*args) in a worker with Ctrl-C on: the notebook stops and cleans up, and the
+    KeyboardInterrupt reaches the batch through the future."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return fn(*args)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def run_slots(tasks: list[tuple], slots: list[str | None], fn: Callable[..., Any],
@@ -57,7 +70,7 @@ def run_slots(tasks: list[tuple], slots: list[str | None], fn: Callable[..., Any
             except queue.Empty:
                 return
             try:
-                result = pool.submit(fn, *args).result()
+                result = pool.submit(_task, fn, *args).result()
             except KeyboardInterrupt:  # Ctrl-C reached the worker too: it cleaned up and
                 stop.set()             # left its notebook's last good report as it was
                 return
