@@ -229,13 +229,15 @@ def _persistent_weights(weights, config: PersistentMoEConfig):
 def persistent_config(activations: str, config=None) -> PersistentMoEConfig:
     """The config a persistent variant runs: ``config`` (a sweep's point) when it is a
     PersistentMoEConfig, else the defaults with W4A16 multiplying in the stages' K-lane GEMVs
-    (the fastest in the persistent_config sweep, docs/decisions.md; A8W4 needs another mode);
+    (the fastest in the persistent_config sweep, docs/decisions.md; A8W4 needs another mode:
+    fma, with 16-row stage-2 items, so that its product budget keeps the experts' K step);
     with ``activations`` ("bf16" or "fp8") set. Under the interpreter the defaults take a few
     big work items instead (it runs programs and items one after another; the tests run the
     GPU's items too)."""
     if not isinstance(config, PersistentMoEConfig):
-        config = PersistentMoEConfig(multiply="klane" if activations == "bf16" else "fma",
-                                     **(_INTERPRETER_ITEMS if INTERPRETED else {}))
+        mode = dict(multiply="klane") if activations == "bf16" else dict(multiply="fma",
+                                                                          stage2_block_n=16)
+        config = PersistentMoEConfig(**mode, **(_INTERPRETER_ITEMS if INTERPRETED else {}))
     return dataclasses.replace(config, activations=activations)
 
 
