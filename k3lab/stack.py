@@ -120,8 +120,9 @@ CATALOGUE: tuple[Change, ...] = (
            "absorb in one launch; v absorb and output gate in one",
            ("mla.kv_a_norm", "mla.cache_append", "mla.q_absorb", "mla.v_absorb",
             "mla.out_gate")),
-    Change("persistent-moe", "single-owner persistent MoE boundary, A8W4 (aiter#2): routing, "
-           "the route-to-expert handoff and both stages in one launch",
+    Change("persistent-moe", "single-owner persistent MoE boundary (aiter#2, A8W4 there; run "
+           "here as W4A16, the faster format of the moe boundary's persistent variants): "
+           "routing, the route-to-expert handoff and both stages in one launch",
            ("moe.route_select", "moe.sort", "moe.expert_align", "moe.stage1", "moe.stage2"),
            needs=("moe:persistent",)),
     Change("fp8-latent-tail", "FP8 latent tail up-projection (per-channel scales; #18)", (),
