@@ -52,6 +52,7 @@ from k3lab.kernels.moe.persistent import (
     moe_persistent,
 )
 from k3lab.kernels.mxfp4 import MXFP4, mxfp4_tiled_codes
+from k3lab.kernels.route import RouteConfig
 from k3lab.kernels.runtime import INTERPRETED
 from k3lab.reference.moe import (
     activate,
@@ -169,7 +170,7 @@ def make_inputs(cfg: Preset, device, seed: int, M: int = 1, expert_format: str =
     return inputs
 
 
-def _plan(inputs: dict, fused: bool):
+def _plan(inputs: dict, fused: bool, config: RouteConfig | None = None):
     if not inputs["route"]:
         return inputs["plan"]
     x, w, cfg = inputs["x"], inputs["weights"], inputs["cfg"]
@@ -177,8 +178,22 @@ def _plan(inputs: dict, fused: bool):
               renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
               block_m=inputs["block_m"], out_dim=cfg.moe_in)
     if fused:
-        return route_sort(x, w["gate_weight"], w["correction_bias"], **kw)
+        return route_sort(x, w["gate_weight"], w["correction_bias"], **kw, config=config)
     return route_sort_reference(x, w["gate_weight"], w["correction_bias"], **kw)
+
+
+# Under the interpreter a variant that routes itself runs route_sort first with the route's
+# split-K tiles (few programs: each interpreted program costs its Python overhead) and hands
+# the block the plan: the same launches. On a GPU the block routes with the kernels' defaults.
+_INTERPRETER_ROUTE = RouteConfig(gemv_row_programs=0)
+
+
+def _own_plan(inputs: dict):
+    """The plan a fused variant passes its block: the inputs' (no routing), None (the block
+    routes itself) or, under the interpreter, route_sort's with ``_INTERPRETER_ROUTE``."""
+    if not inputs["route"]:
+        return inputs["plan"]
+    return _plan(inputs, True, _INTERPRETER_ROUTE) if INTERPRETED else None
 
 
 def _reference(inputs: dict, dtype=torch.bfloat16) -> torch.Tensor:
@@ -191,7 +206,7 @@ FUSE_TAIL = True  # the fused variant's moe_block(fuse_tail=)
 
 def _fused(inputs: dict) -> torch.Tensor:
     config = inputs.get("config")  # a MoEConfig (a sweep's point) or None: the defaults
-    plan = None if inputs["route"] else inputs["plan"]
+    plan = _own_plan(inputs)
     return moe_block(inputs["x"], inputs["weights"].for_kernels(config), cfg=inputs["cfg"],
                      plan=plan, block_m=inputs["block_m"], fuse_tail=FUSE_TAIL, config=config)
 
@@ -252,7 +267,7 @@ def _persistent(activations: str):
         config = persistent_config(activations, inputs.get("config"))
         cfg = inputs["cfg"]
         out = moe_persistent(inputs["x"], _persistent_weights(inputs["weights"], config),
-                             cfg=cfg, plan=None if inputs["route"] else inputs["plan"],
+                             cfg=cfg, plan=_own_plan(inputs),
                              block_m=inputs["block_m"], config=config)
         numerics = ("a8w4" if config.fp8 else "w4a16") + (
             "+fp8 tail" if config.tail_fp8 and cfg.latent else "")
