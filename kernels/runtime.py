@@ -45,7 +45,8 @@ def _patch_once_per_launch() -> bool:
     from triton.runtime import interpreter as ip
 
     patch, scope_type = getattr(ip, "_patch_lang", None), getattr(ip, "_LangPatchScope", None)
-    if patch is None or scope_type is None or getattr(patch, "k3lab", False):
+    if patch is None or scope_type is None or getattr(patch, "k3lab", False) or \
+            not isinstance(getattr(scope_type(), "_changes", None), list):
         return False
     active: list = []  # per running launch: (ids of the language modules swapped, its scope)
 

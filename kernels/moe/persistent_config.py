@@ -62,7 +62,8 @@ class PersistentMoEConfig:
         block_k: K elements a GEMV step of the front and the tail (bf16 weights).
         expert_block_k: K elements a GEMV step of the experts (MXFP4 or bf16), None: block_k
             (the dot mode takes 32 for fp8 activations: one MXFP4 group a dot). A step is one
-            round trip to memory per item, so fewer, longer steps cut an item's latency.
+            round trip to memory per item, but a longer step's registers can leave fewer
+            programs resident (docs/decisions.md has the sweep).
         num_warps: warps a program.
         max_products: a broadcast-multiply GEMV step's products (rows of x x weight rows x K)
             at most: the K step is halved (down to 32) until a step fits (tokens x rows x K
