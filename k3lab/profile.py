@@ -81,6 +81,20 @@ MAX_COLD_COPIES = 512  # small boundaries (AttnRes at B1: ~0.2 MB a call) need h
 # share of one replay's launch.
 MIN_GRAPH_CALLS = 32
 AMORTIZED_CALL_US = 200.0
+# Timed work a figure may take on the GPU: a slow call (an unfused reference at milliseconds a
+# call) gets fewer samples, never fewer than MIN_SAMPLES; at microseconds a call the budget never
+# binds. The samples taken are in the Timing (``repeats``).
+TIME_BUDGET_S = 0.25
+MIN_SAMPLES = 5
+
+
+def budget_samples(per_sample_s: float, repeats: int, budget_s: float | None = None) -> int:
+    """Samples of ``per_sample_s`` each within ``budget_s`` (default TIME_BUDGET_S): at most
+    ``repeats``, at least MIN_SAMPLES (or ``repeats`` when that is fewer)."""
+    budget_s = TIME_BUDGET_S if budget_s is None else budget_s
+    if per_sample_s <= 0:
+        return repeats
+    return max(min(MIN_SAMPLES, repeats), min(repeats, int(budget_s / per_sample_s)))
 
 
 @dataclass
@@ -131,15 +145,18 @@ def _summary(samples_us: list[float], **kw) -> Timing:
     return Timing(statistics.median(samples_us), q[0], q[-1], len(samples_us), **kw)
 
 
-def _warm(run: Callable[[], Any], device: torch.device) -> None:
+def _warm(run: Callable[[], Any], device: torch.device) -> float:
     """Call ``run`` (a batch of warm-up calls) until WARMUP_SECONDS of wall time have passed,
-    at least once, synchronizing after each batch (before any timed region)."""
+    at least once, synchronizing after each batch (before any timed region). Returns the wall
+    seconds of the last batch."""
     t0 = time.perf_counter()
     while True:
+        t1 = time.perf_counter()
         run()
         _sync(device)
-        if time.perf_counter() - t0 >= WARMUP_SECONDS.get(device.type, 0.0):
-            return
+        t2 = time.perf_counter()
+        if t2 - t0 >= WARMUP_SECONDS.get(device.type, 0.0):
+            return t2 - t1
 
 
 def graph_passes(replay_call_us: float, n: int, min_calls: int = MIN_GRAPH_CALLS) -> int:
@@ -199,7 +216,10 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
 
     if mode == "eager":
         if warmup or device.type == "cuda":
-            _warm(lambda: [fn(inputs_list[i % n]) for i in range(max(warmup, 1))], device)
+            calls = max(warmup, 1)
+            batch_s = _warm(lambda: [fn(inputs_list[i % n]) for i in range(calls)], device)
+            if device.type == "cuda":
+                repeats = budget_samples(batch_s / calls, repeats)
         if device.type != "cuda":
             samples = []
             for i in range(repeats):
@@ -238,8 +258,8 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
         for _ in range(max(warmup, 1)):
             g.replay()
 
-    _warm(replay_batch, device)
-    replays = max(5, repeats // 2)
+    batch_s = _warm(replay_batch, device)
+    replays = budget_samples(batch_s / max(warmup, 1), max(5, repeats // 2))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     for i in range(replays):

@@ -1,6 +1,7 @@
 """The profiler on CPU: logical launch counts, timing, cold copies, timeline, measure()."""
 
 import math
+import time
 import warnings
 
 import pandas as pd
@@ -139,8 +140,10 @@ class _FakeGPU:
     host's ``host_us``; graphs that count the calls made while they capture and replay them at
     ``call_us`` each (plus ``replay_us`` a replay); events that read the clock."""
 
-    def __init__(self, call_us: float, host_us: float, replay_us: float = 10.0):
+    def __init__(self, call_us: float, host_us: float, replay_us: float = 10.0,
+                 wall: bool = False):
         self.call_us, self.host_us, self.replay_us = call_us, host_us, replay_us
+        self.wall = wall  # replays also take their time on the wall clock
         self.now, self.capturing, self.graphs = 0.0, None, []
 
     def launch(self):
@@ -161,7 +164,10 @@ class _FakeGPU:
                 gpu.graphs.append(self)
 
             def replay(self):
-                gpu.now += gpu.replay_us + self.calls * gpu.call_us
+                us = gpu.replay_us + self.calls * gpu.call_us
+                gpu.now += us
+                if gpu.wall:
+                    time.sleep(us * 1e-6)
 
         class Event:
             def __init__(self, **_):
@@ -208,6 +214,26 @@ def test_graph_path_sizes_its_graph_by_the_gpu_time(call_us, calls, monkeypatch)
     assert t.note == f"{calls} calls per graph replay"
     assert [g.calls for g in gpu.graphs] == ([2, 32] if calls == 32 else [2])
     assert t.median_us == pytest.approx(call_us + gpu.replay_us / calls)
+
+
+@pytest.mark.parametrize("per_s,repeats,want", [(1e-5, 50, 50), (0.01, 50, 25), (0.1, 50, 5),
+                                                 (10.0, 50, 5), (10.0, 3, 3), (0.0, 7, 7)])
+def test_budget_samples(per_s, repeats, want):
+    """Samples within TIME_BUDGET_S: all ``repeats`` for a fast call, never below MIN_SAMPLES."""
+    assert profile.TIME_BUDGET_S == 0.25 and profile.MIN_SAMPLES == 5
+    assert profile.budget_samples(per_s, repeats) == want
+
+
+def test_slow_graph_gets_fewer_replays(monkeypatch):
+    """A replay that takes longer than the budget allows gets MIN_SAMPLES replays, a fast one
+    ``repeats // 2``; the Timing says how many."""
+    monkeypatch.setattr(profile, "TIME_BUDGET_S", 0.02)
+    for call_us, want in ((5000.0, profile.MIN_SAMPLES), (10.0, 20)):
+        gpu = _FakeGPU(call_us, host_us=0.0, wall=True)
+        gpu.install(monkeypatch)
+        t = profile.time_variant(lambda inputs, g=gpu: g.launch(), [{}], mode="graph",
+                                 repeats=40, min_calls=1)
+        assert t.repeats == want, (call_us, t)
 
 
 @pytest.mark.gpu
