@@ -23,6 +23,10 @@ class GemvConfig:
         first ``prefetch_steps`` weight steps (weights never depend on the previous launch), then
         waits for the previous grid before it reads x.
     prefetch_steps: weight steps prefetched before that wait (pdl only).
+    wait_last: (pdl only) the launch reads nothing the previous grid writes: a program lets
+        the next launch start, runs, and waits for the previous grid only before it exits, so
+        it overlaps a previous grid that lets its dependents start early, and its end still
+        implies the previous grid's.
     block_n 8 serves one token only (the tensor-core path of 2..16 tokens needs 16).
     """
 
@@ -33,6 +37,7 @@ class GemvConfig:
     num_stages: int = 3
     pdl: bool = False
     prefetch_steps: int = 2
+    wait_last: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -52,5 +57,7 @@ class GemvConfig:
         if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
-        if not isinstance(self.pdl, bool):
-            raise ValueError(f"GemvConfig.pdl: expected a bool, got {self.pdl!r}")
+        for name in ("pdl", "wait_last"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GemvConfig.{name}: expected a bool, got "
+                                 f"{getattr(self, name)!r}")

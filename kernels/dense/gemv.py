@@ -180,7 +180,7 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
           NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
           DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-          NUM_STAGES: tl.constexpr):
+          NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -193,7 +193,8 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
             _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
             if ACT != 0:
                 _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
-        gdc_wait()
+        if not WAIT_LAST:
+            gdc_wait()
         gdc_launch_dependents()
     acc, ss = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, BLOCK_M, BLOCK_N,
                       BLOCK_K, NORM, DOT_FP32, NUM_STAGES)
@@ -225,6 +226,8 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
             rstd = tl.rsqrt(ss / K + eps)
         _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, o_m, m_m, o_n, m_n, N, beta, linear_beta,
                   ACT, NORM, RESIDUAL, DUAL)
+    if PDL and WAIT_LAST:
+        gdc_wait()
 
 
 @triton.jit
@@ -234,7 +237,8 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
                       DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
-                      PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr):
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      WAIT_LAST: tl.constexpr):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
@@ -248,14 +252,15 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2
             _tile(i_n - T0, i_n, i_k, p_x, p_w + N * K, p_y + M * N, p_res, p_g,
                   p_ws + SPLIT_K * M * N, p_cnt, p_x2, p_w2, b1, b2, b3, b4, b5, b6, b7, M, NG,
                   K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M, BLOCK_N, BLOCK_K,
-                  SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL, PREFETCH, NUM_STAGES)
+                  SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
+                  WAIT_LAST)
         else:
             _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3,
                   b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta,
                   BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1, False, DOT_FP32, PDL,
-                  PREFETCH, NUM_STAGES)
+                  PREFETCH, NUM_STAGES, WAIT_LAST)
     else:
         _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3, b4,
               b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M,
               BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32, PDL,
-              PREFETCH, NUM_STAGES)
+              PREFETCH, NUM_STAGES, WAIT_LAST)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..dense import dense_gemv
+from ..dense import GemvConfig, default_config, dense_gemv
 from ..plan import RoutePlan
-from ..route import route_sort
-from ..runtime import check_number
+from ..route import RouteConfig, route_sort
+from ..runtime import INTERPRETED, check_number
 from .checks import (
     check_activation,
     check_betas,
@@ -25,6 +27,8 @@ from .launch import _launch_stage1, _launch_stage2_tail, _stage2_args, _tail_arg
 from .tiles import mma_tile
 
 __all__ = ["latent_moe_tail", "moe_block"]
+
+_EARLY_ROUTE = RouteConfig(early_dependents=True)  # the route before an overlapping front
 
 
 def _tail_shared(shared, y, m, h, config):
@@ -172,18 +176,23 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     betas = check_betas(cfg.situ_beta, cfg.situ_linear_beta)
     check_number("cfg.rms_eps", cfg.rms_eps, positive=True)
     w13, w2, (e, d, i) = _check_block_weights(x, weights, cfg, plan)
+    dense = config.dense_projections and cfg.latent
+    # the dense front reads x alone: it may overlap the route it follows (compiled, PDL)
+    overlap = (plan is None and dense and config.pdl and config.front_overlaps_route
+               and x.device.type == "cuda" and not INTERPRETED)
     if plan is None:
         plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
                           n_group=cfg.n_group, topk_group=cfg.topk_group,
                           renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
-                          block_m=block_m, out_dim=d)
+                          block_m=block_m, out_dim=d,
+                          config=_EARLY_ROUTE if overlap else None)
     _, _, n_tiles = check_plan(plan, m, e, x.device, out_dim=d, validate=validate)
     if plan.out is None:
         raise ValueError("plan.out: moe_block needs the plan's zeroed fp32 [M, D] buffer "
                          "(route_sort(..., out_dim=D))")
-    if config.dense_projections and cfg.latent:
+    if dense:
         return _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic,
-                            config)
+                            config, overlap)
     # prepared activations for the tensor-core tiles: the front kernel writes z's copy, stage 1
     # a's (latent presets; K2-style stage 1 reads x itself)
     prep1 = (config.x_prepared and cfg.latent and d % 8 == 0
@@ -220,15 +229,27 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     return tail[2]
 
 
-def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic, config):
+def _front_config(m: int, rows: int, k: int, gated: bool, overlap: bool) -> GemvConfig | None:
+    """A front GEMV's tiling: the dense defaults; after an early-dependents route, waiting for
+    it only at the end (``GemvConfig.wait_last``)."""
+    if not overlap:
+        return None
+    return dataclasses.replace(default_config(m, rows, k, gated=gated), pdl=True, wait_last=True)
+
+
+def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic, config,
+                 overlap=False):
     """moe_block with ``config.dense_projections``: one dense GEMV launch for the GEMVs of x
     (latent down and, merged, the shared gate/up: ``weights["front"]``, else two launches),
     stage 1, stage 2 alone, then RMSNorm(y) @ W_up^T + a_s @ W_s2^T as one dense GEMV (the norm
-    in its prologue, the shared down-projection its second product): 4 launches given a plan."""
+    in its prologue, the shared down-projection its second product): 4 launches given a plan.
+    overlap: the front follows a route_sort launched with early dependents (MoEConfig.
+    front_overlaps_route) and waits for it only at its end."""
     m, i, d = x.shape[0], w13.shape[1] // 2, cfg.moe_in
+    h, s = x.shape[1], cfg.shared_intermediate
     a_s = None
     if not cfg.shared_intermediate:
-        z = dense_gemv(x, weights["latent_down"])
+        z = dense_gemv(x, weights["latent_down"], config=_front_config(m, d, h, False, overlap))
     elif "front" in weights:
         front = weights["front"]
         s = cfg.shared_intermediate
@@ -237,11 +258,13 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
             raise ValueError(f"front: expected [D + 2S, H] = [{d + 2 * s}, {x.shape[1]}] (latent "
                              f"down rows, then shared gate and up rows), got {list(front.shape)}")
         z, a_s = dense_gemv(x, front, splits=(d, 2 * s), activation=cfg.activation,
-                            situ_beta=betas[0], situ_linear_beta=betas[1])
+                            situ_beta=betas[0], situ_linear_beta=betas[1],
+                            config=_front_config(m, d + s, h, True, overlap))
     else:
-        z = dense_gemv(x, weights["latent_down"])
+        z = dense_gemv(x, weights["latent_down"], config=_front_config(m, d, h, False, overlap))
         a_s = dense_gemv(x, weights["shared_w13"], activation=cfg.activation,
-                         situ_beta=betas[0], situ_linear_beta=betas[1])
+                         situ_beta=betas[0], situ_linear_beta=betas[1],
+                         config=_front_config(m, s, h, True, overlap))
     prep2 = (config.x_prepared and i % 8 == 0
              and mma_tile(config, w2, 0 if deterministic else 2, plan.block_m, n_tiles, d)
              is not None)

@@ -78,6 +78,10 @@ class MoEConfig:
             launches (latent presets): latent down and shared gate/up as one launch before stage
             1, stage 2 alone, then the tail's RMSNorm + up-projection + shared down as one
             launch (4 launches given a plan instead of 3: each GEMV at its own tiling).
+        front_overlaps_route: with dense_projections, pdl and no plan given, route_sort lets
+            the dense front launch start at once and the front waits for the route only before
+            its programs exit: the two read x alone, so the front streams its weights while
+            the route's GEMV and selection run (stage 1 still waits for both).
         deterministic_stage2: stage 2's default mode where the launcher is not told
             (``deterministic=None`` of moe_stage2 / moe_block): one program per (token, D tile)
             summing its top_k slots in slot order and storing (bitwise reproducible), instead of
@@ -106,11 +110,12 @@ class MoEConfig:
     deterministic_stage2: bool = False
     interpret_gpu_tiles: bool = False
     dense_projections: bool = False
+    front_overlaps_route: bool = True
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
-                     "dense_projections"):
+                     "dense_projections", "front_overlaps_route"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)

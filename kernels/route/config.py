@@ -31,6 +31,9 @@ class RouteConfig:
       interpreter few, big tiles (every program costs a fixed Python overhead).
 
     num_warps: every program's (the GEMV's and the selection's, which share the kernel).
+    early_dependents: (compiled only) each program first lets a next launch made with
+        programmatic dependent launch start, for a next launch that reads nothing the route
+        writes (the MoE block's dense front); off, such a launch starts as the route ends.
 
     The selection (the last program to finish):
 
@@ -54,6 +57,7 @@ class RouteConfig:
     gemv_row_splits: int = 2
     gemv_row_max_tokens: int = 1
     num_warps: int = 4
+    early_dependents: bool = False
     scalar_keys: bool = True
     cand_cache: str = ""
     threshold_min_top_k: int = 8
@@ -64,7 +68,7 @@ class RouteConfig:
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "scalar_keys":
+            if f.name in ("scalar_keys", "early_dependents"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
             elif f.name == "cand_cache":

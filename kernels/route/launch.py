@@ -7,7 +7,7 @@ import torch
 import triton
 
 from ..plan import RoutePlan, plan_capacity
-from ..runtime import check_device, check_number
+from ..runtime import INTERPRETED, check_device, check_number
 from .config import MAX_TOKENS, RouteConfig
 from .gemv import _gate_gemv_kernel
 from .sort import _route_sort_kernel
@@ -267,7 +267,9 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK,
         BLOCK_G=triton.next_power_of_2(n_group), **tiles,
         GEMV_ROWS=rows, GEMV_CHUNKS=chunks, CAND_CACHE=cfg.cand_cache,
-        SCALAR_E=cfg.scalar_keys, num_warps=cfg.num_warps)
+        SCALAR_E=cfg.scalar_keys,
+        EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED,
+        num_warps=cfg.num_warps)
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,

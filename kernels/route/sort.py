@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from .gemv import _fill, _gemv_partials
 from .select import _select_tokens
@@ -116,7 +117,9 @@ def _route_sort_kernel(
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
         IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
         GEMV_ROWS: tl.constexpr, GEMV_CHUNKS: tl.constexpr, CAND_CACHE: tl.constexpr,
-        SCALAR_E: tl.constexpr):
+        SCALAR_E: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr):
+    if EARLY_DEPENDENTS:
+        gdc_launch_dependents()
     i_e, i_k = tl.program_id(0), tl.program_id(1)
     _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS)
 

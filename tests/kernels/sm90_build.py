@@ -102,9 +102,9 @@ def main() -> dict:
 
     from k3lab import boundaries, stack
     from k3lab.config import preset
-    from k3lab.kernels import AttnResConfig, attn_res_norm, gate_logits
+    from k3lab.kernels import AttnResConfig, RouteConfig, attn_res_norm, gate_logits, route_sort
     from k3lab.kernels import floors as kfloors
-    from k3lab.kernels.dense import dense_gemv
+    from k3lab.kernels.dense import GemvConfig, dense_gemv
     from k3lab.studies import decode_step
 
     cfg, cpu = preset("tiny"), torch.device("cpu")
@@ -148,6 +148,13 @@ def main() -> dict:
         config=AttnResConfig(split_h=16)))
     r = boundaries.get("route").make_inputs(cfg, cpu, 0)
     attempt("gate_logits", lambda: gate_logits(r["hidden"], r["gate_weight"]))
+    # the MoE block's overlapping front: a route that lets it start, a GEMV that waits last
+    attempt("route early dependents", lambda: route_sort(
+        r["hidden"], r["gate_weight"], r["correction_bias"], top_k=cfg.top_k,
+        config=RouteConfig(early_dependents=True)))
+    attempt("dense wait_last", lambda: dense_gemv(
+        torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16),
+        config=GemvConfig(block_n=8, pdl=True, wait_last=True)))
     x = torch.zeros(1 << 16, dtype=torch.bfloat16)
     for then in kfloors.THEN:
         attempt(f"floors stream {then}", lambda then=then: kfloors.stream(x, then=then))

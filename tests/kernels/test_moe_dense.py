@@ -81,3 +81,36 @@ def test_dense_projections_k3_tp8_graph(fmt):
         graph.replay()
         torch.cuda.synchronize()
         B.check(out, None, inp)
+
+
+@pytest.mark.gpu
+def test_front_overlapping_the_route_changes_nothing():
+    """K3 tp 8, MXFP4, routing in the block, deterministic stage 2: the front launched while the
+    route runs (MoEConfig.front_overlaps_route) gives the bitwise output of the front launched
+    after it, eager and in a CUDA graph of 16 calls on distinct x replayed 20 times."""
+    cfg = preset("kimi-k3", 8)
+    dev = torch.device("cuda")
+    inp = _inputs(cfg, dev, 1, "mxfp4")
+    xs = [_inputs(cfg, dev, 1, "mxfp4", seed=s)["x"] for s in range(16)]
+    configs = {o: MoEConfig(dense_projections=True, front_overlaps_route=o) for o in (False, True)}
+    w = inp["weights"].for_kernels(configs[True])
+
+    def run(x, overlap):
+        return moe_block(x, w, cfg=cfg, deterministic=True, config=configs[overlap])
+
+    want = [run(x, False).clone() for x in xs]
+    for x, ref in zip(xs, want, strict=True):
+        assert torch.equal(run(x, True), ref)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(xs[0], True)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [run(x, True) for x in xs]
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, ref in zip(outs, want, strict=True):
+            assert torch.equal(out, ref)

@@ -352,7 +352,7 @@ def test_bad_input(which, device):
     ("gemv_row_programs", -1), ("gemv_row_chunk", 384), ("gemv_row_splits", 0),
     ("gemv_row_max_tokens", -1), ("num_warps", 3), ("num_warps", 4.0), ("scalar_keys", 1),
     ("cand_cache", ".cs"), ("threshold_min_top_k", 0), ("threshold_min_experts", True),
-    ("buckets_per_slot", 3), ("candidates_per_slot", 0)])
+    ("buckets_per_slot", 3), ("candidates_per_slot", 0), ("early_dependents", "yes")])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         RouteConfig(**{field: value})
