@@ -179,7 +179,7 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     dense = config.dense_projections and cfg.latent
     # the dense front reads x alone: it may overlap the route it follows (compiled, PDL)
     overlap = (plan is None and dense and config.pdl and config.front_overlaps_route
-               and x.device.type == "cuda" and not INTERPRETED)
+               and not INTERPRETED)
     if plan is None:
         plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
                           n_group=cfg.n_group, topk_group=cfg.topk_group,

@@ -45,7 +45,7 @@ from ..mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
 from ..plan import RoutePlan
 from ..route import route_sort
 from ..runtime import INTERPRETED
-from .block import _check_block_weights
+from .block import _EARLY_ROUTE, _check_block_weights
 from .checks import check_activation, check_plan, check_tensor, check_tokens
 from .persistent_config import PersistentMoEConfig
 from .persistent_kernel import SYNC_HEADER, moe_persistent_kernel
@@ -231,11 +231,12 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
     if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
                                 or num_sms < 1):
         raise ValueError(f"num_sms: expected a positive int or None, got {num_sms!r}")
+    overlap = plan is None and config.overlap_route and not INTERPRETED
     if plan is None:
         plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
                           n_group=cfg.n_group, topk_group=cfg.topk_group,
                           renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
-                          block_m=block_m)
+                          block_m=block_m, config=_EARLY_ROUTE if overlap else None)
     top_k, block_m, n_tiles = check_plan(plan, m, e, x.device)
     s = cfg.shared_intermediate
     dev = x.device
@@ -290,7 +291,7 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
         TILED13=fp4 and w13.layout == "tiled", TILED2=fp4 and w2.layout == "tiled",
         TOKEN_LOOP=not INTERPRETED,
         DETERMINISTIC=config.deterministic, UP_FP8=isinstance(up, FP8Rows), **t, TRACE=trace,
-        num_warps=config.num_warps)
+        PDL=overlap, num_warps=config.num_warps, **({"launch_pdl": True} if overlap else {}))
     if not trace:
         return out
     e_front = n_z + n_sh

@@ -68,6 +68,9 @@ class PersistentMoEConfig:
         max_products: a broadcast-multiply GEMV step's products (rows of x x weight rows x K)
             at most: the K step is halved (down to 32) until a step fits (tokens x rows x K
             products live in registers).
+        overlap_route: when the launch routes itself (no plan given; compiled), route_sort
+            lets this launch start at once and only the items that read the plan (stage 1 on)
+            wait for it: the front's items stream their weights while the route runs.
     """
 
     programs_per_sm: int = 4
@@ -83,10 +86,11 @@ class PersistentMoEConfig:
     expert_block_k: int | None = None
     num_warps: int = 4
     max_products: int = 8192
+    overlap_route: bool = True
 
     def __post_init__(self):
         _check_int("programs_per_sm", self.programs_per_sm, 1, 64)
-        for name in ("deterministic", "tail_fp8"):
+        for name in ("deterministic", "tail_fp8", "overlap_route"):
             _check_bool(name, getattr(self, name))
         _check_choice("activations", self.activations, ACTIVATION_FORMATS)
         _check_choice("multiply", self.multiply, MULTIPLY_MODES)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ..runtime import INTERPRETED  # noqa: F401  (sets the interpreter up before any jit)
 from .gemv import act, expert_gemv, gate_up_act, to_bf16
@@ -259,10 +260,12 @@ def moe_persistent_kernel(
         BLOCK_ME: tl.constexpr, BLOCK_NF: tl.constexpr, BLOCK_NE: tl.constexpr,
         BLOCK_N2: tl.constexpr,
         BLOCK_NT: tl.constexpr, BLOCK_KF: tl.constexpr, BLOCK_KE: tl.constexpr,
-        TRACE: tl.constexpr):
+        TRACE: tl.constexpr, PDL: tl.constexpr):
     """Each program takes tickets from p_sync[WORK] until none is left and runs their items
     (see the module docstring); the last program out zeroes the sync words. TRACE: item t's
-    (start ns, end ns, SM, program) into int64 p_trace[4 t .. 4 t + 3]."""
+    (start ns, end ns, SM, program) into int64 p_trace[4 t .. 4 t + 3]. PDL: launched while
+    the route that wrote the plan may still run; an item past the front waits for it first
+    (the front reads x and weights only)."""
     e_front = n_z + n_sh
     e_s1 = e_front + n_tiles * n_i
     e_s2 = e_s1 + n_tiles * n_d
@@ -274,6 +277,9 @@ def moe_persistent_kernel(
     while t < n_items:
         if TRACE:
             t_start = _globaltimer()
+        if PDL:  # noqa: SIM102 - a constexpr branch, then a runtime one
+            if t >= e_front:
+                gdc_wait()
         if t < e_front:
             _front_item(t, p_x, p_wd, p_z, p_y, p_ws13, p_as, p_sync, M, H, D, S, n_z, beta,
                         linear_beta, ACT, LATENT, not DETERMINISTIC, BLOCK_MT, BLOCK_NF,

@@ -152,6 +152,11 @@ def main() -> dict:
     attempt("route early dependents", lambda: route_sort(
         r["hidden"], r["gate_weight"], r["correction_bias"], top_k=cfg.top_k,
         config=RouteConfig(early_dependents=True)))
+    moe = boundaries.get("moe")
+    mi = moe.make_inputs(cfg, cpu, 0, route=True)
+    for name in ("persistent", "fused+dense"):  # routing themselves: the overlapping launches
+        fn = moe.variant(name).fn
+        attempt(f"moe/{name} with routing", lambda fn=fn: fn(boundaries.clone_inputs(mi)))
     attempt("dense wait_last", lambda: dense_gemv(
         torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16),
         config=GemvConfig(block_n=8, pdl=True, wait_last=True)))

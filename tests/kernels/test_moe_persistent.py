@@ -378,7 +378,7 @@ def test_boundary_variants(name, device):
     ("programs_per_sm", 0), ("deterministic", 1), ("activations", "fp4"), ("multiply", "mma"),
     ("tail_fp8", "yes"), ("front_block_n", 24), ("expert_block_n", 0), ("tail_block_n", 1024),
     ("block_k", 16), ("num_warps", 3), ("multiply", "klane"), ("max_products", 0),
-    ("stage2_block_n", 3), ("expert_block_k", 48)])
+    ("stage2_block_n", 3), ("expert_block_k", 48), ("overlap_route", None)])
 def test_bad_config(field, value):
     extra = {"activations": "fp8"} if (field, value) == ("multiply", "klane") else {}
     with pytest.raises(ValueError, match=f"^{field}: (expected|'klane' reads bf16)"):
@@ -573,6 +573,32 @@ def test_gpu_k3_tp8_launches_and_determinism(fmt):
         assert torch.equal(run({"x": x, "config": det_cfg}), det)
         assert_close("atomic vs det", run({"x": x, "config": PersistentMoEConfig()}), det,
                      atol=1e-3, rtol=2 ** -7)
+
+
+@pytest.mark.gpu
+def test_gpu_overlapping_the_route_changes_nothing():
+    """K3 tp 8, routing in the launch, deterministic: the launch started while the route runs
+    (overlap_route) gives the bitwise output of the one started after it, eager and in a CUDA
+    graph of 16 calls on distinct x replayed 20 times."""
+    cfg, w, _ = _k3(8, 1)
+    xs = [hidden_states(cfg, 1, make_generator(100 + s, "cuda")) for s in range(16)]
+    on, off = (PersistentMoEConfig(deterministic=True, overlap_route=o) for o in (True, False))
+    want = [moe_persistent(x, w, cfg=cfg, config=off).clone() for x in xs]
+    for x, ref_out in zip(xs, want, strict=True):
+        assert torch.equal(moe_persistent(x, w, cfg=cfg, config=on), ref_out)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe_persistent(xs[0], w, cfg=cfg, config=on)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [moe_persistent(x, w, cfg=cfg, config=on) for x in xs]
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, ref_out in zip(outs, want, strict=True):
+            assert torch.equal(out, ref_out)
 
 
 @pytest.mark.gpu
