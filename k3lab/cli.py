@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default=None, metavar="DIR",
                    help="output folder (default: executed/local; GPU reports: executed/h200)")
     r.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="per-cell time limit in seconds (a positive number)")
+                   help="per-cell time limit in seconds (a positive number; default "
+                        "$K3LAB_CELL_TIMEOUT, else none)")
     r.add_argument("--show-code", action="store_true", help="keep code cells in the HTML")
     r.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                    help="notebooks run at once (default: one per CPU core on the CPU, one per "

@@ -47,6 +47,9 @@ KERNEL_NAME = "python3"
 RUN_OPTIONS = ("device", "preset", "tp")  # given by their own options, injected when declared
 TRACE_PARAM = "trace_dir"  # set by the runner, when declared, to the run's folder for traces
 NOTEBOOKS_ENV = "K3LAB_NOTEBOOKS"
+# The per-cell limit where a run names none (unset: no limit). The test suite sets it: a kernel
+# that finishes a cell but whose reply never reaches the client would otherwise wait forever.
+TIMEOUT_ENV = "K3LAB_CELL_TIMEOUT"
 # the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
 # break the one-line-per-notebook progress; a cell's errors still reach the report
 KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",
@@ -202,7 +205,14 @@ def _check_memory(paths: list[Path], plans: list[dict], decl: dict[Path, dict],
 
 def _check_timeout(timeout) -> float | None:
     if timeout is None:
-        return None
+        env = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not env:
+            return None
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ValueError(f"${TIMEOUT_ENV}: expected seconds as a number, got "
+                             f"{env!r}") from None
     if isinstance(timeout, bool) or not isinstance(timeout, int | float):
         raise TypeError(f"timeout: expected seconds as a number, got {timeout!r}")
     if not math.isfinite(timeout) or timeout <= 0:
@@ -525,7 +535,8 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     device / preset / tp are injected into each notebook that declares them; every other key of
     ``params`` must be declared by at least one selected notebook and goes only to those. All
     parameters of all notebooks, the timeout and the output folder are checked before the first
-    one runs (ValueError / TypeError). timeout: per-cell limit in seconds. progress: one line per
+    one runs (ValueError / TypeError). timeout: per-cell limit in seconds (None: $K3LAB_CELL_TIMEOUT
+    when set, else none). progress: one line per
     notebook; cells: a per-cell progress bar too (one notebook at a time only). jobs: notebooks
     run at once, each in a worker process, one GPU each on a multi-GPU host (see
     :mod:`k3lab.batch`), the longest by their last run first; None: :func:`auto_jobs`. ray: a

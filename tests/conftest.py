@@ -11,6 +11,10 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# a notebook cell of the tests takes seconds: a cell whose reply is lost fails in minutes rather
+# than holding the suite forever (k3lab.runner.TIMEOUT_ENV; the workers' processes inherit it)
+os.environ.setdefault("K3LAB_CELL_TIMEOUT", "300")
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one torch thread a worker: workers share the cores
     torch.set_num_threads(1)
 

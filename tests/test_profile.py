@@ -331,3 +331,40 @@ def test_quiet_warnings_silence_only_their_notices():
 ], ids=["vectorized", "enable_if-paren", "enable_if-anon", "void", "triton", "memcpy", "nvjet"])
 def test_short_kernel_name_drops_return_types_and_arguments(name, short):
     assert profile.short_kernel_name(name) == short
+
+
+# ---------------------------------------------------------------- the torch.compile peers
+
+def test_compiled_peer_recompiles_past_dynamos_default_limit_or_fails(monkeypatch):
+    """A peer meeting more input signatures than Dynamo's default limit (8) compiles each one
+    (no silent eager fallback under the torch.compile label); past the peers' own limit it
+    fails instead of falling back."""
+    import torch._dynamo
+    import torch._dynamo.config as dynamo
+
+    from k3lab import boundaries
+
+    for name in ("recompile_limit", "accumulated_recompile_limit",
+                 "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(dynamo, name, getattr(dynamo, name))
+    torch._dynamo.reset()
+    frames = []
+
+    def count(gm, example_inputs):
+        frames.append(1)
+        return gm.forward
+
+    peer = boundaries.compiled(lambda inputs: inputs["x"] * 2 + 1, backend=count, dynamic=False)
+    for n in range(1, 13):
+        x = torch.arange(n, dtype=torch.float32)
+        assert torch.equal(peer({"x": x}), x * 2 + 1)
+    assert len(frames) == 12 and dynamo.recompile_limit >= boundaries.PEER_RECOMPILE_LIMIT
+    torch._dynamo.reset()
+    monkeypatch.setattr(boundaries, "PEER_RECOMPILE_LIMIT", 2)
+    monkeypatch.setattr(dynamo, "recompile_limit", 1)
+    small = boundaries.compiled(lambda inputs: inputs["x"] - 1, backend=count, dynamic=False)
+    small({"x": torch.zeros(1)})
+    small({"x": torch.zeros(2)})
+    with pytest.raises(Exception, match="(?i)recompil"):
+        small({"x": torch.zeros(3)})
+    torch._dynamo.reset()

@@ -242,6 +242,20 @@ def test_cell_timeout_is_one_line(tmp_path, capfd):
     assert len(text.strip().splitlines()) == 3, text  # start, the notebook, the summary
 
 
+def test_cell_timeout_from_the_environment(monkeypatch, tmp_path, capfd):
+    """$K3LAB_CELL_TIMEOUT is the limit where --timeout is not given; a bad value is refused
+    naming the variable."""
+    nbs = _sleep_notebooks(tmp_path / "nbs")
+    monkeypatch.setenv(runner.TIMEOUT_ENV, "1")
+    rc = cli.main(["run", "--notebooks", str(nbs), "-p", "sleep=30", "--out",
+                   str(tmp_path / "out")])
+    assert rc == 1
+    assert "timed out: a cell ran longer than --timeout 1 s" in capfd.readouterr().out
+    monkeypatch.setenv(runner.TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=r"\$K3LAB_CELL_TIMEOUT: expected seconds"):
+        runner.run(["sleep"], notebook_dir=nbs, out_dir=tmp_path / "out2", progress=False)
+
+
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_ctrl_c_is_one_line_and_keeps_the_reports(tmp_path, jobs):
     """SIGINT to the whole process group, as a terminal's Ctrl-C sends it, mid-notebook: one

@@ -120,13 +120,29 @@ def clone_inputs(inputs: Any) -> Any:
     return copy.copy(inputs) if isinstance(inputs, (Preset,)) else inputs
 
 
+# A peer recompiles for every input signature it meets (a dense sweep's 54 shapes: 54 graphs of
+# one function). Past Dynamo's own limit (8) it would run the function eagerly while its figures
+# still say torch.compile; the peers raise the limit and make hitting it an error instead.
+PEER_RECOMPILE_LIMIT = 128
+
+
+def _peer_dynamo_limits() -> None:
+    import torch._dynamo.config as dynamo
+
+    dynamo.recompile_limit = max(dynamo.recompile_limit, PEER_RECOMPILE_LIMIT)
+    dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit,
+                                             2 * PEER_RECOMPILE_LIMIT)
+    dynamo.fail_on_recompile_limit_hit = True
+
+
 def compiled(fn: Callable[[dict], Any], **compile_kwargs) -> Callable[[dict], Any]:
     """``torch.compile`` of a reference, compiled lazily on first call (so importing the
-    registry stays cheap)."""
+    registry stays cheap), with the peers' recompile limits (PEER_RECOMPILE_LIMIT)."""
     cache: dict[str, Callable] = {}
 
     def run(inputs: dict):
         if "fn" not in cache:
+            _peer_dynamo_limits()
             cache["fn"] = torch.compile(fn, **compile_kwargs)
         return cache["fn"](inputs)
 
