@@ -91,12 +91,19 @@ def dependencies(name: str) -> list[str]:
     files named after its boundary (the overview and the decode step: all of the code)."""
     short = re.sub(r"^\d+_", "", name)
     base = ["k3lab/profile.py", "k3lab/floors.py", "k3lab/config.py", "k3lab/weights.py",
-            "k3lab/report.py", "k3lab/studies/__init__.py", "kernels/runtime.py"]
+            "k3lab/report.py", "k3lab/studies/__init__.py", "k3lab/boundaries/__init__.py",
+            "kernels/runtime.py", "kernels/plan.py"]
     if short in ("overview", "decode_step"):
         return [f"notebooks/{name}.ipynb", "k3lab", "kernels"]
     named = [f"{d}/{short}*" for d in ("kernels", "k3lab/boundaries", "k3lab/reference",
                                         "k3lab/studies")]
-    return [f"notebooks/{name}.ipynb", *base, *named]
+    return [f"notebooks/{name}.ipynb", *base, *named, *USES.get(short, ())]
+
+
+# kernels a boundary's launches call beyond its own files (the MoE block routes and runs dense
+# GEMVs; the dense boundary's merged projections are in kernels/dense)
+USES = {"moe": ("kernels/route", "kernels/dense", "kernels/mxfp4.py"),
+        "route": ("kernels/mxfp4.py",)}
 
 
 def stale_files(commit: str | None, name: str, repo: str | os.PathLike) -> list[str] | None:

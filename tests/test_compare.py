@@ -230,3 +230,12 @@ def test_compare_with_head_runs_a_fixture_notebook_in_a_worktree(tmp_path, capsy
     assert {(r["metric"], float(r["ratio"])) for r in rows} == {
         ("launches", 1.0), ("latency_us", 1.0), ("speedup_vs_reference", 1.0)}
     assert "k3lab-compare-" not in _git(runner.repo_root(), "worktree", "list")
+
+
+def test_a_boundary_depends_on_the_kernels_its_launches_call():
+    """The MoE report goes stale with the route and dense kernels its block launches, every
+    report with the shared registry; the MLA report not with the MoE's files."""
+    moe, mla = compare.dependencies("20_moe"), compare.dependencies("50_mla")
+    assert {"kernels/route", "kernels/dense", "k3lab/boundaries/__init__.py"} <= set(moe)
+    assert "k3lab/boundaries/__init__.py" in mla and "kernels/dense" not in mla
+    assert "kernels/moe*" in moe and "kernels/moe*" not in mla
