@@ -333,6 +333,10 @@ def measure(boundary: Boundary, cfg: Preset, device: torch.device | str, *,
     ref = boundary.reference.fn(clone_inputs(inputs))
     bw = copy_bandwidth(dev)
     modes = [m for m in modes if m == "eager" or dev.type == "cuda"]
+    # on the CPU one call is the whole timing (DEFAULT_REPEATS): the launch count's call gives
+    # it, instead of a third interpreted call
+    one_call = (launches and dev.type != "cuda" and modes == ["eager"]
+                and (repeats or DEFAULT_REPEATS[dev.type]) == 1)
     copies = None
     latency: dict[tuple[str, str], float] = {}
     for v in chosen:
@@ -351,15 +355,20 @@ def measure(boundary: Boundary, cfg: Preset, device: torch.device | str, *,
             row(v, "max_abs_err", err, note=name)
         if launches:
             # the check's call above was the warm-up (it compiled what the call launches)
-            lc = count_launches(v.fn, clone_inputs(inputs), warmup=False)
+            arg = clone_inputs(inputs)
+            t0 = time.perf_counter()
+            lc = count_launches(v.fn, arg, warmup=False)
+            once = _summary([(time.perf_counter() - t0) * 1e6], mode="eager", cold=cold,
+                            device=str(dev), note="the launch count's call, wall clock")
             row(v, "launches", lc.count, "launches", note=lc.kind)
         row(v, "bytes", nbytes, "B")
-        if copies is None:
+        if copies is None and not one_call:
             copies = (cold_copies(lambda s: boundary.make_inputs(cfg, dev, seed + s, **params),
                                   bytes_per_copy=nbytes, device=dev) if cold else [inputs])
         for mode in modes:
             try:
-                t = time_variant(v.fn, copies, mode=mode, repeats=repeats, cold=cold)
+                t = once if one_call else time_variant(v.fn, copies, mode=mode,
+                                                       repeats=repeats, cold=cold)
             except Exception as exc:  # noqa: BLE001 - a capture failure is a finding, not a crash
                 row(v, "latency_us", float("nan"), "us", mode,
                     note=f"{mode} failed: {type(exc).__name__}: {exc}"[:300])

@@ -1,5 +1,6 @@
 """The profiler on CPU: logical launch counts, timing, cold copies, timeline, measure()."""
 
+import dataclasses
 import math
 import time
 import warnings
@@ -113,6 +114,25 @@ def test_measure_checks_before_timing_and_reports_ratios():
     assert set(df["M"]) == {2} and set(df["preset"]) == {"tiny"}
     sp = df[(df.metric == "speedup_vs_reference") & (df.variant == "reference")]
     assert float(sp["value"].iloc[0]) == 1.0
+
+
+@pytest.mark.parametrize("repeats,calls", [(None, 2), (3, 5)])
+def test_measure_on_cpu_times_the_launch_count_s_call(repeats, calls):
+    """On the CPU one call is the timing: the check's call and the launch count's (which is
+    timed) are all a variant costs; asked for more repeats, they are timed apart."""
+    seen = []
+
+    def counted(inputs):
+        seen.append(1)
+        return reference_double(inputs)
+
+    b = _boundary()
+    b = dataclasses.replace(b, variants=(b.variants[0], Variant("fused", "fused", counted)))
+    df = profile.measure(b, preset("tiny"), "cpu", variants=["fused"], repeats=repeats)
+    assert len(seen) == calls
+    lat = df[(df.metric == "latency_us") & (df.variant == "fused")]
+    assert len(lat) == 1 and float(lat["value"].iloc[0]) > 0
+    assert lat["note"].iloc[0] == f"cold x1, {1 if repeats is None else 3} repeats"
 
 
 @pytest.mark.gpu
