@@ -285,6 +285,17 @@ _SWEEPS = [
           "A8W4's item sizes (fma; with routing)",
           variants=("persistent_a8w4",), params={"route": True, "expert_format": "mxfp4"},
           tp=8, config=("moe.persistent_config", "PersistentMoEConfig")),
+    Sweep("persistent_overlap", "moe",
+          grid(({"multiply": "klane"},), ({"overlap_route": False}, {"overlap_route": True})),
+          "the persistent launch started after route_sort against while it runs (W4A16, with "
+          "routing)",
+          variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
+          config=("moe.persistent_config", "PersistentMoEConfig")),
+    Sweep("front_overlap", "moe",
+          ({"front_overlaps_route": False}, {"front_overlaps_route": True}),
+          "the dense front launched after route_sort against while it runs (fused+dense, "
+          "with routing)",
+          variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("block_m", "route", ({"M": 16, "block_m": 1}, {"M": 16, "block_m": 4},
                                {"M": 16, "block_m": 16}),
           "plan tile height (entries of one expert a tile) at 16 tokens"),
