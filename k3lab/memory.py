@@ -195,7 +195,7 @@ def _phases(short: str, cfg: Preset, cuda: bool, p: dict) -> list[tuple[str, flo
         tps = _ints(p.get("tps")) or [1, 2, 4, 8]
         c = min((x for tp in tps if (x := _valid(cfg.name, tp)) is not None),
                 key=lambda x: x.tp, default=cfg)
-        steps = _int(p.get("steps"), 64)
+        steps = _int(p.get("steps"), 64) or 64  # 0: the notebook's device default, at most 64
         tokens = steps * 10 * m * c.kda_heads * c.kda_head_dim * BF16
         return [(f"the KDA measure at tp {c.tp}", MEASURE_SETS * _kda_set(c, m) + tokens)]
     if short == "mla":

@@ -40,10 +40,11 @@ def valid_tp(preset: str, tp: int, fmt: str = "bf16") -> bool:
 
 
 def default_sweep_tps(s: Setup) -> list[int]:
-    """K3: tp 1 and 8; another preset: its valid tps among 1, 3 and 8."""
+    """K3: tp 1 and 8; another preset: its valid tps among 1, 3 and 8 (under the interpreter,
+    among 1 and 8: the sweep only shows that each shard runs there)."""
     if s.cfg.name == "kimi-k3":
         return [1, 8]
-    return [t for t in (1, 3, 8) if valid_tp(s.cfg.name, t)]
+    return [t for t in ((1, 3, 8) if s.on_gpu else (1, 8)) if valid_tp(s.cfg.name, t)]
 
 
 def default_tokens(s: Setup) -> list[int]:
