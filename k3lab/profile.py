@@ -358,8 +358,9 @@ def measure(boundary: Boundary, cfg: Preset, device: torch.device | str, *,
             arg = clone_inputs(inputs)
             t0 = time.perf_counter()
             lc = count_launches(v.fn, arg, warmup=False)
-            once = _summary([(time.perf_counter() - t0) * 1e6], mode="eager", cold=cold,
-                            device=str(dev), note="the launch count's call, wall clock")
+            if one_call:
+                once = _summary([(time.perf_counter() - t0) * 1e6], mode="eager", cold=cold,
+                                device=str(dev), note="the launch count's call, wall clock")
             row(v, "launches", lc.count, "launches", note=lc.kind)
         row(v, "bytes", nbytes, "B")
         if copies is None and not one_call:

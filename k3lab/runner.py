@@ -535,13 +535,13 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     device / preset / tp are injected into each notebook that declares them; every other key of
     ``params`` must be declared by at least one selected notebook and goes only to those. All
     parameters of all notebooks, the timeout and the output folder are checked before the first
-    one runs (ValueError / TypeError). timeout: per-cell limit in seconds (None: $K3LAB_CELL_TIMEOUT
-    when set, else none). progress: one line per
-    notebook; cells: a per-cell progress bar too (one notebook at a time only). jobs: notebooks
-    run at once, each in a worker process, one GPU each on a multi-GPU host (see
-    :mod:`k3lab.batch`), the longest by their last run first; None: :func:`auto_jobs`. ray: a
-    Ray cluster's address ("local" starts one here): every notebook a Ray task asking for one
-    GPU (one CPU on a CPU run), its files sent back here.
+    one runs (ValueError / TypeError). timeout: per-cell limit in seconds (None:
+    $K3LAB_CELL_TIMEOUT when set, else none). progress: one line per notebook; cells: a per-cell
+    progress bar too (one notebook at a time only). jobs: notebooks run at once, each in a
+    worker process, one GPU each on a multi-GPU host (see :mod:`k3lab.batch`), the longest by
+    their last run first; None: :func:`auto_jobs`. ray: a Ray cluster's address ("local" starts
+    one here): every notebook a Ray task asking for one GPU (one CPU on a CPU run), its files
+    sent back here.
     force: run even when a notebook's estimated memory (:mod:`k3lab.memory`) exceeds what the
     device has free; without it that is a ValueError before anything runs (not checked for a
     remote Ray cluster, whose nodes' memory is not known here).

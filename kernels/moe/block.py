@@ -248,11 +248,10 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     m, i, d = x.shape[0], w13.shape[1] // 2, cfg.moe_in
     h, s = x.shape[1], cfg.shared_intermediate
     a_s = None
-    if not cfg.shared_intermediate:
+    if not s:
         z = dense_gemv(x, weights["latent_down"], config=_front_config(m, d, h, False, overlap))
     elif "front" in weights:
         front = weights["front"]
-        s = cfg.shared_intermediate
         check_tensor("front", front, dtypes=(torch.bfloat16,), dim=2, device=x.device)
         if tuple(front.shape) != (d + 2 * s, x.shape[1]):
             raise ValueError(f"front: expected [D + 2S, H] = [{d + 2 * s}, {x.shape[1]}] (latent "
