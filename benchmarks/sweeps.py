@@ -204,12 +204,9 @@ _DENSE_SHAPES = ("kda.q_proj", "kda.f_a_proj", "kda.beta_proj", "kda.in_proj", "
                  "moe.router", "mlp.gate_up", "mlp.down", "lm_head")
 
 
-def _gemv(block_n, block_k, split_k, num_stages, prefetch_steps, preload_steps=0) -> dict:
-    out = dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
-               num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps)
-    if preload_steps:  # left out at 0, so the points also run on trees without the field
-        out["preload_steps"] = preload_steps
-    return out
+def _gemv(block_n, block_k, split_k, num_stages, prefetch_steps) -> dict:
+    return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
+                num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps)
 
 
 # the one-token tilings the tune sweep tries on every shape; kernels/dense/tuned.py picks from
@@ -326,6 +323,15 @@ _SWEEPS = [
                            {"stage2_mma_tile": (1, 1, 1)}),
           "tensor-core tiles (R, WARPS_K, L2 prefetch distance) of MXFP4 stages 1 and 2 "
           "against the rule's pick ({})", params=_MXFP4_TP1, tp=1),
+    Sweep("mma_tiles", "moe",
+          ({},) + tuple({"stage1_mma_tile": t} for t in (
+              (2, 4, 0), (2, 4, 1), (2, 4, 2), (2, 4, 3), (2, 2, 1), (2, 2, 2), (2, 1, 2)))
+          + tuple({"stage2_mma_tile": t} for t in (
+              (2, 1, 0), (2, 1, 2), (1, 1, 1), (1, 2, 1), (2, 2, 0), (2, 2, 2), (2, 2, 3),
+              (2, 4, 1), (1, 4, 1))),
+          "tensor-core tiles (R, WARPS_K, L2 prefetch distance) of MXFP4 stages 1 and 2 at a "
+          "tp 8 shard, where an expert's rows are few: the block given the plan",
+          params={"expert_format": "mxfp4"}, tp=8),
     Sweep("pdl", "moe", ({"pdl": True}, {"pdl": False}),
           "programmatic dependent launch on and off, MXFP4", params=_MXFP4_TP1, tp=1),
     Sweep("evict", "moe", ({}, {"stage2_evict_first": False}, {"stage1_evict_first": True}),
@@ -354,18 +360,6 @@ _SWEEPS = [
                                    ({}, *({"block_n": 16, "block_k": 512, "split_k": k}
                                           for k in (1, 2, 4, 8)))),
           "K split of the B1 GEMV at 16 x 512 tiles against the per-shape default ({})"),
-    Sweep("preload", "dense", tuple(
-        {"shape": shape, **_gemv(*tiling, preload_steps=p)}
-        for shape, tilings in (
-            ("kda.q_proj", ((8, 512, 1, 5, 0), (8, 512, 2, 5, 0), (8, 512, 4, 4, 0),
-                            (8, 512, 2, 4, 2))),
-            ("kda.o_proj", ((16, 256, 1, 3, 0), (8, 512, 1, 3, 0), (8, 256, 1, 3, 0))),
-            ("moe.shared_gate_up", ((8, 512, 2, 5, 2), (8, 512, 1, 4, 0), (8, 512, 4, 4, 0))),
-            ("moe.latent_up", ((16, 256, 1, 3, 0), (8, 512, 1, 3, 0))),
-            ("mlp.down", ((16, 256, 1, 3, 0), (8, 512, 1, 3, 0))))
-        for tiling in tilings for p in (0, 2, 4)),
-          "weight steps loaded into registers before the PDL wait (0, 2, 4) on the 11-60 MB "
-          "shapes whose launch ramp and tail the table leaves, at several tilings"),
     Sweep("tune", "dense", grid(tuple({"shape": n} for n in _DENSE_SHAPES),
                                 ({}, *GEMV_CANDIDATES)),
           "every K3 projection shape, M = 1: the per-shape default ({}: the measured table, "

@@ -23,9 +23,6 @@ class GemvConfig:
         first ``prefetch_steps`` weight steps (weights never depend on the previous launch), then
         waits for the previous grid before it reads x.
     prefetch_steps: weight steps prefetched before that wait (pdl only).
-    preload_steps: weight steps (1, 2 or 4; 0: none) a program loads into registers before
-        that wait, so its first bytes stream while the previous grid finishes; they are
-        multiplied after the K loop, whose own loads are issued first.
     wait_last: (pdl only) the launch reads nothing the previous grid writes: a program lets
         the next launch start, runs, and waits for the previous grid only before it exits, so
         it overlaps a previous grid that lets its dependents start early, and its end still
@@ -41,7 +38,6 @@ class GemvConfig:
     pdl: bool = False
     prefetch_steps: int = 2
     wait_last: bool = False
-    preload_steps: int = 0
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -61,9 +57,6 @@ class GemvConfig:
         if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
-        if isinstance(self.preload_steps, bool) or self.preload_steps not in (0, 1, 2, 4):
-            raise ValueError(f"GemvConfig.preload_steps: expected 0, 1, 2 or 4, got "
-                             f"{self.preload_steps!r}")
         for name in ("pdl", "wait_last"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name}: expected a bool, got "

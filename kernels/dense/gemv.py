@@ -72,45 +72,27 @@ def _rstd(p_x, o_m, m_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _w_tile(p_w, o_n, m_n, K, k0, k_hi, BLOCK_K: tl.constexpr):
-    """W[o_n, k0 : k0 + BLOCK_K] (zero past k_hi), bf16."""
-    o_k = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :],
-                   mask=m_n[:, None] & (o_k < k_hi)[None, :], other=0.0)
-
-
-@triton.jit
-def _x_tile(p_x, p_g, o_m, m_m, K, k0, k_hi, BLOCK_K: tl.constexpr, NORM: tl.constexpr):
-    """(x[o_m, k0 : k0 + BLOCK_K] fp32 (* g when NORM), its sums of squares per token)."""
-    o_k = k0 + tl.arange(0, BLOCK_K)
-    m_k = o_k < k_hi
-    b_xf = tl.load(p_x + o_m[:, None] * K + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
-                   other=0.0).to(tl.float32)
-    ss = tl.zeros([b_xf.shape[0]], tl.float32)
-    if NORM:  # x is in registers anyway: its sum of squares costs no second pass
-        ss = tl.sum(b_xf * b_xf, axis=1)
-        b_xf = b_xf * tl.load(p_g + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-    return b_xf, ss
-
-
-@triton.jit
-def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, w_pre,
+def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            NORM: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
-            PRE_K: tl.constexpr):
+            NORM: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr):
     """(fp32 [BLOCK_M, BLOCK_N] sums of x[o_m, k] (* g[k]) * W[o_n, k] over k in [k_lo, k_hi),
-    fp32 [BLOCK_M] sums of x^2 over the same range: the RMSNorm's, when NORM).
-    PRE_K > 0: w_pre holds W's first PRE_K columns of the range, loaded by the caller; they are
-    multiplied after the loop, so the loop's first loads go out first."""
+    fp32 [BLOCK_M] sums of x^2 over the same range: the RMSNorm's, when NORM)."""
     ss = tl.zeros([BLOCK_M], tl.float32)
     if BLOCK_M == 1:
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(k_lo + PRE_K, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        b_w = _w_tile(p_w, o_n, m_n, K, k0, k_hi, BLOCK_K)
-        b_xf, ss_k = _x_tile(p_x, p_g, o_m, m_m, K, k0, k_hi, BLOCK_K, NORM)
-        ss += ss_k
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        o_k = k0 + tl.arange(0, BLOCK_K)
+        m_k = o_k < k_hi
+        b_w = tl.load(p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :],
+                      mask=m_n[:, None] & m_k[None, :], other=0.0)
+        b_x = tl.load(p_x + o_m[:, None] * K + o_k[None, :],
+                      mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_xf = b_x.to(tl.float32)
+        if NORM:  # x is in registers anyway: its sum of squares costs no second pass
+            ss += tl.sum(b_xf * b_xf, axis=1)
+            b_xf = b_xf * tl.load(p_g + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
         if BLOCK_M == 1:
             acc2 += b_w.to(tl.float32) * b_xf
         elif DOT_FP32:  # the interpreter's dot is only exact in fp32
@@ -119,15 +101,6 @@ def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, w_pre,
             acc += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_w))
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
-    if PRE_K > 0:
-        b_xf, ss_k = _x_tile(p_x, p_g, o_m, m_m, K, k_lo, k_hi, PRE_K, NORM)
-        ss += ss_k
-        if BLOCK_M == 1:
-            acc += tl.sum(w_pre.to(tl.float32) * b_xf, axis=1)[None, :]
-        elif DOT_FP32:
-            acc += tl.dot(b_xf, tl.trans(w_pre.to(tl.float32)))
-        else:
-            acc += tl.dot(b_xf.to(tl.bfloat16), tl.trans(w_pre))
     return acc, ss
 
 
@@ -207,7 +180,7 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
           NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
           DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-          NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr, PRELOAD: tl.constexpr):
+          NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -215,33 +188,25 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
     m_m = o_m < M
     k_lo = i_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    w_pre = 0.0  # W's first PRELOAD steps, loaded before the wait (weights never depend on it)
-    u_pre = 0.0
-    if PRELOAD > 0:
-        w_pre = _w_tile(p_w, o_n, m_n, K, k_lo, k_hi, PRELOAD * BLOCK_K)
-        if ACT != 0:
-            u_pre = _w_tile(p_w + N * K, o_n, m_n, K, k_lo, k_hi, PRELOAD * BLOCK_K)
     if PDL:
         if PREFETCH > 0:
-            k_pf = k_lo + PRELOAD * BLOCK_K
-            _prefetch_l2(p_w, o_n, m_n, K, k_pf, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
+            _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
             if ACT != 0:
-                _prefetch_l2(p_w + N * K, o_n, m_n, K, k_pf, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
+                _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
         if not WAIT_LAST:
             gdc_wait()
         gdc_launch_dependents()
-    acc, ss = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, w_pre, BLOCK_M,
-                      BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, PRELOAD * BLOCK_K)
+    acc, ss = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, BLOCK_M, BLOCK_N,
+                      BLOCK_K, NORM, DOT_FP32, NUM_STAGES)
     acc_u = acc
     if ACT != 0:
-        acc_u, _ = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, u_pre,
-                           BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES,
-                           PRELOAD * BLOCK_K)
+        acc_u, _ = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi,
+                           BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES)
     if DUAL:
         k2_lo = i_k * K2_SPLIT
         acc_u, _ = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo,
-                           tl.minimum(k2_lo + K2_SPLIT, K2), 0.0, BLOCK_M, BLOCK_N, BLOCK_K,
-                           False, DOT_FP32, NUM_STAGES, 0)
+                           tl.minimum(k2_lo + K2_SPLIT, K2), BLOCK_M, BLOCK_N, BLOCK_K, False,
+                           DOT_FP32, NUM_STAGES)
     if N_SEG > 1:  # segment s is its own contiguous [M, n_s] block of the output
         start, length = _segment(o_n, N, b1, b2, b3, b4, b5, b6, b7)
         o_y = M * start[None, :] + o_m[:, None] * length[None, :] + (o_n - start)[None, :]
@@ -273,7 +238,7 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2
                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
                       DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      WAIT_LAST: tl.constexpr, PRELOAD: tl.constexpr):
+                      WAIT_LAST: tl.constexpr):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
@@ -288,14 +253,14 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2
                   p_ws + SPLIT_K * M * N, p_cnt, p_x2, p_w2, b1, b2, b3, b4, b5, b6, b7, M, NG,
                   K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M, BLOCK_N, BLOCK_K,
                   SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
-                  WAIT_LAST, PRELOAD)
+                  WAIT_LAST)
         else:
             _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3,
                   b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta,
                   BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1, False, DOT_FP32, PDL,
-                  PREFETCH, NUM_STAGES, WAIT_LAST, PRELOAD)
+                  PREFETCH, NUM_STAGES, WAIT_LAST)
     else:
         _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3, b4,
               b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M,
               BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32, PDL,
-              PREFETCH, NUM_STAGES, WAIT_LAST, PRELOAD)
+              PREFETCH, NUM_STAGES, WAIT_LAST)
