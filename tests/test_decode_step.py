@@ -151,3 +151,16 @@ def test_graph_token_is_labelled_launch_for_launch(device):
         assert set(f.timeline["category"]) <= set(stack.CATEGORIES)
     check = study.check_token(tok, {"full": full}, study.configs_for(device), 4)
     assert bool(check["ok"].iloc[0]), check
+
+
+def test_cublas_stack_is_the_full_stack_without_the_gemv():
+    """Every change of the full stack's last step but dense-gemv: each projection op stays with
+    the engine baseline's F.linear, every other op keeps its fused owner."""
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    cublas, _ = study.cublas_stack()
+    assert "dense-gemv" in full.names and "dense-gemv" not in cublas.names
+    assert set(full.names) - set(cublas.names) == {"dense-gemv"}
+    for op in stack.DENSE_OPS:
+        assert not cublas.owner.get(op), op
+    moved = {op for op, o in full.owner.items() if o != cublas.owner.get(op)}
+    assert moved and moved <= set(stack.DENSE_OPS)

@@ -22,7 +22,8 @@ from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
            "set_context", "check_token", "LOGITS_RTOL", "waterfall", "waterfall_table",
            "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "breakdown_plot",
-           "layer_timelines", "context_sweep", "headline", "picker"]
+           "layer_timelines", "context_sweep", "headline", "picker", "CUBLAS_LABEL",
+           "cublas_stack"]
 
 # The campaign's banked endpoint: the seed PR's own figure and its conditions.
 SEED_ANCHOR = {"tok/s": 60.909, "machine": "AMD MI355X", "GPUs": 8,
@@ -48,6 +49,9 @@ MODELS = (
     "later blocks (up to 9 candidates instead of the window's 2 or 3, a few KB more each), "
     "batch sizes above 1, and the accuracy of synthetic weights (the routing of real weights "
     "picks other experts; the bytes are the same).")
+# The full stack with its projections left to cuBLAS: every boundary fused, every projection
+# bf16 F.linear as the engine baseline runs it (an engine with today's fused boundaries).
+CUBLAS_LABEL = "fused boundaries, cuBLAS projections"
 LOGITS_RTOL = 0.1  # of the largest |logit|: bf16 hand-offs through every op of every layer
 
 
@@ -188,6 +192,13 @@ def waterfall_plot(tables: dict, title: str):
     axes[0].set_ylabel("tok/s, comm excluded (l: launches per token)")
     fig.suptitle(title)
     return plots.finish(fig)
+
+
+def cublas_stack(order=None) -> tuple[stack.Stack, list[str]]:
+    """The integration stack's last step without ``dense-gemv`` (:data:`CUBLAS_LABEL`), and the
+    runnable notes."""
+    names = stack.steps(order or stack.STACKS["integration"])[-1][1]
+    return stack.runnable(stack.compose([n for n in names if n != "dense-gemv"]))
 
 
 # ---------------------------------------------------------------------------------------------
