@@ -9,7 +9,8 @@ graph), so a report can put a bar beside the fastest skeleton: a correct boundar
 it, and a bar below it cannot be met.
 
 - ``stream_floor_us``: the stream skeleton over ``nbytes`` of bf16, then (``then``) nothing, the
-  last program's sum, a second kernel, or a second kernel with PDL;
+  last program's sum, a second kernel, or a second kernel with PDL; ``after``: each launch
+  waits for the previous one before its loads (PDL), as a projection waits for its input;
 - ``update_floor_us``: an fp32 state read and written in place plus a bf16 weight read (KDA's
   bytes: the state and the f_b projection).
 
@@ -43,11 +44,14 @@ def _gpu(device) -> torch.device | None:
     return dev
 
 
-def stream_floor_us(nbytes: int, device, then: str = "none", *,
+def stream_floor_us(nbytes: int, device, then: str = "none", *, after: bool = False,
                     chunks_kb=STREAM_CHUNKS_KB, warps=WARPS) -> float:
     """Fastest per-call graph-replay microseconds of the stream skeleton over ``nbytes`` of bf16
-    (cold copies), over the chunk sizes and warp counts given; NaN off CUDA."""
+    (cold copies), over the chunk sizes and warp counts given; NaN off CUDA. ``after``: every
+    launch waits for the previous one (in the graph: the previous call) before its loads."""
     check_args(then, nbytes=nbytes)
+    if not isinstance(after, bool):
+        raise ValueError(f"after: expected a bool, got {after!r}")
     dev = _gpu(device)
     if dev is None:
         return math.nan
@@ -57,7 +61,7 @@ def stream_floor_us(nbytes: int, device, then: str = "none", *,
     best = math.inf
     for kb in chunks_kb:
         for w in warps:
-            fn = Stream(numel, 2, dev, then, kb, w)
+            fn = Stream(numel, 2, dev, then, kb, w, after)
             best = min(best, profile.time_variant(fn, copies, mode="graph",
                                                   repeats=REPEATS).median_us)
     return best

@@ -5,7 +5,10 @@ forces) and do no other work, so their time is what any kernel needs for those b
   issued up front, one fp32 partial each), then, by ``then``: ``"none"``; ``"last"``: the last
   program to finish (a completion counter) sums the partials, the one-launch shape of the route
   kernel; ``"kernel"``: a second, one-program launch sums them (split then combine); ``"pdl"``:
-  the same with programmatic dependent launch (CUDA only).
+  the same with programmatic dependent launch (CUDA only). ``after``: the launch depends on the
+  previous one, as a projection on its input: launched with programmatic dependent launch, a
+  program lets the next launch start and waits for the previous grid before its loads (CUDA
+  only).
 - update: an fp32 state read and written in place plus a bf16 weight read (KDA's bytes: the
   state and the f_b projection).
 
@@ -20,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .runtime import check_device
+from .runtime import INTERPRETED, check_device
 
 __all__ = ["Stream", "Update", "stream", "update", "check_args", "THEN"]
 
@@ -39,11 +42,15 @@ def _chunk_sum(p, base, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _stream_kernel(p, partial, counter, result, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                   LAST: tl.constexpr, TRIGGER: tl.constexpr, NP2: tl.constexpr):
+                   LAST: tl.constexpr, TRIGGER: tl.constexpr, NP2: tl.constexpr,
+                   AFTER: tl.constexpr):
     """Program i sums elements [i * CHUNK, (i + 1) * CHUNK) of p (CHUNK / BLOCK unrolled loads)
     into partial[i] fp32. LAST: the last program to finish sums the partials into result[0] and
-    resets the counter. TRIGGER: let the dependent launch start (PDL)."""
+    resets the counter. TRIGGER: let the dependent launch start (PDL). AFTER: first wait for the
+    previous grid (PDL)."""
     pid = tl.program_id(0)
+    if AFTER:
+        gdc_wait()
     if TRIGGER:
         gdc_launch_dependents()
     tl.store(partial + pid, _chunk_sum(p, pid.to(tl.int64) * CHUNK, n, CHUNK, BLOCK))
@@ -89,7 +96,8 @@ class Stream:
     """A stream skeleton over a 1-D tensor of ``numel`` elements of ``elem`` bytes: scratch for
     one configuration (``chunk_kb`` KB a program, ``warps``); call it on the tensor."""
 
-    def __init__(self, numel: int, elem: int, device, then: str, chunk_kb: int, warps: int):
+    def __init__(self, numel: int, elem: int, device, then: str, chunk_kb: int, warps: int,
+                 after: bool = False):
         self.chunk = chunk_kb * 1024 // elem
         self.block = min(self.chunk, 4096 if elem == 2 else 2048)  # 8 KB loads
         self.grid = triton.cdiv(numel, self.chunk)
@@ -98,12 +106,15 @@ class Stream:
         self.partial = torch.empty(self.grid, dtype=torch.float32, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
         self.result = torch.zeros(1, dtype=torch.float32, device=device)
-        self.pdl = then == "pdl" and torch.device(device).type == "cuda"
+        self.pdl = then == "pdl" and not INTERPRETED
+        self.after = after and not INTERPRETED
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _stream_kernel[(self.grid,)](x, self.partial, self.counter, self.result, self.numel,
                                      CHUNK=self.chunk, BLOCK=self.block, LAST=self.then == "last",
-                                     TRIGGER=self.pdl, NP2=self.np2, num_warps=self.warps)
+                                     TRIGGER=self.pdl or self.after, NP2=self.np2,
+                                     AFTER=self.after, num_warps=self.warps,
+                                     **({"launch_pdl": True} if self.after else {}))
         if self.then in ("kernel", "pdl"):
             _sum_kernel[(1,)](self.partial, self.result, self.grid, NP2=self.np2, WAIT=self.pdl,
                               num_warps=4, **({"launch_pdl": True} if self.pdl else {}))
@@ -137,16 +148,20 @@ def check_args(then: str, **sizes: int) -> None:
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
 
 
-def stream(x: torch.Tensor, then: str = "last", chunk_kb: int = 16, warps: int = 8):
+def stream(x: torch.Tensor, then: str = "last", chunk_kb: int = 16, warps: int = 8,
+           after: bool = False):
     """Run one stream skeleton on the 1-D tensor ``x`` (bf16 / fp16 / fp32): returns the fp32 sum
-    of x ([1]; the partials [programs] when ``then`` is "none")."""
+    of x ([1]; the partials [programs] when ``then`` is "none"). ``after``: wait for the
+    previous launch first (PDL)."""
     check_args(then, chunk_kb=chunk_kb, warps=warps)
+    if not isinstance(after, bool):
+        raise ValueError(f"after: expected a bool, got {after!r}")
     if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.dtype not in (
             torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x: expected a 1-D bf16 / fp16 / fp32 tensor, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
     check_device("x", x)
-    return Stream(x.numel(), x.element_size(), x.device, then, chunk_kb, warps)(x)
+    return Stream(x.numel(), x.element_size(), x.device, then, chunk_kb, warps, after)(x)
 
 
 def update(state: torch.Tensor, w: torch.Tensor, chunk_kb: int = 16, warps: int = 4):

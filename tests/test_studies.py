@@ -195,3 +195,31 @@ def test_overview_owners_and_reference_table():
     head = overview.headline(t, "kda", 77)
     assert head["moe reference launches"] == 30 and head["moe reference eager (us)"] == 12.3
     assert head["reference kda layer launches"] == 77
+
+
+def test_dense_headline_scopes_the_bar_to_tp_8_and_16():
+    """tp 1 rows do not enter the bar's figures; the dependent skeleton's fraction is the fused
+    fraction scaled by the time ratio."""
+    from k3lab.studies import dense as dense_study
+
+    s = _setup("dense")
+    mode = s.mode
+    rows = [  # tp, shape, MB, fused us, cuBLAS us, frac, dependent skeleton us
+        (1, "lm_head", 2349.0, 500.0, 480.0, 0.95, 490.0),
+        (8, "kda.q_proj", 22.0, 7.0, 10.5, 0.75, 6.5),
+        (8, "moe.router", 12.8, 5.4, 9.9, 0.56, math.nan),
+        (16, "moe.latent_up", 51.4, 15.4, 33.9, 0.79, 14.0),
+    ]
+    table = pd.DataFrame([{"tp": tp, "shape": sh, "weight MB": mb, "launches fused": 1,
+                           f"fused us ({mode})": f, f"cuBLAS us ({mode})": c,
+                           "fused frac of copy bw": fr, "speedup vs cuBLAS": c / f,
+                           "dependent skeleton us (graph)": dep}
+                          for tp, sh, mb, f, c, fr, dep in rows])
+    head = dense_study.headline(s, table)
+    assert head[f"min speedup vs cuBLAS ({mode})"] == round(480 / 500, 3)
+    assert head[f"tp 8, 16: min speedup vs cuBLAS ({mode})"] == round(10.5 / 7.0, 3)
+    assert head[f"tp 8, 16: min frac of copy bw, weights >= 20 MB ({mode})"] == 0.75
+    assert head[f"tp 8, 16: min speedup vs cuBLAS, weights < 20 MB ({mode})"] == round(
+        9.9 / 5.4, 3)
+    dep = head["tp 8, 16: min dependent-skeleton frac of copy bw, weights >= 20 MB (graph)"]
+    assert dep == round(min(0.75 * 7.0 / 6.5, 0.79 * 15.4 / 14.0), 3)

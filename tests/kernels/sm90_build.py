@@ -163,6 +163,7 @@ def main() -> dict:
     x = torch.zeros(1 << 16, dtype=torch.bfloat16)
     for then in kfloors.THEN:
         attempt(f"floors stream {then}", lambda then=then: kfloors.stream(x, then=then))
+    attempt("floors stream after", lambda: kfloors.stream(x, then="none", after=True))
     attempt("floors update", lambda: kfloors.update(torch.zeros(4096), x))
     return {"compiled": compiled, "failures": failures}
 

@@ -12,13 +12,14 @@ from k3lab import floors
 from k3lab.kernels import floors as skeletons
 
 
-@pytest.mark.parametrize("then", ["none", "last", "kernel", "pdl"])
+@pytest.mark.parametrize("then,after", [("none", False), ("last", False), ("kernel", False),
+                                        ("pdl", False), ("none", True), ("last", True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_stream_sums_every_byte(then, dtype, device):
+def test_stream_sums_every_byte(then, after, dtype, device):
     """A length that ends inside a chunk and inside a block: nothing missed, nothing twice."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3 * 4096 + 37, generator=g).to(dtype).to(device)
-    got = skeletons.stream(x, then, chunk_kb=16, warps=4)
+    got = skeletons.stream(x, then, chunk_kb=16, warps=4, after=after)
     want = x.double().sum()
     programs = -(-x.numel() * x.element_size() // (16 * 1024))
     assert got.numel() == (programs if then == "none" else 1)
@@ -57,6 +58,10 @@ def test_bad_input_is_named(device):
         skeletons.update(x, x)
     with pytest.raises(ValueError, match="x: expected a cuda"):
         skeletons.stream(x.to("meta"))
+    with pytest.raises(ValueError, match="after: expected a bool"):
+        skeletons.stream(x, "none", after=1)
+    with pytest.raises(ValueError, match="after: expected a bool"):
+        floors.stream_floor_us(1 << 20, device, after="yes")
     with pytest.raises(ValueError, match="nbytes: expected a positive int"):
         floors.stream_floor_us(0, device)
     with pytest.raises(ValueError, match="weight_bytes: expected a positive int"):
@@ -75,4 +80,6 @@ def test_floors_on_the_gpu():
     read = floors.stream_floor_us(8 << 20, "cuda", "none", chunks_kb=(16,), warps=(8,))
     last = floors.stream_floor_us(8 << 20, "cuda", "last", chunks_kb=(16,), warps=(8,))
     upd = floors.update_floor_us(4 << 20, 2 << 20, "cuda", chunks_kb=(16,), warps=(4,))
-    assert 0 < read <= last * 1.05 and upd > 0
+    after = floors.stream_floor_us(8 << 20, "cuda", "none", after=True, chunks_kb=(16,),
+                                   warps=(8,))
+    assert 0 < read <= last * 1.05 and upd > 0 and after > 0
