@@ -360,6 +360,26 @@ _SWEEPS = [
                                    ({}, *({"block_n": 16, "block_k": 512, "split_k": k}
                                           for k in (1, 2, 4, 8)))),
           "K split of the B1 GEMV at 16 x 512 tiles against the per-shape default ({})"),
+    Sweep("gate_up", "dense", tuple(
+        {"shape": shape, **_gemv(*tiling), "gate_up_together": together}
+        for shape, tilings in (
+            ("moe.shared_gate_up", ((8, 512, 2, 5, 2), (8, 512, 1, 4, 0), (8, 1024, 2, 4, 2),
+                                    (8, 256, 2, 5, 2), (8, 512, 4, 4, 2))),
+            ("mlp.gate_up", ((8, 1024, 1, 3, 0), (8, 512, 1, 3, 0), (8, 512, 1, 4, 0))))
+        for tiling in tilings for together in (False, True)),
+          "gate/up shapes: the gate and up rows in one K loop against one loop each, at the "
+          "table's tilings and a few others"),
+    Sweep("tall", "dense", tuple(
+        {"shape": shape, **_gemv(*tiling), **extra}
+        for shape in ("kda.o_proj", "moe.latent_up", "mlp.down")
+        for tiling, extra in (((16, 256, 1, 3, 0), {}), ((16, 256, 1, 4, 0), {}),
+                              ((16, 256, 1, 2, 0), {}), ((16, 512, 1, 3, 0), {}),
+                              ((16, 128, 1, 4, 0), {}), ((32, 256, 1, 3, 0), {}),
+                              ((32, 256, 1, 3, 0), {"num_warps": 8}),
+                              ((16, 512, 1, 3, 0), {"num_warps": 8}),
+                              ((8, 512, 1, 3, 0), {}), ((16, 256, 1, 3, 2), {}))),
+          "7168-row shapes over a short K (o_proj, latent up, dense MLP down): tile rows, "
+          "K step, stages and warps around the table's 16 x 256"),
     Sweep("tune", "dense", grid(tuple({"shape": n} for n in _DENSE_SHAPES),
                                 ({}, *GEMV_CANDIDATES)),
           "every K3 projection shape, M = 1: the per-shape default ({}: the measured table, "

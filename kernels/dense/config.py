@@ -27,6 +27,8 @@ class GemvConfig:
         the next launch start, runs, and waits for the previous grid only before it exits, so
         it overlaps a previous grid that lets its dependents start early, and its end still
         implies the previous grid's.
+    gate_up_together: with a gate/up activation, the gate and up rows stream in one K loop
+        (two weight tiles a step) instead of one loop each.
     block_n 8 serves one token only (the tensor-core path of 2..16 tokens needs 16).
     """
 
@@ -38,6 +40,7 @@ class GemvConfig:
     pdl: bool = False
     prefetch_steps: int = 2
     wait_last: bool = False
+    gate_up_together: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -57,7 +60,7 @@ class GemvConfig:
         if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
-        for name in ("pdl", "wait_last"):
+        for name in ("pdl", "wait_last", "gate_up_together"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name}: expected a bool, got "
                                  f"{getattr(self, name)!r}")

@@ -157,6 +157,10 @@ def main() -> dict:
     for name in ("persistent", "fused+dense"):  # routing themselves: the overlapping launches
         fn = moe.variant(name).fn
         attempt(f"moe/{name} with routing", lambda fn=fn: fn(boundaries.clone_inputs(mi)))
+    attempt("dense gate/up together", lambda: dense_gemv(
+        torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(1536, 7168, dtype=torch.bfloat16),
+        activation="situ", config=GemvConfig(block_n=8, split_k=2, pdl=True,
+                                             gate_up_together=True)))
     attempt("dense wait_last", lambda: dense_gemv(
         torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16),
         config=GemvConfig(block_n=8, pdl=True, wait_last=True)))

@@ -56,6 +56,11 @@ CASES = [  # (id, M, N, K, config)
     ("M16-N64-K1024", 16, 64, 1024, None),
     ("M5-N17-K40", 5, 17, 40, GemvConfig(block_n=16, block_k=16, split_k=2)),
     ("M1-N21-K300-bn8-split2", 1, 21, 300, GemvConfig(block_n=8, block_k=64, split_k=2)),
+    # gate and up rows in one K loop (only the activation tests use it), split and not
+    ("M1-N19-K600-together-split3", 1, 19, 600,
+     GemvConfig(block_n=8, block_k=64, split_k=3, gate_up_together=True)),
+    ("M4-N33-K300-together", 4, 33, 300, GemvConfig(block_n=16, block_k=64,
+                                                    gate_up_together=True)),
 ]
 
 
@@ -298,7 +303,8 @@ def test_bad_input_is_a_clear_error(kw, msg):
 @pytest.mark.parametrize("kw,msg", [
     (dict(block_n=24), "block_n"), (dict(block_n=4), "block_n"), (dict(block_k=8), "block_k"),
     (dict(split_k=0), "split_k"), (dict(prefetch_steps=9), "prefetch_steps"),
-    (dict(num_warps=3), "num_warps"), (dict(pdl=1), "pdl"), (dict(wait_last=None), "wait_last")])
+    (dict(num_warps=3), "num_warps"), (dict(pdl=1), "pdl"), (dict(wait_last=None), "wait_last"),
+    (dict(gate_up_together=1), "gate_up_together")])
 def test_bad_config(kw, msg):
     with pytest.raises(ValueError, match=f"GemvConfig.{msg}"):
         GemvConfig(**kw)
