@@ -15,9 +15,10 @@ from .config import GemvConfig
 __all__ = ["TUNED_M1"]
 
 
-def _c(block_n, block_k, split_k, num_stages, prefetch_steps):
+def _c(block_n, block_k, split_k, num_stages, prefetch_steps, gate_up_together=False):
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
-                      num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps)
+                      num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps,
+                      gate_up_together=gate_up_together)
 
 
 # thin rows over K 7168: 1024-column steps, split K below about 200 rows, the L2 prefetch
@@ -36,7 +37,7 @@ TUNED_M1: dict[tuple[int, int, bool], GemvConfig] = {
     (768, 7168, False): _THIN,  # KDA q/k/v/g, tp 16
     (896, 7168, False): _THIN,  # router
     (384, 7168, True): _c(8, 1024, 2, 4, 2),  # shared gate/up, tp 16
-    (768, 7168, True): _c(8, 512, 2, 5, 2),  # shared gate/up, tp 8
+    (768, 7168, True): _c(8, 512, 1, 4, 0, True),  # shared gate/up, tp 8 (dense --sweep gate_up)
     (1152, 1536, False): _c(16, 512, 1, 4, 2),  # MLA q_b, tp 16
     (1536, 7168, False): _c(8, 512, 1, 5, 0),  # KDA q/k/v/g, MLA q_a, tp 8
     (7168, 384, False): _c(8, 512, 1, 2, 2),  # shared down, tp 16
