@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["gpu_slots", "run_slots"]
+__all__ = ["gpu_slots", "run_slots", "cpu_threads", "THREAD_VARS"]
 
 
 def gpu_slots(device: str, jobs: int) -> list[str | None]:
@@ -28,9 +28,22 @@ def gpu_slots(device: str, jobs: int) -> list[str | None]:
     return [str(i) for i in range(min(jobs, n))] if n > 1 else [None]
 
 
-def _init_worker(gpu: str | None) -> None:
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def cpu_threads(slots: int) -> int:
+    """Threads a notebook's kernel gets when ``slots`` notebooks share this machine's cores:
+    torch's intra-op pools of concurrent kernels would otherwise each take every core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, slots))
+
+
+def _init_worker(gpu: str | None, threads: int | None = None) -> None:
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    if threads is not None:  # inherited by the notebook's kernel; a user's own setting wins
+        for var in THREAD_VARS:
+            os.environ.setdefault(var, str(threads))
     # an idle worker ignores Ctrl-C (else it dies printing a traceback); a task takes it
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -47,12 +60,14 @@ def _task(fn: Callable[..., Any], *args) -> Any:
 
 def run_slots(tasks: list[tuple], slots: list[str | None], fn: Callable[..., Any],
               on_done: Callable[[int, Any, str | None], None],
-              on_error: Callable[[int, BaseException], Any]) -> bool:
+              on_error: Callable[[int, BaseException], Any],
+              threads: int | None = None) -> bool:
     """Run ``fn(*args)`` for every ``(i, args)`` of ``tasks`` over the slots, in task order as
     slots free up; ``on_done(i, result, gpu)`` as each ends (under a lock), ``on_error(i, exc)``
-    giving the result of a task whose worker failed. Returns False when a Ctrl-C stopped the
-    batch: it reaches the workers too (one process group), whose notebooks stop and clean up;
-    tasks not started are dropped."""
+    giving the result of a task whose worker failed. ``threads``: the CPU threads each worker's
+    notebooks may use (``OMP_NUM_THREADS``, unless already set; None: no limit). Returns False
+    when a Ctrl-C stopped the batch: it reaches the workers too (one process group), whose
+    notebooks stop and clean up; tasks not started are dropped."""
     import multiprocessing as mp
 
     pending: queue.SimpleQueue = queue.SimpleQueue()
@@ -61,7 +76,7 @@ def run_slots(tasks: list[tuple], slots: list[str | None], fn: Callable[..., Any
     stop, lock = threading.Event(), threading.Lock()
     ctx = mp.get_context("spawn")  # a clean interpreter: no inherited threads or CUDA state
     pools = [cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker,
-                                    initargs=(gpu,)) for gpu in slots]
+                                    initargs=(gpu, threads)) for gpu in slots]
 
     def slot(pool, gpu):
         while not stop.is_set():

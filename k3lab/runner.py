@@ -505,7 +505,9 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
         order = sorted(pairs, key=lambda ip: -(hints[ip[0]] or 0.0))
         tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None))
                  for i, (p, nb_params) in order]
-        completed = batch.run_slots(tasks, slots, _run_one, on_done, on_error)
+        cpu = not str(options["device"]).startswith("cuda")
+        threads = batch.cpu_threads(len(slots)) if cpu and len(slots) > 1 else None
+        completed = batch.run_slots(tasks, slots, _run_one, on_done, on_error, threads)
     results.extend(done[i] for i in sorted(done))
     if not completed:
         results.interrupted = ", ".join(p.stem for i, p in enumerate(paths) if i not in done) \

@@ -337,3 +337,23 @@ def test_auto_jobs_is_one_per_core_and_never_more_than_the_notebooks():
     assert runner.auto_jobs("cpu", 1) == 1
     assert runner.auto_jobs("cpu", 1000) == cores
     assert runner.auto_jobs("cpu", 0) == 1
+
+
+def test_cpu_slots_share_the_cores(monkeypatch):
+    """Workers of a CPU batch cap their notebooks' thread pools at their share of the cores,
+    unless the user set the variable; a GPU batch leaves it alone."""
+    from k3lab import batch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert batch.cpu_threads(1) == cores and batch.cpu_threads(10 ** 6) == 1
+    for var in batch.THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    got = {}
+    batch.run_slots([(0, ("OMP_NUM_THREADS",)), (1, ("MKL_NUM_THREADS",))], [None, None],
+                    os.getenv, lambda i, r, g: got.__setitem__(i, r), lambda i, e: None,
+                    threads=3)
+    assert got == {0: "3", 1: "3"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    batch.run_slots([(0, ("OMP_NUM_THREADS",))], [None], os.getenv,
+                    lambda i, r, g: got.__setitem__(i, r), lambda i, e: None, threads=3)
+    assert got[0] == "7"
