@@ -159,7 +159,10 @@ def test_fp32_input_with_norm_and_fp32_residual(m, device):
 
 
 @pytest.mark.parametrize("m,cfg", [(1, None), (1, GemvConfig(block_n=8, block_k=64, split_k=3)),
-                                   (4, None), (3, GemvConfig(block_n=16, block_k=32, split_k=2))])
+                                   (4, None), (3, GemvConfig(block_n=16, block_k=32, split_k=2)),
+                                   (1, GemvConfig(block_n=8, block_k=64, split_k=3,
+                                                  gate_up_together=True)),
+                                   (3, GemvConfig(block_n=16, block_k=32, gate_up_together=True))])
 def test_mixed_plain_and_gated_rows(m, cfg, device):
     """splits (plain rows, 2S gate/up rows) with an activation: the plain rows as they are, the
     activation of the gate/up rows; the plain count not a multiple of the tile."""
