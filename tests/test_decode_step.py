@@ -164,3 +164,19 @@ def test_cublas_stack_is_the_full_stack_without_the_gemv():
         assert not cublas.owner.get(op), op
     moved = {op for op, o in full.owner.items() if o != cublas.owner.get(op)}
     assert moved and moved <= set(stack.DENSE_OPS)
+
+
+def test_breakdown_plot_zooms_past_a_slow_stack():
+    """A stack far slower than the others gets the whole-scale panel; the others a panel of
+    their own; negative launch gaps draw as nothing."""
+    cats = [*stack.CATEGORIES, dt.GAPS]
+    b = pd.DataFrame({"engine baseline": dict.fromkeys(cats, 5000.0),
+                      "full stack": {**dict.fromkeys(cats, 100.0), dt.GAPS: -50.0},
+                      "reviewed stack": dict.fromkeys(cats, 120.0)})
+    fig = study.breakdown_plot(b, "t")
+    assert len(fig.axes) == 2
+    assert [t.get_text() for t in fig.axes[1].get_xticklabels()] == ["full stack",
+                                                                      "reviewed stack"]
+    heights = [p.get_height() for p in fig.axes[1].patches]
+    assert min(heights) == 0.0
+    assert len(study.breakdown_plot(b[["full stack", "reviewed stack"]], "t").axes) == 1

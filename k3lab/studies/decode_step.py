@@ -9,6 +9,7 @@ and ``k3lab.studies.decode_bytes`` (the floor); the stacks from ``k3lab.stack``.
 from __future__ import annotations
 
 import math
+import textwrap
 
 import pandas as pd
 import torch
@@ -242,7 +243,7 @@ def rates_plot(r: pd.DataFrame, title: str):
     ax.axhline(SEED_ANCHOR["tok/s"], color="#777", ls=":",
                label=f"seed {SEED_ANCHOR['tok/s']} ({SEED_ANCHOR['machine']}, "
                      f"{SEED_ANCHOR['GPUs']} GPUs, comm included)")
-    ax.set_xticks(list(x), r["stack"])
+    ax.set_xticks(list(x), _tick_labels(r["stack"]), fontsize=8)
     ax.set_ylabel("tok/s (one tp rank)")
     ax.set_title(title)
     ax.legend(fontsize=8)
@@ -257,19 +258,34 @@ def breakdown(figs: dict, comm_us: float) -> pd.DataFrame:
     return pd.DataFrame(cols)
 
 
+def _tick_labels(labels) -> list[str]:
+    """Stack names wrapped to fit under a bar."""
+    return [textwrap.fill(str(x), 16) for x in labels]
+
+
+ZOOM = 4.0  # the breakdown adds a panel of the stacks within this factor of the fastest
+
+
 def breakdown_plot(b: pd.DataFrame, title: str):
-    """Stacked bars of :func:`breakdown`."""
-    fig, ax = plots.subplots(figsize=(7, 4.2))
-    bottom = [0.0] * b.shape[1]
-    for cat, row in b.iterrows():
-        vals = [max(float(v), 0.0) for v in row]
-        ax.bar(range(b.shape[1]), vals, bottom=bottom, label=cat)
-        bottom = [a + v for a, v in zip(bottom, vals, strict=True)]
-    ax.set_xticks(range(b.shape[1]), b.columns)
-    ax.set_ylabel("us per token")
-    ax.set_title(title)
-    ax.legend(fontsize=7, loc="upper right")
-    return plots.finish(fig)
+    """Stacked bars of :func:`breakdown` (negative launch gaps drawn as 0); when some stacks
+    take more than ZOOM x the fastest one's time, a second panel shows the others alone."""
+    totals = b.clip(lower=0).sum()
+    near = [c for c in b.columns if totals[c] <= ZOOM * totals.min()]
+    panels = [list(b.columns)] + ([near] if len(near) < b.shape[1] else [])
+    fig, axes = plots.subplots(1, len(panels), figsize=(7 * len(panels), 4.2))
+    axes = axes if hasattr(axes, "__len__") else [axes]
+    for ax, cols in zip(axes, panels, strict=True):
+        bottom = [0.0] * len(cols)
+        for cat, row in b[cols].iterrows():
+            vals = [max(float(v), 0.0) for v in row]
+            ax.bar(range(len(cols)), vals, bottom=bottom, label=cat)
+            bottom = [a + v for a, v in zip(bottom, vals, strict=True)]
+        ax.set_xticks(range(len(cols)), _tick_labels(cols), fontsize=8)
+        ax.set_ylabel("us per token")
+    axes[0].set_title(title)
+    if len(axes) > 1:
+        axes[1].set_title(f"the stacks within {ZOOM:g}x of the fastest")
+    return plots.finish(fig, legend=True)
 
 
 def layer_timelines(f: TokenFigures, token: dict) -> dict:
