@@ -195,10 +195,10 @@ def waterfall_plot(tables: dict, title: str):
     return plots.finish(fig)
 
 
-def cublas_stack(order=None) -> tuple[stack.Stack, list[str]]:
+def cublas_stack() -> tuple[stack.Stack, list[str]]:
     """The integration stack's last step without ``dense-gemv`` (:data:`CUBLAS_LABEL`), and the
     runnable notes."""
-    names = stack.steps(order or stack.STACKS["integration"])[-1][1]
+    names = stack.steps(stack.STACKS["integration"])[-1][1]
     return stack.runnable(stack.compose([n for n in names if n != "dense-gemv"]))
 
 
