@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .runtime import INTERPRETED, check_device, check_number
 
@@ -44,11 +45,14 @@ class AttnResConfig:
     max_block_h: widest H chunk (the norm pass, and the read with <= 2 bank rows): 8192 covers
         K3's 7168 in one chunk.
     num_warps: warps of the one program per token.
-    split_h: 0 (the default, faster at K3: docs/decisions.md), one program per token streams
-        all of H (the fields above); else programs of split_h columns each, cdiv(H, split_h)
-        a token, meeting at two grid barriers (after the candidates' sums, after h's sum of
-        squares), so a token's rows are read by many SMs at once. Taken only while the grid
-        fits the machine (``max_split_programs``).
+    split_h: 0 (one program per token streams all of H: the fields above); else programs of
+        split_h columns each, cdiv(H, split_h) a token, over two launches: the candidates'
+        partial sums (their Gram matrix and dots with the score weight), then the mix and the
+        norm from all of a token's partial sums, so a token's rows are read by many SMs at once.
+    split_barriers: the split schedule as one launch whose programs meet at two grid barriers
+        instead (taken only while the grid fits the machine, ``max_split_programs``).
+    split_pdl: the split launches use programmatic dependent launch (compiled only): the mix
+        launch loads its candidates while the sums launch finishes.
     split_warps: warps of a split program.
     max_split_programs: the split grid's largest size per SM (every program must be resident
         at once for the barriers; above it the one-program-per-token kernel runs).
@@ -58,6 +62,8 @@ class AttnResConfig:
     max_block_h: int = 8192
     num_warps: int = 8
     split_h: int = 0
+    split_barriers: bool = False
+    split_pdl: bool = True
     split_warps: int = 4
     max_split_programs: int = 2
 
@@ -65,6 +71,10 @@ class AttnResConfig:
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name == "split_h" and v == 0 and not isinstance(v, bool):
+                continue
+            if f.name in ("split_barriers", "split_pdl"):
+                if not isinstance(v, bool):
+                    raise ValueError(f"{f.name}: expected a bool, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 what = "0 or a power of two" if f.name == "split_h" else "a power of two"
@@ -274,6 +284,97 @@ def _attn_res_split_kernel(
         tl.atomic_xchg(p_c, 0, sem="relaxed")
 
 
+# ---------------------------------------------------------------------------------------------
+# split H over two launches: partial sums, then the mix and the norm (programmatic dependent
+# launch between them, no grid barrier)
+
+
+@triton.jit
+def _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, stride_live_m,
+                BLOCK_NB: tl.constexpr):
+    """One H chunk of a token's N + 1 candidates as a [BLOCK_NB, BLOCK_H] bf16 tile: bank rows
+    0..N-1, live as row N, padded rows masked (no memory traffic, zeros)."""
+    o_n = tl.arange(0, BLOCK_NB)
+    p_rows = tl.where(o_n < N,
+                      p_bank + i_m * stride_bank_m + o_n.to(tl.int64) * stride_bank_n,
+                      p_live + i_m * stride_live_m)
+    return tl.load(p_rows[:, None] + o_h[None, :], mask=(o_n <= N)[:, None] & m_h[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _attn_res_sums_kernel(
+    p_bank, p_live, p_res_norm_w, p_res_proj_w, p_part,
+    stride_bank_n, stride_bank_m, stride_live_m,
+    N, H, P,
+    PDL: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Program (i_p, token i_m): over its BLOCK_H columns, the candidates' Gram matrix
+    G = V V^T (its diagonal: each candidate's sum of squares; with the softmax weights p,
+    sum(h^2) = p^T G p) and their dots with w = res_norm_w * res_proj_w, stored in slot i_p."""
+    i_p = tl.program_id(0)
+    i_m = tl.program_id(1).to(tl.int64)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
+                      stride_live_m, BLOCK_NB)
+    b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+           * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
+    if DOT_FP32:  # the interpreter's bf16 dot is wrong
+        b_v = b_v.to(tl.float32)
+    b_g = tl.dot(b_v, tl.trans(b_v), out_dtype=tl.float32)  # bf16 products are exact in fp32
+    b_d = tl.sum(b_v.to(tl.float32) * b_w[None, :], axis=1)
+    o_n = tl.arange(0, BLOCK_NB)
+    p_s = p_part + (i_m * P + i_p) * (BLOCK_NB * BLOCK_NB + BLOCK_NB)
+    tl.store(p_s + o_n[:, None] * BLOCK_NB + o_n[None, :], b_g)
+    tl.store(p_s + BLOCK_NB * BLOCK_NB + o_n, b_d)
+
+
+@triton.jit
+def _attn_res_mix_kernel(
+    p_bank, p_live, p_norm_w, p_h, p_hn, p_part,
+    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m,
+    N, H, eps, P,
+    PDL: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Program (i_p, token i_m): the token's scores, softmax and sum(h^2) from all P slots
+    (added in program order: deterministic), then its BLOCK_H columns of h and h_normed. Its
+    candidates and norm weight are loaded before the wait for the partial sums."""
+    SLOT: tl.constexpr = BLOCK_NB * BLOCK_NB + BLOCK_NB
+    i_p = tl.program_id(0)
+    i_m = tl.program_id(1).to(tl.int64)
+    o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
+                      stride_live_m, BLOCK_NB).to(tl.float32)
+    b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    o_n = tl.arange(0, BLOCK_NB)
+    o_g = o_n[:, None] * BLOCK_NB + o_n[None, :]
+    p_s = p_part + i_m * P * SLOT
+    b_g = tl.zeros([BLOCK_NB, BLOCK_NB], dtype=tl.float32)
+    b_d = tl.zeros([BLOCK_NB], dtype=tl.float32)
+    for i in range(0, P):
+        b_g += tl.load(p_s + i * SLOT + o_g)
+        b_d += tl.load(p_s + i * SLOT + BLOCK_NB * BLOCK_NB + o_n)
+    b_sq = tl.sum(tl.where(o_n[:, None] == o_n[None, :], b_g, 0.0), axis=1)
+    b_s = tl.where(o_n <= N, b_d * tl.rsqrt(b_sq / H + eps), float("-inf"))
+    b_e = tl.exp(b_s - tl.max(b_s, axis=0))
+    b_p = b_e / tl.sum(b_e, axis=0)
+    # p^T G p with p as a row and as a column (no layout conversion of p needed twice)
+    b_pg = tl.sum(b_g * b_p[:, None], axis=0)
+    b_rstd = tl.rsqrt(tl.sum(b_pg * b_p, axis=0) / H + eps)
+    b_h = _round_bf16(tl.sum(b_p[:, None] * b_v, axis=0))
+    tl.store(p_h + i_m * stride_out_m + o_h, b_h.to(tl.bfloat16), mask=m_h)
+    tl.store(p_hn + i_m * stride_out_m + o_h, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16),
+             mask=m_h)
+
+
 def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
     if not isinstance(w, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
@@ -351,6 +452,20 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     strides = (bank.stride(0) if N else 0, bank.stride(1) if N else 0, live.stride(0),
                h.stride(0))
     n_split = triton.cdiv(H, cfg.split_h) if cfg.split_h else 0
+    if n_split > 1 and not cfg.split_barriers:
+        nb = max(16, triton.next_power_of_2(N + 1))  # tl.dot's smallest tile
+        part = torch.empty(M * n_split * (nb * nb + nb), dtype=torch.float32, device=device)
+        pdl = cfg.split_pdl and not INTERPRETED
+        launch = {"launch_pdl": True} if pdl else {}
+        _attn_res_sums_kernel[(n_split, M)](
+            bank_arg, live, res_norm_weight, res_proj_weight, part, *strides[:3], N, H,
+            n_split, PDL=pdl, DOT_FP32=INTERPRETED, BLOCK_NB=nb, BLOCK_H=cfg.split_h,
+            num_warps=cfg.split_warps, **launch)
+        _attn_res_mix_kernel[(n_split, M)](
+            bank_arg, live, norm_weight, h, h_normed, part, *strides, N, H, float(eps),
+            n_split, PDL=pdl, BLOCK_NB=nb, BLOCK_H=cfg.split_h, num_warps=cfg.split_warps,
+            **launch)
+        return h, h_normed
     if n_split > 1 and n_split * M <= _split_capacity(device, cfg):
         block_h = cfg.split_h
         part = torch.empty(M * n_split * (2 * BLOCK_NB + 4), dtype=torch.float32, device=device)

@@ -142,10 +142,12 @@ def main() -> dict:
     names = [n for n in stack.STACKS["integration"] if n != "b1-gate-projection"]
     st, _ = stack.runnable(stack.compose(names))
     attempt("integration stack token", lambda: stack.run_token(st, token, num_splits=4))
-    a = boundaries.get("attn_res").make_inputs(cfg, cpu, 0)
-    attempt("attn_res split", lambda: attn_res_norm(
-        a["bank"], a["live"], a["res_norm_weight"], a["res_proj_weight"], a["norm_weight"],
-        config=AttnResConfig(split_h=16)))
+    for c, split in ((cfg, AttnResConfig(split_h=16)), (k3, AttnResConfig(split_h=512)),
+                     (k3, AttnResConfig(split_h=1024, split_barriers=True))):
+        a = boundaries.get("attn_res").make_inputs(c, cpu, 0)
+        attempt(f"attn_res split {split.split_h} at {c.name}", lambda a=a, split=split:
+                attn_res_norm(a["bank"], a["live"], a["res_norm_weight"], a["res_proj_weight"],
+                              a["norm_weight"], config=split))
     r = boundaries.get("route").make_inputs(cfg, cpu, 0)
     attempt("gate_logits", lambda: gate_logits(r["hidden"], r["gate_weight"]))
     # the MoE block's overlapping front: a route that lets it start, a GEMV that waits last

@@ -91,32 +91,38 @@ def test_matches_reference(device, cfg, n, m, wdtype, hidden):
 CONFIGS = [AttnResConfig(tile_elems=1024, split_h=0),
            AttnResConfig(max_block_h=256, num_warps=4, split_h=0),
            AttnResConfig(tile_elems=4096, max_block_h=1024, num_warps=2, split_h=0),
-           AttnResConfig(split_h=16), AttnResConfig(split_h=128, split_warps=2)]
+           AttnResConfig(split_h=16), AttnResConfig(split_h=128, split_warps=2),
+           AttnResConfig(split_h=16, split_barriers=True),
+           AttnResConfig(split_h=128, split_warps=2, split_barriers=True)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["tile1k", "h256-w4", "tile4k-h1k-w2",
-                                                 "split16", "split128-w2"])
+                                                 "split16", "split128-w2", "barriers16",
+                                                 "barriers128-w2"])
 @pytest.mark.parametrize("n,hidden", [(0, 37), (5, None), (9, 1000)], ids=["N0", "N5", "N9"])
 def test_configs_match_reference(device, config, n, hidden):
     _check(_inputs(TINY, n, 2, device, wdtype="fp32" if n == 5 else "bf16", hidden=hidden),
            config=config)
 
 
+@pytest.mark.parametrize("barriers", [False, True], ids=["two-launches", "barriers"])
 @pytest.mark.parametrize("n", [0, 8])
-def test_split_matches_one_program(device, n):
-    """The split schedule (many programs a token, two barriers) and the one-program kernel read
-    the same candidates: both within the reference's tolerance, h_normed within a rounding of
-    each other (their fp32 sums add in different orders); the split launch is one kernel and
-    bitwise the same call after call (partial sums added in program order)."""
+def test_split_matches_one_program(device, n, barriers):
+    """The split schedules (many programs a token: two launches, or one with two barriers) and
+    the one-program kernel read the same candidates: each within the reference's tolerance, h
+    within a rounding of each other (their fp32 sums add in different orders); the split
+    launches are bitwise the same call after call (partial sums added in program order)."""
     args = _inputs(K3, n, 2, device, seed=5)
-    split = AttnResConfig(split_h=1024)
+    split = AttnResConfig(split_h=1024, split_barriers=barriers)
     h_s, hn_s = _check(args, config=split)
     h_1, hn_1 = _check(args, config=AttnResConfig(split_h=0))
     assert (h_s.float() - h_1.float()).abs().max() <= 2 ** -7 * h_1.float().abs().max()
     again = attn_res_norm(*args, config=split)
     assert torch.equal(again[0], h_s) and torch.equal(again[1], hn_s)
     names = count_launches(lambda a: attn_res_norm(*a, config=split), args).kernels
-    assert len(names) == 1 and "split" in names[0], names
+    expected = ["split"] if barriers else ["sums", "mix"]
+    assert len(names) == len(expected), names
+    assert all(e in k for e, k in zip(expected, names, strict=True)), names
 
 
 def test_k3_m64(device):
@@ -208,7 +214,8 @@ def test_bad_input(device, param, change):
 @pytest.mark.parametrize("field,value", [("tile_elems", 1000), ("tile_elems", 0),
                                          ("max_block_h", True), ("num_warps", 8.0),
                                          ("split_h", 100), ("split_h", -512),
-                                         ("split_h", False), ("max_split_programs", 0)])
+                                         ("split_h", False), ("max_split_programs", 0),
+                                         ("split_barriers", 1), ("split_pdl", None)])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         AttnResConfig(**{field: value})
@@ -336,11 +343,17 @@ def test_one_launch(device):
 # GPU
 
 
+GPU_CONFIGS = {"one": AttnResConfig(split_h=0), "split512": AttnResConfig(split_h=512),
+               "split1024-nopdl": AttnResConfig(split_h=1024, split_pdl=False),
+               "barriers": AttnResConfig(split_h=1024, split_barriers=True)}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", list(GPU_CONFIGS))
 @pytest.mark.parametrize("m", [1, 64])
-def test_gpu_k3_every_depth(m):
+def test_gpu_k3_every_depth(m, config):
     for n in range(10):
-        _check(_inputs(K3, n, m, "cuda", seed=n))
+        _check(_inputs(K3, n, m, "cuda", seed=n), config=GPU_CONFIGS[config])
 
 
 @pytest.mark.gpu
@@ -356,9 +369,11 @@ def test_gpu_no_host_sync():
 
 
 @pytest.mark.gpu
-def test_gpu_graph_of_a_token():
+@pytest.mark.parametrize("config", ["one", "split512"])
+def test_gpu_graph_of_a_token(config):
     """A whole K3 token's 186 reads captured in one CUDA graph (every depth 1..9 candidates):
     replays equal eager calls, and follow the residual buffer when it changes in place."""
+    cfg = GPU_CONFIGS[config]
     rows = replay_token(K3, attn_res_norm, device="cuda").rows     # a realistic residual buffer
     reads = token_schedule(K3)
     weights = replay_weights(K3, make_generator(1, "cuda"))
@@ -366,7 +381,7 @@ def test_gpu_graph_of_a_token():
     def token():
         return [attn_res_norm(rows[:r.n_candidates - 1], rows[r.n_candidates - 1],
                               w["res_norm_weight"], w["res_proj_weight"], w["norm_weight"],
-                              eps=K3.rms_eps)
+                              eps=K3.rms_eps, config=cfg)
                 for r, w in zip(reads, weights, strict=True)]
 
     token()                                                        # compile every depth
