@@ -394,15 +394,20 @@ _SWEEPS = [
                                      {"num_warps": 16})),
           "bank tile elements and warps at 0 and 8 sealed rows"),
     Sweep("split", "attn_res", grid(({"n_sealed": 0}, {"n_sealed": 4}, {"n_sealed": 8}),
-                                    ({}, {"split_h": 0}, {"split_h": 256}, {"split_h": 512},
-                                     {"split_h": 1024}, {"split_h": 512, "split_warps": 8},
+                                    ({"split_h": 0}, *({"split_h": h, "split_barriers": b}
+                                                       for b in (False, True)
+                                                       for h in (256, 512, 1024)),
+                                     {"split_h": 512, "split_warps": 8},
+                                     {"split_h": 1024, "split_warps": 8},
                                      {"split_h": 512, "split_pdl": False},
-                                     {"split_h": 1024, "split_barriers": True})),
-          "split schedule (programs of split_h columns: two launches, or one with two grid "
-          "barriers) against one program a token (split_h 0), at 0, 4 and 8 sealed rows"),
+                                     {"split_h": 512, "split_barriers": True,
+                                      "split_warps": 8})),
+          "split schedule (programs of split_h columns: two launches, or one with a grid "
+          "barrier) against one program a token (split_h 0), at 0, 4 and 8 sealed rows"),
     Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 64}),
-                                     ({"split_h": 0}, {"split_h": 512}, {"split_h": 1024})),
-          "the split schedule and one program a token at 4 and 64 tokens"),
+                                     ({"split_h": 0}, {"split_h": 512}, {"split_h": 1024},
+                                      {"split_h": 512, "split_barriers": True})),
+          "the split schedules and one program a token at 4 and 64 tokens"),
 ]
 
 SWEEPS: dict[tuple[str, str], Sweep] = {(s.boundary, s.name): s for s in _SWEEPS}

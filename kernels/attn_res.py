@@ -169,124 +169,12 @@ def _attn_res_norm_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# split H: many programs a token, two grid barriers
+# split H: programs of BLOCK_H columns, a token's P programs combining their partial sums (the
+# candidates' Gram matrix G = V V^T and dots with w = res_norm_w * res_proj_w) either across two
+# launches or at one grid barrier. With the softmax weights p, sum(h^2) = p^T G p: the norm needs
+# no second reduction over the token's columns.
 
 MAX_SPIN = tl.constexpr(1 << 24)  # polls before a barrier gives up (a wrong result, not a hang)
-
-
-@triton.jit
-def _spin_until(p_c, target):
-    """Wait until the counter p_c reaches target (plain polls, then one acquire RMW)."""
-    n_spin = tl.program_id(0) * 0
-    while (tl.load(p_c, volatile=True) < target) & (n_spin < MAX_SPIN):
-        n_spin += 1
-    tl.atomic_max(p_c, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _split_softmax(p_part_m, P, N, H, eps, BLOCK_NB: tl.constexpr, SLOT: tl.constexpr):
-    """A token's softmax weights from its P programs' partial sums, added in program order."""
-    o_n = tl.arange(0, BLOCK_NB)
-    b_sq_b = tl.zeros([BLOCK_NB], dtype=tl.float32)
-    b_dot_b = tl.zeros([BLOCK_NB], dtype=tl.float32)
-    b_sq_l = 0.0
-    b_dot_l = 0.0
-    for i in range(0, P):
-        p_s = p_part_m + i * SLOT
-        b_sq_b += tl.load(p_s + o_n, cache_modifier=".cg")
-        b_dot_b += tl.load(p_s + BLOCK_NB + o_n, cache_modifier=".cg")
-        b_sq_l += tl.load(p_s + 2 * BLOCK_NB, cache_modifier=".cg")
-        b_dot_l += tl.load(p_s + 2 * BLOCK_NB + 1, cache_modifier=".cg")
-    return _softmax(b_sq_b, b_dot_b, b_sq_l, b_dot_l, o_n < N, H, eps)
-
-
-@triton.jit
-def _split_rstd(p_part_m, P, H, eps, BLOCK_NB: tl.constexpr, SLOT: tl.constexpr):
-    b_h2 = 0.0
-    for i in range(0, P):
-        b_h2 += tl.load(p_part_m + i * SLOT + 2 * BLOCK_NB + 2, cache_modifier=".cg")
-    return tl.rsqrt(b_h2 / H + eps)
-
-
-@triton.jit
-def _attn_res_split_kernel(
-    p_bank, p_live, p_res_norm_w, p_res_proj_w, p_norm_w, p_h, p_hn, p_part, p_sync,
-    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m,
-    N, H, eps, P,
-    WAIT: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """Program (i_p, token i_m) owns columns [i_p * BLOCK_H, +BLOCK_H) of one token. It stores
-    its candidates' partial sums (slot i_p of p_part), meets the token's other P - 1 programs
-    (counter p_sync[3 i_m]), mixes its h chunk from everyone's sums, stores that chunk's sum of
-    squares, meets them again (p_sync[3 i_m + 1]) and normalizes its chunk, still in
-    registers; the token's last program out resets the three counters. WAIT False (the
-    interpreter, whose programs run one after another): nobody waits, the token's last
-    program to arrive finishes every chunk itself."""
-    SLOT: tl.constexpr = 2 * BLOCK_NB + 4  # sq [BLOCK_NB], dot [BLOCK_NB], live sq, dot, h^2
-    i_p = tl.program_id(0)
-    i_m = tl.program_id(1).to(tl.int64)
-    o_n = tl.arange(0, BLOCK_NB)
-    m_bank = o_n < N
-    p_bank_rows = p_bank + i_m * stride_bank_m + o_n[:, None].to(tl.int64) * stride_bank_n
-    p_live_row = p_live + i_m * stride_live_m
-    p_h_row = p_h + i_m * stride_out_m
-    p_hn_row = p_hn + i_m * stride_out_m
-    p_part_m = p_part + i_m * P * SLOT
-    p_s = p_part_m + i_p * SLOT
-    p_c = p_sync + i_m * 3
-
-    o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
-    b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-           * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
-    tl.store(p_s + o_n, tl.sum(b_vb * b_vb, axis=1))
-    tl.store(p_s + BLOCK_NB + o_n, tl.sum(b_vb * b_w[None, :], axis=1))
-    tl.store(p_s + 2 * BLOCK_NB, tl.sum(b_vl * b_vl, axis=0))
-    tl.store(p_s + 2 * BLOCK_NB + 1, tl.sum(b_vl * b_w, axis=0))
-    tl.debug_barrier()  # every thread's sums before the release
-    i_t = tl.atomic_add(p_c, 1, sem="release")
-    if WAIT:
-        _spin_until(p_c, P)
-        b_p_b, b_p_l = _split_softmax(p_part_m, P, N, H, eps, BLOCK_NB, SLOT)
-        b_h = _round_bf16(tl.sum(b_p_b[:, None] * b_vb, axis=0) + b_p_l * b_vl)
-        tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
-        tl.store(p_s + 2 * BLOCK_NB + 2, tl.sum(b_h * b_h, axis=0))
-        tl.debug_barrier()
-        tl.atomic_add(p_c + 1, 1, sem="release")
-        _spin_until(p_c + 1, P)
-        b_rstd = _split_rstd(p_part_m, P, H, eps, BLOCK_NB, SLOT)
-        b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-        tl.store(p_hn_row + o_h, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16), mask=m_h)
-        tl.debug_barrier()
-        if tl.atomic_add(p_c + 2, 1, sem="acq_rel") == P - 1:  # everyone is past both waits
-            tl.atomic_xchg(p_c, 0, sem="relaxed")
-            tl.atomic_xchg(p_c + 1, 0, sem="relaxed")
-            tl.atomic_xchg(p_c + 2, 0, sem="relaxed")
-    elif i_t == P - 1:
-        b_p_b, b_p_l = _split_softmax(p_part_m, P, N, H, eps, BLOCK_NB, SLOT)
-        for i in range(0, P):
-            o_c = i * BLOCK_H + tl.arange(0, BLOCK_H)
-            m_c = o_c < H
-            b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_c, m_c, m_bank)
-            b_h = _round_bf16(tl.sum(b_p_b[:, None] * b_vb, axis=0) + b_p_l * b_vl)
-            tl.store(p_h_row + o_c, b_h.to(tl.bfloat16), mask=m_c)
-            tl.store(p_part_m + i * SLOT + 2 * BLOCK_NB + 2, tl.sum(b_h * b_h, axis=0))
-        b_rstd = _split_rstd(p_part_m, P, H, eps, BLOCK_NB, SLOT)
-        for i in range(0, P):
-            o_c = i * BLOCK_H + tl.arange(0, BLOCK_H)
-            m_c = o_c < H
-            b_h = tl.load(p_h_row + o_c, mask=m_c, other=0.0).to(tl.float32)
-            b_nw = tl.load(p_norm_w + o_c, mask=m_c, other=0.0).to(tl.float32)
-            tl.store(p_hn_row + o_c, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16),
-                     mask=m_c)
-        tl.atomic_xchg(p_c, 0, sem="relaxed")
-
-
-# ---------------------------------------------------------------------------------------------
-# split H over two launches: partial sums, then the mix and the norm (programmatic dependent
-# launch between them, no grid barrier)
 
 
 @triton.jit
@@ -303,15 +191,55 @@ def _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, 
 
 
 @triton.jit
+def _chunk_sums(b_v, p_res_norm_w, p_res_proj_w, p_g, p_d, slot, o_h, m_h,
+                DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Store one chunk's G [BLOCK_NB, BLOCK_NB] and dots [BLOCK_NB] in slot ``slot``."""
+    b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+           * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
+    b_vd = b_v.to(tl.float32) if DOT_FP32 else b_v  # the interpreter's bf16 dot is wrong
+    b_g = tl.dot(b_vd, tl.trans(b_vd), out_dtype=tl.float32)  # bf16 products: exact in fp32
+    b_d = tl.sum(b_v.to(tl.float32) * b_w[None, :], axis=1)
+    o_n = tl.arange(0, BLOCK_NB)
+    tl.store(p_g + slot * BLOCK_NB * BLOCK_NB + o_n[:, None] * BLOCK_NB + o_n[None, :], b_g)
+    tl.store(p_d + slot * BLOCK_NB + o_n, b_d)
+
+
+@triton.jit
+def _token_weights(p_g, p_d, slot0, P, N, H, eps, BLOCK_NB: tl.constexpr,
+                   BLOCK_P: tl.constexpr):
+    """Softmax weights [BLOCK_NB] (padded rows 0) and rstd of h from slots slot0..slot0+P-1,
+    loaded at once (from L2) and added in a fixed order: every program gets the same."""
+    o_p = tl.arange(0, BLOCK_P)
+    m_p = o_p < P
+    o_n = tl.arange(0, BLOCK_NB)
+    o_g = (slot0 + o_p)[:, None, None] * BLOCK_NB * BLOCK_NB + (o_n[:, None] * BLOCK_NB
+                                                                + o_n[None, :])[None, :, :]
+    b_g = tl.sum(tl.load(p_g + o_g, mask=m_p[:, None, None], other=0.0, cache_modifier=".cg"),
+                 axis=0)
+    b_d = tl.sum(tl.load(p_d + (slot0 + o_p)[:, None] * BLOCK_NB + o_n[None, :],
+                         mask=m_p[:, None], other=0.0, cache_modifier=".cg"), axis=0)
+    b_sq = tl.sum(tl.where(o_n[:, None] == o_n[None, :], b_g, 0.0), axis=1)
+    b_s = tl.where(o_n <= N, b_d * tl.rsqrt(b_sq / H + eps), float("-inf"))
+    b_e = tl.exp(b_s - tl.max(b_s, axis=0))
+    b_p = b_e / tl.sum(b_e, axis=0)
+    b_h2 = tl.sum(tl.sum(b_g * b_p[:, None], axis=0) * b_p, axis=0)
+    return b_p, tl.rsqrt(b_h2 / H + eps)
+
+
+@triton.jit
+def _mix_store(b_v, b_p, b_rstd, b_nw, p_h_row, p_hn_row, o_h, m_h):
+    b_h = _round_bf16(tl.sum(b_p[:, None] * b_v.to(tl.float32), axis=0))
+    tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
+    tl.store(p_hn_row + o_h, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16), mask=m_h)
+
+
+@triton.jit
 def _attn_res_sums_kernel(
-    p_bank, p_live, p_res_norm_w, p_res_proj_w, p_part,
-    stride_bank_n, stride_bank_m, stride_live_m,
-    N, H, P,
+    p_bank, p_live, p_res_norm_w, p_res_proj_w, p_g, p_d,
+    stride_bank_n, stride_bank_m, stride_live_m, N, H, P,
     PDL: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Program (i_p, token i_m): over its BLOCK_H columns, the candidates' Gram matrix
-    G = V V^T (its diagonal: each candidate's sum of squares; with the softmax weights p,
-    sum(h^2) = p^T G p) and their dots with w = res_norm_w * res_proj_w, stored in slot i_p."""
+    """Two launches, the first: program (i_p, token i_m) stores its chunk's sums."""
     i_p = tl.program_id(0)
     i_m = tl.program_id(1).to(tl.int64)
     if PDL:
@@ -321,58 +249,86 @@ def _attn_res_sums_kernel(
     m_h = o_h < H
     b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
                       stride_live_m, BLOCK_NB)
-    b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-           * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
-    if DOT_FP32:  # the interpreter's bf16 dot is wrong
-        b_v = b_v.to(tl.float32)
-    b_g = tl.dot(b_v, tl.trans(b_v), out_dtype=tl.float32)  # bf16 products are exact in fp32
-    b_d = tl.sum(b_v.to(tl.float32) * b_w[None, :], axis=1)
-    o_n = tl.arange(0, BLOCK_NB)
-    p_s = p_part + (i_m * P + i_p) * (BLOCK_NB * BLOCK_NB + BLOCK_NB)
-    tl.store(p_s + o_n[:, None] * BLOCK_NB + o_n[None, :], b_g)
-    tl.store(p_s + BLOCK_NB * BLOCK_NB + o_n, b_d)
+    _chunk_sums(b_v, p_res_norm_w, p_res_proj_w, p_g, p_d, i_m * P + i_p, o_h, m_h, DOT_FP32,
+                BLOCK_NB)
 
 
 @triton.jit
 def _attn_res_mix_kernel(
-    p_bank, p_live, p_norm_w, p_h, p_hn, p_part,
-    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m,
-    N, H, eps, P,
-    PDL: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr,
+    p_bank, p_live, p_norm_w, p_h, p_hn, p_g, p_d,
+    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m, N, H, eps, P,
+    PDL: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """Program (i_p, token i_m): the token's scores, softmax and sum(h^2) from all P slots
-    (added in program order: deterministic), then its BLOCK_H columns of h and h_normed. Its
-    candidates and norm weight are loaded before the wait for the partial sums."""
-    SLOT: tl.constexpr = BLOCK_NB * BLOCK_NB + BLOCK_NB
+    """Two launches, the second: program (i_p, token i_m) mixes and normalizes its chunk. Its
+    candidates and norm weight are loaded before the wait for the first launch's sums."""
     i_p = tl.program_id(0)
     i_m = tl.program_id(1).to(tl.int64)
     o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
     b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
-                      stride_live_m, BLOCK_NB).to(tl.float32)
+                      stride_live_m, BLOCK_NB)
     b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    o_n = tl.arange(0, BLOCK_NB)
-    o_g = o_n[:, None] * BLOCK_NB + o_n[None, :]
-    p_s = p_part + i_m * P * SLOT
-    b_g = tl.zeros([BLOCK_NB, BLOCK_NB], dtype=tl.float32)
-    b_d = tl.zeros([BLOCK_NB], dtype=tl.float32)
-    for i in range(0, P):
-        b_g += tl.load(p_s + i * SLOT + o_g)
-        b_d += tl.load(p_s + i * SLOT + BLOCK_NB * BLOCK_NB + o_n)
-    b_sq = tl.sum(tl.where(o_n[:, None] == o_n[None, :], b_g, 0.0), axis=1)
-    b_s = tl.where(o_n <= N, b_d * tl.rsqrt(b_sq / H + eps), float("-inf"))
-    b_e = tl.exp(b_s - tl.max(b_s, axis=0))
-    b_p = b_e / tl.sum(b_e, axis=0)
-    # p^T G p with p as a row and as a column (no layout conversion of p needed twice)
-    b_pg = tl.sum(b_g * b_p[:, None], axis=0)
-    b_rstd = tl.rsqrt(tl.sum(b_pg * b_p, axis=0) / H + eps)
-    b_h = _round_bf16(tl.sum(b_p[:, None] * b_v, axis=0))
-    tl.store(p_h + i_m * stride_out_m + o_h, b_h.to(tl.bfloat16), mask=m_h)
-    tl.store(p_hn + i_m * stride_out_m + o_h, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16),
-             mask=m_h)
+    b_p, b_rstd = _token_weights(p_g, p_d, i_m * P, P, N, H, eps, BLOCK_NB, BLOCK_P)
+    _mix_store(b_v, b_p, b_rstd, b_nw, p_h + i_m * stride_out_m, p_hn + i_m * stride_out_m,
+               o_h, m_h)
+
+
+@triton.jit
+def _spin_until(p_c, target):
+    """Wait until the counter p_c reaches target (plain polls, then one acquire RMW)."""
+    n_spin = tl.program_id(0) * 0
+    while (tl.load(p_c, volatile=True) < target) & (n_spin < MAX_SPIN):
+        n_spin += 1
+    tl.atomic_max(p_c, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _attn_res_barrier_kernel(
+    p_bank, p_live, p_res_norm_w, p_res_proj_w, p_norm_w, p_h, p_hn, p_g, p_d, p_sync,
+    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m, N, H, eps, P,
+    WAIT: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """One launch: program (i_p, token i_m) stores its chunk's sums, meets the token's other
+    P - 1 programs (counter p_sync[2 i_m]), then mixes and normalizes its chunk, still in
+    registers; the last program past the wait (p_sync[2 i_m + 1]) resets both counters. WAIT
+    False (the interpreter, whose programs run one after another): nobody waits, the token's
+    last program to arrive finishes every chunk itself."""
+    i_p = tl.program_id(0)
+    i_m = tl.program_id(1).to(tl.int64)
+    o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    p_h_row = p_h + i_m * stride_out_m
+    p_hn_row = p_hn + i_m * stride_out_m
+    p_c = p_sync + i_m * 2
+    b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
+                      stride_live_m, BLOCK_NB)
+    _chunk_sums(b_v, p_res_norm_w, p_res_proj_w, p_g, p_d, i_m * P + i_p, o_h, m_h, DOT_FP32,
+                BLOCK_NB)
+    tl.debug_barrier()  # every thread's sums before the release
+    i_t = tl.atomic_add(p_c, 1, sem="release")
+    if WAIT:
+        b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+        _spin_until(p_c, P)
+        b_p, b_rstd = _token_weights(p_g, p_d, i_m * P, P, N, H, eps, BLOCK_NB, BLOCK_P)
+        _mix_store(b_v, b_p, b_rstd, b_nw, p_h_row, p_hn_row, o_h, m_h)
+        if tl.atomic_add(p_c + 1, 1, sem="acq_rel") == P - 1:  # everyone is past the wait
+            tl.atomic_xchg(p_c, 0, sem="relaxed")
+            tl.atomic_xchg(p_c + 1, 0, sem="relaxed")
+    elif i_t == P - 1:
+        b_p, b_rstd = _token_weights(p_g, p_d, i_m * P, P, N, H, eps, BLOCK_NB, BLOCK_P)
+        for i in range(0, P):
+            o_c = i * BLOCK_H + tl.arange(0, BLOCK_H)
+            m_c = o_c < H
+            b_vc = _split_rows(p_bank, p_live, i_m, o_c, m_c, N, stride_bank_n, stride_bank_m,
+                               stride_live_m, BLOCK_NB)
+            b_nw = tl.load(p_norm_w + o_c, mask=m_c, other=0.0).to(tl.float32)
+            _mix_store(b_vc, b_p, b_rstd, b_nw, p_h_row, p_hn_row, o_c, m_c)
+        tl.atomic_xchg(p_c, 0, sem="relaxed")
 
 
 def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
@@ -452,28 +408,27 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     strides = (bank.stride(0) if N else 0, bank.stride(1) if N else 0, live.stride(0),
                h.stride(0))
     n_split = triton.cdiv(H, cfg.split_h) if cfg.split_h else 0
-    if n_split > 1 and not cfg.split_barriers:
+    barriers = cfg.split_barriers and n_split * M <= _split_capacity(device, cfg)
+    if n_split > 1 and (barriers or not cfg.split_barriers):
         nb = max(16, triton.next_power_of_2(N + 1))  # tl.dot's smallest tile
-        part = torch.empty(M * n_split * (nb * nb + nb), dtype=torch.float32, device=device)
+        part_g = torch.empty(M * n_split * nb * nb, dtype=torch.float32, device=device)
+        part_d = torch.empty(M * n_split * nb, dtype=torch.float32, device=device)
+        blocks = dict(BLOCK_NB=nb, BLOCK_H=cfg.split_h, num_warps=cfg.split_warps)
+        block_p = triton.next_power_of_2(n_split)
+        if barriers:
+            _attn_res_barrier_kernel[(n_split, M)](
+                bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed,
+                part_g, part_d, _split_counters(device, M), *strides, N, H, float(eps),
+                n_split, WAIT=not INTERPRETED, DOT_FP32=INTERPRETED, BLOCK_P=block_p, **blocks)
+            return h, h_normed
         pdl = cfg.split_pdl and not INTERPRETED
         launch = {"launch_pdl": True} if pdl else {}
         _attn_res_sums_kernel[(n_split, M)](
-            bank_arg, live, res_norm_weight, res_proj_weight, part, *strides[:3], N, H,
-            n_split, PDL=pdl, DOT_FP32=INTERPRETED, BLOCK_NB=nb, BLOCK_H=cfg.split_h,
-            num_warps=cfg.split_warps, **launch)
+            bank_arg, live, res_norm_weight, res_proj_weight, part_g, part_d, *strides[:3], N,
+            H, n_split, PDL=pdl, DOT_FP32=INTERPRETED, **blocks, **launch)
         _attn_res_mix_kernel[(n_split, M)](
-            bank_arg, live, norm_weight, h, h_normed, part, *strides, N, H, float(eps),
-            n_split, PDL=pdl, BLOCK_NB=nb, BLOCK_H=cfg.split_h, num_warps=cfg.split_warps,
-            **launch)
-        return h, h_normed
-    if n_split > 1 and n_split * M <= _split_capacity(device, cfg):
-        block_h = cfg.split_h
-        part = torch.empty(M * n_split * (2 * BLOCK_NB + 4), dtype=torch.float32, device=device)
-        _attn_res_split_kernel[(n_split, M)](
-            bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed, part,
-            _split_counters(device, M), *strides, N, H, float(eps), n_split,
-            WAIT=not INTERPRETED, BLOCK_NB=BLOCK_NB, BLOCK_H=block_h,
-            num_warps=cfg.split_warps)
+            bank_arg, live, norm_weight, h, h_normed, part_g, part_d, *strides, N, H,
+            float(eps), n_split, PDL=pdl, BLOCK_P=block_p, **blocks, **launch)
         return h, h_normed
     BLOCK_HN = min(triton.next_power_of_2(H), cfg.max_block_h)
     BLOCK_H = min(BLOCK_HN, cfg.tile_elems // BLOCK_NB)
@@ -485,7 +440,7 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     return h, h_normed
 
 
-# int32 counters (two barriers and a done count) per token, per device, of the split kernel
+# int32 counters (a barrier and a done count) per token, per device, of the barrier schedule
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -499,13 +454,13 @@ def _split_capacity(device: torch.device, cfg: AttnResConfig) -> int:
 
 def _split_counters(device: torch.device, m: int) -> torch.Tensor:
     """Zeroed counters for m tokens (zero between launches: each token's last program resets
-    its three), created or grown outside a CUDA-graph capture."""
+    its two), created or grown outside a CUDA-graph capture."""
     c = _COUNTERS.get(device)
-    if c is None or c.numel() < 3 * m:
+    if c is None or c.numel() < 2 * m:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError(
                 f"live: attn_res_norm's barrier counters on {device} for M={m} tokens do not "
                 "exist yet and cannot be created inside a CUDA-graph capture; call it once with "
                 "this M (or more) before capturing")
-        c = _COUNTERS[device] = torch.zeros(max(3 * m, 48), dtype=torch.int32, device=device)
+        c = _COUNTERS[device] = torch.zeros(max(2 * m, 32), dtype=torch.int32, device=device)
     return c

@@ -120,7 +120,7 @@ def test_split_matches_one_program(device, n, barriers):
     again = attn_res_norm(*args, config=split)
     assert torch.equal(again[0], h_s) and torch.equal(again[1], hn_s)
     names = count_launches(lambda a: attn_res_norm(*a, config=split), args).kernels
-    expected = ["split"] if barriers else ["sums", "mix"]
+    expected = ["barrier"] if barriers else ["sums", "mix"]
     assert len(names) == len(expected), names
     assert all(e in k for e, k in zip(expected, names, strict=True)), names
 
@@ -344,6 +344,7 @@ def test_one_launch(device):
 
 
 GPU_CONFIGS = {"one": AttnResConfig(split_h=0), "split512": AttnResConfig(split_h=512),
+               "barriers512": AttnResConfig(split_h=512, split_barriers=True),
                "split1024-nopdl": AttnResConfig(split_h=1024, split_pdl=False),
                "barriers": AttnResConfig(split_h=1024, split_barriers=True)}
 
@@ -369,7 +370,7 @@ def test_gpu_no_host_sync():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["one", "split512"])
+@pytest.mark.parametrize("config", ["one", "split512", "barriers512"])
 def test_gpu_graph_of_a_token(config):
     """A whole K3 token's 186 reads captured in one CUDA graph (every depth 1..9 candidates):
     replays equal eager calls, and follow the residual buffer when it changes in place."""
