@@ -401,7 +401,9 @@ _SWEEPS = [
                                      {"split_h": 1024, "split_warps": 8},
                                      {"split_h": 512, "split_pdl": False},
                                      {"split_h": 512, "split_barriers": True,
-                                      "split_warps": 8})),
+                                      "split_warps": 8},
+                                     {"split_h": 512, "split_barriers": True,
+                                      "split_reload": False, "split_warps": 8})),
           "split schedule (programs of split_h columns: two launches, or one with a grid "
           "barrier) against one program a token (split_h 0), at 0, 4 and 8 sealed rows"),
     Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 64}),

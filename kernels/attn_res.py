@@ -52,7 +52,9 @@ class AttnResConfig:
     split_barriers: the split schedule as one launch whose programs meet at two grid barriers
         instead (taken only while the grid fits the machine, ``max_split_programs``).
     split_pdl: the split launches use programmatic dependent launch (compiled only): the mix
-        launch loads its candidates while the sums launch finishes.
+        launch loads its norm weight while the sums launch finishes.
+    split_reload: (barriers) the mix re-reads the candidates from L2 after the barrier instead
+        of keeping them in registers across it.
     split_warps: warps of a split program.
     max_split_programs: the split grid's largest size per SM (every program must be resident
         at once for the barriers; above it the one-program-per-token kernel runs).
@@ -64,6 +66,7 @@ class AttnResConfig:
     split_h: int = 0
     split_barriers: bool = False
     split_pdl: bool = True
+    split_reload: bool = True
     split_warps: int = 4
     max_split_programs: int = 2
 
@@ -72,7 +75,7 @@ class AttnResConfig:
             v = getattr(self, f.name)
             if f.name == "split_h" and v == 0 and not isinstance(v, bool):
                 continue
-            if f.name in ("split_barriers", "split_pdl"):
+            if f.name in ("split_barriers", "split_pdl", "split_reload"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
                 continue
@@ -183,11 +186,10 @@ def _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, 
     """One H chunk of a token's N + 1 candidates as a [BLOCK_NB, BLOCK_H] bf16 tile: bank rows
     0..N-1, live as row N, padded rows masked (no memory traffic, zeros)."""
     o_n = tl.arange(0, BLOCK_NB)
-    p_rows = tl.where(o_n < N,
-                      p_bank + i_m * stride_bank_m + o_n.to(tl.int64) * stride_bank_n,
-                      p_live + i_m * stride_live_m)
-    return tl.load(p_rows[:, None] + o_h[None, :], mask=(o_n <= N)[:, None] & m_h[None, :],
-                   other=0.0)
+    b_vb = tl.load(p_bank + i_m * stride_bank_m + o_n[:, None].to(tl.int64) * stride_bank_n
+                   + o_h[None, :], mask=(o_n < N)[:, None] & m_h[None, :], other=0.0)
+    b_vl = tl.load(p_live + i_m * stride_live_m + o_h, mask=m_h, other=0.0)
+    return tl.where((o_n == N)[:, None], b_vl[None, :], b_vb)
 
 
 @triton.jit
@@ -212,10 +214,10 @@ def _token_weights(p_g, p_d, slot0, P, N, H, eps, BLOCK_NB: tl.constexpr,
     o_p = tl.arange(0, BLOCK_P)
     m_p = o_p < P
     o_n = tl.arange(0, BLOCK_NB)
-    o_g = (slot0 + o_p)[:, None, None] * BLOCK_NB * BLOCK_NB + (o_n[:, None] * BLOCK_NB
-                                                                + o_n[None, :])[None, :, :]
-    b_g = tl.sum(tl.load(p_g + o_g, mask=m_p[:, None, None], other=0.0, cache_modifier=".cg"),
-                 axis=0)
+    o_q = tl.arange(0, BLOCK_NB * BLOCK_NB)
+    b_g = tl.reshape(tl.sum(tl.load(p_g + (slot0 + o_p)[:, None] * BLOCK_NB * BLOCK_NB
+                                    + o_q[None, :], mask=m_p[:, None], other=0.0,
+                                    cache_modifier=".cg"), axis=0), [BLOCK_NB, BLOCK_NB])
     b_d = tl.sum(tl.load(p_d + (slot0 + o_p)[:, None] * BLOCK_NB + o_n[None, :],
                          mask=m_p[:, None], other=0.0, cache_modifier=".cg"), axis=0)
     b_sq = tl.sum(tl.where(o_n[:, None] == o_n[None, :], b_g, 0.0), axis=1)
@@ -260,18 +262,20 @@ def _attn_res_mix_kernel(
     PDL: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """Two launches, the second: program (i_p, token i_m) mixes and normalizes its chunk. Its
-    candidates and norm weight are loaded before the wait for the first launch's sums."""
+    norm weight is loaded before the wait for the first launch's sums."""
     i_p = tl.program_id(0)
     i_m = tl.program_id(1).to(tl.int64)
     o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
-    b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
-                      stride_live_m, BLOCK_NB)
     b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     b_p, b_rstd = _token_weights(p_g, p_d, i_m * P, P, N, H, eps, BLOCK_NB, BLOCK_P)
+    # the candidates after the weights (an L2 hit: the first launch read them): held across
+    # the weights' reductions they cost twice the registers and spill
+    b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
+                      stride_live_m, BLOCK_NB)
     _mix_store(b_v, b_p, b_rstd, b_nw, p_h + i_m * stride_out_m, p_hn + i_m * stride_out_m,
                o_h, m_h)
 
@@ -290,7 +294,7 @@ def _spin_until(p_c, target):
 def _attn_res_barrier_kernel(
     p_bank, p_live, p_res_norm_w, p_res_proj_w, p_norm_w, p_h, p_hn, p_g, p_d, p_sync,
     stride_bank_n, stride_bank_m, stride_live_m, stride_out_m, N, H, eps, P,
-    WAIT: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr,
+    WAIT: tl.constexpr, RELOAD: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One launch: program (i_p, token i_m) stores its chunk's sums, meets the token's other
@@ -315,6 +319,9 @@ def _attn_res_barrier_kernel(
         b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
         _spin_until(p_c, P)
         b_p, b_rstd = _token_weights(p_g, p_d, i_m * P, P, N, H, eps, BLOCK_NB, BLOCK_P)
+        if RELOAD:  # from L2: kept across the barrier, the tile costs registers (spills)
+            b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
+                              stride_live_m, BLOCK_NB)
         _mix_store(b_v, b_p, b_rstd, b_nw, p_h_row, p_hn_row, o_h, m_h)
         if tl.atomic_add(p_c + 1, 1, sem="acq_rel") == P - 1:  # everyone is past the wait
             tl.atomic_xchg(p_c, 0, sem="relaxed")
@@ -419,7 +426,8 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
             _attn_res_barrier_kernel[(n_split, M)](
                 bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed,
                 part_g, part_d, _split_counters(device, M), *strides, N, H, float(eps),
-                n_split, WAIT=not INTERPRETED, DOT_FP32=INTERPRETED, BLOCK_P=block_p, **blocks)
+                n_split, WAIT=not INTERPRETED, RELOAD=cfg.split_reload, DOT_FP32=INTERPRETED,
+                BLOCK_P=block_p, **blocks)
             return h, h_normed
         pdl = cfg.split_pdl and not INTERPRETED
         launch = {"launch_pdl": True} if pdl else {}

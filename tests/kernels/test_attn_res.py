@@ -215,7 +215,8 @@ def test_bad_input(device, param, change):
                                          ("max_block_h", True), ("num_warps", 8.0),
                                          ("split_h", 100), ("split_h", -512),
                                          ("split_h", False), ("max_split_programs", 0),
-                                         ("split_barriers", 1), ("split_pdl", None)])
+                                         ("split_barriers", 1), ("split_pdl", None),
+                                         ("split_reload", "yes")])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         AttnResConfig(**{field: value})
@@ -345,6 +346,8 @@ def test_one_launch(device):
 
 GPU_CONFIGS = {"one": AttnResConfig(split_h=0), "split512": AttnResConfig(split_h=512),
                "barriers512": AttnResConfig(split_h=512, split_barriers=True),
+               "barriers512-regs": AttnResConfig(split_h=512, split_barriers=True,
+                                                 split_reload=False, split_warps=8),
                "split1024-nopdl": AttnResConfig(split_h=1024, split_pdl=False),
                "barriers": AttnResConfig(split_h=1024, split_barriers=True)}
 
