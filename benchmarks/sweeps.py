@@ -386,6 +386,10 @@ _SWEEPS = [
           "every K3 projection shape, M = 1: the per-shape default ({}: the measured table, "
           "else the rule) against each candidate tiling the table picks from; run at --tp 8 "
           "and --tp 16 to re-tune kernels/dense/tuned.py"),
+    Sweep("fusions", "kda", ({}, {"block_v": 16}, {"block_v": 64}, {"block_v": 128}),
+          "the whole decode (conv, core, out gate) in one launch: v-tiles meeting through "
+          "tickets (the default and 16 / 64 wide) against a whole head a program (128)",
+          variants=("fused+conv+out_gate",)),
     Sweep("tiles", "kda", ({}, {"min_block_v": 16}, {"block_v": 64}, {"block_r": 32},
                            {"block_r": 128}, {"max_warps": 4}),
           "v-tile width, f_b rank chunk, warps"),

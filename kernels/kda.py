@@ -14,10 +14,12 @@ recomputes the cheap k-side quantities (f GEMV over R, gate, norms) for its head
 
 Variants (constexpr flags of the same kernel):
   FUSE_CONV      q, k, v arrive before the short convolution: one conv step + SiLU per channel in
-                 front, conv caches shifted in place. Every v-tile of a head would read the q/k
-                 caches that one of them rewrites, so this variant keeps a head in one program.
-  FUSE_OUT_GATE  o = RMSNorm_head(o) * w * sigmoid(gate logits) behind; the RMS needs the whole
-                 head's o, so this variant also keeps a head in one program.
+                 front, conv caches shifted in place. Every v-tile of a head steps the head's q
+                 and k channels; the last of them to have read the q, k caches (a ticket per
+                 token and head) shifts them, each shifts its own v channels.
+  FUSE_OUT_GATE  o = RMSNorm_head(o) * w * sigmoid(gate logits) behind. The RMS needs the whole
+                 head's o: the v-tiles leave o and its sum of squares in a workspace, the last
+                 of them to finish (another ticket) normalizes and gates the head.
 
 The tiling is a :class:`KDAConfig` (each default's evidence: docs/decisions.md).
 """
@@ -44,8 +46,7 @@ class KDAConfig:
 
     block_v: v-tile width (a power of two dividing d), or None: halve from max_block_v (at most
         d) until M * Hl * (d / block_v) reaches min_programs, but not below min_block_v (narrow
-        tiles re-read f_b once more per head each); a whole head (d) with ``conv`` or
-        ``out_gate``, which need one.
+        tiles re-read f_b once more per head each).
     block_r: rank chunk of the f_b GEMV.
     tile_per_warp, max_warps: warps = state-tile elements / tile_per_warp (16 fp32 registers a
         thread at 512), within [1, max_warps]: more threads share the f_b GEMV, which is most of
@@ -78,23 +79,28 @@ def _sigmoid(x):
 
 @triton.jit
 def _conv_silu_step(p_x, p_cache, p_w, o_c, C: tl.constexpr, BC: tl.constexpr):
-    """SiLU of one causal depthwise conv step for channels ``o_c``; shifts the cache in place.
+    """SiLU of one causal depthwise conv step for channels ``o_c``, and its window.
 
     p_x: current input of channel 0 of the head; p_cache: its cache [channels, C-1] (oldest
-    first); p_w: its taps [channels, C] (last tap = current input). Returns fp32 [len(o_c)].
+    first); p_w: its taps [channels, C] (last tap = current input). Returns (fp32 [len(o_c)],
+    the window [len(o_c), BC] fp32 that :func:`_conv_shift` stores as the new cache).
     """
     o_j = tl.arange(0, BC)
-    m_old = o_j[None, :] < C - 1
-    p_win = p_cache + o_c[:, None] * (C - 1) + o_j[None, :]
-    b_old = tl.load(p_win, mask=m_old, other=0.0).to(tl.float32)
+    b_old = tl.load(p_cache + o_c[:, None] * (C - 1) + o_j[None, :], mask=o_j[None, :] < C - 1,
+                    other=0.0).to(tl.float32)
     b_x = tl.load(p_x + o_c).to(tl.float32)
     b_win = tl.where(o_j[None, :] == C - 1, b_x[:, None], b_old)    # [channels, BC] fp32
     b_w = tl.load(p_w + o_c[:, None] * C + o_j[None, :], mask=o_j[None, :] < C, other=0.0)
     b_y = tl.sum(b_win * b_w.to(tl.float32), 1)
-    # new cache = window[1:] in the cache's dtype: window column j goes to cache column j - 1
-    tl.store(p_win - 1, b_win.to(p_cache.dtype.element_ty),
-             mask=(o_j[None, :] >= 1) & (o_j[None, :] < C))
-    return b_y * _sigmoid(b_y)
+    return b_y * _sigmoid(b_y), b_win
+
+
+@triton.jit
+def _conv_shift(p_cache, o_c, b_win, C: tl.constexpr, BC: tl.constexpr):
+    """New cache = window[1:] in the cache's dtype (window column j to cache column j - 1)."""
+    o_j = tl.arange(0, BC)
+    tl.store(p_cache + o_c[:, None] * (C - 1) + o_j[None, :] - 1,
+             b_win.to(p_cache.dtype.element_ty), mask=(o_j[None, :] >= 1) & (o_j[None, :] < C))
 
 
 @triton.jit
@@ -102,11 +108,13 @@ def _kda_decode_kernel(
     q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
     q_cache, k_cache, v_cache, q_conv, k_conv, v_conv,   # FUSE_CONV only
     gate_logits, o_norm,                                 # FUSE_OUT_GATE only
+    p_cnt, o_ws, ss_ws,                                  # either, with NV > 1
     lower_bound, scale, eps,
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
 ):
+    NV: tl.constexpr = D // BV  # v-tiles (programs) of a head
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_mh = (i_m * H + i_h).to(tl.int64)
     o_k = tl.arange(0, D)
@@ -130,11 +138,24 @@ def _kda_decode_kernel(
     b_g = lower_bound * _sigmoid(b_A * (b_f + b_bias))
     b_beta = _sigmoid(tl.load(b_logits + i_mh).to(tl.float32))
 
-    if FUSE_CONV:  # BV == D: this program owns the head's q, k, v channels and conv caches
+    if FUSE_CONV:  # every program steps the head's q, k channels, and its own v channels
         o_cache = i_mh * D * (C - 1)
-        b_q = _conv_silu_step(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
-        b_k = _conv_silu_step(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k, C, BC)
-        b_v = _conv_silu_step(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v, C, BC)
+        b_q, w_q = _conv_silu_step(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k,
+                                   C, BC)
+        b_k, w_k = _conv_silu_step(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k,
+                                   C, BC)
+        b_v, w_v = _conv_silu_step(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v,
+                                   C, BC)
+        _conv_shift(v_cache + o_cache, o_v, w_v, C, BC)
+        if NV > 1:  # the head's last program to have read the q, k caches shifts them
+            tl.debug_barrier()  # every thread's cache reads performed before the ticket
+            if tl.atomic_add(p_cnt + 2 * i_mh, 1, sem="acq_rel") == NV - 1:
+                _conv_shift(q_cache + o_cache, o_k, w_q, C, BC)
+                _conv_shift(k_cache + o_cache, o_k, w_k, C, BC)
+                tl.atomic_xchg(p_cnt + 2 * i_mh, 0, sem="relaxed")
+        else:
+            _conv_shift(q_cache + o_cache, o_k, w_q, C, BC)
+            _conv_shift(k_cache + o_cache, o_k, w_k, C, BC)
     else:
         b_q = tl.load(q + i_mh * D + o_k).to(tl.float32)
         b_k = tl.load(k + i_mh * D + o_k).to(tl.float32)
@@ -149,12 +170,27 @@ def _kda_decode_kernel(
     b_o = tl.sum(b_s * b_q[:, None], 0)
     tl.store(p_s, b_s)
 
-    if FUSE_OUT_GATE:  # BV == D: per-head RMSNorm times sigmoid(gate)
+    if FUSE_OUT_GATE and NV == 1:  # per-head RMSNorm times sigmoid(gate)
         b_rms = tl.sqrt(tl.sum(b_o * b_o, 0) / D + eps)
         b_w = tl.load(o_norm + o_v).to(tl.float32)
         b_gate = tl.load(gate_logits + i_mh * D + o_v).to(tl.float32)
         b_o = b_o / b_rms * b_w * _sigmoid(b_gate)
-    tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
+    if FUSE_OUT_GATE and NV > 1:  # the head's last program to finish normalizes the head
+        tl.store(o_ws + i_mh * D + o_v, b_o)
+        tl.store(ss_ws + i_mh * NV + i_v, tl.sum(b_o * b_o, 0))
+        tl.debug_barrier()  # every thread's stores before the release
+        if tl.atomic_add(p_cnt + 2 * i_mh + 1, 1, sem="acq_rel") == NV - 1:
+            tl.debug_barrier()
+            b_ss = tl.sum(tl.load(ss_ws + i_mh * NV + tl.arange(0, NV), cache_modifier=".cg"),
+                          0)
+            b_oh = tl.load(o_ws + i_mh * D + o_k, cache_modifier=".cg")
+            b_w = tl.load(o_norm + o_k).to(tl.float32)
+            b_gate = tl.load(gate_logits + i_mh * D + o_k).to(tl.float32)
+            b_oh = b_oh / tl.sqrt(b_ss / D + eps) * b_w * _sigmoid(b_gate)
+            tl.store(o + i_mh * D + o_k, b_oh.to(o.dtype.element_ty))
+            tl.atomic_xchg(p_cnt + 2 * i_mh + 1, 0, sem="relaxed")
+    else:
+        tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
 
 
 @dataclass
@@ -290,22 +326,25 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     if config is not None and not isinstance(config, KDAConfig):
         raise ValueError(f"config: expected a KDAConfig or None, got {type(config).__name__}")
     cfg = config or KDAConfig()
-    whole_head = conv is not None or out_gate is not None
     block_v = cfg.block_v
     if block_v is None:
-        block_v = d if whole_head else _block_v(m, hl, d, cfg)
+        block_v = _block_v(m, hl, d, cfg)
     if d % block_v:
         raise ValueError(f"config.block_v: expected a power of two dividing d={d}, got {block_v}")
-    if whole_head and block_v != d:
-        raise ValueError(f"config.block_v: conv / out_gate need a whole head per program "
-                         f"(block_v={d})")
+    n_v = d // block_v
+    cnt = o_ws = ss_ws = state  # placeholders, never read
+    if n_v > 1 and (conv is not None or out_gate is not None):
+        cnt = _counters(dev, 2 * m * hl)
+    if n_v > 1 and out_gate is not None:
+        o_ws = torch.empty(m * hl * d, dtype=torch.float32, device=dev)
+        ss_ws = torch.empty(m * hl * n_v, dtype=torch.float32, device=dev)
 
     o = torch.empty((m, hl, d), dtype=v.dtype, device=dev)
     grid = (d // block_v, hl, m)
     num_warps = max(1, min(cfg.max_warps, d * block_v // cfg.tile_per_warp))
     _kda_decode_kernel[grid](
         q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
-        q_cache, k_cache, v_cache, q_conv, k_conv, v_conv, gate_logits, o_norm,
+        q_cache, k_cache, v_cache, q_conv, k_conv, v_conv, gate_logits, o_norm, cnt, o_ws, ss_ws,
         float(lower_bound), float(scale), float(eps),
         H=hl, D=d, R=r, BR=min(cfg.block_r, triton.next_power_of_2(r)), BV=block_v,
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
@@ -313,3 +352,21 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         num_warps=num_warps,
     )
     return o
+
+
+# int32 tickets (conv caches, out gate) per (token, head), per device; zero between launches
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """n zeroed tickets (each launch's last program of a head resets its own), created or grown
+    outside a CUDA-graph capture."""
+    c = _COUNTERS.get(device)
+    if c is None or c.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                f"q: kda_decode's tickets on {device} for {n // 2} (token, head) pairs do not "
+                "exist yet and cannot be created inside a CUDA-graph capture; call it once with "
+                "this M and Hl (or more) before capturing")
+        c = _COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return c

@@ -103,12 +103,13 @@ def test_kda_sweep_tps():
 def test_kda_steps_carry_each_variants_state():
     stand_ins = {"fused": boundaries.get("kda").reference.fn,
                  "fused+conv": kda_boundary.reference_conv,
-                 "fused+out_gate": kda_boundary.reference_out_gate}
+                 "fused+out_gate": kda_boundary.reference_out_gate,
+                 "fused+conv+out_gate": kda_boundary.reference_conv_out_gate}
     s = _setup("kda", fused=stand_ins)
     fixed, tokens = kda_boundary.decode_stream(s.cfg, s.device, 0, M=1, steps=3)
     errs = kda_study.run_steps(s, fixed, tokens, list(kda_study.STEP_VARIANTS), variant_steps=2)
     assert errs.groupby("variant", sort=False).size().to_dict() == {
-        "fused": 3, "fused+conv": 2, "fused+out_gate": 2}
+        "fused": 3, "fused+conv": 2, "fused+out_gate": 2, "fused+conv+out_gate": 2}
     assert (errs.o_err == 0).all() and (errs.state_err == 0).all()
     assert errs.o_ok.all() and errs.state_ok.all()
     summary = kda_study.step_summary(errs)

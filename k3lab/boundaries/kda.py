@@ -3,12 +3,13 @@ the recurrent step with its state in place, for one decode token per sequence.
 
 Variants: the op-by-op reference; ours in one launch (``fused``), and with the short-conv step
 fused in front (``fused+conv``, which also owns ``kda.short_conv``) or the output RMSNorm times
-sigmoid gate behind (``fused+out_gate``, also ``kda.out_norm_gate``); peers: fla-core 0.6.0's
+sigmoid gate behind (``fused+out_gate``, also ``kda.out_norm_gate``), or both
+(``fused+conv+out_gate``, the whole decode); peers: fla-core 0.6.0's
 ``fused_recurrent_kda`` kernel (its in-kernel gate, L2 norm and beta sigmoid) after the separate
 f_b projection, and ``torch.compile`` of the reference.
 
-Every variant returns a dict: ``o`` [M, Hl, d] (``o_gated`` instead for fused+out_gate),
-``state`` (the updated recurrent state) and, for fused+conv, the three updated conv caches.
+Every variant returns a dict: ``o`` [M, Hl, d] (``o_gated`` instead with the out gate),
+``state`` (the updated recurrent state) and, with the conv, the three updated conv caches.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from k3lab.reference.kda import kda_decode_reference, out_norm_gate, short_conv_
 from k3lab.weights import hidden_states, kda_cache, kda_weights, make_generator
 
 __all__ = ["BOUNDARY", "make_inputs", "decode_stream", "check", "bytes_moved", "state_bytes",
-           "reference_conv", "reference_out_gate", "O_ATOL", "O_RTOL", "STATE_ATOL", "STATE_RTOL",
-           "O_GATED_ATOL", "O_GATED_RTOL"]
+           "reference_conv", "reference_out_gate", "reference_conv_out_gate", "O_ATOL", "O_RTOL",
+           "STATE_ATOL", "STATE_RTOL", "O_GATED_ATOL", "O_GATED_RTOL"]
 
 # o (|o| < about 0.2) is bf16: two ulps relative (2^-7; the Triton interpreter truncates to bf16
 # where the GPU rounds to nearest), over fp32 math that agrees to about 1e-6.
@@ -132,6 +133,14 @@ def reference_out_gate(inputs: dict) -> dict:
     return {"o_gated": o, "state": out["state"]}
 
 
+def reference_conv_out_gate(inputs: dict) -> dict:
+    """The reference with both the short-conv step in front and the output gate behind (what
+    ``fused+conv+out_gate`` replaces)."""
+    out = reference_conv(inputs)
+    o = out_norm_gate(out.pop("o"), inputs["g_logits"], inputs["o_norm"], inputs["eps"])
+    return {"o_gated": o, **out}
+
+
 def _fused(inputs: dict) -> dict:
     o = kda_decode(*_core(inputs), lower_bound=inputs["lower_bound"], scale=inputs["scale"],
                    config=inputs.get("config"))
@@ -145,6 +154,17 @@ def _fused_conv(inputs: dict) -> dict:
                    lower_bound=inputs["lower_bound"], scale=inputs["scale"], conv=conv,
                    config=inputs.get("config"))
     return {"o": o, "state": inputs["state"],
+            **{f"{n}_conv_state": inputs[f"{n}_conv_state"] for n in "qkv"}}
+
+
+def _fused_conv_out_gate(inputs: dict) -> dict:
+    conv = KDAConv(*(inputs[f"{n}_conv_state"] for n in "qkv"),
+                   *(inputs[f"{n}_conv"] for n in "qkv"))
+    gate = KDAOutGate(inputs["g_logits"], inputs["o_norm"], inputs["eps"])
+    o = kda_decode(*_core(inputs, inputs["q_pre"], inputs["k_pre"], inputs["v_pre"]),
+                   lower_bound=inputs["lower_bound"], scale=inputs["scale"], conv=conv,
+                   out_gate=gate, config=inputs.get("config"))
+    return {"o_gated": o, "state": inputs["state"],
             **{f"{n}_conv_state": inputs[f"{n}_conv_state"] for n in "qkv"}}
 
 
@@ -239,10 +259,11 @@ BOUNDARY = Boundary(
         Variant("fused", "fused", _fused,
                 "k3lab.kernels.kda_decode: one launch, grid (v-tiles, Hl, M)"),
         Variant("fused+conv", "fused", _fused_conv,
-                "kda_decode(conv=...): short-conv step + SiLU fused in front (a head per program)"),
+                "kda_decode(conv=...): short-conv step + SiLU fused in front"),
         Variant("fused+out_gate", "fused", _fused_out_gate,
-                "kda_decode(out_gate=...): RMSNorm * sigmoid gate fused behind (a head per "
-                "program)"),
+                "kda_decode(out_gate=...): RMSNorm * sigmoid gate fused behind"),
+        Variant("fused+conv+out_gate", "fused", _fused_conv_out_gate,
+                "kda_decode(conv=..., out_gate=...): the whole KDA decode in one launch"),
         Variant("fla-core", "peer", _fla,
                 "fla-core 0.6.0 fused_recurrent_kda kernel (in-kernel gate, L2 norm, beta "
                 "sigmoid; state in place) + the separate f_b projection (cuBLAS, fp32 out)",

@@ -25,10 +25,12 @@ __all__ = ["TOL", "STEP_VARIANTS", "EXTENDED", "within", "peers", "run_steps", "
 TOL = {"o": (kda_boundary.O_ATOL, kda_boundary.O_RTOL),
        "o_gated": (kda_boundary.O_GATED_ATOL, kda_boundary.O_GATED_RTOL),
        "state": (kda_boundary.STATE_ATOL, kda_boundary.STATE_RTOL)}
-STEP_VARIANTS = ("fused", "fused+conv", "fused+out_gate")
+STEP_VARIANTS = ("fused", "fused+conv", "fused+out_gate", "fused+conv+out_gate")
 # the references that also run what a wider fused variant absorbs: (name, fn, fused variant)
 EXTENDED = (("reference+conv", kda_boundary.reference_conv, "fused+conv"),
-            ("reference+out_gate", kda_boundary.reference_out_gate, "fused+out_gate"))
+            ("reference+out_gate", kda_boundary.reference_out_gate, "fused+out_gate"),
+            ("reference+conv+out_gate", kda_boundary.reference_conv_out_gate,
+             "fused+conv+out_gate"))
 STATE_BAR = 0.5  # the tp 1 bar: the state bytes at half the copy bandwidth or better
 
 
@@ -51,9 +53,9 @@ def run_steps(s: Setup, fixed: dict, tokens: list[dict], names, variant_steps: i
     carrying its own state and conv caches from the same start, against the fp32 reference
     carrying its own; variants other than "fused" stop after ``variant_steps`` steps.
 
-    fused+conv is compared with the reference that convolves the same pre-conv projections,
-    fused+out_gate with ``out_norm_gate`` of the reference's output. One row per (variant, step):
-    o_err, state_err (max abs) and whether each is within :data:`TOL`."""
+    The conv variants are compared with the reference that convolves the same pre-conv
+    projections, the out-gate variants with ``out_norm_gate`` of that reference's output. One
+    row per (variant, step): o_err, state_err (max abs) and whether each is within :data:`TOL`."""
     b = s.boundary
     truth = clone_inputs(fixed)       # the reference's own state
     truth_conv = clone_inputs(fixed)  # the reference that convolves in front (for fused+conv)
@@ -61,21 +63,21 @@ def run_steps(s: Setup, fixed: dict, tokens: list[dict], names, variant_steps: i
     rows = []
     for t, tok in enumerate(tokens):
         ref = b.reference.fn({**truth, **tok})
+        conv_names = {"fused+conv", "fused+conv+out_gate"} & set(names)
         ref_conv = (kda_boundary.reference_conv({**truth_conv, **tok})
-                    if "fused+conv" in names and t < variant_steps else None)
+                    if conv_names and t < variant_steps else None)
         for n in names:
             if n != "fused" and t >= variant_steps:
                 continue
             out = b.variant(n).fn({**carry[n], **tok})
-            if n == "fused+conv":
-                exp, key = ref_conv, "o"
-            elif n == "fused+out_gate":
-                exp = {"o_gated": out_norm_gate(ref["o"], tok["g_logits"], fixed["o_norm"],
+            base = ref_conv if n in conv_names else ref
+            if n.endswith("out_gate"):
+                exp = {"o_gated": out_norm_gate(base["o"], tok["g_logits"], fixed["o_norm"],
                                                 fixed["eps"])}
                 key = "o_gated"
             else:
-                exp, key = ref, "o"
-            state_ref = (ref_conv if n == "fused+conv" else ref)["state"]
+                exp, key = base, "o"
+            state_ref = base["state"]
             rows.append({"variant": n, "step": t, "o_err": max_abs_err(out[key], exp[key]),
                          "state_err": max_abs_err(out["state"], state_ref),
                          "o_ok": within(key, out[key], exp[key]),

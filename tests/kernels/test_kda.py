@@ -175,10 +175,17 @@ def test_fused_steps_state_carried(heads, m, steps, device):
     assert (s_ref - fixed["state"]).abs().max() > 100 * STATE_ATOL
 
 
-def test_fused_conv_over_steps(device):
+# v-tiles of a fused conv / out gate: the default (a whole head at tiny's d = 32: no ticket),
+# 8 and 16 wide (4 and 2 programs a head, meeting through the tickets)
+FUSED_TILES = {"default": None, "BV8": 8, "BV16": 16}
+
+
+@pytest.mark.parametrize("tile", list(FUSED_TILES))
+def test_fused_conv_over_steps(device, tile):
     """Short conv fused in front, conv caches carried by the kernel for 8 tokens; the truth
     convolves the same pre-conv projections in fp32."""
     kda_decode, KDAConv, _ = _kernels()
+    config = KDAConfig(block_v=FUSED_TILES[tile])
     fixed, tokens = kda_boundary.decode_stream(tiny(5), device, seed=7, M=2, steps=8)
     ref, fused = clone_inputs(fixed), clone_inputs(fixed)
     conv = KDAConv(*(fused[f"{n}_conv_state"] for n in "qkv"),
@@ -186,7 +193,7 @@ def test_fused_conv_over_steps(device):
     for t, tok in enumerate(tokens):
         out_ref = kda_boundary.reference_conv({**ref, **tok})
         o = kda_decode(*_args({**fused, **tok}, tok["q_pre"], tok["k_pre"], tok["v_pre"]),
-                       conv=conv)
+                       conv=conv, config=config)
         assert_close(f"o[step {t}]", o, out_ref["o"], atol=O_BF16_ATOL, rtol=O_BF16_RTOL)
         for n in "qkv":
             assert_close(f"{n}_conv_state[step {t}]", fused[f"{n}_conv_state"],
@@ -194,19 +201,22 @@ def test_fused_conv_over_steps(device):
     assert_close("state", fused["state"], ref["state"], atol=STATE_ATOL, rtol=STATE_RTOL)
 
 
+@pytest.mark.parametrize("tile", list(FUSED_TILES))
 @pytest.mark.parametrize("m", [1, 3], ids=lambda m: f"M{m}")
-def test_fused_out_gate(m, device):
+def test_fused_out_gate(m, device, tile):
     kda_decode, _, KDAOutGate = _kernels()
     inp = kda_boundary.make_inputs(tiny(5), device, seed=8, M=m)
     ref = kda_boundary.reference_out_gate(clone_inputs(inp))
     state = inp["state"].clone()
     o = kda_decode(*_args({**inp, "state": state}),
-                   out_gate=KDAOutGate(inp["g_logits"], inp["o_norm"], inp["eps"]))
+                   out_gate=KDAOutGate(inp["g_logits"], inp["o_norm"], inp["eps"]),
+                   config=KDAConfig(block_v=FUSED_TILES[tile]))
     assert_close("o_gated", o, ref["o_gated"], atol=O_GATED_ATOL, rtol=O_GATED_RTOL)
     assert_close("state", state, ref["state"], atol=STATE_ATOL, rtol=STATE_RTOL)
 
 
-def test_layer_reference_vs_fused_conv_and_out_gate(device):
+@pytest.mark.parametrize("tile", list(FUSED_TILES))
+def test_layer_reference_vs_fused_conv_and_out_gate(device, tile):
     """The whole KDA attention of two tokens: the op-by-op layer against projections + one
     kda_decode with both the conv and the output gate fused + o_proj."""
     kda_decode, KDAConv, KDAOutGate = _kernels()
@@ -229,7 +239,8 @@ def test_layer_reference_vs_fused_conv_and_out_gate(device):
         o = kda_decode(pre["q"], pre["k"], pre["v"], proj("f_a"), w["f_b"],
                        w["A_log"], w["dt_bias"], proj("b_proj"),
                        fused_cache["state"], lower_bound=cfg.kda_lower_bound, conv=conv,
-                       out_gate=KDAOutGate(pre["g"], w["o_norm"], cfg.rms_eps))
+                       out_gate=KDAOutGate(pre["g"], w["o_norm"], cfg.rms_eps),
+                       config=KDAConfig(block_v=FUSED_TILES[tile]))
         y = o.float().reshape(m, hl * d) @ w["o_proj"].float().T
         assert_close(f"layer out[step {step}]", y, y_ref, atol=LAYER_ATOL, rtol=LAYER_RTOL)
     assert_close("state", fused_cache["state"], cache["state"], atol=STATE_ATOL,
@@ -361,7 +372,7 @@ def test_bad_conv_and_out_gate_inputs(device):
     with pytest.raises(ValueError, match="conv.k_weight"):
         kda_decode(*_args(inp), conv=bad_w)
     with pytest.raises(ValueError, match="block_v"):
-        kda_decode(*_args(inp), conv=KDAConv(*states, *weights), config=KDAConfig(block_v=16))
+        kda_decode(*_args(inp), conv=KDAConv(*states, *weights), config=KDAConfig(block_v=64))
     with pytest.raises(ValueError, match="out_gate.logits"):
         kda_decode(*_args(inp), out_gate=KDAOutGate(inp["g_logits"][:1], inp["o_norm"]))
     with pytest.raises(ValueError, match="out_gate.weight"):
@@ -399,8 +410,31 @@ def test_gpu_k3_variants(tp, m):
     b = kda_boundary.BOUNDARY
     inp = b.make_inputs(preset("kimi-k3", tp), "cuda", seed=0, M=m)
     ref = b.reference.fn(clone_inputs(inp))
-    for name in ("fused", "fused+conv", "fused+out_gate"):
+    for name in ("fused", "fused+conv", "fused+out_gate", "fused+conv+out_gate"):
         b.check(b.variant(name).fn(clone_inputs(inp)), ref, inp)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_v", [None, 16, 128], ids=["default", "BV16", "BVd"])
+@pytest.mark.parametrize("tp,m", [(8, 1), (8, 64), (1, 1)], ids=["tp8-M1", "tp8-M64", "tp1-M1"])
+def test_gpu_k3_whole_decode_steps(tp, m, block_v):
+    """The conv and out gate fused over 16 steps, v-tiles meeting through tickets: the conv
+    caches exact and the outputs within tolerance at every step (a race shows as a wrong
+    cache)."""
+    b = kda_boundary.BOUNDARY
+    fixed, tokens = kda_boundary.decode_stream(preset("kimi-k3", tp), "cuda", seed=4, M=m,
+                                               steps=16)
+    ref, fused = clone_inputs(fixed), clone_inputs(fixed)
+    fn = b.variant("fused+conv+out_gate").fn
+    for t, tok in enumerate(tokens):
+        want = kda_boundary.reference_conv_out_gate({**ref, **tok})
+        got = fn({**fused, **tok, "config": KDAConfig(block_v=block_v)})
+        for n in "qkv":
+            key = f"{n}_conv_state"
+            assert_close(f"{key}[step {t}]", got[key], want[key], atol=0.0)
+        assert_close(f"o_gated[step {t}]", got["o_gated"], want["o_gated"], atol=O_GATED_ATOL,
+                     rtol=O_GATED_RTOL)
+    assert_close("state", fused["state"], ref["state"], atol=STATE_ATOL, rtol=STATE_RTOL)
 
 
 @pytest.mark.gpu
@@ -419,7 +453,8 @@ def test_gpu_k3_64_steps(tp):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["fused", "fused+conv", "fused+out_gate"])
+@pytest.mark.parametrize("variant", ["fused", "fused+conv", "fused+out_gate",
+                                     "fused+conv+out_gate"])
 def test_gpu_cuda_graph_capture(variant):
     """Captured once, replayed 3 times: each replay advances the state like 3 eager calls."""
     b = kda_boundary.BOUNDARY
