@@ -397,23 +397,19 @@ _SWEEPS = [
                                     ({}, {"tile_elems": 16384}, {"num_warps": 4},
                                      {"num_warps": 16})),
           "bank tile elements and warps at 0 and 8 sealed rows"),
-    Sweep("split", "attn_res", grid(({"n_sealed": 0}, {"n_sealed": 4}, {"n_sealed": 8}),
-                                    ({"split_h": 0}, *({"split_h": h, "split_barriers": b}
-                                                       for b in (False, True)
-                                                       for h in (256, 512, 1024)),
-                                     {"split_h": 512, "split_warps": 8},
-                                     {"split_h": 1024, "split_warps": 8},
-                                     {"split_h": 512, "split_pdl": False},
-                                     {"split_h": 512, "split_barriers": True,
-                                      "split_warps": 8},
-                                     {"split_h": 512, "split_barriers": True,
-                                      "split_reload": False, "split_warps": 8})),
-          "split schedule (programs of split_h columns: two launches, or one with a grid "
-          "barrier) against one program a token (split_h 0), at 0, 4 and 8 sealed rows"),
-    Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 64}),
-                                     ({"split_h": 0}, {"split_h": 512}, {"split_h": 1024},
-                                      {"split_h": 512, "split_barriers": True})),
-          "the split schedules and one program a token at 4 and 64 tokens"),
+    Sweep("split", "attn_res", grid(({"n_sealed": 0}, {"n_sealed": 2}, {"n_sealed": 4},
+                                     {"n_sealed": 8}),
+                                    ({}, {"split_h": 0}, {"split_min_candidates": 1},
+                                     {"split_h": 256, "split_min_candidates": 1},
+                                     {"split_h": 1024, "split_min_candidates": 1},
+                                     {"split_warps": 8, "split_min_candidates": 1},
+                                     {"split_pdl": False, "split_min_candidates": 1})),
+          "split schedule (programs of split_h columns over two launches) against one program "
+          "a token (split_h 0) and the default depth rule ({}), at 0, 2, 4 and 8 sealed rows"),
+    Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 16}, {"M": 64}),
+                                     ({}, {"split_h": 0}, {"max_split_programs": 8})),
+          "the split schedule (the default: at most 2 programs an SM) and one program a token "
+          "at 4, 16 and 64 tokens"),
 ]
 
 SWEEPS: dict[tuple[str, str], Sweep] = {(s.boundary, s.name): s for s in _SWEEPS}

@@ -1,4 +1,4 @@
-"""Fused AttnRes read + the RMSNorm that follows it (docs/model.md), one launch.
+"""Fused AttnRes read + the RMSNorm that follows it (docs/model.md), in one or two launches.
 
 For every token m, with the candidates V = stack(bank[0..N-1, m], live[m]) in fp32:
 
@@ -9,11 +9,16 @@ For every token m, with the candidates V = stack(bank[0..N-1, m], live[m]) in fp
     h_normed = bf16(h * rsqrt(mean_h(h^2) + eps) * norm_w)
 
 The second form of the score needs one pass over the candidates for both sums (sum of squares and
-dot with the fused weight w = res_norm_w * res_proj_w). One program per token streams the N + 1
-rows once to score them, once more to mix them (that read hits L2), and re-reads its own h (H bf16)
-for the norm. The bank rows are a [BLOCK_NB, BLOCK_H] register tile (padded rows masked: no memory
-traffic, score -inf), the live row a [BLOCK_H] vector beside it. The tiling is an
-:class:`AttnResConfig` (each default's evidence: docs/decisions.md).
+dot with the fused weight w = res_norm_w * res_proj_w). Two schedules (:class:`AttnResConfig`;
+each default's evidence: docs/decisions.md):
+
+- one program per token streams the N + 1 rows once to score them, once more to mix them (that
+  read hits L2), and re-reads its own h (H bf16) for the norm. The bank rows are a
+  [BLOCK_NB, BLOCK_H] register tile (padded rows masked: no memory traffic, score -inf), the
+  live row a [BLOCK_H] vector beside it;
+- split (deep reads of few tokens): programs of a column chunk each store the chunk's Gram
+  matrix G = V V^T and score dots; a second launch mixes and normalizes every chunk from all of
+  the token's sums (sum(h^2) = p^T G p), so one token's rows are read by many SMs at once.
 """
 
 from __future__ import annotations
@@ -45,28 +50,25 @@ class AttnResConfig:
     max_block_h: widest H chunk (the norm pass, and the read with <= 2 bank rows): 8192 covers
         K3's 7168 in one chunk.
     num_warps: warps of the one program per token.
-    split_h: 0 (one program per token streams all of H: the fields above); else programs of
-        split_h columns each, cdiv(H, split_h) a token, over two launches: the candidates'
-        partial sums (their Gram matrix and dots with the score weight), then the mix and the
-        norm from all of a token's partial sums, so a token's rows are read by many SMs at once.
-    split_barriers: the split schedule as one launch whose programs meet at two grid barriers
-        instead (taken only while the grid fits the machine, ``max_split_programs``).
+    split_h: 0: always one program per token (the fields above); else, for reads of at least
+        split_min_candidates candidates, programs of split_h columns each, cdiv(H, split_h) a
+        token, over two launches: the candidates' partial sums (their Gram matrix and dots with
+        the score weight), then the mix and the norm from all of the token's partial sums, so a
+        token's rows are read by many SMs at once.
+    split_min_candidates: the shallowest read that takes the split schedule (below it one
+        program streams the few rows faster than two launches meet).
     split_pdl: the split launches use programmatic dependent launch (compiled only): the mix
         launch loads its norm weight while the sums launch finishes.
-    split_reload: (barriers) the mix re-reads the candidates from L2 after the barrier instead
-        of keeping them in registers across it.
     split_warps: warps of a split program.
-    max_split_programs: the split grid's largest size per SM (every program must be resident
-        at once for the barriers; above it the one-program-per-token kernel runs).
+    max_split_programs: the split grid's largest size per SM (more tokens: one program each).
     """
 
     tile_elems: int = 32768
     max_block_h: int = 8192
     num_warps: int = 8
-    split_h: int = 0
-    split_barriers: bool = False
+    split_h: int = 512
+    split_min_candidates: int = 4
     split_pdl: bool = True
-    split_reload: bool = True
     split_warps: int = 4
     max_split_programs: int = 2
 
@@ -75,9 +77,13 @@ class AttnResConfig:
             v = getattr(self, f.name)
             if f.name == "split_h" and v == 0 and not isinstance(v, bool):
                 continue
-            if f.name in ("split_barriers", "split_pdl", "split_reload"):
+            if f.name == "split_pdl":
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
+                continue
+            if f.name == "split_min_candidates":
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
                 what = "0 or a power of two" if f.name == "split_h" else "a power of two"
@@ -173,12 +179,9 @@ def _attn_res_norm_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # split H: programs of BLOCK_H columns, a token's P programs combining their partial sums (the
-# candidates' Gram matrix G = V V^T and dots with w = res_norm_w * res_proj_w) either across two
-# launches or at one grid barrier. With the softmax weights p, sum(h^2) = p^T G p: the norm needs
-# no second reduction over the token's columns.
-
-MAX_SPIN = tl.constexpr(1 << 24)  # polls before a barrier gives up (a wrong result, not a hang)
-
+# candidates' Gram matrix G = V V^T and dots with w = res_norm_w * res_proj_w) across two
+# launches. With the softmax weights p, sum(h^2) = p^T G p: the norm needs no second reduction
+# over the token's columns.
 
 @triton.jit
 def _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, stride_live_m,
@@ -280,64 +283,6 @@ def _attn_res_mix_kernel(
                o_h, m_h)
 
 
-@triton.jit
-def _spin_until(p_c, target):
-    """Wait until the counter p_c reaches target (plain polls, then one acquire RMW)."""
-    n_spin = tl.program_id(0) * 0
-    while (tl.load(p_c, volatile=True) < target) & (n_spin < MAX_SPIN):
-        n_spin += 1
-    tl.atomic_max(p_c, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _attn_res_barrier_kernel(
-    p_bank, p_live, p_res_norm_w, p_res_proj_w, p_norm_w, p_h, p_hn, p_g, p_d, p_sync,
-    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m, N, H, eps, P,
-    WAIT: tl.constexpr, RELOAD: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-):
-    """One launch: program (i_p, token i_m) stores its chunk's sums, meets the token's other
-    P - 1 programs (counter p_sync[2 i_m]), then mixes and normalizes its chunk, still in
-    registers; the last program past the wait (p_sync[2 i_m + 1]) resets both counters. WAIT
-    False (the interpreter, whose programs run one after another): nobody waits, the token's
-    last program to arrive finishes every chunk itself."""
-    i_p = tl.program_id(0)
-    i_m = tl.program_id(1).to(tl.int64)
-    o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    p_h_row = p_h + i_m * stride_out_m
-    p_hn_row = p_hn + i_m * stride_out_m
-    p_c = p_sync + i_m * 2
-    b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
-                      stride_live_m, BLOCK_NB)
-    _chunk_sums(b_v, p_res_norm_w, p_res_proj_w, p_g, p_d, i_m * P + i_p, o_h, m_h, DOT_FP32,
-                BLOCK_NB)
-    tl.debug_barrier()  # every thread's sums before the release
-    i_t = tl.atomic_add(p_c, 1, sem="release")
-    if WAIT:
-        b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-        _spin_until(p_c, P)
-        b_p, b_rstd = _token_weights(p_g, p_d, i_m * P, P, N, H, eps, BLOCK_NB, BLOCK_P)
-        if RELOAD:  # from L2: kept across the barrier, the tile costs registers (spills)
-            b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
-                              stride_live_m, BLOCK_NB)
-        _mix_store(b_v, b_p, b_rstd, b_nw, p_h_row, p_hn_row, o_h, m_h)
-        if tl.atomic_add(p_c + 1, 1, sem="acq_rel") == P - 1:  # everyone is past the wait
-            tl.atomic_xchg(p_c, 0, sem="relaxed")
-            tl.atomic_xchg(p_c + 1, 0, sem="relaxed")
-    elif i_t == P - 1:
-        b_p, b_rstd = _token_weights(p_g, p_d, i_m * P, P, N, H, eps, BLOCK_NB, BLOCK_P)
-        for i in range(0, P):
-            o_c = i * BLOCK_H + tl.arange(0, BLOCK_H)
-            m_c = o_c < H
-            b_vc = _split_rows(p_bank, p_live, i_m, o_c, m_c, N, stride_bank_n, stride_bank_m,
-                               stride_live_m, BLOCK_NB)
-            b_nw = tl.load(p_norm_w + o_c, mask=m_c, other=0.0).to(tl.float32)
-            _mix_store(b_vc, b_p, b_rstd, b_nw, p_h_row, p_hn_row, o_c, m_c)
-        tl.atomic_xchg(p_c, 0, sem="relaxed")
-
-
 def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
     if not isinstance(w, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
@@ -367,10 +312,9 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     config:          the :class:`AttnResConfig` (None: the defaults); speed only.
 
     Returns ``(h, h_normed)``, both [M, H] bf16 and contiguous: ``h`` the softmax mixture of the
-    raw candidates, ``h_normed = RMSNorm(h) * norm_weight`` computed from the bf16 ``h``.
-    No host synchronization (CUDA-graph capturable). The split schedule (``config.split_h``)
-    keeps per-device counters: calls on one device must not run concurrently on different
-    streams, and the first call with a given M must not be inside a CUDA-graph capture.
+    raw candidates, ``h_normed = RMSNorm(h) * norm_weight`` of the bf16 ``h`` (the split
+    schedule takes h's sum of squares before the rounding, p^T G p). No host synchronization
+    (CUDA-graph capturable).
     """
     for name, t in (("bank", bank), ("live", live)):
         if not isinstance(t, torch.Tensor):
@@ -415,20 +359,12 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     strides = (bank.stride(0) if N else 0, bank.stride(1) if N else 0, live.stride(0),
                h.stride(0))
     n_split = triton.cdiv(H, cfg.split_h) if cfg.split_h else 0
-    barriers = cfg.split_barriers and n_split * M <= _split_capacity(device, cfg)
-    if n_split > 1 and (barriers or not cfg.split_barriers):
+    if n_split > 1 and cfg.split_min_candidates <= N + 1 and \
+            n_split * M <= _split_capacity(device, cfg):
         nb = max(16, triton.next_power_of_2(N + 1))  # tl.dot's smallest tile
         part_g = torch.empty(M * n_split * nb * nb, dtype=torch.float32, device=device)
         part_d = torch.empty(M * n_split * nb, dtype=torch.float32, device=device)
         blocks = dict(BLOCK_NB=nb, BLOCK_H=cfg.split_h, num_warps=cfg.split_warps)
-        block_p = triton.next_power_of_2(n_split)
-        if barriers:
-            _attn_res_barrier_kernel[(n_split, M)](
-                bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed,
-                part_g, part_d, _split_counters(device, M), *strides, N, H, float(eps),
-                n_split, WAIT=not INTERPRETED, RELOAD=cfg.split_reload, DOT_FP32=INTERPRETED,
-                BLOCK_P=block_p, **blocks)
-            return h, h_normed
         pdl = cfg.split_pdl and not INTERPRETED
         launch = {"launch_pdl": True} if pdl else {}
         _attn_res_sums_kernel[(n_split, M)](
@@ -436,7 +372,8 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
             H, n_split, PDL=pdl, DOT_FP32=INTERPRETED, **blocks, **launch)
         _attn_res_mix_kernel[(n_split, M)](
             bank_arg, live, norm_weight, h, h_normed, part_g, part_d, *strides, N, H,
-            float(eps), n_split, PDL=pdl, BLOCK_P=block_p, **blocks, **launch)
+            float(eps), n_split, PDL=pdl, BLOCK_P=triton.next_power_of_2(n_split), **blocks,
+            **launch)
         return h, h_normed
     BLOCK_HN = min(triton.next_power_of_2(H), cfg.max_block_h)
     BLOCK_H = min(BLOCK_HN, cfg.tile_elems // BLOCK_NB)
@@ -448,27 +385,9 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     return h, h_normed
 
 
-# int32 counters (a barrier and a done count) per token, per device, of the barrier schedule
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def _split_capacity(device: torch.device, cfg: AttnResConfig) -> int:
-    """The largest split grid: every program resident at once (the interpreter: any)."""
+    """The largest split grid (the interpreter: any)."""
     if device.type != "cuda":
         return 1 << 30
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return cfg.max_split_programs * sms
-
-
-def _split_counters(device: torch.device, m: int) -> torch.Tensor:
-    """Zeroed counters for m tokens (zero between launches: each token's last program resets
-    its two), created or grown outside a CUDA-graph capture."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < 2 * m:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                f"live: attn_res_norm's barrier counters on {device} for M={m} tokens do not "
-                "exist yet and cannot be created inside a CUDA-graph capture; call it once with "
-                "this M (or more) before capturing")
-        c = _COUNTERS[device] = torch.zeros(max(2 * m, 32), dtype=torch.int32, device=device)
-    return c

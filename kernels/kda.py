@@ -15,11 +15,11 @@ recomputes the cheap k-side quantities (f GEMV over R, gate, norms) for its head
 Variants (constexpr flags of the same kernel):
   FUSE_CONV      q, k, v arrive before the short convolution: one conv step + SiLU per channel in
                  front, conv caches shifted in place. Every v-tile of a head steps the head's q
-                 and k channels; the last of them to have read the q, k caches (a ticket per
-                 token and head) shifts them, each shifts its own v channels.
+                 and k channels and shifts its own v channels' caches.
   FUSE_OUT_GATE  o = RMSNorm_head(o) * w * sigmoid(gate logits) behind. The RMS needs the whole
-                 head's o: the v-tiles leave o and its sum of squares in a workspace, the last
-                 of them to finish (another ticket) normalizes and gates the head.
+                 head's o: the v-tiles leave o and its sum of squares in a workspace.
+With either and several v-tiles a head, the head's last program to finish (a ticket per token
+and head) shifts the q, k caches (every program has read them by then) and normalizes the head.
 
 The tiling is a :class:`KDAConfig` (each default's evidence: docs/decisions.md).
 """
@@ -78,21 +78,26 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _conv_silu_step(p_x, p_cache, p_w, o_c, C: tl.constexpr, BC: tl.constexpr):
-    """SiLU of one causal depthwise conv step for channels ``o_c``, and its window.
+def _conv_load(p_x, p_cache, p_w, o_c, C: tl.constexpr, BC: tl.constexpr):
+    """The conv window [len(o_c), BC] fp32 (the C-1 cached inputs, oldest first, then the
+    current one) and taps [len(o_c), BC] of channels ``o_c``.
 
-    p_x: current input of channel 0 of the head; p_cache: its cache [channels, C-1] (oldest
-    first); p_w: its taps [channels, C] (last tap = current input). Returns (fp32 [len(o_c)],
-    the window [len(o_c), BC] fp32 that :func:`_conv_shift` stores as the new cache).
+    p_x: current input of channel 0 of the head; p_cache: its cache [channels, C-1]; p_w: its
+    taps [channels, C] (last tap = current input).
     """
     o_j = tl.arange(0, BC)
     b_old = tl.load(p_cache + o_c[:, None] * (C - 1) + o_j[None, :], mask=o_j[None, :] < C - 1,
                     other=0.0).to(tl.float32)
     b_x = tl.load(p_x + o_c).to(tl.float32)
-    b_win = tl.where(o_j[None, :] == C - 1, b_x[:, None], b_old)    # [channels, BC] fp32
+    b_win = tl.where(o_j[None, :] == C - 1, b_x[:, None], b_old)
     b_w = tl.load(p_w + o_c[:, None] * C + o_j[None, :], mask=o_j[None, :] < C, other=0.0)
-    b_y = tl.sum(b_win * b_w.to(tl.float32), 1)
-    return b_y * _sigmoid(b_y), b_win
+    return b_win, b_w.to(tl.float32)
+
+
+@triton.jit
+def _conv_silu(b_win, b_w):
+    b_y = tl.sum(b_win * b_w, 1)
+    return b_y * _sigmoid(b_y)
 
 
 @triton.jit
@@ -123,6 +128,11 @@ def _kda_decode_kernel(
     # the state slice first: its load is the one that matters, let it fly during the GEMV
     p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
     b_s = tl.load(p_s)
+    if FUSE_CONV:  # every program steps the head's q, k channels and its own v channels
+        o_cache = i_mh * D * (C - 1)
+        w_q, t_q = _conv_load(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
+        w_k, t_k = _conv_load(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k, C, BC)
+        w_v, t_v = _conv_load(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v, C, BC)
 
     # f_b projection of this head's d channels: f = f_b[h rows] @ f_low[m], fp32 accumulation
     b_f = tl.zeros([D], dtype=tl.float32)
@@ -138,22 +148,10 @@ def _kda_decode_kernel(
     b_g = lower_bound * _sigmoid(b_A * (b_f + b_bias))
     b_beta = _sigmoid(tl.load(b_logits + i_mh).to(tl.float32))
 
-    if FUSE_CONV:  # every program steps the head's q, k channels, and its own v channels
-        o_cache = i_mh * D * (C - 1)
-        b_q, w_q = _conv_silu_step(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k,
-                                   C, BC)
-        b_k, w_k = _conv_silu_step(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k,
-                                   C, BC)
-        b_v, w_v = _conv_silu_step(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v,
-                                   C, BC)
+    if FUSE_CONV:
+        b_q, b_k, b_v = _conv_silu(w_q, t_q), _conv_silu(w_k, t_k), _conv_silu(w_v, t_v)
         _conv_shift(v_cache + o_cache, o_v, w_v, C, BC)
-        if NV > 1:  # the head's last program to have read the q, k caches shifts them
-            tl.debug_barrier()  # every thread's cache reads performed before the ticket
-            if tl.atomic_add(p_cnt + 2 * i_mh, 1, sem="acq_rel") == NV - 1:
-                _conv_shift(q_cache + o_cache, o_k, w_q, C, BC)
-                _conv_shift(k_cache + o_cache, o_k, w_k, C, BC)
-                tl.atomic_xchg(p_cnt + 2 * i_mh, 0, sem="relaxed")
-        else:
+        if NV == 1:
             _conv_shift(q_cache + o_cache, o_k, w_q, C, BC)
             _conv_shift(k_cache + o_cache, o_k, w_k, C, BC)
     else:
@@ -175,22 +173,29 @@ def _kda_decode_kernel(
         b_w = tl.load(o_norm + o_v).to(tl.float32)
         b_gate = tl.load(gate_logits + i_mh * D + o_v).to(tl.float32)
         b_o = b_o / b_rms * b_w * _sigmoid(b_gate)
-    if FUSE_OUT_GATE and NV > 1:  # the head's last program to finish normalizes the head
+    if FUSE_OUT_GATE and NV > 1:
         tl.store(o_ws + i_mh * D + o_v, b_o)
         tl.store(ss_ws + i_mh * NV + i_v, tl.sum(b_o * b_o, 0))
-        tl.debug_barrier()  # every thread's stores before the release
-        if tl.atomic_add(p_cnt + 2 * i_mh + 1, 1, sem="acq_rel") == NV - 1:
-            tl.debug_barrier()
-            b_ss = tl.sum(tl.load(ss_ws + i_mh * NV + tl.arange(0, NV), cache_modifier=".cg"),
-                          0)
-            b_oh = tl.load(o_ws + i_mh * D + o_k, cache_modifier=".cg")
-            b_w = tl.load(o_norm + o_k).to(tl.float32)
-            b_gate = tl.load(gate_logits + i_mh * D + o_k).to(tl.float32)
-            b_oh = b_oh / tl.sqrt(b_ss / D + eps) * b_w * _sigmoid(b_gate)
-            tl.store(o + i_mh * D + o_k, b_oh.to(o.dtype.element_ty))
-            tl.atomic_xchg(p_cnt + 2 * i_mh + 1, 0, sem="relaxed")
     else:
         tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
+    if (FUSE_CONV or FUSE_OUT_GATE) and NV > 1:
+        # the head's last program to finish (one ticket per token and head) shifts the q, k
+        # caches every program has read and normalizes and gates the head's o
+        tl.debug_barrier()  # every thread's cache reads and stores performed before the ticket
+        if tl.atomic_add(p_cnt + i_mh, 1, sem="acq_rel") == NV - 1:
+            tl.debug_barrier()
+            if FUSE_CONV:
+                _conv_shift(q_cache + o_cache, o_k, w_q, C, BC)
+                _conv_shift(k_cache + o_cache, o_k, w_k, C, BC)
+            if FUSE_OUT_GATE:
+                b_ss = tl.sum(tl.load(ss_ws + i_mh * NV + tl.arange(0, NV),
+                                      cache_modifier=".cg"), 0)
+                b_oh = tl.load(o_ws + i_mh * D + o_k, cache_modifier=".cg")
+                b_w = tl.load(o_norm + o_k).to(tl.float32)
+                b_gate = tl.load(gate_logits + i_mh * D + o_k).to(tl.float32)
+                b_oh = b_oh / tl.sqrt(b_ss / D + eps) * b_w * _sigmoid(b_gate)
+                tl.store(o + i_mh * D + o_k, b_oh.to(o.dtype.element_ty))
+            tl.atomic_xchg(p_cnt + i_mh, 0, sem="relaxed")
 
 
 @dataclass
@@ -334,7 +339,7 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     n_v = d // block_v
     cnt = o_ws = ss_ws = state  # placeholders, never read
     if n_v > 1 and (conv is not None or out_gate is not None):
-        cnt = _counters(dev, 2 * m * hl)
+        cnt = _counters(dev, m * hl)
     if n_v > 1 and out_gate is not None:
         o_ws = torch.empty(m * hl * d, dtype=torch.float32, device=dev)
         ss_ws = torch.empty(m * hl * n_v, dtype=torch.float32, device=dev)
@@ -354,7 +359,8 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     return o
 
 
-# int32 tickets (conv caches, out gate) per (token, head), per device; zero between launches
+# int32 tickets per (token, head), per device, of the v-tiled conv / out gate; zero between
+# launches
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -365,7 +371,7 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     if c is None or c.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise ValueError(
-                f"q: kda_decode's tickets on {device} for {n // 2} (token, head) pairs do not "
+                f"q: kda_decode's tickets on {device} for {n} (token, head) pairs do not "
                 "exist yet and cannot be created inside a CUDA-graph capture; call it once with "
                 "this M and Hl (or more) before capturing")
         c = _COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)

@@ -85,7 +85,9 @@ BOUNDARY = Boundary(
         Variant("reference", "reference", reference,
                 "PyTorch op by op: stack, fp32, RMS per candidate, score, softmax, mix, "
                 "bf16, RMSNorm"),
-        Variant("fused", "fused", fused, "one Triton launch per read (k3lab.kernels)"),
+        Variant("fused", "fused", fused,
+                "k3lab.kernels.attn_res_norm: one launch per read, two (split columns) for "
+                "deep reads"),
         Variant("torch.compile", "peer", compiled(reference),
                 "torch.compile of the reference (Inductor)", devices=("cuda",)),
     ),

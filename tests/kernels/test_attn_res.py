@@ -91,38 +91,42 @@ def test_matches_reference(device, cfg, n, m, wdtype, hidden):
 CONFIGS = [AttnResConfig(tile_elems=1024, split_h=0),
            AttnResConfig(max_block_h=256, num_warps=4, split_h=0),
            AttnResConfig(tile_elems=4096, max_block_h=1024, num_warps=2, split_h=0),
-           AttnResConfig(split_h=16), AttnResConfig(split_h=128, split_warps=2),
-           AttnResConfig(split_h=16, split_barriers=True),
-           AttnResConfig(split_h=128, split_warps=2, split_barriers=True)]
+           AttnResConfig(split_h=16, split_min_candidates=1),
+           AttnResConfig(split_h=128, split_warps=2, split_min_candidates=1),
+           AttnResConfig(split_h=64, split_min_candidates=6)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["tile1k", "h256-w4", "tile4k-h1k-w2",
-                                                 "split16", "split128-w2", "barriers16",
-                                                 "barriers128-w2"])
+                                                 "split16", "split128-w2", "split64-from6"])
 @pytest.mark.parametrize("n,hidden", [(0, 37), (5, None), (9, 1000)], ids=["N0", "N5", "N9"])
 def test_configs_match_reference(device, config, n, hidden):
     _check(_inputs(TINY, n, 2, device, wdtype="fp32" if n == 5 else "bf16", hidden=hidden),
            config=config)
 
 
-@pytest.mark.parametrize("barriers", [False, True], ids=["two-launches", "barriers"])
 @pytest.mark.parametrize("n", [0, 8])
-def test_split_matches_one_program(device, n, barriers):
-    """The split schedules (many programs a token: two launches, or one with two barriers) and
-    the one-program kernel read the same candidates: each within the reference's tolerance, h
-    within a rounding of each other (their fp32 sums add in different orders); the split
-    launches are bitwise the same call after call (partial sums added in program order)."""
+def test_split_matches_one_program(device, n):
+    """The split schedule (many programs a token over two launches) and the one-program kernel
+    read the same candidates: each within the reference's tolerance, h within a rounding of
+    each other (their fp32 sums add in different orders); the split launches are bitwise the
+    same call after call (partial sums added in a fixed order)."""
     args = _inputs(K3, n, 2, device, seed=5)
-    split = AttnResConfig(split_h=1024, split_barriers=barriers)
+    split = AttnResConfig(split_h=1024, split_min_candidates=1)
     h_s, hn_s = _check(args, config=split)
     h_1, hn_1 = _check(args, config=AttnResConfig(split_h=0))
     assert (h_s.float() - h_1.float()).abs().max() <= 2 ** -7 * h_1.float().abs().max()
     again = attn_res_norm(*args, config=split)
     assert torch.equal(again[0], h_s) and torch.equal(again[1], hn_s)
     names = count_launches(lambda a: attn_res_norm(*a, config=split), args).kernels
-    expected = ["barrier"] if barriers else ["sums", "mix"]
-    assert len(names) == len(expected), names
-    assert all(e in k for e, k in zip(expected, names, strict=True)), names
+    assert len(names) == 2 and "sums" in names[0] and "mix" in names[1], names
+
+
+@pytest.mark.parametrize("n,launches", [(0, 1), (2, 1), (3, 2), (8, 2)])
+def test_default_schedule_by_depth(device, n, launches):
+    """The defaults: one program below split_min_candidates candidates, the split from it."""
+    assert AttnResConfig().split_min_candidates == 4
+    args = _inputs(K3, n, 1, device, seed=n)
+    assert count_launches(lambda a: attn_res_norm(*a), args).count == launches
 
 
 def test_k3_m64(device):
@@ -215,8 +219,8 @@ def test_bad_input(device, param, change):
                                          ("max_block_h", True), ("num_warps", 8.0),
                                          ("split_h", 100), ("split_h", -512),
                                          ("split_h", False), ("max_split_programs", 0),
-                                         ("split_barriers", 1), ("split_pdl", None),
-                                         ("split_reload", "yes")])
+                                         ("split_min_candidates", 0), ("split_pdl", None),
+                                         ("split_min_candidates", True)])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         AttnResConfig(**{field: value})
@@ -344,12 +348,10 @@ def test_one_launch(device):
 # GPU
 
 
-GPU_CONFIGS = {"one": AttnResConfig(split_h=0), "split512": AttnResConfig(split_h=512),
-               "barriers512": AttnResConfig(split_h=512, split_barriers=True),
-               "barriers512-regs": AttnResConfig(split_h=512, split_barriers=True,
-                                                 split_reload=False, split_warps=8),
-               "split1024-nopdl": AttnResConfig(split_h=1024, split_pdl=False),
-               "barriers": AttnResConfig(split_h=1024, split_barriers=True)}
+GPU_CONFIGS = {"default": AttnResConfig(), "one": AttnResConfig(split_h=0),
+               "split-all": AttnResConfig(split_min_candidates=1),
+               "split1024-nopdl": AttnResConfig(split_h=1024, split_pdl=False,
+                                                split_min_candidates=1)}
 
 
 @pytest.mark.gpu
@@ -373,7 +375,7 @@ def test_gpu_no_host_sync():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["one", "split512", "barriers512"])
+@pytest.mark.parametrize("config", ["default", "one", "split-all"])
 def test_gpu_graph_of_a_token(config):
     """A whole K3 token's 186 reads captured in one CUDA graph (every depth 1..9 candidates):
     replays equal eager calls, and follow the residual buffer when it changes in place."""
