@@ -408,8 +408,8 @@ _SWEEPS = [
           "a token (split_h 0) and the default depth rule ({}), at 0, 2, 4 and 8 sealed rows"),
     Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 16}, {"M": 64}),
                                      ({}, {"split_h": 0}, {"max_split_programs": 8})),
-          "the split schedule (the default: at most 2 programs an SM) and one program a token "
-          "at 4, 16 and 64 tokens"),
+          "the split schedule (by default while its grid is at most one program an SM) and one "
+          "program a token at 4, 16 and 64 tokens"),
 ]
 
 SWEEPS: dict[tuple[str, str], Sweep] = {(s.boundary, s.name): s for s in _SWEEPS}

@@ -60,7 +60,8 @@ class AttnResConfig:
     split_pdl: the split launches use programmatic dependent launch (compiled only): the mix
         launch loads its norm weight while the sums launch finishes.
     split_warps: warps of a split program.
-    max_split_programs: the split grid's largest size per SM (more tokens: one program each).
+    max_split_programs: the split grid's largest size per SM (more tokens: one program each;
+        at K3, 14 programs a token: up to 9 tokens).
     """
 
     tile_elems: int = 32768
@@ -70,7 +71,7 @@ class AttnResConfig:
     split_min_candidates: int = 4
     split_pdl: bool = True
     split_warps: int = 4
-    max_split_programs: int = 2
+    max_split_programs: int = 1
 
     def __post_init__(self):
         for f in fields(self):
