@@ -18,11 +18,13 @@ from k3lab.reference.attn_res import attn_res_norm_reference
 H_ATOL, H_RTOL = 1e-3, 2.0 ** -7
 H_NORMED_ATOL, H_NORMED_RTOL = 1e-3, 2.0 ** -6
 # the default tiles, narrow ones (several H chunks and bank tiles, masked tails) of the
-# one-program kernel, and the split schedule at narrow chunks (many programs a token)
+# one-program kernel, and the split schedule at narrow chunks (many programs a token) at every
+# depth and by the default depth rule
 CONFIGS = {"default": None,
            "narrow": AttnResConfig(max_block_h=32, tile_elems=128, split_h=0),
            "mid": AttnResConfig(max_block_h=128, tile_elems=1024, split_h=0),
-           "split": AttnResConfig(split_h=16)}
+           "split": AttnResConfig(split_h=16, split_min_candidates=1),
+           "split-by-depth": AttnResConfig(split_h=32)}
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow,
                                            HealthCheck.function_scoped_fixture])
