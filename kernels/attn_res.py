@@ -68,7 +68,7 @@ class AttnResConfig:
     max_block_h: int = 8192
     num_warps: int = 8
     split_h: int = 512
-    split_min_candidates: int = 4
+    split_min_candidates: int = 3
     split_pdl: bool = True
     split_warps: int = 4
     max_split_programs: int = 1
