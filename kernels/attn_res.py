@@ -363,8 +363,9 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     if n_split > 1 and cfg.split_min_candidates <= N + 1 and \
             n_split * M <= _split_capacity(device, cfg):
         nb = max(16, triton.next_power_of_2(N + 1))  # tl.dot's smallest tile
-        part_g = torch.empty(M * n_split * nb * nb, dtype=torch.float32, device=device)
-        part_d = torch.empty(M * n_split * nb, dtype=torch.float32, device=device)
+        slots = M * n_split
+        part = torch.empty(slots * (nb * nb + nb), dtype=torch.float32, device=device)
+        part_g, part_d = part[:slots * nb * nb], part[slots * nb * nb:]  # Gram, dots
         blocks = dict(BLOCK_NB=nb, BLOCK_H=cfg.split_h, num_warps=cfg.split_warps)
         pdl = cfg.split_pdl and not INTERPRETED
         launch = {"launch_pdl": True} if pdl else {}

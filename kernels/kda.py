@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import check_device, check_number
+from .runtime import check_device, check_number, zeroed_words
 
 __all__ = ["KDAConfig", "KDAConv", "KDAOutGate", "kda_decode"]
 
@@ -360,19 +360,12 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
 
 
 # int32 tickets per (token, head), per device, of the v-tiled conv / out gate; zero between
-# launches
+# launches (each launch's last program of a head resets its own)
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """n zeroed tickets (each launch's last program of a head resets its own), created or grown
-    outside a CUDA-graph capture."""
-    c = _COUNTERS.get(device)
-    if c is None or c.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                f"q: kda_decode's tickets on {device} for {n} (token, head) pairs do not "
-                "exist yet and cannot be created inside a CUDA-graph capture; call it once with "
-                "this M and Hl (or more) before capturing")
-        c = _COUNTERS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return c
+    return zeroed_words(_COUNTERS, device, n, minimum=256, error=(
+        f"q: kda_decode's tickets on {device} for {n} (token, head) pairs do not exist yet and "
+        "cannot be created inside a CUDA-graph capture; call it once with this M and Hl (or "
+        "more) before capturing"))

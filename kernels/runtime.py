@@ -15,7 +15,7 @@ import os
 import torch
 
 __all__ = ["INTERPRETED", "prepare", "check_device", "check_tensor", "check_number",
-           "VALIDATE_MODES", "check_validate"]
+           "VALIDATE_MODES", "check_validate", "zeroed_words"]
 
 
 def prepare() -> bool:
@@ -134,3 +134,20 @@ def check_validate(validate) -> str:
     if validate not in VALIDATE_MODES:
         raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {validate!r}")
     return validate
+
+
+def zeroed_words(store: dict, device: torch.device, n: int, *, error: str, minimum: int = 1,
+                 capturing: bool | None = None) -> torch.Tensor:
+    """At least ``n`` zeroed int32 words for ``device``, kept in ``store``: the kernels that
+    count on them (tickets, completion counters, sync words) leave them zero, so one allocation
+    serves every call and every CUDA-graph replay. They are made, or grown (to at least
+    ``minimum``), only outside a capture; inside one (``capturing``; None asks the current
+    stream) that is a ValueError with the launcher's ``error``."""
+    buf = store.get(device)
+    if buf is None or buf.numel() < n:
+        if capturing is None:
+            capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            raise ValueError(error)
+        buf = store[device] = torch.zeros(max(n, minimum), dtype=torch.int32, device=device)
+    return buf

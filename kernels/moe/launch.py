@@ -11,7 +11,7 @@ import triton
 
 from ..mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
 from ..plan import RoutePlan
-from ..runtime import INTERPRETED
+from ..runtime import INTERPRETED, zeroed_words
 from .checks import (
     check_activation,
     check_betas,
@@ -256,16 +256,10 @@ def _zero_counters(dev: torch.device, n_d_tiles: int) -> torch.Tensor:
     """The device's int32 counters (three per D tile) of the self-zeroing atomic stage 2 (zero
     between launches: each D tile's last program resets its three), created, or grown, by a
     call outside a CUDA-graph capture."""
-    counters = _ZERO_COUNTERS.get(dev)
-    if counters is None or counters.numel() < 3 * n_d_tiles:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError(
-                f"a: moe_stage2's counters on {dev} for {n_d_tiles} D tiles do not exist yet "
-                "and cannot be created inside a CUDA-graph capture; call moe_stage2 once on "
-                "this device with these shapes before capturing")
-        size = max(3 * n_d_tiles, 3 * 1024)
-        counters = _ZERO_COUNTERS[dev] = torch.zeros(size, dtype=torch.int32, device=dev)
-    return counters
+    return zeroed_words(_ZERO_COUNTERS, dev, 3 * n_d_tiles, minimum=3 * 1024, error=(
+        f"a: moe_stage2's counters on {dev} for {n_d_tiles} D tiles do not exist yet and cannot "
+        "be created inside a CUDA-graph capture; call moe_stage2 once on this device with these "
+        "shapes before capturing"))
 
 
 def _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma=None, zero=False):

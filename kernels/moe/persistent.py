@@ -44,7 +44,7 @@ import triton
 from ..mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
 from ..plan import RoutePlan
 from ..route import route_sort
-from ..runtime import INTERPRETED
+from ..runtime import INTERPRETED, zeroed_words
 from .block import _EARLY_ROUTE, _check_block_weights
 from .checks import check_activation, check_plan, check_tensor, check_tokens
 from .persistent_config import PersistentMoEConfig
@@ -117,14 +117,9 @@ def persistent_kernel_weights(weights: dict, config: PersistentMoEConfig | None 
 
 def _sync_words(dev: torch.device, n: int) -> torch.Tensor:
     """The device's zeroed int32 sync words (at least n), made outside a graph capture."""
-    buf = _SYNC.get(dev)
-    if buf is None or buf.numel() < n:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"plan: moe_persistent needs {n} sync words on {dev}, which do not "
-                             "exist yet and cannot be made inside a CUDA-graph capture; call "
-                             "it once with these shapes before capturing")
-        buf = _SYNC[dev] = torch.zeros(max(n, MIN_SYNC_WORDS), dtype=torch.int32, device=dev)
-    return buf
+    return zeroed_words(_SYNC, dev, n, minimum=MIN_SYNC_WORDS, error=(
+        f"plan: moe_persistent needs {n} sync words on {dev}, which do not exist yet and cannot "
+        "be made inside a CUDA-graph capture; call it once with these shapes before capturing"))
 
 
 def _check_formats(weights: dict, cfg, config: PersistentMoEConfig, dev) -> tuple:

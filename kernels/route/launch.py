@@ -7,7 +7,7 @@ import torch
 import triton
 
 from ..plan import RoutePlan, plan_capacity
-from ..runtime import INTERPRETED, check_device, check_number
+from ..runtime import INTERPRETED, check_device, check_number, zeroed_words
 from .config import MAX_TOKENS, RouteConfig
 from .gemv import _gate_gemv_kernel
 from .sort import _route_sort_kernel
@@ -160,23 +160,13 @@ def gate_logits(hidden: torch.Tensor, gate_weight: torch.Tensor, *,
     return partial[0] if split_k == 1 else partial.sum(0)
 
 
-def _capturing(dev: torch.device) -> bool:
-    """Whether the current stream of ``dev`` is capturing a CUDA graph."""
-    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _counter(dev: torch.device, capturing: bool | None = None) -> torch.Tensor:
     """The device's zeroed completion counter, created by the first call outside a capture
     (``capturing``: whether a capture is under way; None asks the current stream)."""
-    counter = _COUNTERS.get(dev)
-    if counter is None:
-        if _capturing(dev) if capturing is None else capturing:
-            raise ValueError(
-                f"hidden: route_sort's completion counter on {dev} does not exist yet and "
-                "cannot be created inside a CUDA-graph capture; call route_sort once on this "
-                "device before capturing")
-        counter = _COUNTERS[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
-    return counter
+    return zeroed_words(_COUNTERS, dev, 1, capturing=capturing, error=(
+        f"hidden: route_sort's completion counter on {dev} does not exist yet and cannot be "
+        "created inside a CUDA-graph capture; call route_sort once on this device before "
+        "capturing"))
 
 
 def _check_routing(E: int, top_k, n_group, topk_group, block_m, out_dim,

@@ -66,3 +66,22 @@ def test_cpu_tensors_with_compiled_kernels():
     for name, first in FIRST.items():
         assert lines[name].startswith(
             f"ValueError {first}: CPU tensors need the Triton interpreter"), (name, lines[name])
+
+
+def test_zeroed_words_are_made_outside_a_capture_only():
+    """The shared per-device int32 words (route counter, MoE stage-2 counters, persistent sync
+    words, KDA tickets): made zeroed, at least ``minimum``; reused while large enough, also
+    during a capture; made or grown during one: the launcher's error."""
+    from k3lab.kernels.runtime import zeroed_words
+
+    store, dev = {}, torch.device("cpu")
+    with pytest.raises(ValueError, match="call it once first"):
+        zeroed_words(store, dev, 4, error="x: call it once first", capturing=True)
+    assert not store
+    buf = zeroed_words(store, dev, 4, minimum=16, error="unused")
+    assert buf.dtype == torch.int32 and buf.numel() == 16 and not buf.any()
+    assert zeroed_words(store, dev, 16, error="unused", capturing=True) is buf
+    with pytest.raises(ValueError, match="grown"):
+        zeroed_words(store, dev, 17, error="x: not grown in a capture", capturing=True)
+    assert store[dev] is buf
+    assert zeroed_words(store, dev, 40, error="unused").numel() == 40
