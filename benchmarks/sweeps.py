@@ -406,6 +406,14 @@ _SWEEPS = [
                                      {"split_pdl": False, "split_min_candidates": 1})),
           "split schedule (programs of split_h columns over two launches) against one program "
           "a token (split_h 0) and the default depth rule ({}), at 0, 2, 4 and 8 sealed rows"),
+    Sweep("one_chunk", "attn_res", grid(tuple({"n_sealed": n} for n in range(5)),
+                                        ({}, {"split_h": 0},
+                                         {"split_h": 0, "one_chunk_elems": 0},
+                                         {"split_h": 0, "one_chunk_elems": 32768},
+                                         {"split_min_candidates": 1})),
+          "shallow reads (1 to 5 candidates): one program holding the rows in registers from "
+          "the scores to the norm (one_chunk_elems, 16384 default, 32768 wider, 0 off) against "
+          "the split and the default depth rule ({})"),
     Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 16}, {"M": 64}),
                                      ({}, {"split_h": 0}, {"max_split_programs": 8})),
           "the split schedule (by default while its grid is at most one program an SM) and one "

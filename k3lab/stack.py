@@ -297,7 +297,7 @@ def _read(run: _Run, state: dict, bank, live, site: str) -> torch.Tensor:
     w, cfg = state[f"res_{site}"], state["cfg"]
     args = (bank, live, w["res_norm_weight"], w["res_proj_weight"], w["norm_weight"])
     if run.fused(f"attn_res.read@{site}"):
-        return _kernels().attn_res_norm(*args, eps=cfg.rms_eps)[1]
+        return _kernels().attn_res_norm(*args, eps=cfg.rms_eps, return_h=False)[1]
     return ref_attn_res.attn_res_norm_reference(*args, eps=cfg.rms_eps)[1]
 
 
@@ -438,21 +438,27 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
         shared_a = (_linear(run, "moe.shared", x, w["shared_w13"], **act)
                     if cfg.shared_intermediate else None)
     fused_stage = run.fused("moe.stage1") or run.fused("moe.stage2")
-    if fused_stage and not run.fused("moe.expert_align"):
+    handoff = run.fused("moe.expert_align")
+    if fused_stage and not handoff:
         # without the handoff, the expert kernels align the routing themselves (a second sort)
         tag("routing")
         plan = ref_route.sort_metadata_reference(plan.topk_ids, plan.topk_weights,
                                                  cfg.n_experts, block_m=1, out_dim=cfg.moe_in)
     tag("MoE experts")
     experts = _kernel_experts(w) if fused_stage else w
-    if run.fused("moe.stage1"):
-        a = k.moe_stage1(z, plan, experts["w13"], **act)
+    if run.fused("moe.stage1") and run.fused("moe.stage2"):
+        # moe_block's pair: stage 1 zeroes stage 2's accumulator, stage 2 follows by PDL; stage
+        # 1 by PDL too where the plan was written two launches earlier (the handoff's route)
+        y = k.moe_experts(z, plan, experts["w13"], experts["w2"], **act, pdl=handoff)
     else:
-        a = ref_moe.moe_stage1_reference(z, plan, w["w13"], **act).to(torch.bfloat16)
-    if run.fused("moe.stage2"):
-        y = k.moe_stage2(a, plan, experts["w2"])
-    else:
-        y = ref_moe.moe_stage2_reference(a, plan, w["w2"])
+        if run.fused("moe.stage1"):
+            a = k.moe_stage1(z, plan, experts["w13"], **act)
+        else:
+            a = ref_moe.moe_stage1_reference(z, plan, w["w13"], **act).to(torch.bfloat16)
+        if run.fused("moe.stage2"):
+            y = k.moe_stage2(a, plan, experts["w2"])
+        else:
+            y = ref_moe.moe_stage2_reference(a, plan, w["w2"])
     shared = {"a": shared_a, "w2": w["shared_w2"]} if shared_a is not None else None
     norm, up = (w["latent_norm"], w["latent_up"]) if cfg.latent else (None, None)
     if run.fused("moe.latent_up"):
@@ -560,7 +566,7 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
     w = token["final"]
     args = (rows[:last], live, w["res_norm_weight"], w["res_proj_weight"], w["norm_weight"])
     if stack.fused("token.final_read"):
-        h = _kernels().attn_res_norm(*args, eps=cfg.rms_eps)[1]
+        h = _kernels().attn_res_norm(*args, eps=cfg.rms_eps, return_h=False)[1]
     else:
         h = ref_attn_res.attn_res_norm_reference(*args, eps=cfg.rms_eps)[1]
     tag("dense projections")

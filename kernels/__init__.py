@@ -15,6 +15,7 @@ from .moe import (  # noqa: F401, E402
     latent_down,
     latent_moe_tail,
     moe_block,
+    moe_experts,
     moe_kernel_weights,
     moe_stage1,
     moe_stage2,

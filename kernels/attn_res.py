@@ -62,6 +62,9 @@ class AttnResConfig:
     split_warps: warps of a split program.
     max_split_programs: the split grid's largest size per SM (more tokens: one program each;
         at K3, 14 programs a token: up to 9 tokens).
+    one_chunk_elems: the one program keeps a token's rows in registers from the scores to the
+        norm (one read of them, no re-read of h) when its [BLOCK_NB, BLOCK_H] tile covers all
+        of H within this many elements; 0: never.
     """
 
     tile_elems: int = 32768
@@ -72,11 +75,12 @@ class AttnResConfig:
     split_pdl: bool = True
     split_warps: int = 4
     max_split_programs: int = 1
+    one_chunk_elems: int = 16384
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name == "split_h" and v == 0 and not isinstance(v, bool):
+            if f.name in ("split_h", "one_chunk_elems") and v == 0 and not isinstance(v, bool):
                 continue
             if f.name == "split_pdl":
                 if not isinstance(v, bool):
@@ -87,7 +91,8 @@ class AttnResConfig:
                     raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
-                what = "0 or a power of two" if f.name == "split_h" else "a power of two"
+                what = ("0 or a power of two" if f.name in ("split_h", "one_chunk_elems")
+                        else "a power of two")
                 raise ValueError(f"{f.name}: expected {what}, got {v!r}")
 
 
@@ -130,7 +135,10 @@ def _attn_res_norm_kernel(
     stride_bank_n, stride_bank_m, stride_live_m, stride_out_m,
     N, H, eps,
     BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HN: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, STORE_H: tl.constexpr,
 ):
+    """One program per token. ONE_CHUNK (H <= BLOCK_H): one load of the rows serves the scores,
+    the mix and the norm. STORE_H: h is stored too (else only h_normed)."""
     i_m = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, BLOCK_NB)
     m_bank = o_n < N
@@ -138,6 +146,23 @@ def _attn_res_norm_kernel(
     p_live_row = p_live + i_m * stride_live_m
     p_h_row = p_h + i_m * stride_out_m
     p_hn_row = p_hn + i_m * stride_out_m
+
+    if ONE_CHUNK:  # one load of the rows: the scores, the mix and the norm from registers
+        o_h = tl.arange(0, BLOCK_H)
+        m_h = o_h < H
+        b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
+        b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+               * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
+        b_p_b, b_p_l = _softmax(tl.sum(b_vb * b_vb, axis=1), tl.sum(b_vb * b_w[None, :], axis=1),
+                                tl.sum(b_vl * b_vl, axis=0), tl.sum(b_vl * b_w, axis=0), m_bank,
+                                H, eps)
+        b_h = _round_bf16(tl.sum(b_p_b[:, None] * b_vb, axis=0) + b_p_l * b_vl)
+        if STORE_H:
+            tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
+        b_rstd = tl.rsqrt(tl.sum(b_h * b_h, axis=0) / H + eps)
+        b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+        tl.store(p_hn_row + o_h, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16), mask=m_h)
+        return
 
     # pass 1: per candidate, sum of squares and dot with w = res_norm_w * res_proj_w
     b_sq_b = tl.zeros([BLOCK_NB], dtype=tl.float32)
@@ -156,7 +181,6 @@ def _attn_res_norm_kernel(
         b_dot_l += tl.sum(b_vl * b_w, axis=0)
 
     b_p_b, b_p_l = _softmax(b_sq_b, b_dot_b, b_sq_l, b_dot_l, m_bank, H, eps)
-
     # pass 2: h = sum_j p_j V_j, stored in bf16; sum of squares of the *rounded* h
     b_h2 = 0.0
     for i_h in range(0, H, BLOCK_H):
@@ -233,9 +257,10 @@ def _token_weights(p_g, p_d, slot0, P, N, H, eps, BLOCK_NB: tl.constexpr,
 
 
 @triton.jit
-def _mix_store(b_v, b_p, b_rstd, b_nw, p_h_row, p_hn_row, o_h, m_h):
+def _mix_store(b_v, b_p, b_rstd, b_nw, p_h_row, p_hn_row, o_h, m_h, STORE_H: tl.constexpr):
     b_h = _round_bf16(tl.sum(b_p[:, None] * b_v.to(tl.float32), axis=0))
-    tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
+    if STORE_H:
+        tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
     tl.store(p_hn_row + o_h, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16), mask=m_h)
 
 
@@ -264,6 +289,7 @@ def _attn_res_mix_kernel(
     p_bank, p_live, p_norm_w, p_h, p_hn, p_g, p_d,
     stride_bank_n, stride_bank_m, stride_live_m, stride_out_m, N, H, eps, P,
     PDL: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    STORE_H: tl.constexpr,
 ):
     """Two launches, the second: program (i_p, token i_m) mixes and normalizes its chunk. Its
     norm weight is loaded before the wait for the first launch's sums."""
@@ -281,7 +307,7 @@ def _attn_res_mix_kernel(
     b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
                       stride_live_m, BLOCK_NB)
     _mix_store(b_v, b_p, b_rstd, b_nw, p_h + i_m * stride_out_m, p_hn + i_m * stride_out_m,
-               o_h, m_h)
+               o_h, m_h, STORE_H)
 
 
 def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
@@ -299,8 +325,8 @@ def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
 
 def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch.Tensor,
                   res_proj_weight: torch.Tensor, norm_weight: torch.Tensor, *,
-                  eps: float = 1e-5, config: AttnResConfig | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  eps: float = 1e-5, config: AttnResConfig | None = None,
+                  return_h: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
     """AttnRes read of the N sealed rows and the live partial sum, then RMSNorm; one launch.
 
     bank:            [N, M, H] bf16, 0 <= N <= MAX_SEALED sealed block sums;
@@ -311,6 +337,8 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
     norm_weight:     [H] bf16 or fp32, the weight of the RMSNorm that follows the read.
     eps:             RMSNorm epsilon of both norms (positive).
     config:          the :class:`AttnResConfig` (None: the defaults); speed only.
+    return_h:        False: only ``h_normed`` is computed for return (``h`` is None), as when
+                     a projection consumes the read.
 
     Returns ``(h, h_normed)``, both [M, H] bf16 and contiguous: ``h`` the softmax mixture of the
     raw candidates, ``h_normed = RMSNorm(h) * norm_weight`` of the bf16 ``h`` (the split
@@ -350,6 +378,8 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
         raise ValueError(f"config: expected an AttnResConfig or None, got "
                          f"{type(config).__name__}")
     cfg = config or AttnResConfig()
+    if not isinstance(return_h, bool):
+        raise ValueError(f"return_h: expected a bool, got {return_h!r}")
 
     h = torch.empty((M, H), dtype=torch.bfloat16, device=device)
     h_normed = torch.empty((M, H), dtype=torch.bfloat16, device=device)
@@ -374,17 +404,19 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
             H, n_split, PDL=pdl, DOT_FP32=INTERPRETED, **blocks, **launch)
         _attn_res_mix_kernel[(n_split, M)](
             bank_arg, live, norm_weight, h, h_normed, part_g, part_d, *strides, N, H,
-            float(eps), n_split, PDL=pdl, BLOCK_P=triton.next_power_of_2(n_split), **blocks,
-            **launch)
-        return h, h_normed
+            float(eps), n_split, PDL=pdl, BLOCK_P=triton.next_power_of_2(n_split),
+            STORE_H=return_h, **blocks, **launch)
+        return (h if return_h else None), h_normed
     BLOCK_HN = min(triton.next_power_of_2(H), cfg.max_block_h)
     BLOCK_H = min(BLOCK_HN, cfg.tile_elems // BLOCK_NB)
+    one_chunk = BLOCK_H >= H and cfg.one_chunk_elems >= BLOCK_NB * BLOCK_H
     _attn_res_norm_kernel[(M,)](
         bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed, *strides,
         N, H, float(eps),
-        BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, num_warps=cfg.num_warps,
+        BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, ONE_CHUNK=one_chunk,
+        STORE_H=return_h or not one_chunk, num_warps=cfg.num_warps,
     )
-    return h, h_normed
+    return (h if return_h else None), h_normed
 
 
 def _split_capacity(device: torch.device, cfg: AttnResConfig) -> int:

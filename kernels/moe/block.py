@@ -23,7 +23,14 @@ from .checks import (
     pairs,
 )
 from .config import MoEConfig
-from .launch import _launch_stage1, _launch_stage2_tail, _stage2_args, _tail_args, latent_down
+from .launch import (
+    _launch_stage1,
+    _launch_stage2_tail,
+    _stage2_args,
+    _tail_args,
+    latent_down,
+    moe_experts,
+)
 from .tiles import mma_tile
 
 __all__ = ["latent_moe_tail", "moe_block"]
@@ -245,7 +252,7 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     in its prologue, the shared down-projection its second product): 4 launches given a plan.
     overlap: the front follows a route_sort launched with early dependents (MoEConfig.
     front_overlaps_route) and waits for it only at its end."""
-    m, i, d = x.shape[0], w13.shape[1] // 2, cfg.moe_in
+    m, d = x.shape[0], cfg.moe_in
     h, s = x.shape[1], cfg.shared_intermediate
     a_s = None
     if not s:
@@ -264,14 +271,11 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
         a_s = dense_gemv(x, weights["shared_w13"], activation=cfg.activation,
                          situ_beta=betas[0], situ_linear_beta=betas[1],
                          config=_front_config(m, s, h, True, overlap))
-    prep2 = (config.x_prepared and i % 8 == 0
-             and mma_tile(config, w2, 0 if deterministic else 2, plan.block_m, n_tiles, d)
-             is not None)
-    a_mma = (torch.empty((m * plan.topk_ids.shape[1], i), device=x.device, dtype=torch.bfloat16)
-             if prep2 else None)
-    a = _launch_stage1(config, z, plan, w13, act, *betas, n_tiles, a_mma_out=a_mma, pdl=True)
-    stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
-    _launch_stage2_tail(config, stage2, None, pdl=True)
+    # Stage 1 reads the plan before its PDL wait, which is safe only if its predecessor waited
+    # for the route before letting it start: an overlapping front (wait_last) does not.
+    y = moe_experts(z, plan, w13, w2, activation=cfg.activation, situ_beta=betas[0],
+                    situ_linear_beta=betas[1], deterministic=deterministic, pdl=not overlap,
+                    config=config)
     shared = {} if a_s is None else {"x2": a_s, "weight2": weights["shared_w2"]}
-    return dense_gemv(stage2[2], weights["latent_up"], norm_weight=weights["latent_norm"],
+    return dense_gemv(y, weights["latent_up"], norm_weight=weights["latent_norm"],
                       eps=cfg.rms_eps, **shared)

@@ -34,10 +34,11 @@ from .tiles import (
     ExpertTiles,
     expert_tiles,
     gemv_tiles,
+    mma_tile,
     token_loop,
 )
 
-__all__ = ["latent_down", "moe_stage1", "moe_stage2", "moe_kernel_weights"]
+__all__ = ["latent_down", "moe_experts", "moe_stage1", "moe_stage2", "moe_kernel_weights"]
 
 NUM_WARPS = MMA_WARPS  # every launch: 4 warps (the tensor-core tiles' index math needs 4)
 ZERO_MIN_BLOCK = 16  # stage 1 zeroes stage 2's accumulator in slices of at least this
@@ -362,6 +363,52 @@ def _launch_stage2_tail(config, stage2, tail, sync=None, pdl=False):
     if kw["USE_MMA"]:
         _check_mma_layout(_moe_stage2_tail_kernel, (n,), (), kw)
     _moe_stage2_tail_kernel[(n,)](**kw)
+
+
+def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = "situ",
+                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                deterministic: bool | None = None, pdl: bool = True,
+                config: MoEConfig | None = None, validate: str = "cheap") -> torch.Tensor:
+    """Stage 1 then stage 2 as ``moe_block`` runs them: 2 launches, returns plan.out (fp32
+    [M, D], the routed experts' weighted sum).
+
+    Stage 1 zeroes plan.out for stage 2 (which then skips its own zeroing and its counters),
+    writes a's tensor-core copy for stage 2 where the tiles read one (``MoEConfig.x_prepared``),
+    and stage 2 follows it by programmatic dependent launch (``config.pdl``, compiled). pdl:
+    stage 1 is launched with PDL too, so it may start during the previous launch and read the
+    plan before waiting for it: pass False unless the plan was written two or more launches
+    earlier by launches that each waited for their predecessor before letting the next start.
+    Arguments otherwise as for :func:`moe_stage1` and :func:`moe_stage2`; plan.out must exist.
+    """
+    config = check_config(config)
+    deterministic = check_deterministic(deterministic, config)
+    check_tensor("z", z, dtypes=(torch.bfloat16,), dim=2)
+    m, d = z.shape
+    check_tokens("z", m)
+    act = check_activation(activation)
+    situ_beta, situ_linear_beta = check_betas(situ_beta, situ_linear_beta)
+    e, two_i, k, _ = check_experts("w13", w13, z.device)
+    if k != d or two_i % 4:
+        raise ValueError(f"w13: expected [E, 2I, D={d}] with I even, got {list(w13.shape)}")
+    e2, d2, i, _ = check_experts("w2", w2, z.device)
+    if (e2, d2, i) != (e, d, two_i // 2):
+        raise ValueError(f"w2: expected [E={e}, D={d}, I={two_i // 2}] (from w13 and z), got "
+                         f"{list(w2.shape)}")
+    pairs("z", z)
+    _, _, n_tiles = check_plan(plan, m, e, z.device, out_dim=d, validate=validate)
+    if plan.out is None:
+        raise ValueError("plan.out: moe_experts needs the plan's fp32 [M, D] buffer "
+                         "(route_sort(..., out_dim=D)); stage 1 zeroes it")
+    prep = (config.x_prepared and i % 8 == 0
+            and mma_tile(config, w2, 0 if deterministic else 2, plan.block_m, n_tiles, d)
+            is not None)
+    a_mma = (torch.empty((m * plan.topk_ids.shape[1], i), device=z.device, dtype=torch.bfloat16)
+             if prep else None)
+    a = _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles,
+                       a_mma_out=a_mma, pdl=pdl)
+    stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
+    _launch_stage2_tail(config, stage2, None, pdl=True)
+    return stage2[2]
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool | None = None,

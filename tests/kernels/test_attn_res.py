@@ -93,11 +93,14 @@ CONFIGS = [AttnResConfig(tile_elems=1024, split_h=0),
            AttnResConfig(tile_elems=4096, max_block_h=1024, num_warps=2, split_h=0),
            AttnResConfig(split_h=16, split_min_candidates=1),
            AttnResConfig(split_h=128, split_warps=2, split_min_candidates=1),
-           AttnResConfig(split_h=64, split_min_candidates=6)]
+           AttnResConfig(split_h=64, split_min_candidates=6),
+           AttnResConfig(split_h=0, one_chunk_elems=0),
+           AttnResConfig(split_h=0, one_chunk_elems=1 << 20)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["tile1k", "h256-w4", "tile4k-h1k-w2",
-                                                 "split16", "split128-w2", "split64-from6"])
+                                                 "split16", "split128-w2", "split64-from6",
+                                                 "no-one-chunk", "one-chunk-wide"])
 @pytest.mark.parametrize("n,hidden", [(0, 37), (5, None), (9, 1000)], ids=["N0", "N5", "N9"])
 def test_configs_match_reference(device, config, n, hidden):
     _check(_inputs(TINY, n, 2, device, wdtype="fp32" if n == 5 else "bf16", hidden=hidden),
@@ -119,6 +122,17 @@ def test_split_matches_one_program(device, n):
     assert torch.equal(again[0], h_s) and torch.equal(again[1], hn_s)
     names = count_launches(lambda a: attn_res_norm(*a, config=split), args).kernels
     assert len(names) == 2 and "sums" in names[0] and "mix" in names[1], names
+
+
+@pytest.mark.parametrize("config", [AttnResConfig(split_h=0), AttnResConfig(),
+                                    AttnResConfig(split_h=0, one_chunk_elems=0)],
+                         ids=["one-chunk", "split", "chunks"])
+def test_return_h_false(device, config):
+    """return_h=False gives h as None and the same h_normed, bit for bit, on every path."""
+    args = _inputs(K3, 2, 2, device, seed=3)
+    _, hn = _check(args, config=config)
+    h_none, hn_only = attn_res_norm(*args, config=config, return_h=False)
+    assert h_none is None and torch.equal(hn_only, hn)
 
 
 @pytest.mark.parametrize("n,launches", [(0, 1), (1, 1), (2, 2), (8, 2)])
@@ -174,7 +188,8 @@ def _bad(device, **change):
     for k, v in change.items():
         args[k] = v(args) if callable(v) else v
     eps, config = args.pop("eps"), args.pop("config", None)
-    return attn_res_norm(*args.values(), eps=eps, config=config)
+    return_h = args.pop("return_h", True)
+    return attn_res_norm(*args.values(), eps=eps, config=config, return_h=return_h)
 
 
 BAD = [
@@ -204,6 +219,7 @@ BAD = [
     ("eps-nan", "eps", dict(eps=float("nan"))),
     ("eps-tensor", "eps", dict(eps=lambda a: torch.tensor(1e-5))),
     ("config-dict", "config", dict(config={"num_warps": 4})),
+    ("return_h-str", "return_h", dict(return_h="no")),
     ("live-meta", "live: expected a cuda", dict(**{n: lambda a, n=n: a[n].to("meta") for n in (
         "bank", "live", "res_norm_weight", "res_proj_weight", "norm_weight")})),
 ]
@@ -220,7 +236,8 @@ def test_bad_input(device, param, change):
                                          ("split_h", 100), ("split_h", -512),
                                          ("split_h", False), ("max_split_programs", 0),
                                          ("split_min_candidates", 0), ("split_pdl", None),
-                                         ("split_min_candidates", True)])
+                                         ("split_min_candidates", True),
+                                         ("one_chunk_elems", 100), ("one_chunk_elems", True)])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         AttnResConfig(**{field: value})
@@ -350,6 +367,8 @@ def test_one_launch(device):
 
 GPU_CONFIGS = {"default": AttnResConfig(), "one": AttnResConfig(split_h=0),
                "split-all": AttnResConfig(split_min_candidates=1),
+               "chunks": AttnResConfig(split_h=0, one_chunk_elems=0),
+               "one-chunk-wide": AttnResConfig(split_h=0, one_chunk_elems=32768),
                "split1024-nopdl": AttnResConfig(split_h=1024, split_pdl=False,
                                                 split_min_candidates=1)}
 

@@ -24,6 +24,7 @@ from k3lab.kernels import (
     latent_down,
     latent_moe_tail,
     moe_block,
+    moe_experts,
     moe_kernel_weights,
     moe_stage1,
     moe_stage2,
@@ -398,6 +399,51 @@ def test_prepared_copies_bad_input(device):
         moe_stage2(a, plan, w["w2"], a_mma=a.float())
     with pytest.raises(ValueError, match="z_mma_out"):
         latent_down(x, None, w["shared_w13"], z_mma_out=z)
+
+
+EXPERT_PAIR_CASES = [(c, "interp") for c in ("M1-bm1-mxfp4", "M3-bm4-mxfp4-crowd",
+                                              "M7-bm2-silu", "M5-bm1-nolatent")] + [
+    ("M1-bm1-mxfp4", "gpu")]  # the tensor-core tiles (prepared a, stage 2 by PDL on a GPU)
+
+
+@pytest.mark.parametrize("case,tiles", EXPERT_PAIR_CASES,
+                         ids=[f"{c}-{t}" for c, t in EXPERT_PAIR_CASES])
+def test_experts_pair(case, tiles, device):
+    """moe_experts (stage 1 zeroing plan.out for stage 2, which skips its own zeroing) equals
+    the two stages launched alone, bit for bit for the deterministic stage 2, within the atomic
+    bound otherwise; 2 launches; a dirty plan.out is zeroed."""
+    _, M, block_m, fmt, crowd, changes = next(c for c in STAGE_CASES if c[0] == case)
+    config = GPU_TILES if tiles == "gpu" else None
+    cfg, w, x = _setup(device, M=M, fmt=fmt, crowd=crowd, **changes)
+    plan = _plan(cfg, x, w, block_m)
+    z = latent_down(x, w["latent_down"])[0] if cfg.latent else x
+    a = moe_stage1(z, plan, w["w13"], config=config, **_act(cfg))
+    want = ref.moe_stage2_reference(a, plan, w["w2"])
+    alone = moe_stage2(a, plan, w["w2"], deterministic=True, config=config).clone()
+    for det in (True, False):
+        plan.out.fill_(float("nan"))
+        y = moe_experts(z, plan, w["w13"], w["w2"], deterministic=det, config=config,
+                        **_act(cfg))
+        assert y.data_ptr() == plan.out.data_ptr()
+        assert_close("y", y, want, atol=Y_ATOL, rtol=Y_RTOL)
+        if det:
+            assert torch.equal(y, alone)
+        else:
+            assert_close("atomic vs alone", y, alone, atol=ATOMIC_VS_DETERMINISTIC_ATOL)
+    n = count_launches(lambda p: moe_experts(z, p, w["w13"], w["w2"], config=config,
+                                             **_act(cfg)), plan).count
+    assert n == 2
+
+
+def test_experts_pair_bad_input(device):
+    cfg, w, x = _setup(device, M=2)
+    z, _ = latent_down(x, w["latent_down"])
+    with pytest.raises(ValueError, match="plan.out"):
+        moe_experts(z, _plan(cfg, x, w, out=False), w["w13"], w["w2"])
+    with pytest.raises(ValueError, match="w2"):
+        moe_experts(z, _plan(cfg, x, w), w["w13"], w["w2"][:, :-2])
+    with pytest.raises(ValueError, match="z"):
+        moe_experts(z.float(), _plan(cfg, x, w), w["w13"], w["w2"])
 
 
 def test_stage2_without_plan_buffer(device):
