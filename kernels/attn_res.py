@@ -65,17 +65,20 @@ class AttnResConfig:
     one_chunk_elems: the one program keeps a token's rows in registers from the scores to the
         norm (one read of them, no re-read of h) when its [BLOCK_NB, BLOCK_H] tile covers all
         of H within this many elements; 0: never.
+    one_chunk_min_candidates: the shallowest read that does so (below it the passes that
+        re-read from L1 measured faster).
     """
 
     tile_elems: int = 32768
     max_block_h: int = 8192
     num_warps: int = 8
     split_h: int = 512
-    split_min_candidates: int = 3
+    split_min_candidates: int = 4
     split_pdl: bool = True
     split_warps: int = 4
     max_split_programs: int = 1
     one_chunk_elems: int = 16384
+    one_chunk_min_candidates: int = 3
 
     def __post_init__(self):
         for f in fields(self):
@@ -86,7 +89,7 @@ class AttnResConfig:
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
                 continue
-            if f.name == "split_min_candidates":
+            if f.name in ("split_min_candidates", "one_chunk_min_candidates"):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
                 continue
@@ -409,7 +412,8 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
         return (h if return_h else None), h_normed
     BLOCK_HN = min(triton.next_power_of_2(H), cfg.max_block_h)
     BLOCK_H = min(BLOCK_HN, cfg.tile_elems // BLOCK_NB)
-    one_chunk = BLOCK_H >= H and cfg.one_chunk_elems >= BLOCK_NB * BLOCK_H
+    one_chunk = (BLOCK_H >= H and cfg.one_chunk_elems >= BLOCK_NB * BLOCK_H
+                 and cfg.one_chunk_min_candidates <= N + 1)
     _attn_res_norm_kernel[(M,)](
         bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed, *strides,
         N, H, float(eps),

@@ -95,7 +95,7 @@ CONFIGS = [AttnResConfig(tile_elems=1024, split_h=0),
            AttnResConfig(split_h=128, split_warps=2, split_min_candidates=1),
            AttnResConfig(split_h=64, split_min_candidates=6),
            AttnResConfig(split_h=0, one_chunk_elems=0),
-           AttnResConfig(split_h=0, one_chunk_elems=1 << 20)]
+           AttnResConfig(split_h=0, one_chunk_elems=1 << 20, one_chunk_min_candidates=1)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["tile1k", "h256-w4", "tile4k-h1k-w2",
@@ -124,21 +124,22 @@ def test_split_matches_one_program(device, n):
     assert len(names) == 2 and "sums" in names[0] and "mix" in names[1], names
 
 
-@pytest.mark.parametrize("config", [AttnResConfig(split_h=0), AttnResConfig(),
+@pytest.mark.parametrize("config", [AttnResConfig(split_h=0),
+                                    AttnResConfig(split_min_candidates=1),
                                     AttnResConfig(split_h=0, one_chunk_elems=0)],
                          ids=["one-chunk", "split", "chunks"])
 def test_return_h_false(device, config):
     """return_h=False gives h as None and the same h_normed, bit for bit, on every path."""
-    args = _inputs(K3, 2, 2, device, seed=3)
+    args = _inputs(K3, 2, 2, device, seed=3)  # 3 candidates: the one-chunk path by default
     _, hn = _check(args, config=config)
     h_none, hn_only = attn_res_norm(*args, config=config, return_h=False)
     assert h_none is None and torch.equal(hn_only, hn)
 
 
-@pytest.mark.parametrize("n,launches", [(0, 1), (1, 1), (2, 2), (8, 2)])
+@pytest.mark.parametrize("n,launches", [(0, 1), (1, 1), (2, 1), (3, 2), (8, 2)])
 def test_default_schedule_by_depth(device, n, launches):
     """The defaults: one program below split_min_candidates candidates, the split from it."""
-    assert AttnResConfig().split_min_candidates == 3
+    assert AttnResConfig().split_min_candidates == 4
     args = _inputs(K3, n, 1, device, seed=n)
     assert count_launches(lambda a: attn_res_norm(*a), args).count == launches
 
@@ -237,7 +238,8 @@ def test_bad_input(device, param, change):
                                          ("split_h", False), ("max_split_programs", 0),
                                          ("split_min_candidates", 0), ("split_pdl", None),
                                          ("split_min_candidates", True),
-                                         ("one_chunk_elems", 100), ("one_chunk_elems", True)])
+                                         ("one_chunk_elems", 100), ("one_chunk_elems", True),
+                                         ("one_chunk_min_candidates", 0)])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         AttnResConfig(**{field: value})
@@ -368,7 +370,8 @@ def test_one_launch(device):
 GPU_CONFIGS = {"default": AttnResConfig(), "one": AttnResConfig(split_h=0),
                "split-all": AttnResConfig(split_min_candidates=1),
                "chunks": AttnResConfig(split_h=0, one_chunk_elems=0),
-               "one-chunk-wide": AttnResConfig(split_h=0, one_chunk_elems=32768),
+               "one-chunk-wide": AttnResConfig(split_h=0, one_chunk_elems=32768,
+                                               one_chunk_min_candidates=1),
                "split1024-nopdl": AttnResConfig(split_h=1024, split_pdl=False,
                                                 split_min_candidates=1)}
 
