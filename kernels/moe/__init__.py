@@ -17,7 +17,9 @@ validation), ``launch`` and ``block`` (the launchers).
 Stages 1 and 2 consume the route plan as is (no second top-k or sort). Stage 1 also zeroes
 ``plan.out`` (stage 2's accumulator) for moe_block's stage 2; ``moe_stage2`` launched alone
 zeroes it inside its own launch (the first program to start zeroes, every tile's adds wait for
-it), so calling it again on one plan never adds to old values. ``deterministic=True`` (or
+it), so calling it again on one plan never adds to old values; ``moe_experts`` launches the two
+stages as ``moe_block`` does (stage 1 zeroing, stage 2 by PDL without its own zeroing).
+``deterministic=True`` (or
 ``MoEConfig.deterministic_stage2``) makes stage 2 sum each token's top_k slots in slot order
 inside one program instead (same single launch, no atomics). The launchers check a plan's
 shapes and sizes always and, with ``validate="full"``, its values (one host sync).
