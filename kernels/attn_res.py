@@ -156,6 +156,7 @@ def _attn_res_norm_kernel(
         b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
         b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
                * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
+        b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0)  # in flight with the rows
         b_p_b, b_p_l = _softmax(tl.sum(b_vb * b_vb, axis=1), tl.sum(b_vb * b_w[None, :], axis=1),
                                 tl.sum(b_vl * b_vl, axis=0), tl.sum(b_vl * b_w, axis=0), m_bank,
                                 H, eps)
@@ -163,8 +164,8 @@ def _attn_res_norm_kernel(
         if STORE_H:
             tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
         b_rstd = tl.rsqrt(tl.sum(b_h * b_h, axis=0) / H + eps)
-        b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-        tl.store(p_hn_row + o_h, _round_bf16(b_h * b_rstd * b_nw).to(tl.bfloat16), mask=m_h)
+        tl.store(p_hn_row + o_h, _round_bf16(b_h * b_rstd * b_nw.to(tl.float32))
+                 .to(tl.bfloat16), mask=m_h)
         return
 
     # pass 1: per candidate, sum of squares and dot with w = res_norm_w * res_proj_w
