@@ -51,6 +51,22 @@ def test_segments_put_the_gaps_inside_and_add_up_to_the_graph_time():
     assert seg["launches"].tolist() == [1, 2, 1]
 
 
+def test_overlapping_launches_count_their_overlap_once():
+    """A launch that starts inside its predecessor (PDL) and one nested in it: their shares are
+    the union's, and the segment's gaps stay non-negative."""
+    lab = pd.DataFrame([
+        {**_launch("a", 0, 4), "segment": "layer 0", "category": "MoE experts"},
+        {**_launch("b", 3, 5), "segment": "layer 0", "category": "MoE experts"},   # 3..8
+        {**_launch("c", 5, 1), "segment": "layer 0", "category": "dense projections"},
+        {**_launch("d", 10, 2), "segment": "layer 0", "category": "dense projections"},
+    ])
+    assert dt.busy_us(lab).tolist() == [4.0, 4.0, 0.0, 2.0]
+    seg = dt.segments(lab, window_us=12.0)
+    assert seg.loc["layer 0", "MoE experts"] == 8.0
+    assert seg.loc["layer 0", "dense projections"] == 2.0
+    assert seg.loc["layer 0", dt.GAPS] == 2.0
+
+
 def test_extrapolation_takes_each_kind_at_its_window_mean():
     cfg = preset("tiny")  # MLA at layers 3, 7, 11, 13: 9 KDA and 4 MLA layers after layer 0
     assert dt.model_layers(cfg) == {"kda": 9, "mla": 4}

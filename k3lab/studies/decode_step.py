@@ -267,7 +267,7 @@ ZOOM = 4.0  # the breakdown adds a panel of the stacks within this factor of the
 
 
 def breakdown_plot(b: pd.DataFrame, title: str):
-    """Stacked bars of :func:`breakdown` (negative launch gaps drawn as 0); when some stacks
+    """Stacked bars of :func:`breakdown` (a negative value drawn as 0); when some stacks
     take more than ZOOM x the fastest one's time, a second panel shows the others alone."""
     totals = b.clip(lower=0).sum()
     near = [c for c in b.columns if totals[c] <= ZOOM * totals.min()]

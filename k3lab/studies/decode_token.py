@@ -9,7 +9,9 @@ group of launches (``run_token``'s tags) gives, in launch order, the part of the
 embed, layer i, head) and the category each launch belongs to; the markers only label, the
 unmarked replay's launches carry the figures (the two launch sequences are the same otherwise).
 A segment's time is from its first launch's start to the next segment's, so the gaps between
-kernels are inside it, scaled so that the segments add up to the graph time.
+kernels are inside it, scaled so that the segments add up to the graph time. Where kernels
+overlap (programmatic dependent launch), the overlapped time counts once, for the kernel that
+started first (:func:`busy_us`).
 
 Extrapolation: the once-a-token parts (embedding, layer 0, head) as measured, plus each
 remaining layer of the model at the mean of the window's layers of its kind (KDA or MLA):
@@ -163,10 +165,26 @@ def _graph(fn, token):
     return g
 
 
+def busy_us(lab: pd.DataFrame) -> pd.Series:
+    """Each launch's share of the time some kernel runs, in start order: its duration less the
+    part already covered by kernels that started before it. Kernels overlap where a launch with
+    programmatic dependent launch starts during its predecessor and waits inside it; that wait
+    then counts once, for the kernel already running, so the shares add up to the union of the
+    kernels' intervals and the launch gaps (span minus kernel time) are never negative."""
+    covered = -math.inf
+    out = []
+    for a, b in zip(lab["start_us"], lab["end_us"], strict=True):
+        out.append(max(0.0, float(b) - max(float(a), covered)))
+        covered = max(covered, float(b))
+    return pd.Series(out, index=lab.index)
+
+
 def segments(lab: pd.DataFrame, window_us: float) -> pd.DataFrame:
     """Per segment (in launch order): span_us (its first start to the next segment's, scaled so
-    the spans add up to ``window_us``), launches, kernel_us, and per category kernel us."""
+    the spans add up to ``window_us``), launches, kernel_us (the launches' :func:`busy_us`),
+    and per category the same kernel us."""
     lab = lab.sort_values("start_us").reset_index(drop=True)
+    lab = lab.assign(dur_us=busy_us(lab))
     order = list(dict.fromkeys(lab["segment"]))
     first = lab.groupby("segment")["start_us"].min()
     starts = [float(first[s]) for s in order]
