@@ -67,6 +67,9 @@ class AttnResConfig:
         of H within this many elements; 0: never.
     one_chunk_min_candidates: the shallowest read that does so (below it the passes that
         re-read from L1 measured faster).
+    pdl: the one-program read is launched with programmatic dependent launch (compiled only):
+        it loads its weights while the previous launch finishes and lets the next launch
+        start once it has waited for the previous one.
     """
 
     tile_elems: int = 32768
@@ -79,13 +82,14 @@ class AttnResConfig:
     max_split_programs: int = 1
     one_chunk_elems: int = 16384
     one_chunk_min_candidates: int = 3
+    pdl: bool = False
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("split_h", "one_chunk_elems") and v == 0 and not isinstance(v, bool):
                 continue
-            if f.name == "split_pdl":
+            if f.name in ("split_pdl", "pdl"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
                 continue
@@ -138,10 +142,12 @@ def _attn_res_norm_kernel(
     stride_bank_n, stride_bank_m, stride_live_m, stride_out_m,
     N, H, eps,
     BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HN: tl.constexpr,
-    ONE_CHUNK: tl.constexpr, STORE_H: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, STORE_H: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per token. ONE_CHUNK (H <= BLOCK_H): one load of the rows serves the scores,
-    the mix and the norm. STORE_H: h is stored too (else only h_normed)."""
+    the mix and the norm. STORE_H: h is stored too (else only h_normed). PDL: launched with
+    programmatic dependent launch; the weights (never written by a previous launch) are read
+    before the wait for the previous grid, every candidate after it."""
     i_m = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, BLOCK_NB)
     m_bank = o_n < N
@@ -153,10 +159,13 @@ def _attn_res_norm_kernel(
     if ONE_CHUNK:  # one load of the rows: the scores, the mix and the norm from registers
         o_h = tl.arange(0, BLOCK_H)
         m_h = o_h < H
-        b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
         b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
                * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
         b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0)  # in flight with the rows
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
         b_p_b, b_p_l = _softmax(tl.sum(b_vb * b_vb, axis=1), tl.sum(b_vb * b_w[None, :], axis=1),
                                 tl.sum(b_vl * b_vl, axis=0), tl.sum(b_vl * b_w, axis=0), m_bank,
                                 H, eps)
@@ -168,6 +177,9 @@ def _attn_res_norm_kernel(
                  .to(tl.bfloat16), mask=m_h)
         return
 
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     # pass 1: per candidate, sum of squares and dot with w = res_norm_w * res_proj_w
     b_sq_b = tl.zeros([BLOCK_NB], dtype=tl.float32)
     b_dot_b = tl.zeros([BLOCK_NB], dtype=tl.float32)
@@ -413,13 +425,15 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
         return (h if return_h else None), h_normed
     BLOCK_HN = min(triton.next_power_of_2(H), cfg.max_block_h)
     BLOCK_H = min(BLOCK_HN, cfg.tile_elems // BLOCK_NB)
+    pdl = cfg.pdl and not INTERPRETED
     one_chunk = (BLOCK_H >= H and cfg.one_chunk_elems >= BLOCK_NB * BLOCK_H
                  and cfg.one_chunk_min_candidates <= N + 1)
     _attn_res_norm_kernel[(M,)](
         bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed, *strides,
         N, H, float(eps),
         BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, ONE_CHUNK=one_chunk,
-        STORE_H=return_h or not one_chunk, num_warps=cfg.num_warps,
+        STORE_H=return_h or not one_chunk, PDL=pdl, num_warps=cfg.num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return (h if return_h else None), h_normed
 

@@ -143,7 +143,9 @@ def main() -> dict:
     st, _ = stack.runnable(stack.compose(names))
     attempt("integration stack token", lambda: stack.run_token(st, token, num_splits=4))
     for c, split in ((cfg, AttnResConfig(split_h=16, split_min_candidates=1)),
-                     (k3, AttnResConfig(split_min_candidates=1))):
+                     (k3, AttnResConfig(split_min_candidates=1)),
+                     (k3, AttnResConfig(split_h=0, pdl=True, one_chunk_min_candidates=1)),
+                     (k3, AttnResConfig(split_h=0, pdl=True, one_chunk_elems=0))):
         a = boundaries.get("attn_res").make_inputs(c, cpu, 0)
         attempt(f"attn_res split {split.split_h} at {c.name}", lambda a=a, split=split:
                 attn_res_norm(a["bank"], a["live"], a["res_norm_weight"], a["res_proj_weight"],

@@ -237,7 +237,7 @@ def test_bad_input(device, param, change):
                                          ("split_h", 100), ("split_h", -512),
                                          ("split_h", False), ("max_split_programs", 0),
                                          ("split_min_candidates", 0), ("split_pdl", None),
-                                         ("split_min_candidates", True),
+                                         ("split_min_candidates", True), ("pdl", 1),
                                          ("one_chunk_elems", 100), ("one_chunk_elems", True),
                                          ("one_chunk_min_candidates", 0)])
 def test_bad_config(field, value):
@@ -370,6 +370,8 @@ def test_one_launch(device):
 GPU_CONFIGS = {"default": AttnResConfig(), "one": AttnResConfig(split_h=0),
                "split-all": AttnResConfig(split_min_candidates=1),
                "chunks": AttnResConfig(split_h=0, one_chunk_elems=0),
+               "one-pdl": AttnResConfig(split_h=0, pdl=True, one_chunk_min_candidates=1),
+               "chunks-pdl": AttnResConfig(split_h=0, pdl=True, one_chunk_elems=0),
                "one-chunk-wide": AttnResConfig(split_h=0, one_chunk_elems=32768,
                                                one_chunk_min_candidates=1),
                "split1024-nopdl": AttnResConfig(split_h=1024, split_pdl=False,
