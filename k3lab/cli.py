@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", parents=[common], help="execute notebooks and write their reports")
     r.add_argument("names", nargs="*", metavar="NOTEBOOK",
                    help="e.g. 00_overview, overview or 00_overview.ipynb (default: all)")
-    r.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    r.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="default: cpu (the Triton interpreter), even where a GPU is visible")
     r.add_argument("--preset", default="tiny")
     r.add_argument("--tp", type=int, default=1)
     r.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE",
@@ -147,6 +148,11 @@ def _list(nb_dir) -> int:
     return 0
 
 
+def _gpu_visible() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
@@ -162,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             return _compare(args)
         if args.command == "run":
             quiet = args.quiet
-            results = runner.run(args.names, device=args.device, preset=args.preset, tp=args.tp,
+            device = args.device or "cpu"
+            if args.device is None and args.preset != "tiny" and _gpu_visible():
+                print(f"k3lab: note: --preset {args.preset} runs on the CPU under the Triton "
+                      "interpreter; pass --device cuda for the GPU", file=sys.stderr)
+            results = runner.run(args.names, device=device, preset=args.preset, tp=args.tp,
                                  params=_params(args.param), out_dir=args.out,
                                  timeout=args.timeout, hide_code=not args.show_code,
                                  notebook_dir=args.notebooks, progress=not quiet,

@@ -236,6 +236,28 @@ def test_cli_usage_errors_exit_2_and_run_nothing(nb_env, tmp_path, capsys, args,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args, noted", [(["--preset", "kimi-k3", "--tp", "8"], True),
+                                         (["--preset", "kimi-k3", "--device", "cpu"], False),
+                                         ([], False)],
+                         ids=["k3-no-device", "k3-cpu-asked", "tiny"])
+def test_cli_notes_a_cpu_run_of_a_large_preset_where_a_gpu_is_visible(monkeypatch, capsys,
+                                                                       args, noted):
+    seen = {}
+
+    class _Done:
+        interrupted, ok = False, True
+
+    def fake_run(names, **kw):
+        seen.update(kw)
+        return _Done()
+
+    monkeypatch.setattr(cli, "_gpu_visible", lambda: True)
+    monkeypatch.setattr(runner, "run", fake_run)
+    assert cli.main(["run", "echo", *args]) == 0
+    assert seen["device"] == "cpu"
+    assert ("pass --device cuda" in capsys.readouterr().err) == noted
+
+
 def test_cli_bad_tp_type_is_an_argparse_error(capsys):
     assert cli.main(["run", "--tp", "two"]) == 2
     assert "invalid int value" in capsys.readouterr().err
