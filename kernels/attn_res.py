@@ -197,6 +197,7 @@ def _attn_res_norm_kernel(
         b_dot_l += tl.sum(b_vl * b_w, axis=0)
 
     b_p_b, b_p_l = _softmax(b_sq_b, b_dot_b, b_sq_l, b_dot_l, m_bank, H, eps)
+
     # pass 2: h = sum_j p_j V_j, stored in bf16; sum of squares of the *rounded* h
     b_h2 = 0.0
     for i_h in range(0, H, BLOCK_H):

@@ -30,6 +30,7 @@ from .launch import (
     _tail_args,
     latent_down,
     moe_experts,
+    prepared_a,
 )
 from .tiles import mma_tile
 
@@ -204,12 +205,8 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     # a's (latent presets; K2-style stage 1 reads x itself)
     prep1 = (config.x_prepared and cfg.latent and d % 8 == 0
              and mma_tile(config, w13, 1, plan.block_m, n_tiles, i) is not None)
-    prep2 = (config.x_prepared and i % 8 == 0
-             and mma_tile(config, w2, 0 if deterministic else 2, plan.block_m, n_tiles, d)
-             is not None)
     z_mma = torch.empty((m, d), device=x.device, dtype=torch.bfloat16) if prep1 else None
-    a_mma = (torch.empty((m * plan.topk_ids.shape[1], i), device=x.device, dtype=torch.bfloat16)
-             if prep2 else None)
+    a_mma = prepared_a(config, w2, plan, n_tiles, deterministic)
     z, shared_a = latent_down(x, weights["latent_down"] if cfg.latent else None,
                               weights["shared_w13"] if cfg.shared_intermediate else None,
                               activation=cfg.activation, situ_beta=betas[0],

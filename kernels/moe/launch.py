@@ -210,6 +210,33 @@ def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_til
     return a
 
 
+def _check_stage1(z, plan, w13, activation, situ_beta, situ_linear_beta, validate):
+    """Stage 1's inputs checked: (activation code, betas, (M, D, E, 2I), plan tiles)."""
+    check_tensor("z", z, dtypes=(torch.bfloat16,), dim=2)
+    m, d = z.shape
+    check_tokens("z", m)
+    act = check_activation(activation)
+    betas = check_betas(situ_beta, situ_linear_beta)
+    e, two_i, k, _ = check_experts("w13", w13, z.device)
+    if k != d or two_i % 4:
+        raise ValueError(f"w13: expected [E, 2I, D={d}] with I even, got {list(w13.shape)}")
+    pairs("z", z)
+    _, _, n_tiles = check_plan(plan, m, e, z.device, out_dim=d, validate=validate)
+    return act, betas, (m, d, e, two_i), n_tiles
+
+
+def prepared_a(config: MoEConfig, w2, plan: RoutePlan, n_tiles: int, deterministic: bool):
+    """The buffer for a's tensor-core copy (``mma_prepare_x``) that stage 1 writes and stage 2
+    reads, where stage 2's tiles read one (``config.x_prepared``, tensor-core tiles); else
+    None."""
+    _, d, i = w2.shape
+    if not (config.x_prepared and i % 8 == 0 and mma_tile(
+            config, w2, 0 if deterministic else 2, plan.block_m, n_tiles, d) is not None):
+        return None
+    m, top_k = plan.topk_ids.shape
+    return torch.empty((m * top_k, i), device=plan.topk_ids.device, dtype=torch.bfloat16)
+
+
 def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ",
                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                z_mma: torch.Tensor | None = None, a_mma_out: torch.Tensor | None = None,
@@ -235,16 +262,8 @@ def moe_stage1(z: torch.Tensor, plan: RoutePlan, w13, *, activation: str = "situ
     see checks.check_plan_values: out-of-range ids, misplaced entries; one host sync).
     """
     config = check_config(config)
-    check_tensor("z", z, dtypes=(torch.bfloat16,), dim=2)
-    m, d = z.shape
-    check_tokens("z", m)
-    act = check_activation(activation)
-    situ_beta, situ_linear_beta = check_betas(situ_beta, situ_linear_beta)
-    e, two_i, k, _ = check_experts("w13", w13, z.device)
-    if k != d or two_i % 4:
-        raise ValueError(f"w13: expected [E, 2I, D={d}] with I even, got {list(w13.shape)}")
-    pairs("z", z)
-    _, _, n_tiles = check_plan(plan, m, e, z.device, out_dim=d, validate=validate)
+    act, (situ_beta, situ_linear_beta), (m, d, e, two_i), n_tiles = _check_stage1(
+        z, plan, w13, activation, situ_beta, situ_linear_beta, validate)
     check_prepared("z_mma", z_mma, (m, d), z.device)
     if a_mma_out is not None and (two_i // 2) % 8:
         raise ValueError(f"a_mma_out: needs I a multiple of 8, got I={two_i // 2}")
@@ -382,28 +401,16 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
     """
     config = check_config(config)
     deterministic = check_deterministic(deterministic, config)
-    check_tensor("z", z, dtypes=(torch.bfloat16,), dim=2)
-    m, d = z.shape
-    check_tokens("z", m)
-    act = check_activation(activation)
-    situ_beta, situ_linear_beta = check_betas(situ_beta, situ_linear_beta)
-    e, two_i, k, _ = check_experts("w13", w13, z.device)
-    if k != d or two_i % 4:
-        raise ValueError(f"w13: expected [E, 2I, D={d}] with I even, got {list(w13.shape)}")
+    act, (situ_beta, situ_linear_beta), (m, d, e, two_i), n_tiles = _check_stage1(
+        z, plan, w13, activation, situ_beta, situ_linear_beta, validate)
     e2, d2, i, _ = check_experts("w2", w2, z.device)
     if (e2, d2, i) != (e, d, two_i // 2):
         raise ValueError(f"w2: expected [E={e}, D={d}, I={two_i // 2}] (from w13 and z), got "
                          f"{list(w2.shape)}")
-    pairs("z", z)
-    _, _, n_tiles = check_plan(plan, m, e, z.device, out_dim=d, validate=validate)
     if plan.out is None:
         raise ValueError("plan.out: moe_experts needs the plan's fp32 [M, D] buffer "
                          "(route_sort(..., out_dim=D)); stage 1 zeroes it")
-    prep = (config.x_prepared and i % 8 == 0
-            and mma_tile(config, w2, 0 if deterministic else 2, plan.block_m, n_tiles, d)
-            is not None)
-    a_mma = (torch.empty((m * plan.topk_ids.shape[1], i), device=z.device, dtype=torch.bfloat16)
-             if prep else None)
+    a_mma = prepared_a(config, w2, plan, n_tiles, deterministic)
     a = _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles,
                        a_mma_out=a_mma, pdl=pdl)
     stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
