@@ -1,3 +1,15 @@
 """k3lab: a workbook for the fused kernels of the Kimi-K3 batch-1 decode step."""
 
 __version__ = "0.1.0"
+
+
+def preload(modules) -> None:
+    """Import ``modules`` as a notebook kernel starts (``k3lab.runner.PRELOAD``); one that fails
+    is left for the notebook's own import to raise."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001, S112 - the notebook's cell reports it
+            continue

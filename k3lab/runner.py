@@ -50,12 +50,19 @@ NOTEBOOKS_ENV = "K3LAB_NOTEBOOKS"
 # The per-cell limit where a run names none (unset: no limit). The test suite sets it: a kernel
 # that finishes a cell but whose reply never reaches the client would otherwise wait forever.
 TIMEOUT_ENV = "K3LAB_CELL_TIMEOUT"
+# What every notebook's first cell imports (never ``k3lab.kernels``: ``studies.setup`` chooses
+# its device first). A kernel imports them as it starts, so the standby kernel a sequential batch
+# starts for the next notebook has them loaded by the time that notebook runs.
+PRELOAD = ("torch", "triton", "numpy", "pandas", "matplotlib.pyplot", "IPython.display",
+           "ipywidgets", "k3lab.plots", "k3lab.report", "k3lab.profile", "k3lab.studies",
+           "k3lab.traces")
 # the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
 # break the one-line-per-notebook progress; a cell's errors still reach the report
 KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",
-               # tables for people: floats to the digits a reader uses (k3lab.readable.human)
+               # tables for people: floats to the digits a reader uses (k3lab.readable.human);
+               # a preload that fails leaves the import, and its error, to the notebook's cell
                "--IPKernelApp.exec_lines=import k3lab.readable as _k3r; _k3r.human_tables(); "
-               "del _k3r"]
+               f"del _k3r; __import__('k3lab').preload({list(PRELOAD)!r})"]
 
 
 @dataclass
@@ -235,25 +242,62 @@ def _quiet_papermill():
         log.setLevel(level)
 
 
+def _kernel_environ(device: str) -> dict[str, str]:
+    """The environment a notebook kernel gets: this process's, with the interpreter on for the
+    CPU and off for CUDA, inline plots, and this checkout importable."""
+    env = dict(os.environ)
+    if str(device).startswith("cpu"):
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+    env.pop("MPLBACKEND", None)  # an inherited Agg would silence the inline plots
+    root = str(repo_root())
+    path = env.get("PYTHONPATH", "")
+    if root not in path.split(os.pathsep):
+        env["PYTHONPATH"] = root + (os.pathsep + path if path else "")
+    return env
+
+
 @contextlib.contextmanager
 def _kernel_env(device: str):
-    """The environment the notebook kernel inherits: the interpreter on CPU, off on CUDA, inline
-    plots, and this checkout importable."""
+    """:func:`_kernel_environ` as this process's environment, which the kernel inherits."""
     saved = dict(os.environ)
     try:
-        if str(device).startswith("cpu"):
-            os.environ["TRITON_INTERPRET"] = "1"
-        else:
-            os.environ.pop("TRITON_INTERPRET", None)
-        os.environ.pop("MPLBACKEND", None)  # an inherited Agg would silence the inline plots
-        root = str(repo_root())
-        path = os.environ.get("PYTHONPATH", "")
-        if root not in path.split(os.pathsep):
-            os.environ["PYTHONPATH"] = root + (os.pathsep + path if path else "")
+        os.environ.clear()
+        os.environ.update(_kernel_environ(device))
         yield
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+class Standby:
+    """A kernel started ahead of its notebook (a sequential batch starts the next notebook's
+    while one runs): its start and :data:`PRELOAD` imports, seconds of host work, overlap the
+    running notebook instead of adding to the batch. Nothing it runs touches a GPU. Hand
+    :meth:`take` to the notebook's run, and :meth:`close` it whatever happened."""
+
+    def __init__(self, device: str):
+        from jupyter_client.manager import AsyncKernelManager
+        from jupyter_core.utils import run_sync
+
+        self._run_sync = run_sync
+        self.km = AsyncKernelManager(kernel_name=KERNEL_NAME)
+        run_sync(self.km.start_kernel)(extra_arguments=list(KERNEL_ARGS), cwd=str(repo_root()),
+                                       env=_kernel_environ(device))
+
+    def take(self):
+        """The kernel manager for the notebook's client, or None when the kernel has died (the
+        notebook then starts a kernel of its own)."""
+        try:
+            alive = self._run_sync(self.km.is_alive)()
+        except Exception:  # noqa: BLE001 - a broken standby only costs its head start
+            alive = False
+        return self.km if alive else None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._run_sync(self.km.shutdown_kernel)(now=True)
 
 
 def _check_kernel() -> None:
@@ -373,20 +417,22 @@ def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code:
 
 def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
              timeout: float | None, hide_code: bool, header: str, progress: dict | None,
-             staging: Path | None = None):
+             staging: Path | None = None, standby: Standby | None = None):
     """Run the notebook into ``tmp``; (error or None, report page, metrics). ``params`` are
     the kernel's (``trace_dir`` included); the traces found in ``staging`` afterwards are
-    linked at the top of the page."""
+    linked at the top of the page. ``standby``: a kernel already started for it."""
     import nbformat
     import papermill
 
+    km = standby.take() if standby is not None else None
     try:
         with _kernel_env(man["device"]), _quiet_papermill():
             papermill.execute_notebook(
                 str(src), str(tmp), parameters=params, kernel_name=KERNEL_NAME,
                 cwd=str(repo_root()), execution_timeout=timeout,
                 progress_bar=progress if progress is not None else False,
-                log_output=False, extra_arguments=KERNEL_ARGS)
+                log_output=False, extra_arguments=KERNEL_ARGS,
+                **({"km": km} if km is not None else {}))
         nb = nbformat.read(tmp, as_version=4)  # the page's copy: the .ipynb keeps everything
         metrics = report.read_metrics(nb)
         metrics["warnings"] = readable.split_warnings(nb)
@@ -405,10 +451,12 @@ def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
 
 
 def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: float | None,
-             hide_code: bool, progress: dict | None = None, source: str | None = None) -> Result:
+             hide_code: bool, progress: dict | None = None, source: str | None = None,
+             standby: Standby | None = None) -> Result:
     """Execute one notebook into ``out_dir``. A failing notebook and a report that cannot be
     written (disk full, a folder in the way) both give a failed Result; the batch goes on.
-    source: the notebook's path as recorded (default ``src``; a Ray task runs a copy)."""
+    source: the notebook's path as recorded (default ``src``; a Ray task runs a copy).
+    standby: a kernel started for it ahead of time (it is shut down here, used or not)."""
     name = src.stem
     t0 = time.perf_counter()
     try:
@@ -429,7 +477,7 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         man = report.manifest({**options, **params})
         header = _header(name, params, man)
         error, page, metrics = _execute(src, tmp, out_dir, kernel_params, man, timeout,
-                                        hide_code, header, progress, staging)
+                                        hide_code, header, progress, staging, standby)
         seconds = time.perf_counter() - t0
         info = {"notebook": name, "source": source or str(src), "seconds": round(seconds, 3),
                 "parameters": params, "manifest": man}
@@ -445,6 +493,8 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
             return Result(name, "failed", seconds,
                           f"{error}; could not write the failure record either: {exc}")
     finally:
+        if standby is not None:
+            standby.close()
         tmp.unlink(missing_ok=True)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -512,6 +562,44 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
     if not completed:
         results.interrupted = ", ".join(p.stem for i, p in enumerate(paths) if i not in done) \
             or "the last notebooks"
+
+
+def _standby(device: str) -> Standby | None:
+    try:
+        return Standby(device)
+    except Exception:  # noqa: BLE001 - without it the notebook starts its own kernel
+        return None
+
+
+def _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells: bool,
+                    results, line) -> None:
+    """One notebook after another, each in a kernel started while the one before it ran."""
+    nxt = _standby(options["device"])
+    try:
+        for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
+            last = lasts[i - 1]
+            bar = None
+            if cells:  # papermill's tqdm bar: cells done, elapsed, cells per second
+                was = f" (last run {last:.0f} s)" if last is not None else ""
+                bar = {"desc": f"[{i}/{len(paths)}] {path.stem}{was}", "unit": "cell",
+                       "leave": False}
+            mine, nxt = nxt, None
+            if i < len(paths):
+                nxt = _standby(options["device"])
+            try:
+                res = _run_one(path, out, nb_params, options, timeout, hide_code, bar,
+                               standby=mine)
+            except KeyboardInterrupt:
+                results.interrupted = path.stem
+                # the kernel died with the interrupt: its pending nbclient task would print a
+                # "Task exception was never retrieved" trace when collected
+                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+                break
+            results.append(res)
+            line(i, res, last)
+    finally:
+        if nxt is not None:
+            nxt.close()
 
 
 def auto_jobs(device: str, n_notebooks: int) -> int:
@@ -586,23 +674,8 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
         _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results, line,
                       ray)
     else:
-        for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
-            last = lasts[i - 1]
-            bar = None
-            if cells and progress:  # papermill's tqdm bar: cells done, elapsed, cells per second
-                was = f" (last run {last:.0f} s)" if last is not None else ""
-                bar = {"desc": f"[{i}/{len(paths)}] {path.stem}{was}", "unit": "cell",
-                       "leave": False}
-            try:
-                res = _run_one(path, out, nb_params, options, timeout, hide_code, bar)
-            except KeyboardInterrupt:
-                results.interrupted = path.stem
-                # the kernel died with the interrupt: its pending nbclient task would print a
-                # "Task exception was never retrieved" trace when collected
-                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-                break
-            results.append(res)
-            line(i, res, last)
+        _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells and progress,
+                        results, line)
     try:
         results.index = update_index(out)
     except OSError as exc:

@@ -379,3 +379,64 @@ def test_cpu_slots_share_the_cores(monkeypatch):
     batch.run_slots([(0, ("OMP_NUM_THREADS",))], [None], os.getenv,
                     lambda i, r, g: got.__setitem__(i, r), lambda i, e: None, threads=3)
     assert got[0] == "7"
+
+
+# ---------------------------------------------------------------- kernels started ahead
+
+def _pid_notebooks(folder: Path, names: list[str]) -> Path:
+    """Notebooks that publish their kernel's pid and which of the preload was not yet imported
+    when their first cell ran."""
+    import nbformat
+
+    folder.mkdir()
+    code = ("import os, sys\nfrom k3lab import report, runner\n"
+            "missing = [m for m in runner.PRELOAD if m not in sys.modules]\n"
+            "report.publish([{'pid': os.getpid(), 'missing': missing}], headline='pid')")
+    for name in names:
+        params = nbformat.v4.new_code_cell("seed = 0")
+        params.metadata["tags"] = ["parameters"]
+        nb = nbformat.v4.new_notebook(cells=[params, nbformat.v4.new_code_cell(code)])
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                     "language": "python"}
+        nbformat.write(nb, folder / f"{name}.ipynb")
+    return folder
+
+
+def test_one_at_a_time_each_notebook_runs_in_a_kernel_started_ahead(tmp_path, monkeypatch):
+    """-j 1: the next notebook's kernel starts (and imports the preload) while one runs; each
+    notebook runs in the kernel started for it, and none outlives the batch."""
+    from jupyter_core.utils import run_sync
+
+    started = []
+
+    class Spy(runner.Standby):
+        def __init__(self, device):
+            super().__init__(device)
+            started.append(self)
+
+    monkeypatch.setattr(runner, "Standby", Spy)
+    nbs = _pid_notebooks(tmp_path / "nbs", ["00_a", "10_b", "20_c"])
+    out = tmp_path / "out"
+    res = runner.run(None, notebook_dir=nbs, out_dir=out, progress=False, jobs=1)
+    assert res.ok
+    assert len(started) == 3
+    pids = [s.km.provisioner.pid if s.km.provisioner else None for s in started]
+    for name, pid in zip(["00_a", "10_b", "20_c"], pids, strict=True):
+        (rec,) = _json(out / f"{name}.metrics.json")["records"]
+        assert rec["pid"] == pid and rec["missing"] == []
+    assert not any(run_sync(s.km.is_alive)() for s in started)
+
+
+def test_a_standby_kernel_that_died_costs_only_its_head_start(tmp_path, monkeypatch):
+    """The kernel started ahead is gone when its notebook comes: the notebook starts its own."""
+    from jupyter_core.utils import run_sync
+
+    class Dead(runner.Standby):
+        def __init__(self, device):
+            super().__init__(device)
+            run_sync(self.km.shutdown_kernel)(now=True)
+
+    monkeypatch.setattr(runner, "Standby", Dead)
+    nbs = _pid_notebooks(tmp_path / "nbs", ["00_a", "10_b"])
+    res = runner.run(None, notebook_dir=nbs, out_dir=tmp_path / "out", progress=False, jobs=1)
+    assert res.ok, [r.error for r in res]
