@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
                         "ADDRESS ('local': start one here); needs the ray extra")
     r.add_argument("-q", "--quiet", action="store_true",
                    help="no progress: only errors and the exit code")
+    r.add_argument("--profile", action="store_true",
+                   help="sample each notebook's host work (compiles, waits on the device, "
+                        "weights, plots): a breakdown in each report and NAME.profile.html; "
+                        "eager latencies then include the sampler's cost; needs the profile "
+                        "extra")
     r.add_argument("--force", action="store_true",
                    help="run even when a notebook's estimated memory at the preset and tp "
                         "exceeds what the device has free")
@@ -177,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                                  timeout=args.timeout, hide_code=not args.show_code,
                                  notebook_dir=args.notebooks, progress=not quiet,
                                  cells=not quiet and sys.stderr.isatty(), jobs=args.jobs,
-                                 ray=args.ray, force=args.force)
+                                 ray=args.ray, force=args.force, profile=args.profile)
             if results.interrupted:
                 return 130
             return 0 if results.ok else 1

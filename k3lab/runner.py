@@ -36,7 +36,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import k3lab
-from k3lab import folder, readable, report, traces
+from k3lab import folder, hostprofile, readable, report, traces
 from k3lab.parameters import coerce, declared, notebook_parameters, validate
 
 __all__ = ["Result", "Results", "auto_jobs", "notebook_dir", "list_notebooks", "resolve",
@@ -50,19 +50,23 @@ NOTEBOOKS_ENV = "K3LAB_NOTEBOOKS"
 # The per-cell limit where a run names none (unset: no limit). The test suite sets it: a kernel
 # that finishes a cell but whose reply never reaches the client would otherwise wait forever.
 TIMEOUT_ENV = "K3LAB_CELL_TIMEOUT"
-# What every notebook's first cell imports (never ``k3lab.kernels``: ``studies.setup`` chooses
-# its device first). A kernel imports them as it starts, so the standby kernel a sequential batch
-# starts for the next notebook has them loaded by the time that notebook runs.
+# What every notebook's first cell imports, and torch.compile's compiler, which the peers and
+# the launch counting (through torch's dispatch modes) import (never ``k3lab.kernels``:
+# ``studies.setup`` chooses its device first). A kernel imports them as it starts, so the
+# standby kernel a sequential batch starts for the next notebook has them loaded by the time
+# that notebook runs.
 PRELOAD = ("torch", "triton", "numpy", "pandas", "matplotlib.pyplot", "IPython.display",
-           "ipywidgets", "k3lab.plots", "k3lab.report", "k3lab.profile", "k3lab.studies",
-           "k3lab.traces")
+           "ipywidgets", "torch._inductor.compile_fx", "k3lab.plots", "k3lab.report",
+           "k3lab.profile", "k3lab.studies", "k3lab.traces")
 # the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
 # break the one-line-per-notebook progress; a cell's errors still reach the report
 KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",
                # tables for people: floats to the digits a reader uses (k3lab.readable.human);
                # a preload that fails leaves the import, and its error, to the notebook's cell
                "--IPKernelApp.exec_lines=import k3lab.readable as _k3r; _k3r.human_tables(); "
-               f"del _k3r; __import__('k3lab').preload({list(PRELOAD)!r})"]
+               f"del _k3r; __import__('k3lab').preload({list(PRELOAD)!r}); "
+               # k3lab run --profile: sample every cell (k3lab.hostprofile)
+               "__import__('k3lab.hostprofile').hostprofile.start_from_env()"]
 
 
 @dataclass
@@ -242,10 +246,14 @@ def _quiet_papermill():
         log.setLevel(level)
 
 
-def _kernel_environ(device: str) -> dict[str, str]:
+def _kernel_environ(device: str, profile: Path | None = None) -> dict[str, str]:
     """The environment a notebook kernel gets: this process's, with the interpreter on for the
-    CPU and off for CUDA, inline plots, and this checkout importable."""
+    CPU and off for CUDA, inline plots, and this checkout importable; ``profile``: the file its
+    cells' host profile goes to (:mod:`k3lab.hostprofile`)."""
     env = dict(os.environ)
+    env.pop(hostprofile.ENV, None)
+    if profile is not None:
+        env[hostprofile.ENV] = str(profile)
     if str(device).startswith("cpu"):
         env["TRITON_INTERPRET"] = "1"
     else:
@@ -259,12 +267,12 @@ def _kernel_environ(device: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _kernel_env(device: str):
+def _kernel_env(device: str, profile: Path | None = None):
     """:func:`_kernel_environ` as this process's environment, which the kernel inherits."""
     saved = dict(os.environ)
     try:
         os.environ.clear()
-        os.environ.update(_kernel_environ(device))
+        os.environ.update(_kernel_environ(device, profile))
         yield
     finally:
         os.environ.clear()
@@ -277,14 +285,14 @@ class Standby:
     running notebook instead of adding to the batch. Nothing it runs touches a GPU. Hand
     :meth:`take` to the notebook's run, and :meth:`close` it whatever happened."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, profile: Path | None = None):
         from jupyter_client.manager import AsyncKernelManager
         from jupyter_core.utils import run_sync
 
         self._run_sync = run_sync
         self.km = AsyncKernelManager(kernel_name=KERNEL_NAME)
         run_sync(self.km.start_kernel)(extra_arguments=list(KERNEL_ARGS), cwd=str(repo_root()),
-                                       env=_kernel_environ(device))
+                                       env=_kernel_environ(device, profile))
 
     def take(self):
         """The kernel manager for the notebook's client, or None when the kernel has died (the
@@ -365,8 +373,14 @@ def _remove_traces(out_dir: Path, name: str, keep: list[str], failed: bool) -> N
 
 
 def _publish_ok(name: str, out_dir: Path, tmp: Path, page: str, info: dict, metrics: dict,
-                seconds: float, staging: Path | None = None) -> Result:
+                seconds: float, staging: Path | None = None,
+                profile_page: Path | None = None) -> Result:
     report.atomic_write_text(out_dir / f"{name}.html", page)
+    profile_to = out_dir / f"{name}{hostprofile.FILE_SUFFIX}"
+    if profile_page is not None:
+        os.replace(profile_page, profile_to)
+    else:  # an older run's: this report does not link it
+        profile_to.unlink(missing_ok=True)
     if metrics["warnings"]:
         report.atomic_write_text(out_dir / f"{name}.log", "".join(metrics["warnings"]))
     else:
@@ -374,7 +388,9 @@ def _publish_ok(name: str, out_dir: Path, tmp: Path, page: str, info: dict, metr
     os.replace(tmp, out_dir / f"{name}.ipynb")
     _write_json(out_dir / f"{name}.metrics.json",
                 {**info, "status": "ok", "error": None, "headline": metrics["headline"],
-                 "records": metrics["records"]})
+                 "records": metrics["records"],
+                 **({"host_profile": metrics["host_profile"]}
+                    if metrics.get("host_profile") else {})})
     # the traces last, each an atomic rename in the folder: a report that could not be written
     # leaves them staged for the failed run's record, not beside the last good report
     written = _staged_traces(staging, name)
@@ -417,16 +433,20 @@ def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code:
 
 def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
              timeout: float | None, hide_code: bool, header: str, progress: dict | None,
-             staging: Path | None = None, standby: Standby | None = None):
-    """Run the notebook into ``tmp``; (error or None, report page, metrics). ``params`` are
-    the kernel's (``trace_dir`` included); the traces found in ``staging`` afterwards are
-    linked at the top of the page. ``standby``: a kernel already started for it."""
+             staging: Path | None = None, standby: Standby | None = None,
+             profile: Path | None = None):
+    """Run the notebook into ``tmp``; (error or None, report page, metrics, profile page).
+    ``params`` are the kernel's (``trace_dir`` included); the traces found in ``staging``
+    afterwards are linked at the top of the page. ``standby``: a kernel already started for it.
+    ``profile``: where the kernel writes its host profile, then summarized in the metrics and
+    the header, its page written to a temp file of ``out_dir`` (the profile page)."""
     import nbformat
     import papermill
 
     km = standby.take() if standby is not None else None
+    profile_page = None
     try:
-        with _kernel_env(man["device"]), _quiet_papermill():
+        with _kernel_env(man["device"], profile), _quiet_papermill():
             papermill.execute_notebook(
                 str(src), str(tmp), parameters=params, kernel_name=KERNEL_NAME,
                 cwd=str(repo_root()), execution_timeout=timeout,
@@ -443,28 +463,49 @@ def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
                   "</div>") if metrics["warnings"] else ""
         links = traces.links_html(_staged_traces(staging, src.stem),
                                   str(man["device"]).startswith("cpu"))
+        profiled = ""
+        if profile is not None and profile.exists() and profile.stat().st_size:
+            session = hostprofile.load(profile)
+            metrics["host_profile"] = hostprofile.summarize(session)
+            profile_page = Path(_temp_file(out_dir, src.stem))
+            hostprofile.write_html(session, profile_page)
+            profiled = hostprofile.header_html(metrics["host_profile"],
+                                               f"{src.stem}{hostprofile.FILE_SUFFIX}")
         page = report.to_html(nb, hide_code=hide_code, title=src.stem,
-                              header=header + card + links + logged, folder=out_dir)
+                              header=header + card + links + profiled + logged, folder=out_dir)
     except Exception as exc:  # a failing notebook is reported, and the batch goes on
-        return _error_text(exc, timeout), None, None
-    return None, page, metrics
+        if profile_page is not None:
+            profile_page.unlink(missing_ok=True)
+        return _error_text(exc, timeout), None, None, None
+    return None, page, metrics, profile_page
+
+
+def _temp_file(out_dir: Path, name: str, suffix: str = ".tmp") -> str:
+    """A temp file of ``out_dir`` that a later run removes if this one is killed
+    (:data:`k3lab.folder.TEMP_PATTERN`)."""
+    fd, path = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.{os.getpid()}-", suffix=suffix)
+    os.close(fd)
+    return path
 
 
 def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: float | None,
              hide_code: bool, progress: dict | None = None, source: str | None = None,
-             standby: Standby | None = None) -> Result:
+             standby: Standby | None = None, profile: bool | Path = False) -> Result:
     """Execute one notebook into ``out_dir``. A failing notebook and a report that cannot be
     written (disk full, a folder in the way) both give a failed Result; the batch goes on.
     source: the notebook's path as recorded (default ``src``; a Ray task runs a copy).
-    standby: a kernel started for it ahead of time (it is shut down here, used or not)."""
+    standby: a kernel started for it ahead of time (it is shut down here, used or not).
+    profile: sample the host (True, or the file the standby's kernel writes to), the profile
+    page beside the report."""
     name = src.stem
     t0 = time.perf_counter()
     try:
-        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{name}.{os.getpid()}-",
-                                   suffix=".running.ipynb")
-        os.close(fd)
+        tmp = _temp_file(out_dir, name, ".running.ipynb")
+        if profile is True:
+            profile = Path(_temp_file(out_dir, name))
     except OSError as exc:
         return Result(name, "failed", 0.0, f"could not create a temp file in {out_dir}: {exc}")
+    profile = profile or None
     tmp, staging = Path(tmp), None
     params = dict(params)
     kernel_params = params
@@ -476,16 +517,20 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
             kernel_params = {**params, TRACE_PARAM: str(staging)}
         man = report.manifest({**options, **params})
         header = _header(name, params, man)
-        error, page, metrics = _execute(src, tmp, out_dir, kernel_params, man, timeout,
-                                        hide_code, header, progress, staging, standby)
+        error, page, metrics, profile_page = _execute(
+            src, tmp, out_dir, kernel_params, man, timeout, hide_code, header, progress, staging,
+            standby, profile)
         seconds = time.perf_counter() - t0
         info = {"notebook": name, "source": source or str(src), "seconds": round(seconds, 3),
                 "parameters": params, "manifest": man}
         if error is None:
             try:
-                return _publish_ok(name, out_dir, tmp, page, info, metrics, seconds, staging)
+                return _publish_ok(name, out_dir, tmp, page, info, metrics, seconds, staging,
+                                   profile_page)
             except OSError as exc:
                 error = f"could not write the report: {exc}"
+                if profile_page is not None:
+                    profile_page.unlink(missing_ok=True)
         try:
             return _publish_failed(name, out_dir, tmp, header, hide_code, info, error, seconds,
                                    staging, str(man["device"]).startswith("cpu"))
@@ -496,6 +541,8 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         if standby is not None:
             standby.close()
         tmp.unlink(missing_ok=True)
+        if profile is not None:
+            profile.unlink(missing_ok=True)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -525,7 +572,7 @@ def _last_seconds(out: Path, name: str) -> float | None:
 
 
 def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results,
-                  line, ray_address: str | None = None) -> None:
+                  line, ray_address: str | None = None, profile: bool = False) -> None:
     from k3lab import batch
 
     done: dict[int, Result] = {}
@@ -553,7 +600,7 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
         hints = [last if last is not None else _last_seconds(ref, p.stem)
                  for last, p in zip(lasts, paths, strict=True)]
         order = sorted(pairs, key=lambda ip: -(hints[ip[0]] or 0.0))
-        tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None))
+        tasks = [(i, (p, out, nb_params, options, timeout, hide_code, None, None, None, profile))
                  for i, (p, nb_params) in order]
         cpu = not str(options["device"]).startswith("cuda")
         threads = batch.cpu_threads(len(slots)) if cpu and len(slots) > 1 else None
@@ -564,17 +611,23 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
             or "the last notebooks"
 
 
-def _standby(device: str) -> Standby | None:
+def _standby(device: str, out: Path, path: Path, profile: bool) -> tuple[Standby | None,
+                                                                        Path | bool]:
+    """A kernel started for the notebook ``path`` and the file its host profile goes to (False:
+    not profiled)."""
+    to: Path | bool = False
     try:
-        return Standby(device)
+        if profile:
+            to = Path(_temp_file(out, path.stem))
+        return Standby(device, to or None), to
     except Exception:  # noqa: BLE001 - without it the notebook starts its own kernel
-        return None
+        return None, to
 
 
 def _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells: bool,
-                    results, line) -> None:
+                    results, line, profile: bool = False) -> None:
     """One notebook after another, each in a kernel started while the one before it ran."""
-    nxt = _standby(options["device"])
+    nxt, nxt_profile = _standby(options["device"], out, paths[0], profile)
     try:
         for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
             last = lasts[i - 1]
@@ -583,12 +636,12 @@ def _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells
                 was = f" (last run {last:.0f} s)" if last is not None else ""
                 bar = {"desc": f"[{i}/{len(paths)}] {path.stem}{was}", "unit": "cell",
                        "leave": False}
-            mine, nxt = nxt, None
+            (mine, mine_profile), nxt, nxt_profile = (nxt, nxt_profile), None, False
             if i < len(paths):
-                nxt = _standby(options["device"])
+                nxt, nxt_profile = _standby(options["device"], out, paths[i], profile)
             try:
                 res = _run_one(path, out, nb_params, options, timeout, hide_code, bar,
-                               standby=mine)
+                               standby=mine, profile=mine_profile)
             except KeyboardInterrupt:
                 results.interrupted = path.stem
                 # the kernel died with the interrupt: its pending nbclient task would print a
@@ -600,6 +653,8 @@ def _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells
     finally:
         if nxt is not None:
             nxt.close()
+        if isinstance(nxt_profile, Path):
+            nxt_profile.unlink(missing_ok=True)
 
 
 def auto_jobs(device: str, n_notebooks: int) -> int:
@@ -619,7 +674,8 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
         params: dict | None = None, out_dir: str | os.PathLike | None = None,
         timeout: float | None = None, progress: bool = True, hide_code: bool = True,
         notebook_dir: str | os.PathLike | None = None, cells: bool = False,
-        jobs: int | None = 1, ray: str | None = None, force: bool = False) -> Results:
+        jobs: int | None = 1, ray: str | None = None, force: bool = False,
+        profile: bool = False) -> Results:
     """Execute ``notebooks`` (names, see :func:`resolve`; None: all) and write their reports.
 
     device / preset / tp are injected into each notebook that declares them; every other key of
@@ -635,6 +691,9 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     force: run even when a notebook's estimated memory (:mod:`k3lab.memory`) exceeds what the
     device has free; without it that is a ValueError before anything runs (not checked for a
     remote Ray cluster, whose nodes' memory is not known here).
+    profile: sample each notebook's host work (:mod:`k3lab.hostprofile`, the profile extra;
+    not with ``ray``): a breakdown in each report's header and metrics, the call tree in
+    ``NAME.profile.html``.
     Returns one :class:`Result` per notebook, in order; a Ctrl-C stops the
     batch, keeps every report written so far and sets ``interrupted``.
     """
@@ -645,6 +704,10 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
         raise TypeError(f"jobs: expected an int or None, got {jobs!r}")
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs: expected at least 1, got {jobs}")
+    if profile and ray:
+        raise ValueError("--profile: not with --ray (profile the notebooks on this machine)")
+    if profile and not hostprofile.available():
+        raise ValueError("--profile: needs pyinstrument (pip install -e '.[profile]')")
     paths = resolve(notebooks, notebook_dir)
     if jobs is None:
         jobs = auto_jobs(device, len(paths))
@@ -668,14 +731,20 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
         was = f"  (last {last:.1f} s)" if last is not None else ""
         say(f"[{i}/{len(paths)}] {res.name:<{width}}  {res.status:<6} {res.seconds:7.1f} s"
             + where + (f"  {res.error}" if res.error else was))
+        if profile and res.ok and res.metrics is not None:
+            record, _ = folder.load_record(res.metrics)
+            spent = (record or {}).get("host_profile", {}).get("seconds", {})
+            if spent:
+                say(" " * (len(str(len(paths))) * 2 + 4) + "host: " + ", ".join(
+                    f"{c} {t:.1f} s" for c, t in spent.items()))
 
     lasts = [_last_seconds(out, p.stem) for p in paths]
     if jobs > 1 or ray:
         _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results, line,
-                      ray)
+                      ray, profile)
     else:
         _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells and progress,
-                        results, line)
+                        results, line, profile)
     try:
         results.index = update_index(out)
     except OSError as exc:

@@ -410,8 +410,8 @@ def test_one_at_a_time_each_notebook_runs_in_a_kernel_started_ahead(tmp_path, mo
     started = []
 
     class Spy(runner.Standby):
-        def __init__(self, device):
-            super().__init__(device)
+        def __init__(self, *args):
+            super().__init__(*args)
             started.append(self)
 
     monkeypatch.setattr(runner, "Standby", Spy)
@@ -432,8 +432,8 @@ def test_a_standby_kernel_that_died_costs_only_its_head_start(tmp_path, monkeypa
     from jupyter_core.utils import run_sync
 
     class Dead(runner.Standby):
-        def __init__(self, device):
-            super().__init__(device)
+        def __init__(self, *args):
+            super().__init__(*args)
             run_sync(self.km.shutdown_kernel)(now=True)
 
     monkeypatch.setattr(runner, "Standby", Dead)
