@@ -26,6 +26,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from k3lab import precompile
 from k3lab.boundaries import Boundary, clone_inputs
 from k3lab.config import Preset
 from k3lab.launches import (  # noqa: F401  (re-exported: profile's public names)
@@ -331,6 +332,9 @@ def measure(boundary: Boundary, cfg: Preset, device: torch.device | str, *,
     inputs = boundary.make_inputs(cfg, dev, seed, **params)
     nbytes = boundary.bytes_moved(inputs)
     ref = boundary.reference.fn(clone_inputs(inputs))
+    # the fused variants' kernels compiled at once (k3lab.precompile; not under the interpreter)
+    precompile.ahead([lambda v=v: v.fn(clone_inputs(inputs)) for v in chosen
+                      if v.role == "fused" and v.unavailable(dev) is None])
     bw = copy_bandwidth(dev)
     modes = [m for m in modes if m == "eager" or dev.type == "cuda"]
     # on the CPU one call is the whole timing (DEFAULT_REPEATS): the launch count's call gives

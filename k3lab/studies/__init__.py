@@ -9,11 +9,12 @@ boundary, shows the CPU banner and returns a :class:`Setup` the study functions 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from k3lab import boundaries, config, profile, report
+from k3lab import boundaries, config, precompile, profile, report
 from k3lab import device as k3device
 from k3lab.boundaries import Boundary
 from k3lab.config import Preset
@@ -77,6 +78,25 @@ class Setup:
         make = lambda i: b.make_inputs(cfg, self.device, self.seed + i, **params)  # noqa: E731
         return profile.cold_copies(make, bytes_per_copy=b.bytes_moved(make(0)),
                                    device=self.device)
+
+    def compile_ahead(self, calls) -> precompile.Stats | None:
+        """Compile the Triton kernels that ``calls`` (each ``() -> Any``) launch, all at once, in
+        worker processes, before a sweep makes and times them one after another
+        (:func:`k3lab.precompile.ahead`, which does nothing under the interpreter)."""
+        return precompile.ahead(calls)
+
+    def fused_calls(self, points) -> list:
+        """For :meth:`compile_ahead`: per ``(cfg, params)`` point, the boundary's inputs at it
+        run through every fused variant."""
+        b = self.boundary
+        fused = [v for v in b.available_variants(self.device) if v.role == "fused"]
+
+        def call(cfg, params):
+            inputs = b.make_inputs(cfg, self.device, self.seed, **params)
+            for v in fused:
+                v.fn(inputs)
+
+        return [functools.partial(call, cfg, dict(params)) for cfg, params in points]
 
     def describe(self) -> str:
         return (f"{self.cfg.describe()} on {k3device.device_name(self.device)}; copy bandwidth "

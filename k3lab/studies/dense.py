@@ -48,9 +48,12 @@ def sweep(s: Setup, tps, shapes=None, variants=None, skeleton: bool = True) -> p
     for the previous launch before its loads (``after``: programmatic dependent launch)."""
     out = []
     table = shape_table(s, tps)
+    if shapes:
+        table = table[table["shape"].isin(shapes)]
+    s.compile_ahead(s.fused_calls([(config.preset(s.cfg.name, int(r["tp"])),
+                                    {"M": s.M, "shape": r["shape"]})
+                                   for _, r in table.iterrows()]))
     for _, r in table.iterrows():
-        if shapes and r["shape"] not in shapes:
-            continue
         cfg = config.preset(s.cfg.name, int(r["tp"]))
         rec = profile.measure(s.boundary, cfg, s.device, variants=variants, seed=s.seed,
                               params={"M": s.M, "shape": r["shape"]}, repeats=s.repeats,

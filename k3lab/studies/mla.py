@@ -9,6 +9,8 @@ imports ``k3lab.kernels``: import it after :func:`k3lab.studies.setup`.
 
 from __future__ import annotations
 
+import functools
+
 import pandas as pd
 import torch
 
@@ -99,6 +101,13 @@ def split_sweep(s: Setup, contexts: list[int], splits: list[int]) -> pd.DataFram
     mismatch). Wide rows: latency_us, p10_us, p90_us, kv_bytes, kv_TBps, copy_frac, heuristic
     (the heuristic's pick at that context)."""
     b = s.boundary
+
+    def compile_point(ctx):
+        inputs = b.make_inputs(s.cfg, s.device, s.seed, M=s.M, context=ctx)
+        for ns in dict.fromkeys([*splits, heuristic(s, ctx), PEER_FIXED_SPLITS]):
+            fixed_splits(ns)(inputs)
+
+    s.compile_ahead([functools.partial(compile_point, ctx) for ctx in contexts])
     rows = []
     for ctx in contexts:
         copies = s.copies(M=s.M, context=ctx)

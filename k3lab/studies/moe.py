@@ -7,6 +7,7 @@ Import after :func:`k3lab.studies.setup` (it imports ``k3lab.kernels``).
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 
@@ -64,7 +65,10 @@ def _act(c) -> dict:
                 situ_linear_beta=c.situ_linear_beta)
 
 
-def _check_case(s: Setup, fmt: str, m: int, bm: int, det: bool) -> dict | None:
+def _check_case(s: Setup, fmt: str, m: int, bm: int, det: bool,
+                launches_only: bool = False) -> dict | None:
+    """One case of :func:`correctness`; ``launches_only``: the fused launches alone, unchecked
+    (for ``Setup.compile_ahead``)."""
     cfg, B = s.cfg, s.boundary
     if fmt == "mxfp4" and not valid_tp(cfg.name, cfg.tp, "mxfp4"):
         return None
@@ -73,6 +77,11 @@ def _check_case(s: Setup, fmt: str, m: int, bm: int, det: bool) -> dict | None:
     wf = w.fused  # the experts as the fused kernels read them (the tiled MXFP4 layout)
     out = moe_block(inputs["x"], wf, cfg=cfg, plan=plan, deterministic=det)
     apart = moe_block(inputs["x"], wf, cfg=cfg, plan=plan, deterministic=det, fuse_tail=False)
+    if launches_only:
+        a = moe_stage1(bmoe.stage_inputs(inputs)["z"], plan, wf["w13"], **_act(cfg))
+        for d in (False, True):
+            moe_stage2(a, plan, wf["w2"], deterministic=d)
+        return None
     row = {"format": fmt, "M": m, "block_m": bm, "stage 2": "deterministic" if det else "atomic",
            "fused layout (w13, w2)": ", ".join(wf[k].layout if isinstance(wf[k], MXFP4)
                                                else "bf16" for k in ("w13", "w2")),
@@ -107,6 +116,7 @@ def correctness(s: Setup) -> pd.DataFrame:
     else:
         cases = [("bf16", 1, 1, False), ("mxfp4", 1, 1, True), ("bf16", 8, 4, True),
                  ("mxfp4", 8, 16, False)]
+    s.compile_ahead([functools.partial(_check_case, s, *c, launches_only=True) for c in cases])
     return pd.DataFrame([r for c in cases if (r := _check_case(s, *c)) is not None])
 
 

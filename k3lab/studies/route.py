@@ -138,11 +138,13 @@ def sweep(s: Setup, *, tokens: list[int] = (), experts: list[int] = (),
     if bool(tokens) == bool(experts):
         raise ValueError("sweep: give tokens or experts, not both")
     if tokens:
-        rows = [r for m in tokens for r in sweep_point(s, s.cfg, m, block_m, "M")]
+        points = [(s.cfg, m) for m in tokens]
     else:
-        rows = [r for e in experts if e >= s.cfg.top_k for r in sweep_point(
-            s, dataclasses.replace(s.cfg, n_experts=e, n_group=1, topk_group=1), 1, block_m,
-            "experts")]
+        points = [(dataclasses.replace(s.cfg, n_experts=e, n_group=1, topk_group=1), 1)
+                  for e in experts if e >= s.cfg.top_k]
+    s.compile_ahead(s.fused_calls([(c, {"M": m, "block_m": block_m}) for c, m in points]))
+    rows = [r for c, m in points
+            for r in sweep_point(s, c, m, block_m, "M" if tokens else "experts")]
     d = pd.DataFrame(rows)
     d["gate_frac_of_copy"] = (d.gate_bytes / s.copy_bw * 1e6) / d.latency_us
     return d

@@ -1,0 +1,199 @@
+"""Compile a sweep's Triton kernels at once, in worker processes, before the sweep times them.
+
+A cold notebook spends most of its time compiling: every point of a sweep (an expert count, a
+token count, a shape) is a new specialization, and Triton compiles each one on its first launch,
+one after another. :func:`ahead` runs the sweep's calls once with every Triton launch turned into
+a compile-only warm-up under Triton's ``AsyncCompileMode``; each compile is sent to a pool of
+worker processes (the machine's cores, not one), which leave the result in Triton's on-disk
+cache, and the kernel is then loaded from there into this process, with its launcher stub
+built. The timed calls that follow find every kernel compiled.
+
+Nothing here changes what runs or what is timed: a call that fails in the compile-only pass
+(its outputs are never written) or a compile that a worker cannot reproduce only leaves that
+kernel to compile at its first launch, as without this module. It acts only where the kernels
+compile (a GPU); under the interpreter it does nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import contextlib
+import importlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ahead", "Stats", "WORKERS_ENV", "workers"]
+
+WORKERS_ENV = "K3LAB_COMPILE_WORKERS"  # worker processes (0: compile ahead in threads only)
+
+
+def workers() -> int:
+    """Worker processes: $K3LAB_COMPILE_WORKERS, else one per core (at most 8)."""
+    env = os.environ.get(WORKERS_ENV, "").strip()
+    if env:
+        if not env.isdigit():
+            raise ValueError(f"${WORKERS_ENV}: expected a count of worker processes (0: none), "
+                             f"got {env!r}")
+        return int(env)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(8, cores or 1))
+
+
+@dataclass
+class Stats:
+    """What one :func:`ahead` did: kernels compiled (in a worker, or in a thread here when the
+    compile could not be sent), calls and compiles that failed, and its wall time."""
+
+    kernels: int = 0
+    in_workers: int = 0
+    calls: int = 0
+    failed_calls: int = 0
+    failed_compiles: int = 0
+    seconds: float = 0.0
+    skipped: str = ""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+
+# ---------------------------------------------------------------- the worker side
+
+def _compile_in_worker(spec: dict) -> bool:
+    """Compile one kernel into Triton's cache (a worker process)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    jit = getattr(importlib.import_module(spec["module"]), spec["name"])
+    src = ASTSource(jit, spec["signature"], spec["constexprs"], spec["attrs"])
+    triton.compile(src, target=spec["target"], options=spec["options"],
+                   _env_vars=spec["env_vars"])
+    return True
+
+
+def _spec(compile_fn: Callable) -> dict | None:
+    """What a worker needs to repeat the compile Triton's JIT queued as ``compile_fn`` (a
+    closure over src, target, options and env_vars), or None when it does not fit."""
+    code, cells = getattr(compile_fn, "__code__", None), getattr(compile_fn, "__closure__", None)
+    if code is None or cells is None:
+        return None
+    free = dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=True))
+    src = free.get("src")
+    jit = getattr(src, "fn", None)
+    py = getattr(jit, "fn", None)
+    if src is None or py is None or "target" not in free or "options" not in free:
+        return None
+    module, name = py.__module__, py.__name__
+    mod = importlib.import_module(module)
+    if getattr(mod, name, None) is not jit:  # only kernels a worker can import by name
+        return None
+    return {"module": module, "name": name, "signature": src.signature,
+            "constexprs": src.constants, "attrs": src.attrs, "target": free["target"],
+            "options": dict(free["options"].__dict__), "env_vars": free.get("env_vars")}
+
+
+_POOL: cf.ProcessPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(n: int) -> cf.ProcessPoolExecutor | None:
+    """The process's worker pool, started once (spawned: no CUDA state crosses)."""
+    global _POOL
+    if n <= 0:
+        return None
+    with _POOL_LOCK:
+        if _POOL is None:
+            import multiprocessing as mp
+
+            _POOL = cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"))
+            atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
+        return _POOL
+
+
+class _SendToWorkers(cf.Executor):
+    """The executor Triton's AsyncCompileMode submits compiles to: each compile goes to a
+    worker process, then the kernel is loaded here from the cache (and its launcher stub
+    built) in a thread."""
+
+    def __init__(self, pool: cf.ProcessPoolExecutor | None, threads: cf.ThreadPoolExecutor,
+                 stats: Stats):
+        self.pool, self.threads, self.stats = pool, threads, stats
+
+    def submit(self, fn, /, *args, **kwargs):
+        spec = None
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                spec = _spec(fn)
+
+        def run():
+            self.stats.add("kernels")
+            if spec is not None:
+                try:
+                    self.pool.submit(_compile_in_worker, spec).result()
+                    self.stats.add("in_workers")
+                except Exception:  # noqa: BLE001 - compiled here instead, below
+                    pass
+            try:
+                kernel = fn(*args, **kwargs)  # a cache load when a worker compiled it
+            except Exception:
+                self.stats.add("failed_compiles")
+                raise
+            with contextlib.suppress(Exception):  # the C launcher stub, built once per signature
+                from triton.runtime import driver
+
+                driver.active.launcher_cls(kernel.src, kernel.metadata)
+            return kernel
+
+        return self.threads.submit(run)
+
+
+@contextlib.contextmanager
+def _compile_only():
+    """Every Triton launch a warm-up: compiled (here, queued), never run."""
+    import triton.runtime.jit as jit
+
+    run = jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kw):
+        return run(self, *args, grid=grid, warmup=True, **kw)
+
+    jit.JITFunction.run = compile_only
+    try:
+        yield
+    finally:
+        jit.JITFunction.run = run
+
+
+def ahead(calls: Iterable[Callable[[], Any]], n_workers: int | None = None) -> Stats:
+    """Run ``calls`` (each a sweep point's launches) compile-only and compile every kernel they
+    launch, ``n_workers`` processes at once (default :func:`workers`; 0: threads here). Where
+    the kernels run interpreted, or Triton has no async compile, nothing runs."""
+    stats, t0 = Stats(), time.perf_counter()
+    from k3lab.kernels import INTERPRETED
+
+    if INTERPRETED:
+        stats.skipped = "the kernels run under the interpreter"
+        return stats
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        stats.skipped = "this Triton has no AsyncCompileMode"
+        return stats
+    n = workers() if n_workers is None else n_workers
+    with cf.ThreadPoolExecutor(max(2, n)) as threads:
+        executor = _SendToWorkers(_pool(n), threads, stats)
+        with _compile_only(), AsyncCompileMode(executor, ignore_errors=True):
+            for call in calls:
+                stats.add("calls")
+                try:
+                    call()
+                except Exception:  # noqa: BLE001 - its kernels compile at their first launch
+                    stats.add("failed_calls")
+    stats.seconds = time.perf_counter() - t0
+    return stats

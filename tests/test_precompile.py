@@ -1,0 +1,118 @@
+"""k3lab.precompile: a sweep's kernels compiled at once in worker processes, checked without a
+GPU by compiling for sm_90 (tests/kernels/precompile_check.py) where Triton's NVIDIA backend is
+installed; on the CPU interpreter it does nothing."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3lab import precompile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+from test_sm90_build import _ptxas  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles for itself")
+@pytest.mark.skipif(not _ptxas(), reason="Triton's NVIDIA backend (ptxas) is not installed")
+def test_kernels_compile_in_workers_and_are_found_compiled(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT),
+           "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "precompile_check.py")],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["calls"] == 4 and got["failed_calls"] == 1  # the broken call, alone
+    assert got["kernels"] >= 2 and got["in_workers"] == got["kernels"]
+    assert got["failed_compiles"] == 0 and got["restored"]
+    assert got["built_here"] == []  # the workers compiled; this process loaded their cache
+    assert got["compiles_after"] == []  # every kernel of the calls is in the JIT's cache
+
+
+def test_under_the_interpreter_nothing_runs():
+    from k3lab.kernels import INTERPRETED
+
+    if not INTERPRETED:
+        pytest.skip("the kernels compile here")
+    ran = []
+    stats = precompile.ahead([lambda: ran.append(1)])
+    assert ran == [] and stats.calls == 0 and "interpreter" in stats.skipped
+
+
+def test_workers_from_the_environment(monkeypatch):
+    monkeypatch.setenv(precompile.WORKERS_ENV, "3")
+    assert precompile.workers() == 3
+    monkeypatch.setenv(precompile.WORKERS_ENV, "0")
+    assert precompile.workers() == 0
+    monkeypatch.setenv(precompile.WORKERS_ENV, "-1")
+    with pytest.raises(ValueError, match=r"\$K3LAB_COMPILE_WORKERS: expected a count"):
+        precompile.workers()
+    monkeypatch.delenv(precompile.WORKERS_ENV)
+    assert 1 <= precompile.workers() <= 8
+
+
+@pytest.fixture
+def handed(monkeypatch):
+    """The calls each precompile.ahead is handed, run here (under the interpreter) to show
+    that they launch what they should."""
+    got: list[list] = []
+
+    def record(calls, n_workers=None):
+        got.append(list(calls))
+        return precompile.Stats()
+
+    monkeypatch.setattr(precompile, "ahead", record)
+    return got
+
+
+def test_measure_hands_over_each_fused_variant(handed, monkeypatch):
+    from k3lab import boundaries, profile
+    from k3lab.config import preset
+
+    b = boundaries.get("route")
+    profile.measure(b, preset("tiny"), "cpu", modes=("eager",), launches=False)
+    (calls,) = handed
+    fused = [v for v in b.available_variants("cpu") if v.role == "fused"]
+    assert len(calls) == len(fused) >= 1
+    for call in calls:
+        assert call() is not None  # the fused variant's output
+
+
+def test_a_sweep_hands_over_every_point_first(handed):
+    from k3lab import studies
+
+    s = studies.setup("route", "tiny", 1, "cpu")
+    from k3lab.studies import route as study
+
+    study.sweep(s, tokens=[1, 3])
+    sweep_calls = [c for c in handed if len(c) == 2]  # measure hands one call per variant
+    assert len(sweep_calls) == 1
+    for call in sweep_calls[0]:
+        call()
+
+
+def test_the_dense_and_mla_sweeps_hand_over_their_points(handed):
+    from k3lab import studies
+
+    s = studies.setup("dense", "tiny", 1, "cpu")
+    from k3lab.studies import dense as dstudy
+
+    shapes = dstudy.default_shapes(s)
+    dstudy.sweep(s, [1, 2], shapes=shapes, skeleton=False)
+    assert len(handed[0]) == 2 * len(shapes)  # every (tp, shape) before the first is timed
+    for call in handed[0]:
+        call()
+
+    handed.clear()
+    s = studies.setup("mla", "tiny", 1, "cpu")
+    from k3lab.studies import mla as mstudy
+
+    mstudy.split_sweep(s, [64, 128], [1, 2])
+    assert len(handed[0]) == 2  # one call per context, each launching every split count
+    for call in handed[0]:
+        call()
