@@ -3,11 +3,15 @@
 __version__ = "0.1.0"
 
 
-def preload(modules) -> None:
-    """Import ``modules`` as a notebook kernel starts (``k3lab.runner.PRELOAD``); one that fails
-    is left for the notebook's own import to raise."""
+def preload(modules, env: str | None = None) -> None:
+    """Import ``modules`` as a notebook kernel starts (``k3lab.runner.PRELOAD``), where ``env``
+    (when given) is set in its environment; one that fails is left for the notebook's own import
+    to raise."""
     import importlib
+    import os
 
+    if env is not None and not os.environ.get(env):
+        return
     for name in modules:
         try:
             importlib.import_module(name)

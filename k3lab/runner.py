@@ -54,7 +54,11 @@ TIMEOUT_ENV = "K3LAB_CELL_TIMEOUT"
 # the launch counting (through torch's dispatch modes) import (never ``k3lab.kernels``:
 # ``studies.setup`` chooses its device first). A kernel imports them as it starts, so the
 # standby kernel a sequential batch starts for the next notebook has them loaded by the time
-# that notebook runs.
+# that notebook runs. A kernel started when its notebook starts has nothing to overlap and
+# skips it (the notebook imports what it needs), and so does a CPU run's standby: there the
+# notebook before it needs the cores.
+PRELOAD_ENV = "K3LAB_PRELOAD"
+PRELOAD_DEVICES = ("cuda",)
 PRELOAD = ("torch", "triton", "numpy", "pandas", "matplotlib.pyplot", "IPython.display",
            "ipywidgets", "torch._inductor.compile_fx", "k3lab.plots", "k3lab.report",
            "k3lab.profile", "k3lab.studies", "k3lab.traces")
@@ -64,7 +68,7 @@ KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",
                # tables for people: floats to the digits a reader uses (k3lab.readable.human);
                # a preload that fails leaves the import, and its error, to the notebook's cell
                "--IPKernelApp.exec_lines=import k3lab.readable as _k3r; _k3r.human_tables(); "
-               f"del _k3r; __import__('k3lab').preload({list(PRELOAD)!r}); "
+               f"del _k3r; __import__('k3lab').preload({list(PRELOAD)!r}, '{PRELOAD_ENV}'); "
                # k3lab run --profile: sample every cell (k3lab.hostprofile)
                "__import__('k3lab.hostprofile').hostprofile.start_from_env()"]
 
@@ -252,6 +256,7 @@ def _kernel_environ(device: str, profile: Path | None = None) -> dict[str, str]:
     cells' host profile goes to (:mod:`k3lab.hostprofile`)."""
     env = dict(os.environ)
     env.pop(hostprofile.ENV, None)
+    env.pop(PRELOAD_ENV, None)
     if profile is not None:
         env[hostprofile.ENV] = str(profile)
     if str(device).startswith("cpu"):
@@ -291,8 +296,11 @@ class Standby:
 
         self._run_sync = run_sync
         self.km = AsyncKernelManager(kernel_name=KERNEL_NAME)
+        env = _kernel_environ(device, profile)
+        if str(device).split(":")[0] in PRELOAD_DEVICES:
+            env[PRELOAD_ENV] = "1"
         run_sync(self.km.start_kernel)(extra_arguments=list(KERNEL_ARGS), cwd=str(repo_root()),
-                                       env=_kernel_environ(device, profile))
+                                       env=env)
 
     def take(self):
         """The kernel manager for the notebook's client, or None when the kernel has died (the

@@ -28,6 +28,13 @@ def prepare() -> bool:
 INTERPRETED = prepare()
 
 
+def _index(self) -> int:
+    """An interpreted scalar as an index (``range(0, n, BLOCK)`` with ``n`` a kernel argument).
+    Its value is a one-element array, which Triton up to 3.6 turned into an int the way NumPy
+    2.4 refuses; take the element instead."""
+    return int(self.handle.data.reshape(-1)[0])
+
+
 def _patch_once_per_launch() -> bool:
     """Under the interpreter, patch triton.language once a launch, not once a device call.
 
@@ -59,16 +66,22 @@ def _patch_once_per_launch() -> bool:
             super().restore()
             active.pop()
 
+    def swap(fn) -> list:
+        changes = patch(fn)._changes
+        if "__index__" in vars(tl.core.tensor):  # undone with the rest when the launch ends
+            tl.core.tensor.__index__ = _index
+        return changes
+
     def patch_lang(fn):
         need = langs(fn)
         if active:  # a helper inside a launch: swap only modules the launch has not
             done, launch = active[-1]
             if not need <= done:
-                launch._changes.extend(patch(fn)._changes)  # restored with the launch's
+                launch._changes.extend(swap(fn))  # restored with the launch's
                 done |= need
             return scope_type()
         launch = LaunchScope()
-        launch._changes = patch(fn)._changes
+        launch._changes = swap(fn)
         active.append((need, launch))
         return launch
 

@@ -403,8 +403,8 @@ def _pid_notebooks(folder: Path, names: list[str]) -> Path:
 
 
 def test_one_at_a_time_each_notebook_runs_in_a_kernel_started_ahead(tmp_path, monkeypatch):
-    """-j 1: the next notebook's kernel starts (and imports the preload) while one runs; each
-    notebook runs in the kernel started for it, and none outlives the batch."""
+    """-j 1: the next notebook's kernel starts (and, on a GPU, imports the preload) while one
+    runs; each notebook runs in the kernel started for it, and none outlives the batch."""
     from jupyter_core.utils import run_sync
 
     started = []
@@ -415,6 +415,7 @@ def test_one_at_a_time_each_notebook_runs_in_a_kernel_started_ahead(tmp_path, mo
             started.append(self)
 
     monkeypatch.setattr(runner, "Standby", Spy)
+    monkeypatch.setattr(runner, "PRELOAD_DEVICES", ("cpu", "cuda"))  # a GPU run's, here
     nbs = _pid_notebooks(tmp_path / "nbs", ["00_a", "10_b", "20_c"])
     out = tmp_path / "out"
     res = runner.run(None, notebook_dir=nbs, out_dir=out, progress=False, jobs=1)

@@ -85,3 +85,24 @@ def test_zeroed_words_are_made_outside_a_capture_only():
         zeroed_words(store, dev, 17, error="x: not grown in a capture", capturing=True)
     assert store[dev] is buf
     assert zeroed_words(store, dev, 40, error="unused").numel() == 40
+
+
+def test_an_interpreted_scalar_is_an_index_however_numpy_shapes_it():
+    """A kernel argument looped over (``range(0, n, BLOCK)``) is a one-element array in the
+    interpreter; NumPy 2.4 refuses ``int()`` of one that is not 0-d, as Triton up to 3.6 did."""
+    import numpy as np
+
+    from k3lab.kernels.runtime import _index
+
+    class Handle:
+        def __init__(self, data):
+            self.data = data
+
+    class Scalar:
+        def __init__(self, data):
+            self.handle = Handle(data)
+
+    for data in (np.array([7], dtype=np.int32), np.array(7, dtype=np.int64),
+                 np.array([[7]], dtype=np.int64)):
+        assert _index(Scalar(data)) == 7
+    assert list(range(0, _index(Scalar(np.array([10]))), 4)) == [0, 4, 8]
