@@ -507,11 +507,16 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
     page beside the report."""
     name = src.stem
     t0 = time.perf_counter()
+    tmp = None
     try:
         tmp = _temp_file(out_dir, name, ".running.ipynb")
         if profile is True:
             profile = Path(_temp_file(out_dir, name))
     except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if standby is not None:
+            standby.close()
         return Result(name, "failed", 0.0, f"could not create a temp file in {out_dir}: {exc}")
     profile = profile or None
     tmp, staging = Path(tmp), None
