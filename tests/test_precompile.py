@@ -116,3 +116,24 @@ def test_the_dense_and_mla_sweeps_hand_over_their_points(handed):
     assert len(handed[0]) == 2  # one call per context, each launching every split count
     for call in handed[0]:
         call()
+
+
+def test_the_attn_res_and_moe_sweeps_hand_over_their_points(handed):
+    from k3lab import studies
+
+    s = studies.setup("attn_res", "tiny", 1, "cpu")
+    from k3lab.studies import attn_res as astudy
+
+    astudy.depth_sweep(s, [0, 2])
+    assert len(handed[0]) == 2
+    for call in handed[0]:
+        call()
+
+    handed.clear()
+    s = studies.setup("moe", "tiny", 1, "cpu")
+    from k3lab.studies import moe as mstudy
+
+    mstudy.token_sweep(s, [1, 2], "mxfp4", 1)
+    assert len(handed[0]) == 2  # one call per token count, every fused block variant in it
+    for call in handed[0]:
+        call()

@@ -174,6 +174,7 @@ def depth_sweep(s: Setup, sealed: list[int]) -> pd.DataFrame:
     device, checked before timed (raises on a mismatch). Wide rows: latency_us, p10_us, p90_us,
     copies, bytes."""
     b = s.boundary
+    s.compile_ahead(s.fused_calls([(s.cfg, {"M": s.M, "n_sealed": n}) for n in sealed]))
     rows = []
     for n in sealed:
         copies = s.copies(M=s.M, n_sealed=n)

@@ -373,6 +373,8 @@ def tp_fractions(s: Setup, sweep_tf: pd.DataFrame) -> pd.DataFrame:
 
 def token_sweep(s: Setup, tokens, fmt: str, block_m: int) -> pd.DataFrame:
     """The whole block given the plan and stages 1 and 2 at the study's tp and ``fmt``, per M."""
+    s.compile_ahead(s.fused_calls([(s.cfg, {"M": m, "expert_format": fmt, "block_m": block_m})
+                                   for m in tokens]))
     out = []
     for m in tokens:
         copies = stage_copies(s, s.cfg, fmt, m, block_m)
