@@ -134,6 +134,6 @@ def test_the_attn_res_and_moe_sweeps_hand_over_their_points(handed):
     from k3lab.studies import moe as mstudy
 
     mstudy.token_sweep(s, [1, 2], "mxfp4", 1)
-    assert len(handed[0]) == 2  # one call per token count, every fused block variant in it
+    assert len(handed[0]) == 2  # one call per token count: the fused block and its stages
     for call in handed[0]:
         call()

@@ -371,10 +371,19 @@ def tp_fractions(s: Setup, sweep_tf: pd.DataFrame) -> pd.DataFrame:
             .rename(columns=lambda c: f"{c}: expert bytes / latency / copy bw"))
 
 
+def _token_launches(s: Setup, m: int, fmt: str, block_m: int) -> None:
+    """The fused launches :func:`token_sweep` times at M = ``m`` (for ``Setup.compile_ahead``)."""
+    inputs = s.boundary.make_inputs(s.cfg, s.device, s.seed, M=m, expert_format=fmt,
+                                    block_m=block_m)
+    s.boundary.variant("fused").fn(inputs)
+    st = bmoe.stage_inputs(inputs)
+    for stage in ("stage1", "stage2"):
+        bmoe.stage_fns(stage)["fused"](st)
+
+
 def token_sweep(s: Setup, tokens, fmt: str, block_m: int) -> pd.DataFrame:
     """The whole block given the plan and stages 1 and 2 at the study's tp and ``fmt``, per M."""
-    s.compile_ahead(s.fused_calls([(s.cfg, {"M": m, "expert_format": fmt, "block_m": block_m})
-                                   for m in tokens]))
+    s.compile_ahead([functools.partial(_token_launches, s, m, fmt, block_m) for m in tokens])
     out = []
     for m in tokens:
         copies = stage_copies(s, s.cfg, fmt, m, block_m)
