@@ -30,7 +30,9 @@ def _cell(v):
 
 def records(run_dir: str | os.PathLike):
     """Every record of every readable ``*.metrics.json`` of ``run_dir`` as one DataFrame, with
-    the notebook, commit, date and GPU of its run first. ValueError when there are none."""
+    the notebook, commit, date and GPU of its run first; a profiled run's host seconds by
+    category are records too (boundary "host", metric "host_s"). ValueError when there are
+    none."""
     import pandas as pd
 
     from k3lab import folder  # it imports this module for stale_files
@@ -49,9 +51,20 @@ def records(run_dir: str | os.PathLike):
                "gpu": man.get("gpu") or man.get("device")}
         rows += [{**run, **{k: _cell(v) for k, v in r.items() if k not in run}}
                  for r in data.get("records") or [] if isinstance(r, dict)]
+        rows += [{**run, **r} for r in _host_rows(data.get("host_profile"))]
     if not rows:
         raise ValueError(f"{run_dir}: no readable records (*.metrics.json)")
     return pd.DataFrame(rows).convert_dtypes()  # ints stay ints beside missing values
+
+
+def _host_rows(profile) -> list[dict]:
+    """A profiled run's host seconds by category (``k3lab run --profile``) as records."""
+    seconds = profile.get("seconds") if isinstance(profile, dict) else None
+    if not isinstance(seconds, dict):
+        return []
+    return [{"boundary": "host", "variant": c, "role": "host profile", "metric": "host_s",
+             "value": float(t), "unit": "s"} for c, t in seconds.items()
+            if isinstance(t, int | float) and not isinstance(t, bool)]
 
 
 def _measures(df) -> list[str]:

@@ -239,3 +239,21 @@ def test_a_boundary_depends_on_the_kernels_its_launches_call():
     assert {"kernels/route", "kernels/dense", "k3lab/boundaries/__init__.py"} <= set(moe)
     assert "k3lab/boundaries/__init__.py" in mla and "kernels/dense" not in mla
     assert "kernels/moe*" in moe and "kernels/moe*" not in mla
+
+
+def test_a_profiled_runs_host_seconds_are_records_to_compare(tmp_path):
+    a = _folder(tmp_path / "a", "10_route", [_record("fused", 10.0)])
+    b = _folder(tmp_path / "b", "10_route", [_record("fused", 10.0)])
+    for run, compile_s in ((a, 40.0), (b, 10.0)):
+        path = run / "10_route.metrics.json"
+        data = json.loads(path.read_text())
+        data["host_profile"] = {"seconds": {"Triton compile": compile_s, "other host": 3.0},
+                                "profiled_s": compile_s + 3.0, "samples": 9}
+        path.write_text(json.dumps(data))
+    rows = compare.records(a)
+    host = rows[rows["boundary"] == "host"]
+    assert host[["variant", "metric", "value"]].values.tolist() == [
+        ["Triton compile", "host_s", 40.0], ["other host", "host_s", 3.0]]
+    table = compare.compare(a, b)
+    got = {r.variant: r.ratio for r in table.itertuples()}
+    assert got == {"fused": 1.0, "Triton compile": 0.25, "other host": 1.0}
