@@ -18,20 +18,34 @@ sys.path.insert(0, str(ROOT / "tests" / "kernels"))
 from test_sm90_build import _ptxas  # noqa: E402
 
 
+def _check(tmp_path, *args) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT),
+           "TRITON_CACHE_DIR": str(tmp_path / "cache")}  # empty: every kernel is compiled
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "precompile_check.py"),
+                           *args], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles for itself")
 @pytest.mark.skipif(not _ptxas(), reason="Triton's NVIDIA backend (ptxas) is not installed")
 def test_kernels_compile_in_workers_and_are_found_compiled(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT),
-           "TRITON_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" / "precompile_check.py")],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = _check(tmp_path)
     assert got["calls"] == 4 and got["failed_calls"] == 1  # the broken call, alone
     assert got["kernels"] >= 2 and got["in_workers"] == got["kernels"]
     assert got["failed_compiles"] == 0 and got["restored"]
     assert got["built_here"] == []  # the workers compiled; this process loaded their cache
     assert got["compiles_after"] == []  # every kernel of the calls is in the JIT's cache
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_kernels_compiled_in_workers_launch_and_are_right(tmp_path):
+    got = _check(tmp_path, "--gpu")
+    assert got["failed_calls"] == 1 and got["failed_compiles"] == 0
+    assert got["kernels"] >= 2 and got["in_workers"] == got["kernels"]
+    assert got["built_here"] == [] and got["compiles_after"] == []
+    # bf16 outputs (rounding 2^-9 of the value) of fp32 sums: within 2^-7 of the largest
+    assert got["rel_err"] <= 2 ** -7
 
 
 def test_under_the_interpreter_nothing_runs():

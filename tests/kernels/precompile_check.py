@@ -1,6 +1,7 @@
-"""k3lab.precompile.ahead without a GPU (run as a script by test_precompile.py; prints one JSON
-line): the kernels compile for sm_90 under the stub driver of sm90_build.py, in two worker
-processes, and the same calls then find every kernel compiled."""
+"""k3lab.precompile.ahead (run as a script by test_precompile.py; prints one JSON line): a few
+GEMVs' kernels compile in two worker processes, and the same calls then find every kernel
+compiled. Without a GPU they compile for sm_90 under the stub driver of sm90_build.py; with
+``--gpu`` on the GPU, where the calls then also run and are checked against torch."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import sys
 
+GPU = "--gpu" in sys.argv
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
@@ -19,20 +21,24 @@ from sm90_build import _H200Stub  # noqa: E402
 
 
 def main() -> dict:
-    triton.runtime.driver.set_active(_H200Stub())
+    if not GPU:
+        triton.runtime.driver.set_active(_H200Stub())
     import k3lab.kernels  # noqa: F401
 
     for name, mod in list(sys.modules.items()):  # CPU tensors are fine: nothing launches
-        if name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
+        if not GPU and name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
             mod.check_device = lambda name, t: None
     from k3lab import precompile
     from k3lab.kernels.dense import dense_gemv
 
-    bf = torch.bfloat16
+    bf, dev = torch.bfloat16, "cuda" if GPU else "cpu"
     shapes = [(96, 256), (200, 512), (64, 1024)]
-    calls = [lambda n=n, k=k: dense_gemv(torch.zeros(1, k, dtype=bf), torch.zeros(n, k, dtype=bf))
-             for n, k in shapes]
-    broken = [lambda: dense_gemv(torch.zeros(1, 3, dtype=bf), torch.zeros(8, 5, dtype=bf))]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    xs = [torch.randn(1, k, device=dev, generator=gen).to(bf) for _, k in shapes]
+    ws = [torch.randn(n, k, device=dev, generator=gen).to(bf) for n, k in shapes]
+    calls = [lambda x=x, w=w: dense_gemv(x, w) for x, w in zip(xs, ws, strict=True)]
+    broken = [lambda: dense_gemv(torch.zeros(1, 3, dtype=bf, device=dev),
+                                 torch.zeros(8, 5, dtype=bf, device=dev))]
     from triton.compiler import ASTSource
 
     built_here = []  # front ends run in this process: none when the workers compiled
@@ -55,11 +61,19 @@ def main() -> dict:
         return do_compile(self, *args, **kwargs)
 
     jit.JITFunction._do_compile = counting
-    with precompile._compile_only():
-        for call in calls:
-            call()
-    return {"kernels": stats.kernels, "in_workers": stats.in_workers, "calls": stats.calls,
-            "failed_calls": stats.failed_calls, "failed_compiles": stats.failed_compiles,
+    err = None
+    if GPU:  # launched for real: compiled nowhere here, and right
+        outs = [call() for call in calls]
+        refs = [x.float() @ w.float().T for x, w in zip(xs, ws, strict=True)]
+        err = max(float((o.float() - r).abs().max() / r.abs().max())
+                  for o, r in zip(outs, refs, strict=True))
+    else:
+        with precompile._compile_only():
+            for call in calls:
+                call()
+    return {"rel_err": err, "kernels": stats.kernels, "in_workers": stats.in_workers,
+            "calls": stats.calls, "failed_calls": stats.failed_calls,
+            "failed_compiles": stats.failed_compiles,
             "restored": restored, "compiles_after": compiles, "built_here": built_here}
 
 
