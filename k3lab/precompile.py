@@ -30,6 +30,9 @@ from typing import Any
 __all__ = ["ahead", "Stats", "WORKERS_ENV", "workers"]
 
 WORKERS_ENV = "K3LAB_COMPILE_WORKERS"  # worker processes (0: compile ahead in threads only)
+# A worker's compile that takes longer is given up (the kernel compiles here instead) and the
+# pool is not used again in this process: a hung worker must not hang the notebook.
+WORKER_TIMEOUT_S = 300.0
 
 
 def workers() -> int:
@@ -100,6 +103,7 @@ def _spec(compile_fn: Callable) -> dict | None:
 
 _POOL: cf.ProcessPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
+_GAVE_UP = False  # a worker timed out: compile here from now on
 
 
 def _pool(n: int) -> cf.ProcessPoolExecutor | None:
@@ -122,21 +126,24 @@ class _SendToWorkers(cf.Executor):
     built) in a thread."""
 
     def __init__(self, pool: cf.ProcessPoolExecutor | None, threads: cf.ThreadPoolExecutor,
-                 stats: Stats):
-        self.pool, self.threads, self.stats = pool, threads, stats
+                 stats: Stats, timeout_s: float = WORKER_TIMEOUT_S):
+        self.pool, self.threads, self.stats, self.timeout_s = pool, threads, stats, timeout_s
 
     def submit(self, fn, /, *args, **kwargs):
         spec = None
-        if self.pool is not None:
+        if self.pool is not None and not _GAVE_UP:
             with contextlib.suppress(Exception):
                 spec = _spec(fn)
 
         def run():
+            global _GAVE_UP
             self.stats.add("kernels")
-            if spec is not None:
+            if spec is not None and not _GAVE_UP:
                 try:
-                    self.pool.submit(_compile_in_worker, spec).result()
+                    self.pool.submit(_compile_in_worker, spec).result(timeout=self.timeout_s)
                     self.stats.add("in_workers")
+                except cf.TimeoutError:
+                    _GAVE_UP = True
                 except Exception:  # noqa: BLE001 - compiled here instead, below
                     pass
             try:

@@ -151,3 +151,19 @@ def test_the_attn_res_and_moe_sweeps_hand_over_their_points(handed):
     assert len(handed[0]) == 2  # one call per token count: the fused block and its stages
     for call in handed[0]:
         call()
+
+
+def test_a_worker_that_hangs_is_given_up_and_the_kernel_compiled_here(monkeypatch):
+    import concurrent.futures as cf
+
+    class Hung:
+        def submit(self, *args, **kwargs):
+            return cf.Future()  # never done
+
+    monkeypatch.setattr(precompile, "_GAVE_UP", False)
+    monkeypatch.setattr(precompile, "_spec", lambda fn: {"spec": 1})
+    stats = precompile.Stats()
+    with cf.ThreadPoolExecutor(2) as threads:
+        ex = precompile._SendToWorkers(Hung(), threads, stats, timeout_s=0.05)
+        assert ex.submit(lambda: "kernel").result(timeout=5) == "kernel"
+    assert stats.kernels == 1 and stats.in_workers == 0 and precompile._GAVE_UP
