@@ -15,5 +15,5 @@ def preload(modules, env: str | None = None) -> None:
     for name in modules:
         try:
             importlib.import_module(name)
-        except Exception:  # noqa: BLE001, S112 - the notebook's cell reports it
+        except Exception:  # noqa: BLE001 - the notebook's cell reports it
             continue

@@ -649,9 +649,9 @@ def _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells
                 was = f" (last run {last:.0f} s)" if last is not None else ""
                 bar = {"desc": f"[{i}/{len(paths)}] {path.stem}{was}", "unit": "cell",
                        "leave": False}
-            (mine, mine_profile), nxt, nxt_profile = (nxt, nxt_profile), None, False
-            if i < len(paths):
-                nxt, nxt_profile = _standby(options["device"], out, paths[i], profile)
+            mine, mine_profile = nxt, nxt_profile
+            nxt, nxt_profile = (_standby(options["device"], out, paths[i], profile)
+                                if i < len(paths) else (None, False))
             try:
                 res = _run_one(path, out, nb_params, options, timeout, hide_code, bar,
                                standby=mine, profile=mine_profile)

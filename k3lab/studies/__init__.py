@@ -79,7 +79,7 @@ class Setup:
         return profile.cold_copies(make, bytes_per_copy=b.bytes_moved(make(0)),
                                    device=self.device)
 
-    def compile_ahead(self, calls) -> precompile.Stats | None:
+    def compile_ahead(self, calls) -> precompile.Stats:
         """Compile the Triton kernels that ``calls`` (each ``() -> Any``) launch, all at once, in
         worker processes, before a sweep makes and times them one after another
         (:func:`k3lab.precompile.ahead`, which does nothing under the interpreter)."""
