@@ -639,8 +639,9 @@ def _standby(device: str, out: Path, path: Path, profile: bool) -> tuple[Standby
 
 def _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells: bool,
                     results, line, profile: bool = False) -> None:
-    """One notebook after another, each in a kernel started while the one before it ran."""
-    nxt, nxt_profile = _standby(options["device"], out, paths[0], profile)
+    """One notebook after another, each after the first in a kernel started while the one
+    before it ran (the first starts its own: a standby would have nothing to overlap)."""
+    nxt, nxt_profile = None, profile
     try:
         for i, (path, nb_params) in enumerate(zip(paths, plans, strict=True), 1):
             last = lasts[i - 1]
