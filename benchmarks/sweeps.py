@@ -297,6 +297,10 @@ _SWEEPS = [
           "the dense front launched after route_sort against while it runs (fused+dense, "
           "with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
+    Sweep("pdl", "route", grid(({"M": 1}, {"M": 4}),
+                               ({}, {"pdl": True, "prefetch_gate": False}, {"pdl": True})),
+          "the route launched by PDL (waiting for the previous grid before it reads x), with "
+          "and without its gate rows prefetched into L2 before the wait, against the default"),
     Sweep("block_m", "route", ({"M": 16, "block_m": 1}, {"M": 16, "block_m": 4},
                                {"M": 16, "block_m": 16}),
           "plan tile height (entries of one expert a tile) at 16 tokens"),

@@ -247,6 +247,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     num_valid = torch.empty(1, dtype=i32, device=dev)
     out = None if out_dim is None else torch.empty(M, out_dim, dtype=f32, device=dev)
 
+    pdl = cfg.pdl and not INTERPRETED
     _route_sort_kernel[(e_tiles, split_k)](
         hidden, gate_weight, correction_bias, partial, cand, rank, counter, topk_ids,
         topk_weights, sorted_ids, sorted_weights, block_expert_ids, num_valid,
@@ -258,8 +259,10 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         BLOCK_G=triton.next_power_of_2(n_group), **tiles,
         GEMV_ROWS=rows, GEMV_CHUNKS=chunks, CAND_CACHE=cfg.cand_cache,
         SCALAR_E=cfg.scalar_keys,
-        EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED,
-        num_warps=cfg.num_warps)
+        EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED, PDL=pdl,
+        PREFETCH=cfg.prefetch_gate and block_k * gate_weight.element_size() >= 128,
+        LINE=128 // gate_weight.element_size(),
+        num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,

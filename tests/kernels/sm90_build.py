@@ -186,6 +186,11 @@ def main() -> dict:
         torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(1536, 7168, dtype=torch.bfloat16),
         config=GemvConfig(block_n=8, pdl=True, prefetch_steps=32)))
     attempt("mla split prefetch", lambda: _mla_split_prefetch(k3))
+    rk = boundaries.get("route").make_inputs(k3, cpu, 0)
+    for m in (1, 4):
+        attempt(f"route pdl prefetch M {m}", lambda m=m: route_sort(
+            rk["hidden"].expand(m, -1).contiguous(), rk["gate_weight"], rk["correction_bias"],
+            top_k=k3.top_k, config=RouteConfig(pdl=True)))
     x = torch.zeros(1 << 16, dtype=torch.bfloat16)
     for then in kfloors.THEN:
         attempt(f"floors stream {then}", lambda then=then: kfloors.stream(x, then=then))
