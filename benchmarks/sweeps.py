@@ -414,6 +414,10 @@ _SWEEPS = [
           "the whole decode (conv, core, out gate) in one launch: v-tiles meeting through "
           "tickets (the default and 16 / 64 wide) against a whole head a program (128)",
           variants=("fused+conv+out_gate",)),
+    Sweep("pdl", "kda", ({}, {"pdl": True}),
+          "the decode launched by PDL (state slice and f_b rows prefetched into L2 before the "
+          "wait) against a plain launch: the core, and the whole decode",
+          variants=("fused", "fused+conv+out_gate")),
     Sweep("tiles", "kda", ({}, {"min_block_v": 16}, {"block_v": 64}, {"block_r": 32},
                            {"block_r": 128}, {"max_warps": 4}),
           "v-tile width, f_b rank chunk, warps"),

@@ -116,7 +116,8 @@ def main() -> dict:
 
     from k3lab import boundaries, stack
     from k3lab.config import preset
-    from k3lab.kernels import AttnResConfig, RouteConfig, attn_res_norm, gate_logits, route_sort
+    from k3lab.kernels import (AttnResConfig, KDAConfig, RouteConfig, attn_res_norm, gate_logits,
+                               route_sort)
     from k3lab.kernels import floors as kfloors
     from k3lab.kernels.dense import GemvConfig, dense_gemv
     from k3lab.studies import decode_step
@@ -186,6 +187,11 @@ def main() -> dict:
         torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(1536, 7168, dtype=torch.bfloat16),
         config=GemvConfig(block_n=8, pdl=True, prefetch_steps=32)))
     attempt("mla split prefetch", lambda: _mla_split_prefetch(k3))
+    kd = boundaries.get("kda")
+    ki = kd.make_inputs(k3, cpu, 0)
+    for name in ("fused", "fused+conv+out_gate"):
+        attempt(f"kda/{name} pdl", lambda name=name: kd.variant(name).fn(
+            {**boundaries.clone_inputs(ki), "config": KDAConfig(pdl=True)}))
     rk = boundaries.get("route").make_inputs(k3, cpu, 0)
     for m in (1, 4):
         attempt(f"route pdl prefetch M {m}", lambda m=m: route_sort(
