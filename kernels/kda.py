@@ -31,7 +31,6 @@ from dataclasses import dataclass, fields
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .runtime import INTERPRETED, check_device, check_number, zeroed_words

@@ -116,8 +116,14 @@ def main() -> dict:
 
     from k3lab import boundaries, stack
     from k3lab.config import preset
-    from k3lab.kernels import (AttnResConfig, KDAConfig, RouteConfig, attn_res_norm, gate_logits,
-                               route_sort)
+    from k3lab.kernels import (
+        AttnResConfig,
+        KDAConfig,
+        RouteConfig,
+        attn_res_norm,
+        gate_logits,
+        route_sort,
+    )
     from k3lab.kernels import floors as kfloors
     from k3lab.kernels.dense import GemvConfig, dense_gemv
     from k3lab.studies import decode_step
