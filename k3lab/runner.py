@@ -275,9 +275,10 @@ def _kernel_environ(device: str, profile: Path | None = None) -> dict[str, str]:
 def _kernel_env(device: str, profile: Path | None = None):
     """:func:`_kernel_environ` as this process's environment, which the kernel inherits."""
     saved = dict(os.environ)
+    env = _kernel_environ(device, profile)  # from this environment, before it is cleared
     try:
         os.environ.clear()
-        os.environ.update(_kernel_environ(device, profile))
+        os.environ.update(env)
         yield
     finally:
         os.environ.clear()

@@ -45,6 +45,21 @@ def batch(tmp_path_factory):
     return rc, out
 
 
+def test_the_kernel_environment_keeps_this_processes_variables(monkeypatch):
+    """A kernel papermill starts inherits this environment with the runner's changes: a site
+    folder on PYTHONPATH (where a machine keeps ipykernel) and any other variable stay."""
+    monkeypatch.setenv("PYTHONPATH", "/opt/some/site")
+    monkeypatch.setenv("K3LAB_TEST_MARK", "kept")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    before = dict(os.environ)
+    with runner._kernel_env("cuda"):
+        assert os.environ.get("K3LAB_TEST_MARK") == "kept"
+        assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(runner.repo_root()),
+                                                               "/opt/some/site"]
+        assert "TRITON_INTERPRET" not in os.environ
+    assert dict(os.environ) == before
+
+
 # ---------------------------------------------------------------- parameters, names
 
 def test_notebook_parameters_reads_the_tagged_cell():
