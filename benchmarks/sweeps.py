@@ -379,21 +379,6 @@ _SWEEPS = [
         for tiling in tilings for together in (False, True)),
           "gate/up shapes: the gate and up rows in one K loop against one loop each, at the "
           "table's tilings and a few others"),
-    Sweep("prefetch", "dense", tuple(
-        {"shape": shape, **(_gemv(*tiling) if tiling else {}), **extra}
-        for shape, tilings in (
-            ("kda.q_proj", (None, (8, 512, 1, 5, 32), (16, 512, 1, 4, 32), (16, 1024, 1, 3, 32),
-                            (8, 1024, 1, 4, 32))),
-            ("kda.o_proj", (None, (16, 256, 1, 3, 32), (8, 512, 1, 3, 32), (32, 256, 1, 3, 32))),
-            ("moe.latent_down", (None, (8, 1024, 1, 3, 32), (16, 512, 1, 4, 32))),
-            ("moe.latent_up", (None, (16, 256, 1, 3, 32))),
-            ("kda.in_proj", (None, (8, 1024, 1, 3, 32))))
-        for tiling in tilings for extra in ({},))
-        + tuple({"shape": "moe.shared_gate_up", **_gemv(*tiling), "gate_up_together": True}
-                for tiling in ((8, 512, 1, 4, 0), (8, 512, 1, 4, 32), (16, 512, 1, 4, 32))),
-          "the weights of 20 MB and more: the whole weight tile prefetched into L2 before the "
-          "PDL wait (prefetch_steps 32) against the per-shape default, cuBLAS beside",
-          variants=("fused", "reference")),
     Sweep("tall", "dense", tuple(
         {"shape": shape, **_gemv(*tiling), **extra}
         for shape in ("kda.o_proj", "moe.latent_up", "mlp.down")

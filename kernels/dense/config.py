@@ -22,8 +22,7 @@ class GemvConfig:
     pdl: launch with programmatic dependent launch (compiled only): a program asks L2 for its
         first ``prefetch_steps`` weight steps (weights never depend on the previous launch), then
         waits for the previous grid before it reads x.
-    prefetch_steps: weight steps prefetched before that wait (pdl only); at least the program's
-        K steps prefetches its whole weight tile.
+    prefetch_steps: weight steps prefetched before that wait (pdl only).
     wait_last: (pdl only) the launch reads nothing the previous grid writes: a program lets
         the next launch start, runs, and waits for the previous grid only before it exits, so
         it overlaps a previous grid that lets its dependents start early, and its end still
@@ -58,8 +57,8 @@ class GemvConfig:
                              f"{self.num_warps!r}")
         if isinstance(self.num_stages, bool) or self.num_stages not in range(1, 8):
             raise ValueError(f"GemvConfig.num_stages: expected 1..7, got {self.num_stages!r}")
-        if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 33):
-            raise ValueError(f"GemvConfig.prefetch_steps: expected 0..32, got "
+        if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
+            raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
         for name in ("pdl", "wait_last", "gate_up_together"):
             if not isinstance(getattr(self, name), bool):

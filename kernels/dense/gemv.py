@@ -48,9 +48,9 @@ def _act(g, u, beta, linear_beta, ACT: tl.constexpr):
 @triton.jit
 def _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  STEPS: tl.constexpr):
-    """prefetch.global.L2 of the first STEPS weight steps of the tile (at most its K share), one
-    128-byte line at a time (inline PTX: compiled only)."""
-    for i in range(0, tl.minimum(tl.cdiv(k_hi - k_lo, BLOCK_K), STEPS)):
+    """prefetch.global.L2 of the first STEPS weight steps of the tile, one 128-byte line at a
+    time (inline PTX: compiled only)."""
+    for i in tl.static_range(STEPS):
         o_k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K // 64) * 64
         mask = m_n[:, None] & (o_k < k_hi)[None, :]
         ptrs = p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :]

@@ -306,7 +306,7 @@ def test_bad_input_is_a_clear_error(kw, msg):
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(block_n=24), "block_n"), (dict(block_n=4), "block_n"), (dict(block_k=8), "block_k"),
-    (dict(split_k=0), "split_k"), (dict(prefetch_steps=33), "prefetch_steps"),
+    (dict(split_k=0), "split_k"), (dict(prefetch_steps=9), "prefetch_steps"),
     (dict(num_warps=3), "num_warps"), (dict(pdl=1), "pdl"), (dict(wait_last=None), "wait_last"),
     (dict(gate_up_together=1), "gate_up_together")])
 def test_bad_config(kw, msg):
