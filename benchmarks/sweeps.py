@@ -360,11 +360,6 @@ _SWEEPS = [
           "split-kernel tiles (64 / 4 / 3 default, 32 / 4 / 4, 8 warps), two splits an SM"),
     Sweep("pdl", "mla", grid(_MLA_CONTEXTS, ({}, {"combine_pdl": False}, {"split_pdl": True})),
           "programmatic dependent launch of the combine, and of the split kernel"),
-    Sweep("prefetch", "mla", grid(({"context": 8192}, *_MLA_CONTEXTS),
-                                  ({}, {"split_pdl": True},
-                                   {"split_pdl": True, "split_prefetch": True})),
-          "the split kernel by PDL, asking L2 for its cache rows before the wait, against "
-          "PDL without the prefetch and the default (no PDL into the split kernel)"),
     Sweep("split_k", "dense", grid(({"shape": "kda.in_proj"}, {"shape": "moe.latent_up"},
                                     {"shape": "lm_head"}),
                                    ({}, *({"block_n": 16, "block_k": 512, "split_k": k}

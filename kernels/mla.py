@@ -74,9 +74,6 @@ class MLAConfig:
     split_pdl: launch the split kernel with programmatic dependent launch too (it waits for the
         preceding grid at its start; the call's last kernel lets the next grid launch at its
         start): saves the call's first launch behind whatever ran before (CUDA only).
-    split_prefetch: with split_pdl, a split program asks L2 for its share of the cache rows
-        before it waits (the rows are read again after the wait, so a row the preceding grid
-        writes is still read as written): the reads start while the preceding grid runs.
     """
 
     block_n: int = 64
@@ -88,7 +85,6 @@ class MLAConfig:
     min_rows_per_split: int = 128
     combine_pdl: bool = True
     split_pdl: bool = False
-    split_prefetch: bool = False
 
     def __post_init__(self):
         for f in fields(self):
@@ -159,26 +155,6 @@ def _tile_scores(p_n, m_n, o_w, o_r, b_q0, b_q1, b_q2, b_q3, b_qr, sm_scale_log2
 
 
 @triton.jit
-def _prefetch_rows(p_kv, seq_lens, i_m, i_s, num_splits, L_max, stride_kv_n,
-                   ROW_BYTES: tl.constexpr, LINES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """prefetch.global.L2 of split i_s's cache rows, one 128-byte line a lane (inline PTX:
-    compiled only). The length may be stale (read before the wait): it only bounds the rows."""
-    L = tl.minimum(tl.maximum(tl.load(seq_lens + i_m), 0), L_max)
-    per = tl.cdiv(tl.cdiv(L, BLOCK_N), num_splits) * BLOCK_N
-    start = i_s * per
-    end = tl.minimum(start + per, L)
-    o_l = tl.arange(0, LINES)
-    for n0 in range(start, end, BLOCK_N):
-        o_n = n0 + tl.arange(0, BLOCK_N)
-        mask = (o_n < end)[:, None] & (o_l * 128 < ROW_BYTES)[None, :]
-        ptrs = p_kv.to(tl.pointer_type(tl.int8)) + (o_n.to(tl.int64) * stride_kv_n * 2)[:, None] \
-            + (o_l * 128)[None, :]
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _mla_decode_split_kernel(
     q_lat, q_rope, kv, seq_lens, o, lse,
     sm_scale_log2, num_splits, H, L_max,
@@ -187,7 +163,6 @@ def _mla_decode_split_kernel(
     C: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     CHUNKS: tl.constexpr, DEFER_SUM: tl.constexpr, DOT_FP32: tl.constexpr,
     FINAL: tl.constexpr, PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
-    PREFETCH: tl.constexpr, LINES: tl.constexpr,
 ):
     """Grid (M, head groups, num_splits): split i_s of head group i_hb of token i_m.
 
@@ -199,15 +174,10 @@ def _mla_decode_split_kernel(
     own score product and its own [BLOCK_H, CW] output accumulator. DEFER_SUM: the denominator
     kept per element ([BLOCK_H, BLOCK_N]), reduced over the rows once after the loop.
     PDL_WAIT: first wait for the preceding grid (griddepcontrol.wait; launched with launch_pdl).
-    PDL_TRIGGER: then let the dependent grid launch (griddepcontrol.launch_dependents).
-    PREFETCH (with PDL_WAIT): ask L2 for the split's rows (LINES 128-byte lines a row, padded
-    to a power of two) before the wait."""
+    PDL_TRIGGER: then let the dependent grid launch (griddepcontrol.launch_dependents)."""
     CW: tl.constexpr = C // CHUNKS
     i_m, i_hb, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if PDL_WAIT:
-        if PREFETCH:
-            _prefetch_rows(kv + i_m.to(tl.int64) * stride_kv_m, seq_lens, i_m, i_s, num_splits,
-                           L_max, stride_kv_n, (C + R) * 2, LINES, BLOCK_N)
         gdc_wait()
     if PDL_TRIGGER:
         gdc_launch_dependents()
@@ -516,8 +486,6 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, CHUNKS=_score_chunks(c, cfg),
         DEFER_SUM=cfg.defer_row_sum, DOT_FP32=dot_fp32, FINAL=final,
         PDL_WAIT=split_pdl, PDL_TRIGGER=pdl or split_pdl,
-        PREFETCH=split_pdl and cfg.split_prefetch and kv_cache.element_size() == 2,
-        LINES=triton.next_power_of_2(triton.cdiv((c + r) * 2, 128)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if split_pdl else {}),
     )

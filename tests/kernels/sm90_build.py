@@ -62,20 +62,6 @@ def _canary(p, BLOCK: tl.constexpr):
     tl.store(p + tl.arange(0, BLOCK), tl.zeros([BLOCK], dtype=tl.float32))
 
 
-def _mla_split_prefetch(cfg) -> None:
-    """The MLA split kernel by PDL with its L2 prefetch (keyed on CUDA tensors: forced here)."""
-    from k3lab import boundaries
-    from k3lab.kernels import mla
-    inputs = boundaries.get("mla").make_inputs(cfg, torch.device("cpu"), 0, context=256)
-    keep = mla._pdl
-    mla._pdl = lambda c, on_gpu, final: (c.combine_pdl and not final, c.split_pdl)
-    try:
-        boundaries.get("mla").variant("fused").fn(
-            {**inputs, "config": mla.MLAConfig(split_pdl=True, split_prefetch=True)})
-    finally:
-        mla._pdl = keep
-
-
 def _absorb(cfg) -> None:
     """Both MLA absorb launches at cfg's head widths (two heads, a 16-row cache)."""
     from k3lab.kernels import mla_absorb_out, mla_absorb_q
@@ -189,10 +175,6 @@ def main() -> dict:
     attempt("dense wait_last", lambda: dense_gemv(
         torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16),
         config=GemvConfig(block_n=8, pdl=True, wait_last=True)))
-    attempt("dense whole-tile prefetch", lambda: dense_gemv(
-        torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(1536, 7168, dtype=torch.bfloat16),
-        config=GemvConfig(block_n=8, pdl=True, prefetch_steps=32)))
-    attempt("mla split prefetch", lambda: _mla_split_prefetch(k3))
     kd = boundaries.get("kda")
     ki = kd.make_inputs(k3, cpu, 0)
     for name in ("fused", "fused+conv+out_gate"):
