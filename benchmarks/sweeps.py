@@ -297,10 +297,9 @@ _SWEEPS = [
           "the dense front launched after route_sort against while it runs (fused+dense, "
           "with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
-    Sweep("pdl", "route", grid(({"M": 1}, {"M": 4}),
-                               ({}, {"pdl": True, "prefetch_gate": False}, {"pdl": True})),
-          "the route launched by PDL (waiting for the previous grid before it reads x), with "
-          "and without its gate rows prefetched into L2 before the wait, against the default"),
+    Sweep("pdl", "route", grid(({"M": 1}, {"M": 4}), ({}, {"pdl": True})),
+          "the route launched by PDL (its launch overlapping the previous grid's end; it waits "
+          "for it before any read) against a plain launch"),
     Sweep("block_m", "route", ({"M": 16, "block_m": 1}, {"M": 16, "block_m": 4},
                                {"M": 16, "block_m": 16}),
           "plan tile height (entries of one expert a tile) at 16 tokens"),
@@ -395,8 +394,8 @@ _SWEEPS = [
           "tickets (the default and 16 / 64 wide) against a whole head a program (128)",
           variants=("fused+conv+out_gate",)),
     Sweep("pdl", "kda", ({}, {"pdl": True}),
-          "the decode launched by PDL (state slice and f_b rows prefetched into L2 before the "
-          "wait) against a plain launch: the core, and the whole decode",
+          "the decode launched by PDL (its launch overlapping the previous grid's end; it waits "
+          "for it before any read) against a plain launch: the core, and the whole decode",
           variants=("fused", "fused+conv+out_gate")),
     Sweep("tiles", "kda", ({}, {"min_block_v": 16}, {"block_v": 64}, {"block_r": 32},
                            {"block_r": 128}, {"max_warps": 4}),

@@ -52,9 +52,9 @@ class KDAConfig:
     tile_per_warp, max_warps: warps = state-tile elements / tile_per_warp (16 fp32 registers a
         thread at 512), within [1, max_warps]: more threads share the f_b GEMV, which is most of
         a program's latency.
-    pdl: (compiled only) launched with programmatic dependent launch: a program asks L2 for its
-        state slice and f_b rows, lets the next such launch start, and waits for the previous
-        grid before it reads anything, so its launch and first reads overlap the previous grid.
+    pdl: (compiled only) launched with programmatic dependent launch: a program lets the next
+        such launch start and waits for the previous grid before it reads anything, so its
+        launch overlaps the end of the previous grid.
     """
 
     block_v: int | None = None
@@ -118,14 +118,6 @@ def _conv_shift(p_cache, o_c, b_win, C: tl.constexpr, BC: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs, mask):
-    """prefetch.global.L2 of each masked address (inline PTX: compiled only)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _kda_decode_kernel(
     q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, o,
     q_cache, k_cache, v_cache, q_conv, k_conv, v_conv,   # FUSE_CONV only
@@ -135,20 +127,14 @@ def _kda_decode_kernel(
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
-    PDL: tl.constexpr, V_LINES: tl.constexpr, R_LINES: tl.constexpr, R_LINE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     NV: tl.constexpr = D // BV  # v-tiles (programs) of a head
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_mh = (i_m * H + i_h).to(tl.int64)
     o_k = tl.arange(0, D)
     o_v = i_v * BV + tl.arange(0, BV)
-    if PDL:  # the state slice (V_LINES 128-byte lines a row) and f_b rows (R_LINES of R_LINE)
-        o_lv = i_v * BV + tl.arange(0, V_LINES) * 32
-        _prefetch_l2(state + i_mh * D * D + o_k[:, None] * D + o_lv[None, :],
-                     (o_lv < (i_v + 1) * BV)[None, :] & (o_k < D)[:, None])
-        o_lr = tl.arange(0, R_LINES) * R_LINE
-        _prefetch_l2(f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_lr[None, :],
-                     (o_lr < R)[None, :] & (o_k < D)[:, None])
+    if PDL:
         gdc_launch_dependents()
         gdc_wait()
 
@@ -382,9 +368,7 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         H=hl, D=d, R=r, BR=min(cfg.block_r, triton.next_power_of_2(r)), BV=block_v,
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
-        PDL=pdl, V_LINES=max(1, block_v // 32), R_LINES=triton.next_power_of_2(
-            triton.cdiv(r, 128 // f_b.element_size())), R_LINE=128 // f_b.element_size(),
-        num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
     return o
 

@@ -35,9 +35,8 @@ class RouteConfig:
         programmatic dependent launch start, for a next launch that reads nothing the route
         writes (the MoE block's dense front); off, such a launch starts as the route ends.
     pdl: (compiled only) launched with programmatic dependent launch: each program lets the next
-        such launch start, asks L2 for its gate rows when ``prefetch_gate``, and waits for the
-        previous grid before it reads x (the gate weights never depend on it), so the gate's
-        bytes stream while the previous grid finishes.
+        such launch start, then waits for the previous grid before it reads anything, so its
+        launch overlaps the end of the previous grid.
 
     The selection (the last program to finish):
 
@@ -63,7 +62,6 @@ class RouteConfig:
     num_warps: int = 4
     early_dependents: bool = False
     pdl: bool = False
-    prefetch_gate: bool = True
     scalar_keys: bool = True
     cand_cache: str = ""
     threshold_min_top_k: int = 8
@@ -74,7 +72,7 @@ class RouteConfig:
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name in ("scalar_keys", "early_dependents", "pdl", "prefetch_gate"):
+            if f.name in ("scalar_keys", "early_dependents", "pdl"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
             elif f.name == "cand_cache":

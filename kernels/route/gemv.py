@@ -15,29 +15,6 @@ def _fill(p_dst, n, b_value, pid, n_prog, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_gate(p_w, i_e, i_k, E, H, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ROWS: tl.constexpr, CHUNKS: tl.constexpr, LINE: tl.constexpr):
-    """prefetch.global.L2 of the weight tile ``_gemv_partials`` reads for (i_e, i_k), one
-    128-byte line (LINE elements) a lane (inline PTX: compiled only)."""
-    if ROWS == 0:
-        o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-        m_e = o_e < E
-        k0 = i_k * BLOCK_K
-    else:
-        o_r = tl.arange(0, BLOCK_E)
-        o_e = i_e * ROWS + o_r
-        m_e = (o_r < ROWS) & (o_e < E)
-        k0 = i_k * (CHUNKS * BLOCK_K)
-    for i_c in tl.static_range(CHUNKS):
-        o_k = k0 + i_c * BLOCK_K + tl.arange(0, BLOCK_K // LINE) * LINE
-        mask = m_e[:, None] & (o_k < H)[None, :]
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-            "=r,l,r", [p_w + o_e[:, None].to(tl.int64) * H + o_k[None, :], mask.to(tl.int32)],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                    CHUNKS: tl.constexpr):

@@ -260,8 +260,6 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         GEMV_ROWS=rows, GEMV_CHUNKS=chunks, CAND_CACHE=cfg.cand_cache,
         SCALAR_E=cfg.scalar_keys,
         EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED, PDL=pdl,
-        PREFETCH=cfg.prefetch_gate and block_k * gate_weight.element_size() >= 128,
-        LINE=128 // gate_weight.element_size(),
         num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,

@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .gemv import _fill, _gemv_partials, _prefetch_gate
+from .gemv import _fill, _gemv_partials
 from .select import _select_tokens
 
 
@@ -117,14 +117,11 @@ def _route_sort_kernel(
         BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
         IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
         GEMV_ROWS: tl.constexpr, GEMV_CHUNKS: tl.constexpr, CAND_CACHE: tl.constexpr,
-        SCALAR_E: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr, PDL: tl.constexpr,
-        PREFETCH: tl.constexpr, LINE: tl.constexpr):
+        SCALAR_E: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr, PDL: tl.constexpr):
     i_e, i_k = tl.program_id(0), tl.program_id(1)
     if EARLY_DEPENDENTS or PDL:
         gdc_launch_dependents()
-    if PDL:  # the gate rows do not depend on the previous grid; x, the plan and the counter do
-        if PREFETCH:
-            _prefetch_gate(p_w, i_e, i_k, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS, LINE)
+    if PDL:  # x, the plan and the counter all wait for the previous grid
         gdc_wait()
     _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS)
 

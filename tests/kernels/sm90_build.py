@@ -182,7 +182,7 @@ def main() -> dict:
             {**boundaries.clone_inputs(ki), "config": KDAConfig(pdl=True)}))
     rk = boundaries.get("route").make_inputs(k3, cpu, 0)
     for m in (1, 4):
-        attempt(f"route pdl prefetch M {m}", lambda m=m: route_sort(
+        attempt(f"route pdl M {m}", lambda m=m: route_sort(
             rk["hidden"].expand(m, -1).contiguous(), rk["gate_weight"], rk["correction_bias"],
             top_k=k3.top_k, config=RouteConfig(pdl=True)))
     x = torch.zeros(1 << 16, dtype=torch.bfloat16)
