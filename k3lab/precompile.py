@@ -19,15 +19,20 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import contextlib
+import functools
 import importlib
+import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ahead", "Stats", "WORKERS_ENV", "workers"]
+__all__ = ["ahead", "Stats", "WORKERS_ENV", "workers", "LIST_ENV", "LIST_SUFFIX", "record",
+           "keep_list", "read_list", "warm", "Warm"]
 
 WORKERS_ENV = "K3LAB_COMPILE_WORKERS"  # worker processes (0: compile ahead in threads only)
 # A worker's compile that takes longer is given up (the kernel compiles here instead) and the
@@ -204,3 +209,151 @@ def ahead(calls: Iterable[Callable[[], Any]], n_workers: int | None = None) -> S
                     stats.add("failed_calls")
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+# ---------------------------------------------------------------- kernel lists
+
+LIST_ENV = "K3LAB_KERNEL_LIST"  # a notebook's kernel appends the kernels it compiles here
+LIST_SUFFIX = ".kernels.jsonl"  # beside a report: what its notebook compiled, one per line
+NICE = 10  # the warming workers yield the cores to the notebook that runs
+
+
+def _listed(fn, compile: dict) -> str | None:
+    """One list line for a compile Triton's post-compile hook reports, or None for a kernel a
+    worker cannot import by name (Inductor's generated kernels, a closure)."""
+    jit = getattr(fn, "jit_function", None)
+    module, name = getattr(fn, "module", None), getattr(fn, "name", None)
+    mod = sys.modules.get(module or "")
+    if jit is None or mod is None or getattr(mod, name or "", None) is not jit:
+        return None
+    if not _importable(module):  # a module made at run time (Inductor's code cache)
+        return None
+    from triton.runtime import driver
+
+    target = driver.active.get_current_target()
+    return json.dumps({"module": module, "name": name,
+                       "target": [target.backend, target.arch, target.warp_size],
+                       "data": compile["specialization_data"]})
+
+
+@functools.cache
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def record(path: str | os.PathLike | None = None) -> bool:
+    """From now on append every Triton kernel this process compiles or loads from the cache
+    (Triton's ``jit_post_compile_hook``) to ``path`` (default ``$K3LAB_KERNEL_LIST``; unset:
+    nothing). False where nothing is recorded. A kernel's notebook calls it as it starts."""
+    path = path if path is not None else os.environ.get(LIST_ENV)
+    if not path:
+        return False
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    chained = knobs.runtime.jit_post_compile_hook
+    lock = threading.Lock()
+
+    def hook(**kw):
+        with contextlib.suppress(Exception):  # a list is a speed-up, never a failure
+            line = _listed(kw.get("fn"), kw.get("compile") or {})
+            if line is not None:
+                with lock, open(path, "a") as f:
+                    f.write(line + "\n")
+        return chained(**kw) if chained is not None else None
+
+    knobs.runtime.jit_post_compile_hook = hook
+    return True
+
+
+def read_list(path: str | os.PathLike) -> list[dict]:
+    """The lines of a kernel list, each once, in order; unreadable lines are skipped."""
+    seen, out = set(), []
+    with contextlib.suppress(OSError):
+        for text in Path(path).read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                line = json.loads(text)
+                key = (line["module"], line["name"], line["data"])
+                if key not in seen and isinstance(line.get("target"), list):
+                    seen.add(key)
+                    out.append(line)
+    return out
+
+
+def keep_list(recorded: str | os.PathLike, dest: str | os.PathLike) -> bool:
+    """Write what ``recorded`` holds (each kernel once) to ``dest``, replacing it atomically;
+    nothing when nothing was recorded (a CPU run, under the interpreter). True if written."""
+    lines = read_list(recorded)
+    if not lines:
+        return False
+    from k3lab.report import atomic_write_text
+
+    atomic_write_text(Path(dest), "".join(json.dumps(line) + "\n" for line in lines))
+    return True
+
+
+def _compile_listed(line: dict) -> bool:
+    """Compile one list line into Triton's cache (a warming worker): Triton's own
+    ``JITFunction.preload`` decoding, for the recorded target instead of the active device."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    jit = getattr(importlib.import_module(line["module"]), line["name"])
+    data = json.loads(line["data"])
+
+    def tuples(v):
+        return tuple(tuples(x) for x in v) if isinstance(v, list) else v
+
+    constexprs = {tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else
+                  tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+                  for k, v in zip(data["constant_keys"], data["constant_vals"], strict=True)}
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"], strict=True))
+    signature = {k: tuples(v) for k, v in data["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    triton.compile(ASTSource(jit, signature, constexprs, attrs),
+                   target=GPUTarget(*line["target"]), options=options)
+    return True
+
+
+@dataclass
+class Warm:
+    """A background compile of kernel lists: ``futures`` per line; :meth:`close` cancels what
+    has not started (the batch is over) and lets the running compiles finish on their own."""
+
+    pool: cf.ProcessPoolExecutor | None
+    futures: list = field(default_factory=list)
+
+    def counts(self) -> dict:
+        done = [f for f in self.futures if f.done() and not f.cancelled()]
+        failed = sum(f.exception() is not None for f in done)
+        return {"listed": len(self.futures), "compiled": len(done) - failed, "failed": failed}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def warm(lists: Iterable[str | os.PathLike], n_workers: int | None = None) -> Warm:
+    """Start compiling, in niced worker processes, the kernels the kernel ``lists`` name (what
+    each notebook compiled at its last run into the folder), in the lists' order, and return at
+    once. The compiles land in Triton's on-disk cache, where a notebook that needs a kernel
+    later finds it; a kernel whose source or signature has changed since simply compiles at
+    its first launch again. Nothing starts without lines or workers."""
+    lines = [line for p in lists for line in read_list(p)]
+    n = min(workers() if n_workers is None else n_workers, len(lines))
+    if n <= 0:
+        return Warm(None)
+    import multiprocessing as mp
+
+    pool = cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"), initializer=os.nice,
+                                  initargs=(NICE,))
+    atexit.register(pool.shutdown, wait=False, cancel_futures=True)
+    return Warm(pool, [pool.submit(_compile_listed, line) for line in lines])

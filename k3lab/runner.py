@@ -36,7 +36,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import k3lab
-from k3lab import folder, hostprofile, readable, report, traces
+from k3lab import folder, hostprofile, precompile, readable, report, traces
 from k3lab.parameters import coerce, declared, notebook_parameters, validate
 
 __all__ = ["Result", "Results", "auto_jobs", "notebook_dir", "list_notebooks", "resolve",
@@ -70,7 +70,9 @@ KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",
                "--IPKernelApp.exec_lines=import k3lab.readable as _k3r; _k3r.human_tables(); "
                f"del _k3r; __import__('k3lab').preload({list(PRELOAD)!r}, '{PRELOAD_ENV}'); "
                # k3lab run --profile: sample every cell (k3lab.hostprofile)
-               "__import__('k3lab.hostprofile').hostprofile.start_from_env()"]
+               "__import__('k3lab.hostprofile').hostprofile.start_from_env(); "
+               # on a GPU: list the kernels it compiles (k3lab.precompile.record)
+               "__import__('k3lab.precompile').precompile.record()"]
 
 
 @dataclass
@@ -250,15 +252,20 @@ def _quiet_papermill():
         log.setLevel(level)
 
 
-def _kernel_environ(device: str, profile: Path | None = None) -> dict[str, str]:
+def _kernel_environ(device: str, profile: Path | None = None,
+                    kernels: Path | None = None) -> dict[str, str]:
     """The environment a notebook kernel gets: this process's, with the interpreter on for the
     CPU and off for CUDA, inline plots, and this checkout importable; ``profile``: the file its
-    cells' host profile goes to (:mod:`k3lab.hostprofile`)."""
+    cells' host profile goes to (:mod:`k3lab.hostprofile`); ``kernels``: the file it lists its
+    compiled kernels in (:func:`k3lab.precompile.record`)."""
     env = dict(os.environ)
     env.pop(hostprofile.ENV, None)
     env.pop(PRELOAD_ENV, None)
+    env.pop(precompile.LIST_ENV, None)
     if profile is not None:
         env[hostprofile.ENV] = str(profile)
+    if kernels is not None:
+        env[precompile.LIST_ENV] = str(kernels)
     if str(device).startswith("cpu"):
         env["TRITON_INTERPRET"] = "1"
     else:
@@ -272,10 +279,10 @@ def _kernel_environ(device: str, profile: Path | None = None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def _kernel_env(device: str, profile: Path | None = None):
+def _kernel_env(device: str, profile: Path | None = None, kernels: Path | None = None):
     """:func:`_kernel_environ` as this process's environment, which the kernel inherits."""
     saved = dict(os.environ)
-    env = _kernel_environ(device, profile)  # from this environment, before it is cleared
+    env = _kernel_environ(device, profile, kernels)  # from this one, before it is cleared
     try:
         os.environ.clear()
         os.environ.update(env)
@@ -291,13 +298,13 @@ class Standby:
     running notebook instead of adding to the batch. Nothing it runs touches a GPU. Hand
     :meth:`take` to the notebook's run, and :meth:`close` it whatever happened."""
 
-    def __init__(self, device: str, profile: Path | None = None):
+    def __init__(self, device: str, profile: Path | None = None, kernels: Path | None = None):
         from jupyter_client.manager import AsyncKernelManager
         from jupyter_core.utils import run_sync
 
         self._run_sync = run_sync
         self.km = AsyncKernelManager(kernel_name=KERNEL_NAME)
-        env = _kernel_environ(device, profile)
+        env = _kernel_environ(device, profile, kernels)
         if str(device).split(":")[0] in PRELOAD_DEVICES:
             env[PRELOAD_ENV] = "1"
         run_sync(self.km.start_kernel)(extra_arguments=list(KERNEL_ARGS), cwd=str(repo_root()),
@@ -443,7 +450,7 @@ def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code:
 def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
              timeout: float | None, hide_code: bool, header: str, progress: dict | None,
              staging: Path | None = None, standby: Standby | None = None,
-             profile: Path | None = None):
+             profile: Path | None = None, kernels: Path | None = None):
     """Run the notebook into ``tmp``; (error or None, report page, metrics, profile page).
     ``params`` are the kernel's (``trace_dir`` included); the traces found in ``staging``
     afterwards are linked at the top of the page. ``standby``: a kernel already started for it.
@@ -455,7 +462,7 @@ def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
     km = standby.take() if standby is not None else None
     profile_page = None
     try:
-        with _kernel_env(man["device"], profile), _quiet_papermill():
+        with _kernel_env(man["device"], profile, kernels), _quiet_papermill():
             papermill.execute_notebook(
                 str(src), str(tmp), parameters=params, kernel_name=KERNEL_NAME,
                 cwd=str(repo_root()), execution_timeout=timeout,
@@ -489,6 +496,14 @@ def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
     return None, page, metrics, profile_page
 
 
+def _kernel_list_file(out_dir: Path, name: str, device: str) -> Path | None:
+    """Where the kernel of notebook ``name`` lists what it compiles (a GPU run only; the same
+    path for its standby kernel, started by this process): a temp file of ``out_dir``."""
+    if not str(device).startswith("cuda"):
+        return None
+    return Path(out_dir) / f".{name}.{os.getpid()}-kernels.tmp"
+
+
 def _temp_file(out_dir: Path, name: str, suffix: str = ".tmp") -> str:
     """A temp file of ``out_dir`` that a later run removes if this one is killed
     (:data:`k3lab.folder.TEMP_PATTERN`)."""
@@ -520,6 +535,7 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
             standby.close()
         return Result(name, "failed", 0.0, f"could not create a temp file in {out_dir}: {exc}")
     profile = profile or None
+    kernels = _kernel_list_file(out_dir, name, options["device"])
     tmp, staging = Path(tmp), None
     params = dict(params)
     kernel_params = params
@@ -533,12 +549,14 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         header = _header(name, params, man)
         error, page, metrics, profile_page = _execute(
             src, tmp, out_dir, kernel_params, man, timeout, hide_code, header, progress, staging,
-            standby, profile)
+            standby, profile, kernels)
         seconds = time.perf_counter() - t0
         info = {"notebook": name, "source": source or str(src), "seconds": round(seconds, 3),
                 "parameters": params, "manifest": man}
         if error is None:
             try:
+                if kernels is not None:  # what it compiled, for the next batch to compile early
+                    precompile.keep_list(kernels, out_dir / f"{name}{precompile.LIST_SUFFIX}")
                 return _publish_ok(name, out_dir, tmp, page, info, metrics, seconds, staging,
                                    profile_page)
             except OSError as exc:
@@ -557,6 +575,8 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         tmp.unlink(missing_ok=True)
         if profile is not None:
             profile.unlink(missing_ok=True)
+        if kernels is not None:
+            kernels.unlink(missing_ok=True)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -633,7 +653,7 @@ def _standby(device: str, out: Path, path: Path, profile: bool) -> tuple[Standby
     try:
         if profile:
             to = Path(_temp_file(out, path.stem))
-        return Standby(device, to or None), to
+        return Standby(device, to or None, _kernel_list_file(out, path.stem, device)), to
     except Exception:  # noqa: BLE001 - without it the notebook starts its own kernel
         return None, to
 
@@ -670,6 +690,16 @@ def _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells
             nxt.close()
         if isinstance(nxt_profile, Path):
             nxt_profile.unlink(missing_ok=True)
+
+
+def _run_batch(paths, plans, lasts, out, options, timeout, hide_code, jobs, ray, cells,
+               progress, results, line, profile) -> None:
+    if jobs > 1 or ray:
+        _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results, line,
+                      ray, profile)
+    else:
+        _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells and progress,
+                        results, line, profile)
 
 
 def auto_jobs(device: str, n_notebooks: int) -> int:
@@ -754,12 +784,15 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
                     f"{c} {t:.1f} s" for c, t in spent.items()))
 
     lasts = [_last_seconds(out, p.stem) for p in paths]
-    if jobs > 1 or ray:
-        _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, results, line,
-                      ray, profile)
-    else:
-        _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells and progress,
-                        results, line, profile)
+    # what the notebooks compiled at their last run here starts compiling in the background
+    warming = (precompile.warm([out / f"{p.stem}{precompile.LIST_SUFFIX}" for p in paths])
+               if str(device).startswith("cuda") and not ray else None)
+    try:
+        _run_batch(paths, plans, lasts, out, options, timeout, hide_code, jobs, ray, cells,
+                   progress, results, line, profile)
+    finally:
+        if warming is not None:
+            warming.close()
     try:
         results.index = update_index(out)
     except OSError as exc:

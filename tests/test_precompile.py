@@ -167,3 +167,39 @@ def test_a_worker_that_hangs_is_given_up_and_the_kernel_compiled_here(monkeypatc
         ex = precompile._SendToWorkers(Hung(), threads, stats, timeout_s=0.05)
         assert ex.submit(lambda: "kernel").result(timeout=5) == "kernel"
     assert stats.kernels == 1 and stats.in_workers == 0 and precompile._GAVE_UP
+
+
+def _list_check(cache, *args) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT),
+           "TRITON_CACHE_DIR": str(cache)}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "kernels" /
+                                                "kernel_list_check.py"), *args],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU compiles for itself")
+@pytest.mark.skipif(not _ptxas(), reason="Triton's NVIDIA backend (ptxas) is not installed")
+def test_a_kernel_list_recorded_in_one_process_compiles_another_ones_kernels(tmp_path):
+    listed = tmp_path / "nb.kernels.jsonl"
+    got = _list_check(tmp_path / "cache_a", "record", str(listed))
+    assert got["recording"] and got["lines"] >= 2  # specializations of plain and gate/up
+    lines = got["lines"]
+    got = _list_check(tmp_path / "cache_b", "replay", str(listed))  # an empty cache
+    assert got["listed"] == lines and got["compiled"] == lines and got["failed"] == 0
+    assert got["built_here"] == []  # the launches found the workers' kernels in the cache
+
+
+def test_kernel_lists_read_each_kernel_once_and_skip_bad_lines(tmp_path):
+    line = {"module": "m", "name": "k", "target": ["cuda", 90, 32], "data": "{}"}
+    src = tmp_path / "rec.tmp"
+    src.write_text("\n".join([json.dumps(line), "not json", json.dumps(line),
+                               json.dumps({**line, "data": '{"a": 1}'}), ""]))
+    assert precompile.read_list(src) == [line, {**line, "data": '{"a": 1}'}]
+    dest = tmp_path / "nb.kernels.jsonl"
+    assert precompile.keep_list(src, dest) and len(precompile.read_list(dest)) == 2
+    assert not precompile.keep_list(tmp_path / "none.tmp", dest)  # nothing recorded: kept
+    assert len(precompile.read_list(dest)) == 2
+    assert precompile.warm([tmp_path / "none.tmp"]).futures == []
+    assert not precompile.record(None) or os.environ.get(precompile.LIST_ENV)

@@ -60,6 +60,16 @@ def test_the_kernel_environment_keeps_this_processes_variables(monkeypatch):
     assert dict(os.environ) == before
 
 
+def test_a_gpu_kernel_lists_its_kernels_in_a_temp_file_of_the_folder(tmp_path):
+    from k3lab import folder, precompile
+
+    listed = runner._kernel_list_file(tmp_path, "10_route", "cuda:0")
+    assert listed.parent == tmp_path and folder.TEMP_PATTERN.match(listed.name)
+    assert runner._kernel_environ("cuda", None, listed)[precompile.LIST_ENV] == str(listed)
+    assert runner._kernel_list_file(tmp_path, "10_route", "cpu") is None
+    assert precompile.LIST_ENV not in runner._kernel_environ("cpu")
+
+
 # ---------------------------------------------------------------- parameters, names
 
 def test_notebook_parameters_reads_the_tagged_cell():
@@ -133,6 +143,7 @@ def test_batch_exit_code_and_files(batch):
     for name in ("00_echo", "10_other"):
         for suffix in (".ipynb", ".html", ".metrics.json"):
             assert (out / f"{name}{suffix}").is_file()
+    assert not list(out.glob("*.kernels.jsonl"))  # a CPU run compiles nothing to list
     assert not (out / "20_broken.metrics.json").exists()
     assert (out / "20_broken.failed.ipynb").is_file() and (out / "20_broken.failed.html").is_file()
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temp files left
