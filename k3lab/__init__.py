@@ -3,10 +3,11 @@
 __version__ = "0.1.0"
 
 
-def preload(modules, env: str | None = None) -> None:
-    """Import ``modules`` as a notebook kernel starts (``k3lab.runner.PRELOAD``), where ``env``
-    (when given) is set in its environment; one that fails is left for the notebook's own import
-    to raise."""
+def preload(modules, env: str | None = None, calls=()) -> None:
+    """Import ``modules`` as a notebook kernel starts (``k3lab.runner.PRELOAD``), then call each
+    ``"module:function"`` of ``calls`` (``k3lab.runner.PRELOAD_CALLS``), where ``env`` (when
+    given) is set in its environment; one that fails is left for the notebook's own import to
+    raise."""
     import importlib
     import os
 
@@ -16,4 +17,10 @@ def preload(modules, env: str | None = None) -> None:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the notebook's cell reports it
+            continue
+    for call in calls:
+        module, _, function = call.partition(":")
+        try:
+            getattr(importlib.import_module(module), function)()
+        except Exception:  # noqa: BLE001 - a head start only
             continue

@@ -62,13 +62,16 @@ PRELOAD_DEVICES = ("cuda",)
 PRELOAD = ("torch", "triton", "numpy", "pandas", "matplotlib.pyplot", "IPython.display",
            "ipywidgets", "torch._inductor.compile_fx", "k3lab.plots", "k3lab.report",
            "k3lab.profile", "k3lab.studies", "k3lab.traces")
+# then started: Inductor's compile workers (its first torch.compile would start them)
+PRELOAD_CALLS = ("torch._inductor.async_compile:maybe_warm_pool",)
 # the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
 # break the one-line-per-notebook progress; a cell's errors still reach the report
 KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",
                # tables for people: floats to the digits a reader uses (k3lab.readable.human);
                # a preload that fails leaves the import, and its error, to the notebook's cell
                "--IPKernelApp.exec_lines=import k3lab.readable as _k3r; _k3r.human_tables(); "
-               f"del _k3r; __import__('k3lab').preload({list(PRELOAD)!r}, '{PRELOAD_ENV}'); "
+               f"del _k3r; __import__('k3lab').preload({list(PRELOAD)!r}, '{PRELOAD_ENV}', "
+               f"{list(PRELOAD_CALLS)!r}); "
                # k3lab run --profile: sample every cell (k3lab.hostprofile)
                "__import__('k3lab.hostprofile').hostprofile.start_from_env(); "
                # on a GPU: list the kernels it compiles (k3lab.precompile.record)
