@@ -95,14 +95,23 @@ def load(path: str | os.PathLike):
     return Session.load(str(path))
 
 
+# the page's call tree is resampled to at most this many samples (a 4-minute notebook at 24 ms):
+# the full tree of a long notebook made a page of 25 MB that a browser opens slowly; the report's
+# categories are summed from the full session
+PAGE_SAMPLES = 10_000
+
+
 def write_html(session, path: Path) -> Path:
-    """pyinstrument's page of ``session`` at ``path`` (through a temp file), its web-font
-    stylesheet made an empty one: the page loads nothing from the network."""
+    """pyinstrument's page of ``session`` at ``path`` (through a temp file; at most
+    PAGE_SAMPLES samples), its web-font stylesheet made an empty one: the page loads nothing
+    from the network."""
     from pyinstrument.renderers import HTMLRenderer
 
     from k3lab import report
 
-    page = HTMLRenderer().render(session)
+    if len(session.frame_records) > PAGE_SAMPLES and session.duration > 0:
+        session = session.resample(interval=session.duration / PAGE_SAMPLES)
+    page = HTMLRenderer(resample_interval=0).render(session)
     page = re.sub(r"https://fonts\.googleapis\.com/css[^\"'\s]*", "data:text/css,", page)
     return report.atomic_write_text(path, page)
 

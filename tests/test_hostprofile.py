@@ -45,6 +45,24 @@ def test_category_of_a_stack(stack, expected):
     assert hostprofile.category(stack) == expected
 
 
+def test_a_long_profile_page_is_resampled(tmp_path, monkeypatch):
+    """The page's call tree holds at most PAGE_SAMPLES samples; rare paths drop out, the
+    frequent ones stay."""
+    from pyinstrument.session import Session
+
+    monkeypatch.setattr(hostprofile, "PAGE_SAMPLES", 50)
+    n = 2000
+    records = [([_id("main", "/k/x.py"), _id("hot" if i % 4 else f"rare{i}", "/k/y.py")], 0.001)
+               for i in range(n)]
+    session = Session(frame_records=records, start_time=0.0, duration=n * 0.001,
+                      min_interval=0.001, max_interval=0.001, sample_count=n,
+                      start_call_stack=[_id("main", "/k/x.py")], target_description="t",
+                      cpu_time=2.0, sys_path=[],
+                      sys_prefixes=[])
+    page = hostprofile.write_html(session, tmp_path / "p.html").read_text()
+    assert "hot" in page and page.count("rare") < 60  # of 500 rare frames
+
+
 def test_summarize_adds_every_sample_once():
     from pyinstrument.session import Session
 
