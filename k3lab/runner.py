@@ -790,12 +790,19 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     # what the notebooks compiled at their last run here starts compiling in the background
     warming = (precompile.warm([out / f"{p.stem}{precompile.LIST_SUFFIX}" for p in paths])
                if str(device).startswith("cuda") and not ray else None)
+    if warming is not None and warming.futures:
+        say(f"k3lab: compiling the {len(warming.futures)} kernels the notebooks compiled last "
+            f"time here, in the background ({precompile.LIST_SUFFIX})")
     try:
         _run_batch(paths, plans, lasts, out, options, timeout, hide_code, jobs, ray, cells,
                    progress, results, line, profile)
     finally:
-        if warming is not None:
+        if warming is not None and warming.futures:
+            counts = warming.counts()
             warming.close()
+            say(f"k3lab: background compile: {counts['compiled']} of {counts['listed']} done"
+                + (f", {counts['failed']} failed (compiled at first launch instead)"
+                   if counts["failed"] else ""))
     try:
         results.index = update_index(out)
     except OSError as exc:
