@@ -191,6 +191,16 @@ def test_a_kernel_list_recorded_in_one_process_compiles_another_ones_kernels(tmp
     assert got["built_here"] == []  # the launches found the workers' kernels in the cache
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_a_kernel_list_compiles_kernels_that_launch_and_are_right(tmp_path):
+    listed = tmp_path / "nb.kernels.jsonl"
+    got = _list_check(tmp_path / "cache_a", "record", str(listed), "--gpu")
+    assert got["recording"] and got["lines"] >= 2
+    got = _list_check(tmp_path / "cache_b", "replay", str(listed), "--gpu")
+    assert got["compiled"] == got["listed"] >= 2 and got["built_here"] == []
+    assert got["rel_err"] < 2e-2  # bf16 inputs, fp32 accumulation, bf16 output
+
+
 def test_kernel_lists_read_each_kernel_once_and_skip_bad_lines(tmp_path):
     line = {"module": "m", "name": "k", "target": ["cuda", 90, 32], "data": "{}"}
     src = tmp_path / "rec.tmp"

@@ -3,7 +3,9 @@
 ``record LIST``: a few GEMV launches compile-only for sm_90 (the stub driver of sm90_build.py)
 with :func:`k3lab.precompile.record` on: the list gets their kernels. ``replay LIST`` (another
 process, an empty Triton cache): :func:`k3lab.precompile.warm` compiles the list in two worker
-processes, then the same launches find every kernel in the cache (no front end runs here)."""
+processes, then the same launches find every kernel in the cache (no front end runs here).
+With ``--gpu`` both run on the GPU and the launches run: the replayed ones are checked
+against torch."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import json
 import os
 import sys
 
+GPU = "--gpu" in sys.argv
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
@@ -21,22 +24,46 @@ from sm90_build import _H200Stub  # noqa: E402
 
 
 def _calls():
+    """(call, its fp32 truth or None) per GEMV: plain ones and a gate/up one."""
     from k3lab.kernels.dense import GemvConfig, dense_gemv
 
-    bf = torch.bfloat16
-    shapes = [(96, 256, None), (200, 512, None), (64, 1024, "situ")]
-    return [lambda n=n, k=k, a=a: dense_gemv(torch.zeros(1, k, dtype=bf),
-                                             torch.zeros(n if a is None else 2 * n, k, dtype=bf),
-                                             activation=a, config=GemvConfig(block_n=16))
-            for n, k, a in shapes]
+    bf, dev = torch.bfloat16, "cuda" if GPU else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    out = []
+    for n, k, act in [(96, 256, None), (200, 512, None), (64, 1024, "situ")]:
+        x = torch.randn(1, k, device=dev, generator=gen).to(bf)
+        w = torch.randn(n if act is None else 2 * n, k, device=dev, generator=gen).to(bf)
+        truth = x.float() @ w.float().T if act is None else None
+        out.append((lambda x=x, w=w, act=act: dense_gemv(x, w, activation=act,
+                                                         config=GemvConfig(block_n=16)), truth))
+    return out
+
+
+def _launch(calls) -> float | None:
+    """Run the calls (compile-only without a GPU); the largest relative error of the plain ones
+    against their truth on the GPU."""
+    from k3lab import precompile
+
+    if not GPU:
+        with precompile._compile_only():
+            for call, _ in calls:
+                call()
+        return None
+    errs = []
+    for call, truth in calls:
+        got = call()
+        if truth is not None:
+            errs.append(float((got.float() - truth).abs().max() / truth.abs().max()))
+    return max(errs)
 
 
 def main(mode: str, path: str) -> dict:
-    triton.runtime.driver.set_active(_H200Stub())
+    if not GPU:
+        triton.runtime.driver.set_active(_H200Stub())
     import k3lab.kernels  # noqa: F401
 
     for name, mod in list(sys.modules.items()):  # CPU tensors are fine: nothing launches
-        if name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
+        if not GPU and name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
             mod.check_device = lambda name, t: None
     from triton.compiler import ASTSource
 
@@ -44,9 +71,7 @@ def main(mode: str, path: str) -> dict:
 
     if mode == "record":
         recording = precompile.record(path)
-        with precompile._compile_only():
-            for call in _calls():
-                call()
+        _launch(_calls())
         return {"recording": recording, "lines": len(precompile.read_list(path))}
     warming = precompile.warm([path, path + ".missing"], n_workers=2)
     for f in warming.futures:
@@ -61,11 +86,10 @@ def main(mode: str, path: str) -> dict:
         return make_ir(self, *args, **kwargs)
 
     ASTSource.make_ir = counting_ir
-    with precompile._compile_only():
-        for call in _calls():
-            call()
-    return {**counts, "built_here": built_here}
+    err = _launch(_calls())
+    return {**counts, "built_here": built_here, "rel_err": err}
 
 
 if __name__ == "__main__":  # the workers import this file as their main module
-    print(json.dumps(main(sys.argv[1], sys.argv[2])))
+    args = [a for a in sys.argv[1:] if a != "--gpu"]
+    print(json.dumps(main(args[0], args[1])))
