@@ -32,14 +32,15 @@ FILE_SUFFIX = ".profile.html"
 # whose tests (a function regex and a file regex, both to match) fits a frame of its stack (a
 # Triton compile under a weight build is a compile), else "other host". Imports come first (a
 # lazy import inside a compile is an import); Triton's compile includes loading a kernel from
-# its cache; "waiting on the device" is the host blocked in a synchronizing call (a CPU run's
-# are its own ops).
+# its cache and waiting for the compiles sent to worker processes (k3lab.precompile.ahead, in
+# Triton's AsyncCompileMode); "waiting on the device" is the host blocked in a synchronizing
+# call (a CPU run's are its own ops).
 _ANY = r"."
 CATEGORIES: tuple[tuple[str, tuple[tuple[re.Pattern, re.Pattern], ...]], ...] = tuple(
     (name, tuple((re.compile(fn), re.compile(path)) for fn, path in tests)) for name, tests in (
         ("imports", ((r"^_find_and_load$", r"importlib"),)),
         ("Triton compile", ((_ANY, r"triton[/\\](compiler|backends)[/\\]|"
-                                   r"triton[/\\]runtime[/\\]build\.py"),)),
+                                   r"triton[/\\]runtime[/\\](build|_async_compile)\.py"),)),
         ("Triton interpreter", ((_ANY, r"triton[/\\]runtime[/\\]interpreter\.py"),)),
         ("torch.compile", ((_ANY, r"torch[/\\]_dynamo[/\\]convert_frame\.py|torch[/\\]_inductor"
                                   r"[/\\](compile_fx|codecache|async_compile)\.py"),)),

@@ -21,6 +21,9 @@ def _id(fn: str, path: str, line: int = 1) -> str:
     ([_id("make_ir", "/s/triton/backends/nvidia/compiler.py")], "Triton compile"),
     ([_id("_build", "/s/triton/runtime/build.py")], "Triton compile"),
     ([_id("_do_compile", "/s/triton/runtime/jit.py")], "other host"),  # the JIT's own lookup
+    ([_id("ahead", "/k/k3lab/precompile.py"),  # waiting for the compile workers
+      _id("__exit__", "/s/triton/runtime/_async_compile.py"), _id("wait", "/u/threading.py")],
+     "Triton compile"),
     ([_id("_implicit_cvt", "/s/triton/runtime/interpreter.py")], "Triton interpreter"),
     ([_id("__call__", "/s/torch/_dynamo/convert_frame.py")], "torch.compile"),
     ([_id("fx_codegen_and_compile", "/s/torch/_inductor/compile_fx.py")], "torch.compile"),
