@@ -17,10 +17,9 @@ GPU = "--gpu" in sys.argv
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sm90_build import _H200Stub  # noqa: E402
+from sm90_build import compile_here_for_sm90, count_front_ends  # noqa: E402
 
 
 def _calls():
@@ -59,14 +58,7 @@ def _launch(calls) -> float | None:
 
 def main(mode: str, path: str) -> dict:
     if not GPU:
-        triton.runtime.driver.set_active(_H200Stub())
-    import k3lab.kernels  # noqa: F401
-
-    for name, mod in list(sys.modules.items()):  # CPU tensors are fine: nothing launches
-        if not GPU and name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
-            mod.check_device = lambda name, t: None
-    from triton.compiler import ASTSource
-
+        compile_here_for_sm90()
     from k3lab import precompile
 
     if mode == "record":
@@ -78,14 +70,7 @@ def main(mode: str, path: str) -> dict:
         f.exception(timeout=300)
     counts = warming.counts()
     warming.close()
-    built_here = []  # front ends run in this process: none when the workers compiled
-    make_ir = ASTSource.make_ir
-
-    def counting_ir(self, *args, **kwargs):
-        built_here.append(self.name)
-        return make_ir(self, *args, **kwargs)
-
-    ASTSource.make_ir = counting_ir
+    built_here = count_front_ends()  # none when the workers compiled
     err = _launch(_calls())
     return {**counts, "built_here": built_here, "rel_err": err}
 

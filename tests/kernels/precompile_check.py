@@ -13,21 +13,15 @@ GPU = "--gpu" in sys.argv
 os.environ["TRITON_INTERPRET"] = "0"
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 import triton.runtime.jit as jit  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sm90_build import _H200Stub  # noqa: E402
+from sm90_build import compile_here_for_sm90, count_front_ends  # noqa: E402
 
 
 def main() -> dict:
     if not GPU:
-        triton.runtime.driver.set_active(_H200Stub())
-    import k3lab.kernels  # noqa: F401
-
-    for name, mod in list(sys.modules.items()):  # CPU tensors are fine: nothing launches
-        if not GPU and name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
-            mod.check_device = lambda name, t: None
+        compile_here_for_sm90()
     from k3lab import precompile
     from k3lab.kernels.dense import dense_gemv
 
@@ -39,16 +33,7 @@ def main() -> dict:
     calls = [lambda x=x, w=w: dense_gemv(x, w) for x, w in zip(xs, ws, strict=True)]
     broken = [lambda: dense_gemv(torch.zeros(1, 3, dtype=bf, device=dev),
                                  torch.zeros(8, 5, dtype=bf, device=dev))]
-    from triton.compiler import ASTSource
-
-    built_here = []  # front ends run in this process: none when the workers compiled
-    make_ir = ASTSource.make_ir
-
-    def counting_ir(self, *args, **kwargs):
-        built_here.append(self.name)
-        return make_ir(self, *args, **kwargs)
-
-    ASTSource.make_ir = counting_ir
+    built_here = count_front_ends()  # none when the workers compiled
     run_before = jit.JITFunction.run
     stats = precompile.ahead(calls[:1] + broken + calls[1:], n_workers=2)
     restored = jit.JITFunction.run is run_before

@@ -57,6 +57,37 @@ class _H200Stub(DriverBase):
         return ty
 
 
+def allow_cpu_tensors() -> None:
+    """The launchers take CPU tensors (nothing launches: every launch is a compile)."""
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
+            mod.check_device = lambda name, t: None
+
+
+def compile_here_for_sm90() -> None:
+    """Make the stub driver active and let the kernels' launchers take CPU tensors."""
+    triton.runtime.driver.set_active(_H200Stub())
+    import k3lab.kernels  # noqa: F401
+
+    allow_cpu_tensors()
+
+
+def count_front_ends() -> list[str]:
+    """The names of the kernels whose front end (``ASTSource.make_ir``) runs in this process
+    from now on: none where every kernel comes compiled from Triton's cache."""
+    from triton.compiler import ASTSource
+
+    built_here: list[str] = []
+    make_ir = ASTSource.make_ir
+
+    def counting_ir(self, *args, **kwargs):
+        built_here.append(self.name)
+        return make_ir(self, *args, **kwargs)
+
+    ASTSource.make_ir = counting_ir
+    return built_here
+
+
 @triton.jit
 def _canary(p, BLOCK: tl.constexpr):
     tl.store(p + tl.arange(0, BLOCK), tl.zeros([BLOCK], dtype=tl.float32))
@@ -96,10 +127,7 @@ def main() -> dict:
         return {"harness": traceback.format_exc(limit=-2)[-1500:]}
     import k3lab.kernels  # noqa: F401
 
-    for name, mod in list(sys.modules.items()):  # CPU tensors are fine: nothing launches
-        if name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
-            mod.check_device = lambda name, t: None
-
+    allow_cpu_tensors()
     from k3lab import boundaries, stack
     from k3lab.config import preset
     from k3lab.kernels import (
