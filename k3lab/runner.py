@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -295,6 +296,27 @@ def _kernel_env(device: str, profile: Path | None = None, kernels: Path | None =
         os.environ.update(saved)
 
 
+def _kernel_manager():
+    """A manager for one notebook kernel, not started. Its channels are Unix sockets at a path
+    of its own: TCP ports are picked before the kernel binds them, and two kernels starting at
+    once (two notebooks at once, a standby beside a starting notebook) could take each other's,
+    failing one with "Address already in use" before it ran anything."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    if os.name == "nt":  # no Unix sockets
+        return AsyncKernelManager(kernel_name=KERNEL_NAME)
+    path = os.path.join(tempfile.gettempdir(), f"k3lab-kernel-{uuid.uuid4().hex[:16]}")
+    return AsyncKernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=path)
+
+
+def _shutdown(km) -> None:
+    """Stop a kernel this process started (nothing when it is gone already)."""
+    from jupyter_core.utils import run_sync
+
+    with contextlib.suppress(Exception):
+        run_sync(km.shutdown_kernel)(now=True)
+
+
 class Standby:
     """A kernel started ahead of its notebook (a sequential batch starts the next notebook's
     while one runs): its start and :data:`PRELOAD` imports, seconds of host work, overlap the
@@ -302,11 +324,10 @@ class Standby:
     :meth:`take` to the notebook's run, and :meth:`close` it whatever happened."""
 
     def __init__(self, device: str, profile: Path | None = None, kernels: Path | None = None):
-        from jupyter_client.manager import AsyncKernelManager
         from jupyter_core.utils import run_sync
 
         self._run_sync = run_sync
-        self.km = AsyncKernelManager(kernel_name=KERNEL_NAME)
+        self.km = _kernel_manager()
         env = _kernel_environ(device, profile, kernels)
         if str(device).split(":")[0] in PRELOAD_DEVICES:
             env[PRELOAD_ENV] = "1"
@@ -323,8 +344,7 @@ class Standby:
         return self.km if alive else None
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):
-            self._run_sync(self.km.shutdown_kernel)(now=True)
+        _shutdown(self.km)
 
 
 def _check_kernel() -> None:
@@ -463,15 +483,20 @@ def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
     import papermill
 
     km = standby.take() if standby is not None else None
+    own = km is None  # started by papermill below, stopped here
+    km = _kernel_manager() if own else km
     profile_page = None
     try:
         with _kernel_env(man["device"], profile, kernels), _quiet_papermill():
-            papermill.execute_notebook(
-                str(src), str(tmp), parameters=params, kernel_name=KERNEL_NAME,
-                cwd=str(repo_root()), execution_timeout=timeout,
-                progress_bar=progress if progress is not None else False,
-                log_output=False, extra_arguments=KERNEL_ARGS,
-                **({"km": km} if km is not None else {}))
+            try:
+                papermill.execute_notebook(
+                    str(src), str(tmp), parameters=params, kernel_name=KERNEL_NAME,
+                    cwd=str(repo_root()), execution_timeout=timeout,
+                    progress_bar=progress if progress is not None else False,
+                    log_output=False, extra_arguments=KERNEL_ARGS, km=km)
+            finally:
+                if own:
+                    _shutdown(km)
         nb = nbformat.read(tmp, as_version=4)  # the page's copy: the .ipynb keeps everything
         metrics = report.read_metrics(nb)
         metrics["warnings"] = readable.split_warnings(nb)

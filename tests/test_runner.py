@@ -60,6 +60,14 @@ def test_the_kernel_environment_keeps_this_processes_variables(monkeypatch):
     assert dict(os.environ) == before
 
 
+@pytest.mark.skipif(os.name == "nt", reason="no Unix sockets")
+def test_kernels_talk_over_unix_sockets_each_at_its_own_path():
+    """No TCP ports to race for between kernels starting at once."""
+    a, b = runner._kernel_manager(), runner._kernel_manager()
+    assert a.transport == b.transport == "ipc" and a.ip != b.ip
+    assert a.kernel_name == runner.KERNEL_NAME
+
+
 def test_a_gpu_kernel_lists_its_kernels_in_a_temp_file_of_the_folder(tmp_path):
     from k3lab import folder, precompile
 
