@@ -224,3 +224,22 @@ def test_dense_headline_scopes_the_bar_to_tp_8_and_16():
         9.9 / 5.4, 3)
     dep = head["tp 8, 16: min dependent-skeleton frac of copy bw, weights >= 20 MB (graph)"]
     assert dep == round(min(0.75 * 7.0 / 6.5, 0.79 * 15.4 / 14.0), 3)
+
+
+@pytest.mark.gpu
+def test_moe_compiled_peer_routes_then_reuses_the_block_graph():
+    """torch.compile peer: given the plan one graph; with routing only the route's is added, and
+    both scopes match the fp32 truth."""
+    from torch._dynamo.utils import counters
+
+    from k3lab.boundaries import moe as moe_boundary
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg, dev = config.preset("tiny", 1), torch.device("cuda")
+    fn = moe_boundary.BOUNDARY.variant("torch.compile").fn
+    for route in (False, True, True):
+        inputs = moe_boundary.BOUNDARY.make_inputs(cfg, dev, 3, M=2, expert_format="mxfp4",
+                                                   route=route)
+        moe_boundary.check(fn(inputs), None, inputs)
+    assert counters["stats"]["unique_graphs"] == 2

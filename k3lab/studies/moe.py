@@ -310,9 +310,10 @@ def _free(s: Setup) -> None:
         torch.cuda.empty_cache()
 
 
-def _time_block(s: Setup, copies: list[dict], label: str) -> pd.DataFrame:
+def _time_block(s: Setup, copies: list[dict], label: str,
+                variants=("reference", "grouped", "fused")) -> pd.DataFrame:
     rows, c0 = [], copies[0]
-    for name in ("reference", "grouped", "fused"):
+    for name in variants:
         fn = s.boundary.variant(name).fn
         s.boundary.check(fn(c0), None, c0)  # no timing on red
         for mode in s.modes:
@@ -382,14 +383,16 @@ def _token_launches(s: Setup, m: int, fmt: str, block_m: int) -> None:
 
 
 def token_sweep(s: Setup, tokens, fmt: str, block_m: int) -> pd.DataFrame:
-    """The whole block given the plan and stages 1 and 2 at the study's tp and ``fmt``, per M."""
+    """The whole block given the plan and stages 1 and 2 at the study's tp and ``fmt``, per M:
+    the fused kernels and the grouped peer (the reference's loop over tokens and experts is
+    timed at M = 1 only, by :func:`variants` and :func:`tp_sweep`)."""
     s.compile_ahead([functools.partial(_token_launches, s, m, fmt, block_m) for m in tokens])
     out = []
     for m in tokens:
         copies = stage_copies(s, s.cfg, fmt, m, block_m)
         out.append(time_stages(s, copies, "M", stages=("stage1", "stage2"),
                                variants=("grouped", "fused")))
-        out.append(_time_block(s, copies, "M"))
+        out.append(_time_block(s, copies, "M", variants=("grouped", "fused")))
         del copies
         _free(s)
     return pd.concat(out, ignore_index=True)
