@@ -325,16 +325,33 @@ def _compile_listed(line: dict) -> bool:
 
 @dataclass
 class Warm:
-    """A background compile of kernel lists: ``futures`` per line; :meth:`close` cancels what
-    has not started (the batch is over) and lets the running compiles finish on their own."""
+    """A background compile of kernel lists: ``futures`` per line, ``labels`` the list each
+    came from; :meth:`close` cancels what has not started (the batch is over) and lets the
+    running compiles finish on their own."""
 
     pool: cf.ProcessPoolExecutor | None
     futures: list = field(default_factory=list)
+    labels: list = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+    _ended: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for f in self.futures:
+            f.add_done_callback(lambda f: self._ended.setdefault(id(f), time.monotonic()))
 
     def counts(self) -> dict:
         done = [f for f in self.futures if f.done() and not f.cancelled()]
         failed = sum(f.exception() is not None for f in done)
         return {"listed": len(self.futures), "compiled": len(done) - failed, "failed": failed}
+
+    def ready_after(self) -> dict[str, float]:
+        """Per list label whose every line is done: seconds from the start of the warm to the
+        end of its last compile (when a notebook starting later finds all of its kernels)."""
+        out: dict[str, list] = {}
+        for f, label in zip(self.futures, self.labels, strict=True):
+            out.setdefault(label, []).append(self._ended.get(id(f)) if f.done()
+                                             and not f.cancelled() else None)
+        return {k: max(v) - self.started for k, v in out.items() if None not in v}
 
     def close(self) -> None:
         if self.pool is not None:
@@ -346,8 +363,11 @@ def warm(lists: Iterable[str | os.PathLike], n_workers: int | None = None) -> Wa
     each notebook compiled at its last run into the folder), in the lists' order, and return at
     once. The compiles land in Triton's on-disk cache, where a notebook that needs a kernel
     later finds it; a kernel whose source or signature has changed since simply compiles at
-    its first launch again. Nothing starts without lines or workers."""
-    lines = [line for p in lists for line in read_list(p)]
+    its first launch again. Nothing starts without lines or workers. Each line is labelled
+    with its list's name less :data:`LIST_SUFFIX` (the notebook's)."""
+    t0 = time.monotonic()
+    lines = [(Path(p).name.removesuffix(LIST_SUFFIX), line) for p in lists
+             for line in read_list(p)]
     n = min(workers() if n_workers is None else n_workers, len(lines))
     if n <= 0:
         return Warm(None)
@@ -356,4 +376,5 @@ def warm(lists: Iterable[str | os.PathLike], n_workers: int | None = None) -> Wa
     pool = cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"), initializer=os.nice,
                                   initargs=(NICE,))
     atexit.register(pool.shutdown, wait=False, cancel_futures=True)
-    return Warm(pool, [pool.submit(_compile_listed, line) for line in lines])
+    return Warm(pool, [pool.submit(_compile_listed, line) for _, line in lines],
+                [label for label, _ in lines], t0)

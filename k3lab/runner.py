@@ -823,11 +823,13 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
                    progress, results, line, profile)
     finally:
         if warming is not None and warming.futures:
-            counts = warming.counts()
+            counts, ready = warming.counts(), warming.ready_after()
             warming.close()
             say(f"k3lab: background compile: {counts['compiled']} of {counts['listed']} done"
                 + (f", {counts['failed']} failed (compiled at first launch instead)"
-                   if counts["failed"] else ""))
+                   if counts["failed"] else "")
+                + ("; all of a notebook's done after: " + ", ".join(
+                    f"{name} {t:.0f} s" for name, t in ready.items()) if ready else ""))
     try:
         results.index = update_index(out)
     except OSError as exc:

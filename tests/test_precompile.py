@@ -2,10 +2,13 @@
 GPU by compiling for sm_90 (tests/kernels/precompile_check.py) where Triton's NVIDIA backend is
 installed; on the CPU interpreter it does nothing."""
 
+import concurrent.futures as cf
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -188,6 +191,7 @@ def test_a_kernel_list_recorded_in_one_process_compiles_another_ones_kernels(tmp
     lines = got["lines"]
     got = _list_check(tmp_path / "cache_b", "replay", str(listed))  # an empty cache
     assert got["listed"] == lines and got["compiled"] == lines and got["failed"] == 0
+    assert list(got["ready"]) == ["nb"]  # the missing list adds no label
     assert got["built_here"] == []  # the launches found the workers' kernels in the cache
 
 
@@ -198,6 +202,7 @@ def test_on_the_gpu_a_kernel_list_compiles_kernels_that_launch_and_are_right(tmp
     assert got["recording"] and got["lines"] >= 2
     got = _list_check(tmp_path / "cache_b", "replay", str(listed), "--gpu")
     assert got["compiled"] == got["listed"] >= 2 and got["built_here"] == []
+    assert list(got["ready"]) == ["nb"] and got["ready"]["nb"] >= 0
     assert got["rel_err"] < 2e-2  # bf16 inputs, fp32 accumulation, bf16 output
 
 
@@ -213,3 +218,17 @@ def test_kernel_lists_read_each_kernel_once_and_skip_bad_lines(tmp_path):
     assert len(precompile.read_list(dest)) == 2
     assert precompile.warm([tmp_path / "none.tmp"]).futures == []
     assert not precompile.record(None) or os.environ.get(precompile.LIST_ENV)
+
+
+def test_a_warm_says_when_all_of_each_list_was_done():
+    gate = threading.Event()
+    with cf.ThreadPoolExecutor(2) as ex:
+        futures = [ex.submit(lambda: True), ex.submit(gate.wait, 10), ex.submit(lambda: True)]
+        warming = precompile.Warm(None, futures, ["a", "b", "b"], time.monotonic())
+        futures[0].result()
+        futures[2].result()
+        assert list(warming.ready_after()) == ["a"]  # b waits on its second line
+        gate.set()
+        futures[1].result()
+    ready = warming.ready_after()
+    assert list(ready) == ["a", "b"] and 0 <= ready["a"] <= ready["b"]

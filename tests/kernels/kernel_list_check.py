@@ -68,11 +68,11 @@ def main(mode: str, path: str) -> dict:
     warming = precompile.warm([path, path + ".missing"], n_workers=2)
     for f in warming.futures:
         f.exception(timeout=300)
-    counts = warming.counts()
+    counts, ready = warming.counts(), warming.ready_after()
     warming.close()
     built_here = count_front_ends()  # none when the workers compiled
     err = _launch(_calls())
-    return {**counts, "built_here": built_here, "rel_err": err}
+    return {**counts, "ready": ready, "built_here": built_here, "rel_err": err}
 
 
 if __name__ == "__main__":  # the workers import this file as their main module
