@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ahead", "Stats", "WORKERS_ENV", "workers", "LIST_ENV", "LIST_SUFFIX", "record",
-           "keep_list", "read_list", "warm", "Warm"]
+           "keep_list", "read_list", "warm", "Warm", "start_workers"]
 
 WORKERS_ENV = "K3LAB_COMPILE_WORKERS"  # worker processes (0: compile ahead in threads only)
 # A worker's compile that takes longer is given up (the kernel compiles here instead) and the
@@ -85,6 +85,16 @@ def _compile_in_worker(spec: dict) -> bool:
     return True
 
 
+def _worker_ready() -> int:
+    """A worker's first task (:func:`start_workers`): import Triton's compiler and the
+    kernels, which every compile it gets needs."""
+    import triton.compiler  # noqa: F401
+
+    with contextlib.suppress(Exception):
+        importlib.import_module("k3lab.kernels")
+    return os.getpid()
+
+
 def _spec(compile_fn: Callable) -> dict | None:
     """What a worker needs to repeat the compile Triton's JIT queued as ``compile_fn`` (a
     closure over src, target, options and env_vars), or None when it does not fit."""
@@ -123,6 +133,20 @@ def _pool(n: int) -> cf.ProcessPoolExecutor | None:
             _POOL = cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"))
             atexit.register(_POOL.shutdown, wait=False, cancel_futures=True)
         return _POOL
+
+
+def start_workers(n_workers: int | None = None) -> int:
+    """Start this process's compile workers (:func:`ahead`'s pool) and have each import what a
+    compile needs, returning at once: a notebook kernel started ahead of its notebook calls it
+    (``k3lab.runner.PRELOAD_CALLS``), so that the notebook's first :func:`ahead` does not wait
+    for processes to start. Returns the number of workers asked for."""
+    n = workers() if n_workers is None else n_workers
+    pool = _pool(n)
+    if pool is None:
+        return 0
+    for _ in range(n):  # a submit with no idle worker starts one more
+        pool.submit(_worker_ready)
+    return n
 
 
 class _SendToWorkers(cf.Executor):

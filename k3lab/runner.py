@@ -63,8 +63,10 @@ PRELOAD_DEVICES = ("cuda",)
 PRELOAD = ("torch", "triton", "numpy", "pandas", "matplotlib.pyplot", "IPython.display",
            "ipywidgets", "torch._inductor.compile_fx", "k3lab.plots", "k3lab.report",
            "k3lab.profile", "k3lab.studies", "k3lab.traces")
-# then started: Inductor's compile workers (its first torch.compile would start them)
-PRELOAD_CALLS = ("torch._inductor.async_compile:maybe_warm_pool",)
+# then started: Inductor's compile workers (its first torch.compile would start them) and the
+# Triton compile workers of k3lab.precompile.ahead (a notebook's first sweep would)
+PRELOAD_CALLS = ("torch._inductor.async_compile:maybe_warm_pool",
+                 "k3lab.precompile:start_workers")
 # the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
 # break the one-line-per-notebook progress; a cell's errors still reach the report
 KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",

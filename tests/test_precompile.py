@@ -232,3 +232,16 @@ def test_a_warm_says_when_all_of_each_list_was_done():
         futures[1].result()
     ready = warming.ready_after()
     assert list(ready) == ["a", "b"] and 0 <= ready["a"] <= ready["b"]
+
+
+def test_start_workers_starts_the_pool_that_ahead_uses():
+    """In a fresh process (the pool is the process's own): every worker asked for is started,
+    each imports Triton's compiler and the kernels, and ahead's pool is that one."""
+    code = ("import os, time; from k3lab import precompile as p; n = p.start_workers(2); "
+            "pool = p._pool(2); pids = {pool.submit(p._worker_ready).result(timeout=120) "
+            "for _ in range(4)}; print(n, len(pool._processes), pids <= set(pool._processes), "
+            "p.start_workers(0))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "2", "True", "0"]

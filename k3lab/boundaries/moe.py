@@ -370,10 +370,19 @@ def _grouped(inputs: dict) -> torch.Tensor:
 # check and bytes
 
 
+def truth(inputs: dict) -> torch.Tensor:
+    """The fp32 truth of ``inputs`` (the reference in fp32, its own routing with ``route``)."""
+    return _reference(inputs, dtype=torch.float32)
+
+
 def check(out: torch.Tensor, ref: torch.Tensor, inputs: dict) -> dict:
     """out [M, H] against the fp32 truth of the same plan, within OUT_ATOL + OUT_RTOL * |truth|
     (``ref``, the bf16 reference, is itself checked the same way when passed as ``out``)."""
-    truth = _reference(inputs, dtype=torch.float32)
+    return check_truth(out, truth(inputs))
+
+
+def check_truth(out: torch.Tensor, truth: torch.Tensor) -> dict:
+    """:func:`check` against a truth already computed (several outputs of one input set)."""
     numerics = getattr(out, "k3lab_numerics", None)  # quantized: QUANTIZED_TOLERANCES
     if numerics in QUANTIZED_TOLERANCES:
         fro, elem = QUANTIZED_TOLERANCES[numerics]
