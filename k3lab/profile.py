@@ -75,6 +75,14 @@ DEFAULT_WARMUP = {"cpu": 0, "cuda": 5}
 # process after its setup ran ~12 % slow at 5 warm-up replays, the way a GPU's clocks and
 # translation caches need some milliseconds of work before they settle (docs/decisions.md).
 WARMUP_SECONDS = {"cpu": 0.0, "cuda": 0.1}
+# Back to back the device is warm already: a timing whose warm-up starts within HOT_GAP_S of the
+# end of this process's previous timed or warm-up work on the device warms for
+# HOT_WARMUP_SECONDS instead (still its warm-up calls at least). A sweep's points and a
+# variant's eager then graph timings follow each other that closely; the first timing after
+# setup work or a pause gets the whole WARMUP_SECONDS.
+HOT_GAP_S = 0.25
+HOT_WARMUP_SECONDS = {"cpu": 0.0, "cuda": 0.01}
+_LAST_BUSY: dict[str, float] = {}  # device -> perf_counter() at the end of its last timed work
 MAX_COLD_COPIES = 512  # small boundaries (AttnRes at B1: ~0.2 MB a call) need hundreds
 # A graph replay has a fixed cost (~10-20 us on an H200) that a decode step's graph of hundreds of
 # kernels pays once. Graph timing therefore captures at least this many calls (cycling through the
@@ -147,17 +155,26 @@ def _summary(samples_us: list[float], **kw) -> Timing:
 
 
 def _warm(run: Callable[[], Any], device: torch.device) -> float:
-    """Call ``run`` (a batch of warm-up calls) until WARMUP_SECONDS of wall time have passed,
-    at least once, synchronizing after each batch (before any timed region). Returns the wall
-    seconds of the last batch."""
+    """Call ``run`` (a batch of warm-up calls) until WARMUP_SECONDS (HOT_WARMUP_SECONDS back to
+    back: HOT_GAP_S) of wall time have passed, at least once, synchronizing after each batch
+    (before any timed region). Returns the wall seconds of the last batch."""
     t0 = time.perf_counter()
+    last = _LAST_BUSY.get(str(device))
+    hot = last is not None and t0 - last <= HOT_GAP_S
+    seconds = (HOT_WARMUP_SECONDS if hot else WARMUP_SECONDS).get(device.type, 0.0)
     while True:
         t1 = time.perf_counter()
         run()
         _sync(device)
         t2 = time.perf_counter()
-        if t2 - t0 >= WARMUP_SECONDS.get(device.type, 0.0):
+        _LAST_BUSY[str(device)] = t2
+        if t2 - t0 >= seconds:
             return t2 - t1
+
+
+def _done(device: torch.device) -> None:
+    """The device's timed work ended now (after its synchronization): see HOT_GAP_S."""
+    _LAST_BUSY[str(device)] = time.perf_counter()
 
 
 def graph_passes(replay_call_us: float, n: int, min_calls: int = MIN_GRAPH_CALLS) -> int:
@@ -235,6 +252,7 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
             fn(inputs_list[i % n])
             ends[i].record()
         torch.cuda.synchronize(device)
+        _done(device)
         samples = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
         return _summary(samples, **meta)
 
@@ -268,6 +286,7 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
         graph.replay()
         ends[i].record()
     torch.cuda.synchronize(device)
+    _done(device)
     samples = [s.elapsed_time(e) * 1e3 / (n * passes) for s, e in zip(starts, ends, strict=True)]
     del graph
     return _summary(samples, note=f"{n * passes} calls per graph replay", **meta)

@@ -280,13 +280,40 @@ def test_warm_up_lasts_its_time(monkeypatch):
     import time as _time
 
     calls = []
+    monkeypatch.setattr(profile, "_LAST_BUSY", {})
     monkeypatch.setitem(profile.WARMUP_SECONDS, "cpu", 0.0)
     profile._warm(lambda: calls.append(1), torch.device("cpu"))
     assert len(calls) == 1
     monkeypatch.setitem(profile.WARMUP_SECONDS, "cpu", 0.05)
+    profile._LAST_BUSY.clear()
     t0 = _time.perf_counter()
     profile._warm(lambda: (calls.append(1), _time.sleep(0.01)), torch.device("cpu"))
     assert _time.perf_counter() - t0 >= 0.05 and len(calls) >= 1 + 5
+
+
+def test_warm_up_back_to_back_is_short_and_after_a_pause_whole(monkeypatch):
+    """Within HOT_GAP_S of the device's last work the warm-up lasts HOT_WARMUP_SECONDS; after a
+    longer pause (or first in the process) WARMUP_SECONDS."""
+    import time as _time
+
+    dev = torch.device("cpu")
+    monkeypatch.setattr(profile, "_LAST_BUSY", {})
+    monkeypatch.setitem(profile.WARMUP_SECONDS, "cpu", 0.2)
+    monkeypatch.setitem(profile.HOT_WARMUP_SECONDS, "cpu", 0.02)
+    monkeypatch.setattr(profile, "HOT_GAP_S", 0.1)
+
+    def timed() -> float:
+        t0 = _time.perf_counter()
+        profile._warm(lambda: _time.sleep(0.005), dev)
+        return _time.perf_counter() - t0
+
+    assert timed() >= 0.2  # first in the process
+    hot = timed()
+    assert 0.02 <= hot < 0.2
+    profile._done(dev)
+    assert timed() < 0.2  # right after a timing
+    _time.sleep(0.15)
+    assert timed() >= 0.2  # after a pause longer than HOT_GAP_S
 
 
 # ---------------------------------------------------------------- helpers over measure()'s rows

@@ -45,8 +45,15 @@ def sweep(s: Setup, tps, shapes=None, variants=None, skeleton: bool = True) -> p
     """``profile.measure`` of every (tp, shape) at the setup's M, plus, on a GPU, the graph
     latency of the bytes-only skeleton of the same bytes (``floors.stream_floor_us``), and for
     weights of at least BIG_WEIGHT_MB the skeleton that, as a projection on its input, waits
-    for the previous launch before its loads (``after``: programmatic dependent launch)."""
-    out = []
+    for the previous launch before its loads (``after``: programmatic dependent launch). A
+    skeleton is timed once per byte count: shapes that tp leaves whole share theirs."""
+    out, floors_us = [], {}
+
+    def floor_us(nbytes: int, after: bool) -> float:
+        if (nbytes, after) not in floors_us:
+            floors_us[nbytes, after] = floors.stream_floor_us(nbytes, s.device, after=after)
+        return floors_us[nbytes, after]
+
     table = shape_table(s, tps)
     if shapes:
         table = table[table["shape"].isin(shapes)]
@@ -62,11 +69,9 @@ def sweep(s: Setup, tps, shapes=None, variants=None, skeleton: bool = True) -> p
         out.append(rec)
         if skeleton and s.on_gpu:
             nbytes = int(profile.value(rec, "fused", "bytes"))
-            us = floors.stream_floor_us(nbytes, s.device)
-            rows = [("skeleton", us, "bytes-only stream")]
+            rows = [("skeleton", floor_us(nbytes, False), "bytes-only stream")]
             if r["weight_MB"] >= BIG_WEIGHT_MB:
-                rows.append(("dependent skeleton",
-                             floors.stream_floor_us(nbytes, s.device, after=True),
+                rows.append(("dependent skeleton", floor_us(nbytes, True),
                              "bytes-only stream after a PDL wait for the previous launch"))
             out.append(pd.DataFrame([{**s.base, "tp": cfg.tp, "variant": v, "role": "floor",
                                       "mode": "graph", "metric": "latency_us", "value": t,
