@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ahead", "Stats", "WORKERS_ENV", "workers", "LIST_ENV", "LIST_SUFFIX", "record",
-           "keep_list", "read_list", "warm", "Warm", "start_workers"]
+           "keep_list", "read_list", "warm", "Warm", "start_workers", "built_here"]
 
 WORKERS_ENV = "K3LAB_COMPILE_WORKERS"  # worker processes (0: compile ahead in threads only)
 # A worker's compile that takes longer is given up (the kernel compiles here instead) and the
@@ -293,7 +293,41 @@ def record(path: str | os.PathLike | None = None) -> bool:
         return chained(**kw) if chained is not None else None
 
     knobs.runtime.jit_post_compile_hook = hook
+    _note_front_ends(built_path(path), lock)
     return True
+
+
+def built_path(recorded: str | os.PathLike) -> Path:
+    """Beside a recorded list ``x.tmp``: ``x_built.tmp``, the names of the kernels whose front
+    end ran in the recording process (a temp file of the same kind)."""
+    p = Path(recorded)
+    return p.with_name(f"{p.stem}_built{p.suffix}")
+
+
+def _note_front_ends(path: Path, lock: threading.Lock) -> None:
+    """Append to ``path`` the name of every kernel whose front end (``ASTSource.make_ir``) runs
+    in this process: a compile that neither the cache nor a worker spared it."""
+    with contextlib.suppress(Exception):
+        from triton.compiler import ASTSource
+
+        make_ir = ASTSource.make_ir
+
+        def noted(self, *args, **kwargs):
+            with contextlib.suppress(Exception), lock, open(path, "a") as f:
+                f.write(f"{getattr(self.fn, '__name__', '?')}\n")
+            return make_ir(self, *args, **kwargs)
+
+        ASTSource.make_ir = noted
+
+
+def built_here(recorded: str | os.PathLike) -> dict[str, int]:
+    """Per kernel name, how often its front end ran in the process that recorded ``recorded``
+    (:func:`record`), most first; empty when none ran or nothing was recorded."""
+    counts: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for name in built_path(recorded).read_text().split():
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def read_list(path: str | os.PathLike) -> list[dict]:

@@ -583,6 +583,10 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         seconds = time.perf_counter() - t0
         info = {"notebook": name, "source": source or str(src), "seconds": round(seconds, 3),
                 "parameters": params, "manifest": man}
+        if kernels is not None:  # kernels it compiled itself (cache misses), for its record
+            built = precompile.built_here(kernels)
+            if built:
+                info["compiled_here"] = built
         if error is None:
             try:
                 if kernels is not None:  # what it compiled, for the next batch to compile early
@@ -607,6 +611,7 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
             profile.unlink(missing_ok=True)
         if kernels is not None:
             kernels.unlink(missing_ok=True)
+            precompile.built_path(kernels).unlink(missing_ok=True)
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -806,12 +811,17 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
         was = f"  (last {last:.1f} s)" if last is not None else ""
         say(f"[{i}/{len(paths)}] {res.name:<{width}}  {res.status:<6} {res.seconds:7.1f} s"
             + where + (f"  {res.error}" if res.error else was))
-        if profile and res.ok and res.metrics is not None:
+        if res.ok and res.metrics is not None:
             record, _ = folder.load_record(res.metrics)
+            pad = " " * (len(str(len(paths))) * 2 + 4)
             spent = (record or {}).get("host_profile", {}).get("seconds", {})
-            if spent:
-                say(" " * (len(str(len(paths))) * 2 + 4) + "host: " + ", ".join(
-                    f"{c} {t:.1f} s" for c, t in spent.items()))
+            if profile and spent:
+                say(pad + "host: " + ", ".join(f"{c} {t:.1f} s" for c, t in spent.items()))
+            built = (record or {}).get("compiled_here") or {}
+            if built:
+                say(pad + f"compiled in its own process: {sum(built.values())} kernel(s): "
+                    + ", ".join(f"{k} x{n}" for k, n in list(built.items())[:6])
+                    + (", ..." if len(built) > 6 else ""))
 
     lasts = [_last_seconds(out, p.stem) for p in paths]
     # what the notebooks compiled at their last run here starts compiling in the background

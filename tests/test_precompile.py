@@ -188,10 +188,12 @@ def test_a_kernel_list_recorded_in_one_process_compiles_another_ones_kernels(tmp
     listed = tmp_path / "nb.kernels.jsonl"
     got = _list_check(tmp_path / "cache_a", "record", str(listed))
     assert got["recording"] and got["lines"] >= 2  # specializations of plain and gate/up
+    assert sum(got["noted"].values()) == got["lines"]  # an empty cache: each built here
     lines = got["lines"]
     got = _list_check(tmp_path / "cache_b", "replay", str(listed))  # an empty cache
     assert got["listed"] == lines and got["compiled"] == lines and got["failed"] == 0
     assert list(got["ready"]) == ["nb"]  # the missing list adds no label
+    assert got["noted"] == {}  # every kernel came from the cache
     assert got["built_here"] == []  # the launches found the workers' kernels in the cache
 
 
@@ -202,6 +204,7 @@ def test_on_the_gpu_a_kernel_list_compiles_kernels_that_launch_and_are_right(tmp
     assert got["recording"] and got["lines"] >= 2
     got = _list_check(tmp_path / "cache_b", "replay", str(listed), "--gpu")
     assert got["compiled"] == got["listed"] >= 2 and got["built_here"] == []
+    assert got["noted"] == {}
     assert list(got["ready"]) == ["nb"] and got["ready"]["nb"] >= 0
     assert got["rel_err"] < 2e-2  # bf16 inputs, fp32 accumulation, bf16 output
 

@@ -64,15 +64,18 @@ def main(mode: str, path: str) -> dict:
     if mode == "record":
         recording = precompile.record(path)
         _launch(_calls())
-        return {"recording": recording, "lines": len(precompile.read_list(path))}
+        return {"recording": recording, "lines": len(precompile.read_list(path)),
+                "noted": precompile.built_here(path)}
     warming = precompile.warm([path, path + ".missing"], n_workers=2)
     for f in warming.futures:
         f.exception(timeout=300)
     counts, ready = warming.counts(), warming.ready_after()
     warming.close()
     built_here = count_front_ends()  # none when the workers compiled
+    precompile.record(path + ".again.tmp")  # and the record notes none either
     err = _launch(_calls())
-    return {**counts, "ready": ready, "built_here": built_here, "rel_err": err}
+    return {**counts, "ready": ready, "built_here": built_here,
+            "noted": precompile.built_here(path + ".again.tmp"), "rel_err": err}
 
 
 if __name__ == "__main__":  # the workers import this file as their main module
