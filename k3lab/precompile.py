@@ -304,16 +304,23 @@ def built_path(recorded: str | os.PathLike) -> Path:
     return p.with_name(f"{p.stem}_built{p.suffix}")
 
 
+_NOTED: dict = {}  # the file front ends are noted in, and ASTSource.make_ir as Triton has it
+
+
 def _note_front_ends(path: Path, lock: threading.Lock) -> None:
     """Append to ``path`` the name of every kernel whose front end (``ASTSource.make_ir``) runs
-    in this process: a compile that neither the cache nor a worker spared it."""
+    in this process: a compile that neither the cache nor a worker spared it. A later call
+    moves the notes to its own file."""
     with contextlib.suppress(Exception):
         from triton.compiler import ASTSource
 
-        make_ir = ASTSource.make_ir
+        _NOTED["path"], _NOTED["lock"] = path, lock
+        if "make_ir" in _NOTED:
+            return
+        make_ir = _NOTED["make_ir"] = ASTSource.make_ir
 
         def noted(self, *args, **kwargs):
-            with contextlib.suppress(Exception), lock, open(path, "a") as f:
+            with contextlib.suppress(Exception), _NOTED["lock"], open(_NOTED["path"], "a") as f:
                 f.write(f"{getattr(self.fn, '__name__', '?')}\n")
             return make_ir(self, *args, **kwargs)
 
