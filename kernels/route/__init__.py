@@ -37,6 +37,10 @@ The counter is shared by every call on a device: route_sort calls on one device 
 concurrently on different streams (a decode step is one stream). It is created (zeroed) by the
 first call on a device, which therefore must not happen inside a CUDA-graph capture.
 
+``RouteConfig.select_programs_min_tokens`` moves the selection to a second launch,
+``_route_select_kernel``, of one program per block of tokens (the last to finish builds the
+sort metadata), for batches too large for one program to select in turn.
+
 ``gate_logits`` (the standalone gate projection) runs step 1's split-K GEMV alone.
 """
 

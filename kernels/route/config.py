@@ -50,6 +50,12 @@ class RouteConfig:
       one token over 64 or fewer padded experts); ``buckets_per_slot`` buckets and
       ``candidates_per_slot`` candidate slots per (padded) top-k slot. A token with more
       candidates than slots makes its block fall back to the exact arg-max loop.
+
+    select_programs_min_tokens: from this many tokens on (0: never), unless all entries fit the
+        one program's registers, the selection is a second launch of one program per
+        ``BLOCK_T`` tokens (the last to finish builds the sort metadata) instead of the GEMV
+        launch's last program selecting every token in turn: two launches whose second grows
+        with the tokens' blocks, not their count.
     """
 
     gemv_block_e: int | None = None
@@ -68,6 +74,7 @@ class RouteConfig:
     threshold_min_experts: int = 128
     buckets_per_slot: int = 2
     candidates_per_slot: int = 2
+    select_programs_min_tokens: int = 0
 
     def __post_init__(self):
         for f in fields(self):
@@ -83,7 +90,8 @@ class RouteConfig:
             elif isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"{f.name}: expected an int, got {v!r}")
         lows = {"gemv_min_programs": 1, "gemv_row_programs": 0, "gemv_row_splits": 1,
-                "gemv_row_max_tokens": 0, "threshold_min_top_k": 1, "threshold_min_experts": 1}
+                "gemv_row_max_tokens": 0, "threshold_min_top_k": 1, "threshold_min_experts": 1,
+                "select_programs_min_tokens": 0}
         for name, lo in lows.items():
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}: expected >= {lo}, got {getattr(self, name)}")

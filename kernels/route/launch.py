@@ -10,7 +10,7 @@ from ..plan import RoutePlan, plan_capacity
 from ..runtime import INTERPRETED, check_device, check_number, zeroed_words
 from .config import MAX_TOKENS, RouteConfig
 from .gemv import _gate_gemv_kernel
-from .sort import _route_sort_kernel
+from .sort import _route_select_kernel, _route_sort_kernel
 
 __all__ = ["route_sort", "gate_logits"]
 
@@ -108,6 +108,13 @@ def _bucket_of(E: int, M: int, top_k: int, config: RouteConfig | None = None
     return torch.arange(E) % buckets if buckets else None
 
 
+def _spread_selection(M: int, tiles: dict, cfg: RouteConfig) -> bool:
+    """Whether the selection is its own launch of one program per token block (see
+    ``RouteConfig.select_programs_min_tokens``)."""
+    return (0 < cfg.select_programs_min_tokens <= M and not tiles["IN_REGS"]
+            and tiles["BLOCK_T"] < M)
+
+
 def _check_gate_inputs(hidden, gate_weight, correction_bias=None):
     """Validate the router's inputs; returns (M, H, E)."""
     named = [("hidden", hidden), ("gate_weight", gate_weight)]
@@ -190,7 +197,8 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
                *, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
                routed_scaling_factor: float = 1.0, block_m: int = 1, out_dim: int | None = None,
                config: RouteConfig | None = None) -> RoutePlan:
-    """Route M tokens and build the MoE sort metadata in one launch (no host sync).
+    """Route M tokens and build the MoE sort metadata in one launch (no host sync; two with
+    ``config.select_programs_min_tokens`` at or below M).
 
     The launch's last program to finish its GEMV tile does the selection and the sort; it
     finds out through a per-device int32 counter that every call on the device shares (see the
@@ -248,19 +256,26 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     out = None if out_dim is None else torch.empty(M, out_dim, dtype=f32, device=dev)
 
     pdl = cfg.pdl and not INTERPRETED
+    spread = _spread_selection(M, tiles, cfg)
+    routing = dict(E=E, SPLIT_K=split_k, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
+                   GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
+                   BLOCK_G=triton.next_power_of_2(n_group), CAND_CACHE=cfg.cand_cache,
+                   SCALAR_E=cfg.scalar_keys)
     _route_sort_kernel[(e_tiles, split_k)](
         hidden, gate_weight, correction_bias, partial, cand, rank, counter, topk_ids,
         topk_weights, sorted_ids, sorted_weights, block_expert_ids, num_valid,
         partial if out is None else out, M, H, cap, cap // block_m,
-        0 if out is None else out.numel(), float(routed_scaling_factor),
-        E=E, SPLIT_K=split_k, TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group,
-        GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
-        GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK,
-        BLOCK_G=triton.next_power_of_2(n_group), **tiles,
-        GEMV_ROWS=rows, GEMV_CHUNKS=chunks, CAND_CACHE=cfg.cand_cache,
-        SCALAR_E=cfg.scalar_keys,
-        EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED, PDL=pdl,
+        0 if out is None else out.numel(), float(routed_scaling_factor), **routing,
+        GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK, **tiles,
+        GEMV_ROWS=rows, GEMV_CHUNKS=chunks,
+        EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED, PDL=pdl, SELECT=not spread,
         num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
+    if spread:
+        sel = {k: v for k, v in tiles.items() if k != "IN_REGS"}
+        _route_select_kernel[(triton.cdiv(M, tiles["BLOCK_T"]),)](
+            partial, correction_bias, cand, rank, counter, topk_ids, topk_weights, sorted_ids,
+            sorted_weights, block_expert_ids, num_valid, M, float(routed_scaling_factor),
+            **routing, **sel, num_warps=cfg.num_warps)
 
     return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,

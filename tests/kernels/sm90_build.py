@@ -6,9 +6,9 @@ H200's target, and every Triton launch becomes a warm-up (compile, never run): t
 run as usual on CPU tensors, their outputs are left unwritten. What runs: every fused variant
 and peer of the boundary registry at the tiny preset; the route, KDA, MLA (with its absorb
 launches), AttnRes and a few dense GEMVs at K3's widths; the integration stack's decode token;
-the AttnRes split schedule, the route's gate GEMV and the floors. Constexprs that follow the
-tensors' device (the MLA split kernel's fp32 dots, PDL keyed on CUDA tensors) take their CPU
-values here; those keyed on ``INTERPRETED`` take the GPU's.
+the AttnRes split schedule, the route's gate GEMV and its spread selection, and the floors.
+Constexprs that follow the tensors' device (the MLA split kernel's fp32 dots, PDL keyed on CUDA
+tensors) take their CPU values here; those keyed on ``INTERPRETED`` take the GPU's.
 """
 
 from __future__ import annotations
@@ -213,6 +213,9 @@ def main() -> dict:
         attempt(f"route pdl M {m}", lambda m=m: route_sort(
             rk["hidden"].expand(m, -1).contiguous(), rk["gate_weight"], rk["correction_bias"],
             top_k=k3.top_k, config=RouteConfig(pdl=True)))
+    attempt("route spread selection M 64", lambda: route_sort(
+        rk["hidden"].expand(64, -1).contiguous(), rk["gate_weight"], rk["correction_bias"],
+        top_k=k3.top_k, block_m=16, config=RouteConfig(select_programs_min_tokens=1)))
     x = torch.zeros(1 << 16, dtype=torch.bfloat16)
     for then in kfloors.THEN:
         attempt(f"floors stream {then}", lambda then=then: kfloors.stream(x, then=then))

@@ -244,6 +244,32 @@ def test_launch_count(device):
     assert "route_sort_kernel" in launches.kernels[0], launches.kernels
 
 
+# the selection as its own launch of one program per token block (select_programs_min_tokens):
+# the threshold path over 3 programs, grouped over 6, and the arg-max loop (top-4 of 200: 3)
+SPREAD = RouteConfig(select_programs_min_tokens=1)
+SPREAD_CASES = [
+    ("K3-M9-E896-top16-bm16", "kimi-k3", 9, None, 1, 1, 16, {}),
+    ("K3-M21-E896-top16-g8k3-bm4", "kimi-k3", 21, None, 8, 3, 4, {}),
+    ("K2-M20-E384-top8-bm1", "kimi-k2", 20, None, 1, 1, 1, {}),
+    ("E200-M40-top4-bm2", (200, 64), 40, 4, 1, 1, 2, {}),
+]
+
+
+@pytest.mark.parametrize("case", SPREAD_CASES, ids=[c[0] for c in SPREAD_CASES])
+def test_spread_selection(case, device):
+    """Two launches, the second one program per token block; every plan field as the
+    reference's and the sort-based formulation's, and the counter back at 0."""
+    args, kwargs = _case_inputs(case, device)
+    M, E, top_k = args[0].shape[0], args[1].shape[0], kwargs["top_k"]
+    tiles = route_launch._select_tiles(E, M, top_k, SPREAD)
+    assert route_launch._spread_selection(M, tiles, SPREAD) and 2 * tiles["BLOCK_T"] < M
+    assert not route_launch._spread_selection(M, tiles, RouteConfig())  # off by default
+    launches = count_launches(lambda a: route_sort(*a, **kwargs, config=SPREAD), args)
+    assert launches.count == 2, launches.kernels
+    _check_all(args, kwargs, device, SPREAD)
+    assert not route_launch._COUNTERS[args[0].device].any()
+
+
 # cases of different grids (E tiles x K splits), selection paths and plan sizes, back to back
 REPEAT_CASES = ["tiny-M1-E24-top4-bm1", "K3-M1-E896-top16-bm16", "tiny-M17-E24-top4-bm16",
                 "E12-M64-top3-bm5", "K2-M3-E384-top8-g8k4-bm16", "tiny-M1-E24-top4-bm1"]
@@ -648,6 +674,15 @@ def test_gpu_k3(tp, M, block_m, gate_dtype):
     inp["gate_weight"] = inp["gate_weight"].to(gate_dtype)
     boundary = get("route")
     compare(boundary.variant("fused").fn(inp), boundary.reference.fn(inp))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [9, 16, 64])
+def test_gpu_spread_selection(M):
+    """The selection as its own launch, compiled: K3 tp 8, every plan field."""
+    inp = make_inputs(preset("kimi-k3", 8), "cuda", M, M=M, block_m=16)
+    args, kwargs = _args(inp), _route_kwargs(inp)
+    compare(route_sort(*args, **kwargs, config=SPREAD), route_sort_reference(*args, **kwargs))
 
 
 @pytest.mark.gpu
