@@ -248,3 +248,36 @@ def test_start_workers_starts_the_pool_that_ahead_uses():
                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "2", "True", "0"]
+
+
+def test_a_batch_keeps_and_prints_what_each_notebook_compiled_itself(tmp_path, monkeypatch,
+                                                                    capsys):
+    """The kernel-list path a GPU run gives a notebook's kernel, on the CPU here: a cell notes
+    front ends as precompile.record's hook would; the run keeps the counts in the metrics and
+    prints them under the notebook's line, and leaves no temp file."""
+    import nbformat
+
+    from k3lab import runner
+
+    nbs, out = tmp_path / "nbs", tmp_path / "out"
+    nbs.mkdir()
+    params = nbformat.v4.new_code_cell("seed = 0")
+    params.metadata["tags"] = ["parameters"]
+    note = ("import os\nfrom k3lab import precompile, report\n"
+            f"p = precompile.built_path(os.environ[{precompile.LIST_ENV!r}])\n"
+            "p.write_text('stage1\\nstage2\\nstage1\\n')\n"
+            "report.publish([{'x': 1}], headline='h')")
+    nb = nbformat.v4.new_notebook(cells=[params, nbformat.v4.new_code_cell(note)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, nbs / "00_a.ipynb")
+    monkeypatch.setattr(runner, "_kernel_list_file",
+                        lambda out_dir, name, device: Path(out_dir) / f".{name}.{os.getpid()}"
+                                                                      "-kernels.tmp")
+    res = runner.run(None, notebook_dir=nbs, out_dir=out, progress=True)
+    assert res.ok, [r.error for r in res]
+    record = json.loads((out / "00_a.metrics.json").read_text())
+    assert record["compiled_here"] == {"stage1": 2, "stage2": 1}
+    printed = capsys.readouterr().out
+    assert "compiled in its own process: 3 kernel(s): stage1 x2, stage2 x1" in printed
+    assert not list(out.glob(".*"))
