@@ -51,11 +51,10 @@ class RouteConfig:
       ``candidates_per_slot`` candidate slots per (padded) top-k slot. A token with more
       candidates than slots makes its block fall back to the exact arg-max loop.
 
-    select_programs_min_tokens: from this many tokens on (0: never), unless all entries fit the
-        one program's registers, the selection is a second launch of one program per
-        ``BLOCK_T`` tokens (the last to finish builds the sort metadata) instead of the GEMV
-        launch's last program selecting every token in turn: two launches whose second grows
-        with the tokens' blocks, not their count.
+    select_programs_min_tokens: from this many tokens on (0: never), when they span more than
+        one selection block of ``BLOCK_T`` tokens, the selection is a second launch of one
+        program per block (the last to finish builds the sort metadata) instead of the GEMV
+        launch's last program selecting every block in turn.
     """
 
     gemv_block_e: int | None = None

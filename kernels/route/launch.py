@@ -111,8 +111,7 @@ def _bucket_of(E: int, M: int, top_k: int, config: RouteConfig | None = None
 def _spread_selection(M: int, tiles: dict, cfg: RouteConfig) -> bool:
     """Whether the selection is its own launch of one program per token block (see
     ``RouteConfig.select_programs_min_tokens``)."""
-    return (0 < cfg.select_programs_min_tokens <= M and not tiles["IN_REGS"]
-            and tiles["BLOCK_T"] < M)
+    return 0 < cfg.select_programs_min_tokens <= M and tiles["BLOCK_T"] < M  # >= 2 programs
 
 
 def _check_gate_inputs(hidden, gate_weight, correction_bias=None):
