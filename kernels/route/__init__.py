@@ -40,6 +40,10 @@ first call on a device, which therefore must not happen inside a CUDA-graph capt
 ``RouteConfig.select_programs_min_tokens`` moves the selection to a second launch,
 ``_route_select_kernel``, of one program per block of tokens (the last to finish builds the
 sort metadata), for batches too large for one program to select in turn.
+``RouteConfig.register_sort_max_entries`` builds the sort metadata of up to that many (padded)
+entries in one program's registers instead of the pairwise passes: a bitonic sort of
+``expert * SORT_N + entry`` keys, a segmented scan for the rank within the expert, a cumulative
+sum of the tile-opening entries for each tile's index (n log^2 n, not n^2).
 
 ``gate_logits`` (the standalone gate projection) runs step 1's split-K GEMV alone.
 """

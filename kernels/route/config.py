@@ -55,6 +55,11 @@ class RouteConfig:
         one selection block of ``BLOCK_T`` tokens, the selection is a second launch of one
         program per block (the last to finish builds the sort metadata) instead of the GEMV
         launch's last program selecting every block in turn.
+
+    The sort metadata (where the tokens span more than one selection block): from the M * top_k
+    selected entries, by pairwise comparisons in memory (quadratic in the entries), or, with
+    ``register_sort_max_entries`` at or above the entries padded to a power of two, in one
+    program's registers: a bitonic sort of (expert, entry) keys and two scans (0: never).
     """
 
     gemv_block_e: int | None = None
@@ -74,6 +79,7 @@ class RouteConfig:
     buckets_per_slot: int = 2
     candidates_per_slot: int = 2
     select_programs_min_tokens: int = 0
+    register_sort_max_entries: int = 0
 
     def __post_init__(self):
         for f in fields(self):
@@ -90,7 +96,7 @@ class RouteConfig:
                 raise ValueError(f"{f.name}: expected an int, got {v!r}")
         lows = {"gemv_min_programs": 1, "gemv_row_programs": 0, "gemv_row_splits": 1,
                 "gemv_row_max_tokens": 0, "threshold_min_top_k": 1, "threshold_min_experts": 1,
-                "select_programs_min_tokens": 0}
+                "select_programs_min_tokens": 0, "register_sort_max_entries": 0}
         for name, lo in lows.items():
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}: expected >= {lo}, got {getattr(self, name)}")

@@ -83,7 +83,8 @@ def _select_tiles(E: int, M: int, top_k: int, cfg: RouteConfig) -> dict[str, int
     """The selection program's tile constexprs (see _select_sort / _top_k_threshold):
     BLOCK_T tokens x BLOCK_E (padded) experts at once, BLOCK_S (padded) slots, BUCKETS and
     CAP of the threshold selection (BUCKETS = 0: the arg-max loop), IN_REGS (all entries sorted
-    in registers) and the memory sort passes' BLOCK_R x BLOCK_C."""
+    in registers with the selection's own tiles), the memory sort passes' BLOCK_R x BLOCK_C,
+    and SORT_N (the register sort's padded entries; 0: the memory passes)."""
     n = M * top_k
     block_ex = triton.next_power_of_2(E)
     block_t = min(triton.next_power_of_2(M), max(1, SELECT_TILE // block_ex))
@@ -92,12 +93,16 @@ def _select_tiles(E: int, M: int, top_k: int, cfg: RouteConfig) -> dict[str, int
     use_threshold = (top_k >= cfg.threshold_min_top_k and buckets * MIN_BUCKET_SIZE <= block_ex
                      and block_ex >= cfg.threshold_min_experts)
     block_c = min(triton.next_power_of_2(n), PAIR_COLS)
+    sort_n = triton.next_power_of_2(n)
+    in_regs = block_t >= M and block_t * block_s <= REG_ENTRIES
     return dict(BLOCK_T=block_t, BLOCK_E=block_ex, BLOCK_S=block_s,
                 BUCKETS=buckets if use_threshold else 0,
                 CAP=min(cfg.candidates_per_slot * block_s, block_ex) if use_threshold else 1,
-                IN_REGS=block_t >= M and block_t * block_s <= REG_ENTRIES,
+                IN_REGS=in_regs,
                 BLOCK_R=max(1, min(triton.next_power_of_2(n), PAIR_TILE // block_c)),
-                BLOCK_C=block_c)
+                BLOCK_C=block_c,
+                SORT_N=sort_n if (not in_regs and sort_n <= cfg.register_sort_max_entries
+                                  and (E + 1) * sort_n < 2 ** 31) else 0)
 
 
 def _bucket_of(E: int, M: int, top_k: int, config: RouteConfig | None = None

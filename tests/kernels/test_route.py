@@ -270,6 +270,37 @@ def test_spread_selection(case, device):
     assert not route_launch._COUNTERS[args[0].device].any()
 
 
+# the sort metadata in one program's registers (register_sort_max_entries): several tiles of one
+# expert (E12, bm5), padding to a power of two (M17 x top-4 = 68 entries -> 128), grouped
+# routing; in the GEMV launch's last program and after the spread
+# selection
+REG_SORT = RouteConfig(register_sort_max_entries=4096)
+REG_SORT_CASES = [(c, REG_SORT) for c in CASES if c[0] in (
+    "tiny-M17-E24-top4-bm16", "tiny-M64-E24-top4-bm1", "tiny-M64-E24-top4-bm16-out",
+    "E12-M64-top3-bm5")]
+REG_SORT_CASES += [(c, RouteConfig(select_programs_min_tokens=1, register_sort_max_entries=512))
+                   for c in SPREAD_CASES if c[0] in ("K3-M9-E896-top16-bm16",
+                                                     "K3-M21-E896-top16-g8k3-bm4",
+                                                     "E200-M40-top4-bm2")]
+
+
+@pytest.mark.parametrize("case,config", REG_SORT_CASES,
+                         ids=[f"{c[0]}-{_cid}" for (c, cf) in REG_SORT_CASES
+                              for _cid in ["spread" if cf.select_programs_min_tokens else "one"]])
+def test_register_sort(case, config, device):
+    """Every plan field as the reference's and the sort-based formulation's, with the register
+    sort chosen (and below its limit the memory passes)."""
+    args, kwargs = _case_inputs(case, device)
+    M, E, top_k = args[0].shape[0], args[1].shape[0], kwargs["top_k"]
+    tiles = route_launch._select_tiles(E, M, top_k, config)
+    assert tiles["SORT_N"] >= M * top_k and not tiles["IN_REGS"]
+    small = RouteConfig(register_sort_max_entries=tiles["SORT_N"] // 2)
+    assert route_launch._select_tiles(E, M, top_k, small)["SORT_N"] == 0
+    assert route_launch._select_tiles(E, M, top_k, RouteConfig())["SORT_N"] == 0  # off
+    _check_all(args, kwargs, device, config)
+    assert not route_launch._COUNTERS[args[0].device].any()
+
+
 # cases of different grids (E tiles x K splits), selection paths and plan sizes, back to back
 REPEAT_CASES = ["tiny-M1-E24-top4-bm1", "K3-M1-E896-top16-bm16", "tiny-M17-E24-top4-bm16",
                 "E12-M64-top3-bm5", "K2-M3-E384-top8-g8k4-bm16", "tiny-M1-E24-top4-bm1"]
@@ -677,12 +708,17 @@ def test_gpu_k3(tp, M, block_m, gate_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [SPREAD, REG_SORT, RouteConfig(
+    select_programs_min_tokens=1, register_sort_max_entries=4096)],
+    ids=["spread", "register-sort", "spread-register-sort"])
 @pytest.mark.parametrize("M", [9, 16, 64])
-def test_gpu_spread_selection(M):
-    """The selection as its own launch, compiled: K3 tp 8, every plan field."""
-    inp = make_inputs(preset("kimi-k3", 8), "cuda", M, M=M, block_m=16)
+@pytest.mark.parametrize("block_m", [1, 16])
+def test_gpu_spread_selection(M, block_m, config):
+    """The selection as its own launch and the register sort, compiled: K3 tp 8, every plan
+    field."""
+    inp = make_inputs(preset("kimi-k3", 8), "cuda", M, M=M, block_m=block_m)
     args, kwargs = _args(inp), _route_kwargs(inp)
-    compare(route_sort(*args, **kwargs, config=SPREAD), route_sort_reference(*args, **kwargs))
+    compare(route_sort(*args, **kwargs, config=config), route_sort_reference(*args, **kwargs))
 
 
 @pytest.mark.gpu
