@@ -32,12 +32,35 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ahead", "Stats", "WORKERS_ENV", "workers", "LIST_ENV", "LIST_SUFFIX", "record",
-           "keep_list", "read_list", "warm", "Warm", "start_workers", "built_here"]
+           "keep_list", "read_list", "warm", "Warm", "start_workers", "built_here",
+           "CACHE_ENV", "pin_cache_dir"]
 
 WORKERS_ENV = "K3LAB_COMPILE_WORKERS"  # worker processes (0: compile ahead in threads only)
 # A worker's compile that takes longer is given up (the kernel compiles here instead) and the
 # pool is not used again in this process: a hung worker must not hang the notebook.
 WORKER_TIMEOUT_S = 300.0
+
+
+CACHE_ENV = "TRITON_CACHE_DIR"
+
+
+def pin_cache_dir() -> str | None:
+    """Set $TRITON_CACHE_DIR, where unset, to the folder Triton uses now, and return it (None
+    without Triton). torch.compile sets it to a folder of its own the first time it runs a
+    kernel; a process (or a worker) that started before then would write the kernels to one
+    folder and a notebook look them up in another, compiling all of them again. Called before
+    workers start and as a notebook kernel starts."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    try:
+        from triton import knobs
+
+        folder = knobs.cache.dir
+    except Exception:  # noqa: BLE001 - no Triton, or one without knobs: nothing to pin
+        return None
+    if folder:
+        os.environ[CACHE_ENV] = str(folder)
+    return folder or None
 
 
 def workers() -> int:
@@ -126,6 +149,7 @@ def _pool(n: int) -> cf.ProcessPoolExecutor | None:
     global _POOL
     if n <= 0:
         return None
+    pin_cache_dir()
     with _POOL_LOCK:
         if _POOL is None:
             import multiprocessing as mp
@@ -274,6 +298,7 @@ def record(path: str | os.PathLike | None = None) -> bool:
     """From now on append every Triton kernel this process compiles or loads from the cache
     (Triton's ``jit_post_compile_hook``) to ``path`` (default ``$K3LAB_KERNEL_LIST``; unset:
     nothing). False where nothing is recorded. A kernel's notebook calls it as it starts."""
+    pin_cache_dir()  # as the kernel starts: the folder a warming batch filled
     path = path if path is not None else os.environ.get(LIST_ENV)
     if not path:
         return False
@@ -436,6 +461,7 @@ def warm(lists: Iterable[str | os.PathLike], n_workers: int | None = None) -> Wa
     n = min(workers() if n_workers is None else n_workers, len(lines))
     if n <= 0:
         return Warm(None)
+    pin_cache_dir()  # the workers and the notebooks (which inherit it) share one folder
     import multiprocessing as mp
 
     pool = cf.ProcessPoolExecutor(n, mp_context=mp.get_context("spawn"), initializer=os.nice,

@@ -277,6 +277,9 @@ def _kernel_environ(device: str, profile: Path | None = None,
     else:
         env.pop("TRITON_INTERPRET", None)
     env.pop("MPLBACKEND", None)  # an inherited Agg would silence the inline plots
+    cache = precompile.pin_cache_dir()  # the folder the background compile fills
+    if cache:
+        env[precompile.CACHE_ENV] = cache
     root = str(repo_root())
     path = env.get("PYTHONPATH", "")
     if root not in path.split(os.pathsep):

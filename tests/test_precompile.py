@@ -73,6 +73,38 @@ def test_workers_from_the_environment(monkeypatch):
     assert 1 <= precompile.workers() <= 8
 
 
+def test_the_cache_folder_is_pinned_for_kernels_and_workers(monkeypatch, tmp_path):
+    """torch.compile moves an unset $TRITON_CACHE_DIR to a folder of its own the first time it
+    runs a kernel: the batch pins it, so a notebook finds what the warming workers compiled."""
+    from triton import knobs
+
+    from k3lab import runner
+
+    monkeypatch.delenv(precompile.CACHE_ENV, raising=False)
+    assert precompile.pin_cache_dir() == knobs.cache.dir == os.environ[precompile.CACHE_ENV]
+    monkeypatch.setenv(precompile.CACHE_ENV, str(tmp_path))
+    assert precompile.pin_cache_dir() == str(tmp_path)  # a folder already chosen stays
+    assert runner._kernel_environ("cuda")[precompile.CACHE_ENV] == str(tmp_path)
+    monkeypatch.delenv(precompile.CACHE_ENV)
+    assert runner._kernel_environ("cpu")[precompile.CACHE_ENV] == knobs.cache.dir
+
+
+@pytest.mark.gpu
+def test_torch_compile_leaves_a_pinned_cache_folder(tmp_path):
+    """In a fresh process: with the folder pinned, a torch.compile'd function run on the GPU
+    leaves $TRITON_CACHE_DIR where it was."""
+    code = ("import os, torch; from k3lab import precompile; "
+            "before = precompile.pin_cache_dir(); "
+            "f = torch.compile(lambda x: torch.sin(x) * 2); f(torch.ones(8, device='cuda')); "
+            "print(before == os.environ['TRITON_CACHE_DIR'])")
+    env = {k: v for k, v in os.environ.items() if k != precompile.CACHE_ENV}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"
+
+
 @pytest.fixture
 def handed(monkeypatch):
     """The calls each precompile.ahead is handed, run here (under the interpreter) to show
