@@ -322,13 +322,13 @@ _SWEEPS = [
     Sweep("warps", "route", ({"num_warps": 2}, {"num_warps": 4}, {"num_warps": 8}),
           "warps of every route program"),
     Sweep("spread", "route", grid(({"M": 8}, {"M": 16}, {"M": 32}, {"M": 64}),
-                                  ({}, {"select_programs_min_tokens": 1},
-                                   {"register_sort_max_entries": 4096},
-                                   {"select_programs_min_tokens": 1,
-                                    "register_sort_max_entries": 4096})),
+                                  ({"select_programs_min_tokens": 0,
+                                    "register_sort_max_entries": 0},
+                                   {"register_sort_max_entries": 0},
+                                   {"select_programs_min_tokens": 0}, {})),
           "the selection in the GEMV launch's last program against its own launch of one "
-          "program per token block; the sort metadata by pairwise passes in memory against "
-          "a register sort", variants=("fused", "reference")),
+          "program per token block (the default); the sort metadata by pairwise passes in "
+          "memory against the register sort (the default)", variants=("fused", "reference")),
     Sweep("tiles", "moe", ({}, {"stage1_mma_tile": (2, 1, 1)}, {"stage1_mma_tile": (2, 2, 1)},
                            {"stage1_mma_tile": (2, 4, 1)}, {"stage2_mma_tile": (2, 1, 1)},
                            {"stage2_mma_tile": (2, 2, 1)}, {"stage2_mma_tile": (2, 2, 2)},

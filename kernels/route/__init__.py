@@ -1,4 +1,5 @@
-"""Fused routing + MoE sort metadata (the route boundary) in one launch.
+"""Fused routing + MoE sort metadata (the route boundary) in one launch (two for batches past
+one selection block).
 
 Math (docs/model.md, ``noaux_tc``), per token m of M::
 
@@ -37,9 +38,10 @@ The counter is shared by every call on a device: route_sort calls on one device 
 concurrently on different streams (a decode step is one stream). It is created (zeroed) by the
 first call on a device, which therefore must not happen inside a CUDA-graph capture.
 
-``RouteConfig.select_programs_min_tokens`` moves the selection to a second launch,
-``_route_select_kernel``, of one program per block of tokens (the last to finish builds the
-sort metadata), for batches too large for one program to select in turn.
+``RouteConfig.select_programs_min_tokens`` (by default from 1 token, where the tokens span more
+than one selection block) moves the selection to a second launch, ``_route_select_kernel``, of
+one program per block of tokens (the last to finish builds the sort metadata), for batches too
+large for one program to select in turn.
 ``RouteConfig.register_sort_max_entries`` builds the sort metadata of up to that many (padded)
 entries in one program's registers instead of the pairwise passes: a bitonic sort of
 ``expert * SORT_N + entry`` keys, a segmented scan for the rank within the expert, a cumulative

@@ -51,10 +51,10 @@ class RouteConfig:
       ``candidates_per_slot`` candidate slots per (padded) top-k slot. A token with more
       candidates than slots makes its block fall back to the exact arg-max loop.
 
-    select_programs_min_tokens: from this many tokens on (0: never), when they span more than
-        one selection block of ``BLOCK_T`` tokens, the selection is a second launch of one
-        program per block (the last to finish builds the sort metadata) instead of the GEMV
-        launch's last program selecting every block in turn.
+    select_programs_min_tokens: from this many tokens on (0: never; by default always), when
+        they span more than one selection block of ``BLOCK_T`` tokens, the selection is a
+        second launch of one program per block (the last to finish builds the sort metadata)
+        instead of the GEMV launch's last program selecting every block in turn.
 
     The sort metadata (where the tokens span more than one selection block): from the M * top_k
     selected entries, by pairwise comparisons in memory (quadratic in the entries), or, with
@@ -78,8 +78,8 @@ class RouteConfig:
     threshold_min_experts: int = 128
     buckets_per_slot: int = 2
     candidates_per_slot: int = 2
-    select_programs_min_tokens: int = 0
-    register_sort_max_entries: int = 0
+    select_programs_min_tokens: int = 1
+    register_sort_max_entries: int = 1024
 
     def __post_init__(self):
         for f in fields(self):

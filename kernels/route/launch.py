@@ -201,8 +201,9 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
                *, top_k: int, n_group: int = 1, topk_group: int = 1, renormalize: bool = True,
                routed_scaling_factor: float = 1.0, block_m: int = 1, out_dim: int | None = None,
                config: RouteConfig | None = None) -> RoutePlan:
-    """Route M tokens and build the MoE sort metadata in one launch (no host sync; two with
-    ``config.select_programs_min_tokens`` at or below M).
+    """Route M tokens and build the MoE sort metadata in one launch (no host sync; two where
+    ``config.select_programs_min_tokens`` is at or below M and the tokens span more than one
+    selection block).
 
     The launch's last program to finish its GEMV tile does the selection and the sort; it
     finds out through a per-device int32 counter that every call on the device shares (see the

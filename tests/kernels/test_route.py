@@ -244,8 +244,9 @@ def test_launch_count(device):
     assert "route_sort_kernel" in launches.kernels[0], launches.kernels
 
 
-# the selection as its own launch of one program per token block (select_programs_min_tokens):
-# the threshold path over 3 programs, grouped over 6, and the arg-max loop (top-4 of 200: 3)
+# the selection as its own launch of one program per token block (select_programs_min_tokens, on
+# by default): the threshold path over 3 programs, grouped over 6, and the arg-max loop (top-4 of
+# 200: 3)
 SPREAD = RouteConfig(select_programs_min_tokens=1)
 SPREAD_CASES = [
     ("K3-M9-E896-top16-bm16", "kimi-k3", 9, None, 1, 1, 16, {}),
@@ -263,7 +264,8 @@ def test_spread_selection(case, device):
     M, E, top_k = args[0].shape[0], args[1].shape[0], kwargs["top_k"]
     tiles = route_launch._select_tiles(E, M, top_k, SPREAD)
     assert route_launch._spread_selection(M, tiles, SPREAD) and 2 * tiles["BLOCK_T"] < M
-    assert not route_launch._spread_selection(M, tiles, RouteConfig())  # off by default
+    assert route_launch._spread_selection(M, tiles, RouteConfig())  # on by default
+    assert not route_launch._spread_selection(M, tiles, RouteConfig(select_programs_min_tokens=0))
     launches = count_launches(lambda a: route_sort(*a, **kwargs, config=SPREAD), args)
     assert launches.count == 2, launches.kernels
     _check_all(args, kwargs, device, SPREAD)
@@ -296,7 +298,8 @@ def test_register_sort(case, config, device):
     assert tiles["SORT_N"] >= M * top_k and not tiles["IN_REGS"]
     small = RouteConfig(register_sort_max_entries=tiles["SORT_N"] // 2)
     assert route_launch._select_tiles(E, M, top_k, small)["SORT_N"] == 0
-    assert route_launch._select_tiles(E, M, top_k, RouteConfig())["SORT_N"] == 0  # off
+    off = RouteConfig(register_sort_max_entries=0)
+    assert route_launch._select_tiles(E, M, top_k, off)["SORT_N"] == 0
     _check_all(args, kwargs, device, config)
     assert not route_launch._COUNTERS[args[0].device].any()
 
