@@ -1097,13 +1097,15 @@ def test_gpu_atomic_vs_deterministic():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 @pytest.mark.parametrize("fuse_tail", [True, False], ids=["fused-tail", "tail"])
-def test_gpu_cuda_graph(fmt, fuse_tail):
+@pytest.mark.parametrize("M", [4, 16])
+def test_gpu_cuda_graph(fmt, fuse_tail, M):
     """moe_block with routing captured once, replayed on new x: right each time (stage 1 zeroes
-    the accumulator and the stage-2/tail counters), no host synchronization."""
+    the accumulator and the stage-2/tail counters), no host synchronization; M 16 routes in two
+    launches (the selection spread over token blocks)."""
     cfg = preset("kimi-k3", 8)
     gen = make_generator(0, "cuda")
     w = moe_weights(cfg, gen, expert_format=fmt)
-    x = hidden_states(cfg, 4, gen)
+    x = hidden_states(cfg, M, gen)
     torch.cuda.set_sync_debug_mode("error")
     try:
         moe_block(x, w, cfg=cfg, fuse_tail=fuse_tail)
@@ -1118,7 +1120,7 @@ def test_gpu_cuda_graph(fmt, fuse_tail):
     with torch.cuda.graph(graph):
         out = moe_block(x, w, cfg=cfg, fuse_tail=fuse_tail)
     for seed in (1, 2, 3):
-        x.copy_(hidden_states(cfg, 4, make_generator(seed, "cuda")))
+        x.copy_(hidden_states(cfg, M, make_generator(seed, "cuda")))
         graph.replay()
         torch.cuda.synchronize()
         want = ref.latent_moe_from_plan_reference(x, _fused_plan(cfg, x, w), w, cfg)
