@@ -23,3 +23,8 @@ from .moe import (  # noqa: F401, E402
 from .mxfp4 import MXFP4  # noqa: F401, E402
 from .plan import RoutePlan  # noqa: F401, E402
 from .route import RouteConfig, gate_logits, route_sort  # noqa: F401, E402
+
+if not INTERPRETED:  # the same kernel keys in every process (see runtime.prime_cache_keys)
+    from .runtime import prime_cache_keys  # noqa: E402
+
+    prime_cache_keys(__name__)

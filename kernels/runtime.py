@@ -14,8 +14,8 @@ import os
 
 import torch
 
-__all__ = ["INTERPRETED", "prepare", "check_device", "check_tensor", "check_number",
-           "VALIDATE_MODES", "check_validate", "zeroed_words"]
+__all__ = ["INTERPRETED", "prepare", "prime_cache_keys", "check_device", "check_tensor",
+           "check_number", "VALIDATE_MODES", "check_validate", "zeroed_words"]
 
 
 def prepare() -> bool:
@@ -92,6 +92,58 @@ def _patch_once_per_launch() -> bool:
 
 if INTERPRETED:
     _patch_once_per_launch()
+
+
+def _callees(fn, jit_type) -> list:
+    """The @triton.jit functions ``fn``'s source names (``f`` or ``module.f``), in its globals."""
+    import ast
+
+    scope, out = fn.__globals__, []
+    for node in ast.walk(fn.parse()):
+        if isinstance(node, ast.Name):
+            v = scope.get(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            v = getattr(scope.get(node.value.id), node.attr, None)
+        else:
+            continue
+        if isinstance(v, jit_type) and v is not fn:
+            out.append(v)
+    return out
+
+
+def prime_cache_keys(package: str) -> int:
+    """Import every module of ``package`` and compute the cache key of each @triton.jit
+    function in them, callees before callers; returns how many. Up to Triton 3.6 a caller's
+    key takes in its callees' global constexprs only where the callee's key already exists,
+    so a kernel's key depended on what the process had compiled before, and the compile
+    workers of k3lab.precompile and a notebook disagreed (the notebook compiled again). In
+    this order every process computes the same keys. Nothing under the interpreter."""
+    import importlib
+    import pkgutil
+    import sys
+
+    from triton.runtime import jit
+
+    jit_type = getattr(jit, "JITCallable", jit.JITFunction)
+    root = importlib.import_module(package)
+    for info in pkgutil.walk_packages(root.__path__, package + "."):
+        importlib.import_module(info.name)
+    fns = {id(v): v for name, mod in list(sys.modules.items())
+           if mod is not None and (name == package or name.startswith(package + "."))
+           for v in vars(mod).values() if isinstance(v, jit_type)}
+    done: set[int] = set()
+
+    def prime(fn) -> None:
+        if id(fn) in done:
+            return
+        done.add(id(fn))
+        for callee in _callees(fn, jit_type):
+            prime(callee)
+        fn.cache_key  # noqa: B018 - computed and kept by Triton
+
+    for fn in fns.values():
+        prime(fn)
+    return len(fns)
 
 
 def check_device(name: str, t: torch.Tensor) -> None:
