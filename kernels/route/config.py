@@ -30,6 +30,10 @@ class RouteConfig:
       of 1024 / 512 / 256 / 128 that still gives ``gemv_min_programs`` programs; under the
       interpreter few, big tiles (every program costs a fixed Python overhead).
 
+    gemv_dot_min_tokens: from this many tokens on (0: never), where x and W are bf16 and the
+        split-K tiles have at least 16 experts, each tile's products are tensor-core dots of
+        up to 64 tokens at once in ``gemv_dot_k``-wide steps (bf16 products are exact in fp32),
+        instead of every token in turn multiplying the tile on the CUDA cores.
     num_warps: every program's (the GEMV's and the selection's, which share the kernel).
     early_dependents: (compiled only) each program first lets a next launch made with
         programmatic dependent launch start, for a next launch that reads nothing the route
@@ -69,6 +73,8 @@ class RouteConfig:
     gemv_row_chunk: int = 512
     gemv_row_splits: int = 2
     gemv_row_max_tokens: int = 1
+    gemv_dot_min_tokens: int = 0
+    gemv_dot_k: int = 128
     num_warps: int = 4
     early_dependents: bool = False
     pdl: bool = False
@@ -96,11 +102,12 @@ class RouteConfig:
                 raise ValueError(f"{f.name}: expected an int, got {v!r}")
         lows = {"gemv_min_programs": 1, "gemv_row_programs": 0, "gemv_row_splits": 1,
                 "gemv_row_max_tokens": 0, "threshold_min_top_k": 1, "threshold_min_experts": 1,
-                "select_programs_min_tokens": 0, "register_sort_max_entries": 0}
+                "select_programs_min_tokens": 0, "register_sort_max_entries": 0,
+                "gemv_dot_min_tokens": 0, "gemv_dot_k": 16}
         for name, lo in lows.items():
             if getattr(self, name) < lo:
                 raise ValueError(f"{name}: expected >= {lo}, got {getattr(self, name)}")
-        for name in ("gemv_block_e", "gemv_block_k", "gemv_row_chunk", "num_warps",
+        for name in ("gemv_block_e", "gemv_block_k", "gemv_row_chunk", "gemv_dot_k", "num_warps",
                      "buckets_per_slot", "candidates_per_slot"):
             v = getattr(self, name)
             if v is not None and not _pow2(v):

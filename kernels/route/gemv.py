@@ -17,17 +17,40 @@ def _fill(p_dst, n, b_value, pid, n_prog, BLOCK: tl.constexpr):
 @triton.jit
 def _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H,
                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
-                   CHUNKS: tl.constexpr):
+                   CHUNKS: tl.constexpr, DOT_M: tl.constexpr = 0, DOT_K: tl.constexpr = 128,
+                   DOT_FP32: tl.constexpr = False):
     """Tile (i_e, i_k) of W read once; for every token, store its partial logits
     ``p_part[i_k, m, tile]``.
 
-    ROWS = 0 (split-K tiles): the tile is BLOCK_E experts x BLOCK_K columns, loaded once for all
-    tokens. ROWS > 0 (row programs): ROWS (<= BLOCK_E) experts from i_e * ROWS, CHUNKS
-    consecutive BLOCK_K-wide column chunks from i_k * CHUNKS * BLOCK_K, accumulated
+    DOT_M > 0 (split-K tiles, bf16 x and W): tensor-core products of DOT_M tokens at once, the
+    tile in DOT_K-wide steps (bf16 products are exact in fp32; DOT_FP32 casts the operands
+    first, for the interpreter). ROWS = 0 (split-K tiles): the tile is BLOCK_E experts x
+    BLOCK_K columns, loaded once for all tokens. ROWS > 0 (row programs): ROWS (<= BLOCK_E)
+    experts from i_e * ROWS, CHUNKS consecutive BLOCK_K-wide column chunks from
+    i_k * CHUNKS * BLOCK_K, accumulated
     elementwise (fp32 [BLOCK_E, BLOCK_K]) and reduced once; unrolled, so the chunks' loads are
     independent and can all be in flight; tokens outermost (W re-read from L2 for m >= 1: meant
     for decode batches)."""
-    if ROWS == 0:
+    if DOT_M > 0:
+        o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        m_e = o_e < E
+        for m0 in range(0, M, DOT_M):
+            o_m = m0 + tl.arange(0, DOT_M)
+            m_m = o_m < M
+            b_acc = tl.zeros([BLOCK_E, DOT_M], tl.float32)
+            for k0 in tl.static_range(0, BLOCK_K, DOT_K):
+                o_k = i_k * BLOCK_K + k0 + tl.arange(0, DOT_K)
+                m_k = o_k < H
+                b_w = tl.load(p_w + o_e[:, None] * H + o_k[None, :],
+                              mask=m_e[:, None] & m_k[None, :], other=0.0)
+                b_x = tl.load(p_x + o_m[None, :] * H + o_k[:, None],
+                              mask=m_k[:, None] & m_m[None, :], other=0.0)
+                if DOT_FP32:
+                    b_w, b_x = b_w.to(tl.float32), b_x.to(tl.float32)
+                b_acc += tl.dot(b_w, b_x)
+            tl.store(p_part + (i_k * M + o_m[None, :]) * E + o_e[:, None], b_acc,
+                     mask=m_e[:, None] & m_m[None, :])
+    elif ROWS == 0:
         o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
         o_k = i_k * BLOCK_K + tl.arange(0, BLOCK_K)
         m_e, m_k = o_e < E, o_k < H

@@ -79,6 +79,19 @@ def _gemv_rows(E: int, H: int, on_gpu: bool,
     return rows, triton.next_power_of_2(rows), block_k, chunks, triton.cdiv(H, chunks * block_k)
 
 
+DOT_MAX_TOKENS = 64  # tokens of one tensor-core product (the GEMV's DOT_M)
+
+
+def _gemv_dot(M: int, block_e: int, block_k: int, dtypes: tuple, cfg: RouteConfig
+              ) -> dict[str, int | bool]:
+    """The split-K GEMV's tensor-core constexprs (DOT_M = 0: CUDA-core products): see
+    ``RouteConfig.gemv_dot_min_tokens``."""
+    on = (0 < cfg.gemv_dot_min_tokens <= M and block_e >= 16 and block_k >= 16
+          and bool(dtypes) and all(d == torch.bfloat16 for d in dtypes))
+    return dict(DOT_M=min(max(16, triton.next_power_of_2(M)), DOT_MAX_TOKENS) if on else 0,
+                DOT_K=min(cfg.gemv_dot_k, block_k) if on else 16, DOT_FP32=INTERPRETED)
+
+
 def _select_tiles(E: int, M: int, top_k: int, cfg: RouteConfig) -> dict[str, int | bool]:
     """The selection program's tile constexprs (see _select_sort / _top_k_threshold):
     BLOCK_T tokens x BLOCK_E (padded) experts at once, BLOCK_S (padded) slots, BUCKETS and
@@ -240,9 +253,11 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     if row_mode is None:
         block_e, block_k = _gemv_blocks(E, H, on_gpu, cfg)
         rows, chunks, split_k, e_tiles = 0, 1, triton.cdiv(H, block_k), triton.cdiv(E, block_e)
+        dot = _gemv_dot(M, block_e, block_k, (hidden.dtype, gate_weight.dtype), cfg)
     else:
         rows, block_e, block_k, chunks, split_k = row_mode
         e_tiles = triton.cdiv(E, rows)
+        dot = _gemv_dot(0, block_e, block_k, (), cfg)  # off
     n = M * top_k
     cap = plan_capacity(M, top_k, E, block_m)
     tiles = _select_tiles(E, M, top_k, cfg)
@@ -274,6 +289,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK, **tiles,
         GEMV_ROWS=rows, GEMV_CHUNKS=chunks,
         EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED, PDL=pdl, SELECT=not spread,
+        **dot,
         num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
     if spread:
         sel = {k: v for k, v in tiles.items() if k != "IN_REGS"}

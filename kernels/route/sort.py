@@ -166,7 +166,8 @@ def _route_sort_kernel(
         IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
         GEMV_ROWS: tl.constexpr, GEMV_CHUNKS: tl.constexpr, CAND_CACHE: tl.constexpr,
         SCALAR_E: tl.constexpr, SORT_N: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
-        PDL: tl.constexpr, SELECT: tl.constexpr):
+        PDL: tl.constexpr, SELECT: tl.constexpr, DOT_M: tl.constexpr, DOT_K: tl.constexpr,
+        DOT_FP32: tl.constexpr):
     """The GEMV partials and the plan's padding; with SELECT the last program to finish then
     selects and sorts (else _route_select_kernel, the next launch, does)."""
     i_e, i_k = tl.program_id(0), tl.program_id(1)
@@ -174,7 +175,8 @@ def _route_sort_kernel(
         gdc_launch_dependents()
     if PDL:  # x, the plan and the counter all wait for the previous grid
         gdc_wait()
-    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS)
+    _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS,
+                   DOT_M, DOT_K, DOT_FP32)
 
     # side job: the plan's padding and the zeroed stage-2 buffer (before the counter below, so
     # the selection's scatter lands after every fill)

@@ -6,8 +6,8 @@ H200's target, and every Triton launch becomes a warm-up (compile, never run): t
 run as usual on CPU tensors, their outputs are left unwritten. What runs: every fused variant
 and peer of the boundary registry at the tiny preset; the route, KDA, MLA (with its absorb
 launches), AttnRes and a few dense GEMVs at K3's widths; the integration stack's decode token;
-the AttnRes split schedule, the route's gate GEMV, its spread selection and register sort, and
-the floors.
+the AttnRes split schedule, the route's gate GEMV (CUDA-core and tensor-core products), its
+spread selection and register sort, and the floors.
 Constexprs that follow the tensors' device (the MLA split kernel's fp32 dots, PDL keyed on CUDA
 tensors) take their CPU values here; those keyed on ``INTERPRETED`` take the GPU's.
 """
@@ -217,6 +217,10 @@ def main() -> dict:
     attempt("route spread selection M 64", lambda: route_sort(
         rk["hidden"].expand(64, -1).contiguous(), rk["gate_weight"], rk["correction_bias"],
         top_k=k3.top_k, block_m=16, config=RouteConfig(select_programs_min_tokens=1)))
+    for m in (4, 64):
+        attempt(f"route gemv dot M {m}", lambda m=m: route_sort(
+            rk["hidden"].expand(m, -1).contiguous(), rk["gate_weight"], rk["correction_bias"],
+            top_k=k3.top_k, block_m=16, config=RouteConfig(gemv_dot_min_tokens=2)))
     for spread in (0, 1):
         attempt(f"route register sort M 64 spread {spread}", lambda spread=spread: route_sort(
             rk["hidden"].expand(64, -1).contiguous(), rk["gate_weight"], rk["correction_bias"],

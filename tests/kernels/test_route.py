@@ -304,6 +304,33 @@ def test_register_sort(case, config, device):
     assert not route_launch._COUNTERS[args[0].device].any()
 
 
+# the split-K GEMV's tensor-core products (gemv_dot_min_tokens): several token blocks of one
+# dot (M 64 at 16 experts a tile: DOT_M 64), masked tokens (M 17 -> 32), grouped routing, K3
+DOT = RouteConfig(gemv_dot_min_tokens=2)
+DOT_CASES = [c for c in CASES if c[0] in (
+    "tiny-M17-E24-top4-bm16", "E12-M64-top3-bm5", "tiny-M13-E24-top4-g4k2-bm16",
+    "K2-M3-E384-top8-g8k4-bm16", "K3-M4-E896-top16-bm16")]
+
+
+@pytest.mark.parametrize("case", DOT_CASES, ids=[c[0] for c in DOT_CASES])
+def test_gemv_dot(case, device):
+    """Every plan field as the reference's and the sort-based formulation's with the GEMV's
+    tensor-core products; they stay off for one token (row programs), fp32 operands and
+    16-column tiles' neighbours (narrow expert tiles)."""
+    args, kwargs = _case_inputs(case, device)
+    M, H = args[0].shape
+    E = args[1].shape[0]
+    block_e, block_k = route_launch._gemv_blocks(E, H, device.type == "cuda", DOT)
+    bf = (torch.bfloat16, torch.bfloat16)
+    assert route_launch._gemv_dot(M, block_e, block_k, bf, DOT)["DOT_M"] >= min(M, 64)
+    assert route_launch._gemv_dot(1, block_e, block_k, bf, DOT)["DOT_M"] == 0
+    assert route_launch._gemv_dot(M, block_e, block_k, (torch.float32, torch.bfloat16),
+                                  DOT)["DOT_M"] == 0
+    assert route_launch._gemv_dot(M, 8, block_k, bf, DOT)["DOT_M"] == 0
+    assert route_launch._gemv_dot(M, block_e, block_k, bf, RouteConfig())["DOT_M"] == 0
+    _check_all(args, kwargs, device, DOT)
+
+
 # cases of different grids (E tiles x K splits), selection paths and plan sizes, back to back
 REPEAT_CASES = ["tiny-M1-E24-top4-bm1", "K3-M1-E896-top16-bm16", "tiny-M17-E24-top4-bm16",
                 "E12-M64-top3-bm5", "K2-M3-E384-top8-g8k4-bm16", "tiny-M1-E24-top4-bm1"]
@@ -712,13 +739,13 @@ def test_gpu_k3(tp, M, block_m, gate_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [SPREAD, REG_SORT, RouteConfig(
-    select_programs_min_tokens=1, register_sort_max_entries=4096)],
-    ids=["spread", "register-sort", "spread-register-sort"])
+    select_programs_min_tokens=1, register_sort_max_entries=4096), DOT],
+    ids=["spread", "register-sort", "spread-register-sort", "gemv-dot"])
 @pytest.mark.parametrize("M", [9, 16, 64])
 @pytest.mark.parametrize("block_m", [1, 16])
 def test_gpu_spread_selection(M, block_m, config):
-    """The selection as its own launch and the register sort, compiled: K3 tp 8, every plan
-    field."""
+    """The selection as its own launch, the register sort and the GEMV's tensor-core products,
+    compiled: K3 tp 8, every plan field."""
     inp = make_inputs(preset("kimi-k3", 8), "cuda", M, M=M, block_m=block_m)
     args, kwargs = _args(inp), _route_kwargs(inp)
     compare(route_sort(*args, **kwargs, config=config), route_sort_reference(*args, **kwargs))
