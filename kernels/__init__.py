@@ -25,6 +25,9 @@ from .plan import RoutePlan  # noqa: F401, E402
 from .route import RouteConfig, gate_logits, route_sort  # noqa: F401, E402
 
 if not INTERPRETED:  # the same kernel keys in every process (see runtime.prime_cache_keys)
+    import contextlib  # noqa: E402
+
     from .runtime import prime_cache_keys  # noqa: E402
 
-    prime_cache_keys(__name__)
+    with contextlib.suppress(Exception):  # Triton's internals moved: keys as Triton computes
+        prime_cache_keys(__name__)
