@@ -96,12 +96,25 @@ class Stats:
 
 # ---------------------------------------------------------------- the worker side
 
+def _kernel(module: str, name: str):
+    """The @triton.jit function a module names: itself, or the one under the module
+    attribute's Autotuner / Heuristics wrappers (each holds what it wraps as ``.fn``)."""
+    from triton.runtime.jit import JITFunction
+
+    obj = getattr(sys.modules.get(module) or importlib.import_module(module), name, None)
+    for _ in range(8):
+        if obj is None or isinstance(obj, JITFunction):
+            return obj
+        obj = getattr(obj, "fn", None)
+    return None
+
+
 def _compile_in_worker(spec: dict) -> bool:
     """Compile one kernel into Triton's cache (a worker process)."""
     import triton
     from triton.compiler import ASTSource
 
-    jit = getattr(importlib.import_module(spec["module"]), spec["name"])
+    jit = _kernel(spec["module"], spec["name"])
     src = ASTSource(jit, spec["signature"], spec["constexprs"], spec["attrs"])
     triton.compile(src, target=spec["target"], options=spec["options"],
                    _env_vars=spec["env_vars"])
@@ -131,8 +144,7 @@ def _spec(compile_fn: Callable) -> dict | None:
     if src is None or py is None or "target" not in free or "options" not in free:
         return None
     module, name = py.__module__, py.__name__
-    mod = importlib.import_module(module)
-    if getattr(mod, name, None) is not jit:  # only kernels a worker can import by name
+    if _kernel(module, name) is not jit:  # only kernels a worker can import by name
         return None
     return {"module": module, "name": name, "signature": src.signature,
             "constexprs": src.constants, "attrs": src.attrs, "target": free["target"],
@@ -271,8 +283,8 @@ def _listed(fn, compile: dict) -> str | None:
     worker cannot import by name (Inductor's generated kernels, a closure)."""
     jit = getattr(fn, "jit_function", None)
     module, name = getattr(fn, "module", None), getattr(fn, "name", None)
-    mod = sys.modules.get(module or "")
-    if jit is None or mod is None or getattr(mod, name or "", None) is not jit:
+    if jit is None or sys.modules.get(module or "") is None or _kernel(module, name or "") \
+            is not jit:
         return None
     if not _importable(module):  # a module made at run time (Inductor's code cache)
         return None
@@ -396,7 +408,7 @@ def _compile_listed(line: dict) -> bool:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    jit = getattr(importlib.import_module(line["module"]), line["name"])
+    jit = _kernel(line["module"], line["name"])
     data = json.loads(line["data"])
 
     def tuples(v):

@@ -219,7 +219,8 @@ def _list_check(cache, *args) -> dict:
 def test_a_kernel_list_recorded_in_one_process_compiles_another_ones_kernels(tmp_path):
     listed = tmp_path / "nb.kernels.jsonl"
     got = _list_check(tmp_path / "cache_a", "record", str(listed))
-    assert got["recording"] and got["lines"] >= 2  # specializations of plain and gate/up
+    assert got["recording"] and got["lines"] >= 3  # specializations of plain and gate/up
+    assert "wrapped_fill" in got["names"]  # behind a heuristics wrapper: listed too
     assert sum(got["noted"].values()) == got["lines"]  # an empty cache: each built here
     lines = got["lines"]
     got = _list_check(tmp_path / "cache_b", "replay", str(listed))  # an empty cache

@@ -1,8 +1,9 @@
 """k3lab.precompile's kernel lists (run as a script by test_precompile.py; prints one JSON line).
 
-``record LIST``: a few GEMV launches compile-only for sm_90 (the stub driver of sm90_build.py)
-with :func:`k3lab.precompile.record` on: the list gets their kernels. ``replay LIST`` (another
-process, an empty Triton cache): :func:`k3lab.precompile.warm` compiles the list in two worker
+``record LIST``: a few GEMV launches and a heuristics-wrapped kernel's, compile-only for
+sm_90 (the stub driver of sm90_build.py) with :func:`k3lab.precompile.record` on: the list gets
+their kernels. ``replay LIST`` (another process, an empty Triton cache):
+:func:`k3lab.precompile.warm` compiles the list in two worker
 processes, then the same launches find every kernel in the cache (no front end runs here).
 With ``--gpu`` both run on the GPU and the launches run: the replayed ones are checked
 against torch."""
@@ -23,7 +24,10 @@ from sm90_build import compile_here_for_sm90, count_front_ends  # noqa: E402
 
 
 def _calls():
-    """(call, its fp32 truth or None) per GEMV: plain ones and a gate/up one."""
+    """(call, its fp32 truth or None) per GEMV: plain ones and a gate/up one; then a fill by a
+    kernel behind a heuristics wrapper (wrapped_kernel.py)."""
+    from wrapped_kernel import wrapped_fill
+
     from k3lab.kernels.dense import GemvConfig, dense_gemv
 
     bf, dev = torch.bfloat16, "cuda" if GPU else "cpu"
@@ -35,6 +39,8 @@ def _calls():
         truth = x.float() @ w.float().T if act is None else None
         out.append((lambda x=x, w=w, act=act: dense_gemv(x, w, activation=act,
                                                          config=GemvConfig(block_n=16)), truth))
+    filled = torch.empty(40, device=dev)
+    out.append((lambda: wrapped_fill[(1,)](filled, 40, 2.5) and filled, None))
     return out
 
 
@@ -64,7 +70,9 @@ def main(mode: str, path: str) -> dict:
     if mode == "record":
         recording = precompile.record(path)
         _launch(_calls())
-        return {"recording": recording, "lines": len(precompile.read_list(path)),
+        lines = precompile.read_list(path)
+        return {"recording": recording, "lines": len(lines),
+                "names": sorted({line["name"] for line in lines}),
                 "noted": precompile.built_here(path)}
     warming = precompile.warm([path, path + ".missing"], n_workers=2)
     for f in warming.futures:
