@@ -49,7 +49,7 @@ def pin_cache_dir() -> str | None:
     without Triton). torch.compile sets it to a folder of its own the first time it runs a
     kernel; a process (or a worker) that started before then would write the kernels to one
     folder and a notebook look them up in another, compiling all of them again. Called before
-    workers start and as a notebook kernel starts."""
+    workers start and for the environment the runner gives notebook kernels."""
     if os.environ.get(CACHE_ENV):
         return os.environ[CACHE_ENV]
     try:
@@ -310,7 +310,6 @@ def record(path: str | os.PathLike | None = None) -> bool:
     """From now on append every Triton kernel this process compiles or loads from the cache
     (Triton's ``jit_post_compile_hook``) to ``path`` (default ``$K3LAB_KERNEL_LIST``; unset:
     nothing). False where nothing is recorded. A kernel's notebook calls it as it starts."""
-    pin_cache_dir()  # as the kernel starts: the folder a warming batch filled
     path = path if path is not None else os.environ.get(LIST_ENV)
     if not path:
         return False

@@ -80,16 +80,18 @@ def _gemv_rows(E: int, H: int, on_gpu: bool,
 
 
 DOT_MAX_TOKENS = 64  # tokens of one tensor-core product (the GEMV's DOT_M)
+NO_DOT = dict(DOT_M=0, DOT_K=16, DOT_FP32=INTERPRETED)  # the GEMV on the CUDA cores
 
 
 def _gemv_dot(M: int, block_e: int, block_k: int, dtypes: tuple, cfg: RouteConfig
               ) -> dict[str, int | bool]:
     """The split-K GEMV's tensor-core constexprs (DOT_M = 0: CUDA-core products): see
     ``RouteConfig.gemv_dot_min_tokens``."""
-    on = (0 < cfg.gemv_dot_min_tokens <= M and block_e >= 16 and block_k >= 16
-          and bool(dtypes) and all(d == torch.bfloat16 for d in dtypes))
-    return dict(DOT_M=min(max(16, triton.next_power_of_2(M)), DOT_MAX_TOKENS) if on else 0,
-                DOT_K=min(cfg.gemv_dot_k, block_k) if on else 16, DOT_FP32=INTERPRETED)
+    if not (0 < cfg.gemv_dot_min_tokens <= M and block_e >= 16 and block_k >= 16
+            and all(d == torch.bfloat16 for d in dtypes)):
+        return NO_DOT
+    return dict(DOT_M=min(max(16, triton.next_power_of_2(M)), DOT_MAX_TOKENS),
+                DOT_K=min(cfg.gemv_dot_k, block_k), DOT_FP32=INTERPRETED)
 
 
 def _select_tiles(E: int, M: int, top_k: int, cfg: RouteConfig) -> dict[str, int | bool]:
@@ -256,8 +258,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         dot = _gemv_dot(M, block_e, block_k, (hidden.dtype, gate_weight.dtype), cfg)
     else:
         rows, block_e, block_k, chunks, split_k = row_mode
-        e_tiles = triton.cdiv(E, rows)
-        dot = _gemv_dot(0, block_e, block_k, (), cfg)  # off
+        e_tiles, dot = triton.cdiv(E, rows), NO_DOT
     n = M * top_k
     cap = plan_capacity(M, top_k, E, block_m)
     tiles = _select_tiles(E, M, top_k, cfg)
