@@ -32,7 +32,7 @@ class RouteConfig:
 
     gemv_dot_min_tokens: from this many tokens on (0: never), where x and W are bf16 and the
         split-K tiles have at least 16 experts, each tile's products are tensor-core dots of
-        up to 64 tokens at once in ``gemv_dot_k``-wide steps (bf16 products are exact in fp32),
+        16 tokens at a time in ``gemv_dot_k``-wide steps (bf16 products are exact in fp32),
         instead of every token in turn multiplying the tile on the CUDA cores.
     num_warps: every program's (the GEMV's and the selection's, which share the kernel).
     early_dependents: (compiled only) each program first lets a next launch made with
@@ -73,7 +73,7 @@ class RouteConfig:
     gemv_row_chunk: int = 512
     gemv_row_splits: int = 2
     gemv_row_max_tokens: int = 1
-    gemv_dot_min_tokens: int = 0
+    gemv_dot_min_tokens: int = 2
     gemv_dot_k: int = 128
     num_warps: int = 4
     early_dependents: bool = False

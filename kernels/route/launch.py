@@ -79,19 +79,25 @@ def _gemv_rows(E: int, H: int, on_gpu: bool,
     return rows, triton.next_power_of_2(rows), block_k, chunks, triton.cdiv(H, chunks * block_k)
 
 
-DOT_MAX_TOKENS = 64  # tokens of one tensor-core product (the GEMV's DOT_M)
+DOT_M = 16  # tokens of one tensor-core product in the GEMV (tl.dot's smallest N)
+# Shared memory the unrolled K steps of a tile take on sm_90: Triton keeps each step's operands
+# (BLOCK_E x DOT_K and DOT_K x DOT_M bf16) apart and double-buffered, about
+# 4 * BLOCK_K * (BLOCK_E + DOT_M) bytes (32 x 1024 tiles: 192 KB at DOT_M 16; at 64 tokens the
+# compile asked for 401 KB of the 227 KB there are).
+DOT_SMEM_BYTES = 200 * 1024
 NO_DOT = dict(DOT_M=0, DOT_K=16, DOT_FP32=INTERPRETED)  # the GEMV on the CUDA cores
 
 
-def _gemv_dot(M: int, block_e: int, block_k: int, dtypes: tuple, cfg: RouteConfig
-              ) -> dict[str, int | bool]:
+def _gemv_dot(M: int, block_e: int, block_k: int, dtypes: tuple, cfg: RouteConfig,
+              on_gpu: bool) -> dict[str, int | bool]:
     """The split-K GEMV's tensor-core constexprs (DOT_M = 0: CUDA-core products): see
-    ``RouteConfig.gemv_dot_min_tokens``."""
+    ``RouteConfig.gemv_dot_min_tokens``; on the GPU off where the tile's operands would not
+    fit in DOT_SMEM_BYTES of shared memory."""
     if not (0 < cfg.gemv_dot_min_tokens <= M and block_e >= 16 and block_k >= 16
-            and all(d == torch.bfloat16 for d in dtypes)):
+            and all(d == torch.bfloat16 for d in dtypes)
+            and (not on_gpu or 4 * block_k * (block_e + DOT_M) <= DOT_SMEM_BYTES)):
         return NO_DOT
-    return dict(DOT_M=min(max(16, triton.next_power_of_2(M)), DOT_MAX_TOKENS),
-                DOT_K=min(cfg.gemv_dot_k, block_k), DOT_FP32=INTERPRETED)
+    return dict(DOT_M=DOT_M, DOT_K=min(cfg.gemv_dot_k, block_k), DOT_FP32=INTERPRETED)
 
 
 def _select_tiles(E: int, M: int, top_k: int, cfg: RouteConfig) -> dict[str, int | bool]:
@@ -255,7 +261,7 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
     if row_mode is None:
         block_e, block_k = _gemv_blocks(E, H, on_gpu, cfg)
         rows, chunks, split_k, e_tiles = 0, 1, triton.cdiv(H, block_k), triton.cdiv(E, block_e)
-        dot = _gemv_dot(M, block_e, block_k, (hidden.dtype, gate_weight.dtype), cfg)
+        dot = _gemv_dot(M, block_e, block_k, (hidden.dtype, gate_weight.dtype), cfg, on_gpu)
     else:
         rows, block_e, block_k, chunks, split_k = row_mode
         e_tiles, dot = triton.cdiv(E, rows), NO_DOT

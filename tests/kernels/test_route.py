@@ -4,6 +4,8 @@ several tokens per expert; grouped routing; padding; bad input and bad configs; 
 completion counter (reset between calls, the capture guard); every RouteConfig choice; GPU: K3
 sizes, real atomics, CUDA-graph capture and replay, no host sync."""
 
+import functools
+
 import pytest
 import torch
 
@@ -304,9 +306,11 @@ def test_register_sort(case, config, device):
     assert not route_launch._COUNTERS[args[0].device].any()
 
 
-# the split-K GEMV's tensor-core products (gemv_dot_min_tokens): several token blocks of one
-# dot (M 64 at 16 experts a tile: DOT_M 64), masked tokens (M 17 -> 32), grouped routing, K3
+# the split-K GEMV's tensor-core products (gemv_dot_min_tokens, on by default): several token
+# blocks of DOT_M (M 64 over 16 experts a tile: 4 blocks), masked tokens (M 17 -> 2 blocks),
+# grouped routing, K3
 DOT = RouteConfig(gemv_dot_min_tokens=2)
+NO_DOT = RouteConfig(gemv_dot_min_tokens=0)
 DOT_CASES = [c for c in CASES if c[0] in (
     "tiny-M17-E24-top4-bm16", "E12-M64-top3-bm5", "tiny-M13-E24-top4-g4k2-bm16",
     "K2-M3-E384-top8-g8k4-bm16", "K3-M4-E896-top16-bm16")]
@@ -315,20 +319,36 @@ DOT_CASES = [c for c in CASES if c[0] in (
 @pytest.mark.parametrize("case", DOT_CASES, ids=[c[0] for c in DOT_CASES])
 def test_gemv_dot(case, device):
     """Every plan field as the reference's and the sort-based formulation's with the GEMV's
-    tensor-core products; they stay off for one token (row programs), fp32 operands and
-    16-column tiles' neighbours (narrow expert tiles)."""
+    tensor-core products and without them; they stay off for one token (row programs), fp32
+    operands and 16-column tiles' neighbours (narrow expert tiles)."""
     args, kwargs = _case_inputs(case, device)
     M, H = args[0].shape
     E = args[1].shape[0]
-    block_e, block_k = route_launch._gemv_blocks(E, H, device.type == "cuda", DOT)
+    on_gpu = device.type == "cuda"
+    block_e, block_k = route_launch._gemv_blocks(E, H, on_gpu, DOT)
     bf = (torch.bfloat16, torch.bfloat16)
-    assert route_launch._gemv_dot(M, block_e, block_k, bf, DOT)["DOT_M"] >= min(M, 64)
-    assert route_launch._gemv_dot(1, block_e, block_k, bf, DOT)["DOT_M"] == 0
-    assert route_launch._gemv_dot(M, block_e, block_k, (torch.float32, torch.bfloat16),
-                                  DOT)["DOT_M"] == 0
-    assert route_launch._gemv_dot(M, 8, block_k, bf, DOT)["DOT_M"] == 0
-    assert route_launch._gemv_dot(M, block_e, block_k, bf, RouteConfig())["DOT_M"] == 0
+    dot = functools.partial(route_launch._gemv_dot, on_gpu=on_gpu)
+    assert dot(M, block_e, block_k, bf, DOT)["DOT_M"] == route_launch.DOT_M
+    assert dot(1, block_e, block_k, bf, DOT)["DOT_M"] == 0
+    assert dot(M, block_e, block_k, (torch.float32, torch.bfloat16), DOT)["DOT_M"] == 0
+    assert dot(M, 8, block_k, bf, DOT)["DOT_M"] == 0
+    assert dot(M, block_e, block_k, bf, NO_DOT)["DOT_M"] == 0
     _check_all(args, kwargs, device, DOT)
+    _check_all(args, kwargs, device, NO_DOT)
+
+
+def test_gemv_dot_shared_memory():
+    """On the GPU the tensor-core products stay off where a tile's operands would overflow
+    shared memory: K3's default 32 x 1024 tiles fit, 64- or 128-expert tiles of 1024 columns
+    do not; under the interpreter there is no such limit."""
+    bf = (torch.bfloat16, torch.bfloat16)
+    dot = route_launch._gemv_dot
+    assert dot(16, 32, 1024, bf, DOT, on_gpu=True)["DOT_M"] == route_launch.DOT_M
+    assert dot(64, 32, 1024, bf, DOT, on_gpu=True)["DOT_M"] == route_launch.DOT_M
+    for block_e in (64, 128):
+        assert dot(16, block_e, 1024, bf, DOT, on_gpu=True)["DOT_M"] == 0
+        assert dot(16, block_e, 1024, bf, DOT, on_gpu=False)["DOT_M"] == route_launch.DOT_M
+    assert dot(16, 64, 512, bf, DOT, on_gpu=True)["DOT_M"] == route_launch.DOT_M
 
 
 # cases of different grids (E tiles x K splits), selection paths and plan sizes, back to back
@@ -739,8 +759,8 @@ def test_gpu_k3(tp, M, block_m, gate_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [SPREAD, REG_SORT, RouteConfig(
-    select_programs_min_tokens=1, register_sort_max_entries=4096), DOT],
-    ids=["spread", "register-sort", "spread-register-sort", "gemv-dot"])
+    select_programs_min_tokens=1, register_sort_max_entries=4096), NO_DOT],
+    ids=["spread", "register-sort", "spread-register-sort", "no-gemv-dot"])
 @pytest.mark.parametrize("M", [9, 16, 64])
 @pytest.mark.parametrize("block_m", [1, 16])
 def test_gpu_spread_selection(M, block_m, config):
