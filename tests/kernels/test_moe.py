@@ -1175,3 +1175,18 @@ def test_gpu_device_mismatch():
     z, _ = latent_down(x, w["latent_down"])
     with pytest.raises(ValueError, match="w13"):
         moe_stage1(z, plan, w["w13"].cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", [False, True], ids=["given-plan", "routed"])
+def test_gpu_compiled_peer(route):
+    """The torch.compile peer (the grouped path compiled; with routing, the reference route's
+    graph first) within the block's tolerance of the fp32 truth, MXFP4 experts, M 1 and 4 (one
+    graph each)."""
+    boundary = get("moe")
+    for M in (1, 4):
+        inputs = boundary.make_inputs(preset("tiny"), "cuda", 3, M=M, expert_format="mxfp4",
+                                      route=route)
+        out_ref = boundary.reference.fn(inputs)
+        errs = boundary.check(boundary.variant("torch.compile").fn(inputs), out_ref, inputs)
+        assert errs["out"] < BLOCK_ATOL
