@@ -330,11 +330,12 @@ _SWEEPS = [
           "program per token block (the default); the sort metadata by pairwise passes in "
           "memory against the register sort (the default)", variants=("fused", "reference")),
     Sweep("gemv_dot", "route", grid(({"M": 2}, {"M": 4}, {"M": 16}, {"M": 64}),
-                                    ({"gemv_dot_min_tokens": 0}, {}, {"gemv_dot_k": 64},
-                                     {"gemv_dot_k": 256})),
+                                    ({"gemv_dot_min_tokens": 0}, {"gemv_dot_min_tokens": 2},
+                                     {"gemv_dot_min_tokens": 2, "gemv_dot_k": 64},
+                                     {"gemv_dot_min_tokens": 2, "gemv_dot_k": 256})),
           "the split-K gate GEMV of several tokens: each token in turn on the CUDA cores "
-          "(gemv_dot_min_tokens 0) against tensor-core products of 16 tokens at a time (the "
-          "default), in 64- to 256-wide K steps",
+          "(gemv_dot_min_tokens 0) against tensor-core products of 16 tokens at a time (on by "
+          "default from 4 tokens), in 64- to 256-wide K steps",
           variants=("fused", "reference")),
     Sweep("tiles", "moe", ({}, {"stage1_mma_tile": (2, 1, 1)}, {"stage1_mma_tile": (2, 2, 1)},
                            {"stage1_mma_tile": (2, 4, 1)}, {"stage2_mma_tile": (2, 1, 1)},

@@ -73,7 +73,7 @@ class RouteConfig:
     gemv_row_chunk: int = 512
     gemv_row_splits: int = 2
     gemv_row_max_tokens: int = 1
-    gemv_dot_min_tokens: int = 2
+    gemv_dot_min_tokens: int = 4
     gemv_dot_k: int = 128
     num_warps: int = 4
     early_dependents: bool = False

@@ -306,9 +306,9 @@ def test_register_sort(case, config, device):
     assert not route_launch._COUNTERS[args[0].device].any()
 
 
-# the split-K GEMV's tensor-core products (gemv_dot_min_tokens, on by default): several token
-# blocks of DOT_M (M 64 over 16 experts a tile: 4 blocks), masked tokens (M 17 -> 2 blocks),
-# grouped routing, K3
+# the split-K GEMV's tensor-core products (gemv_dot_min_tokens; by default from 4 tokens):
+# several token blocks of DOT_M (M 64 over 16 experts a tile: 4 blocks), masked tokens
+# (M 17 -> 2 blocks), grouped routing, K3
 DOT = RouteConfig(gemv_dot_min_tokens=2)
 NO_DOT = RouteConfig(gemv_dot_min_tokens=0)
 DOT_CASES = [c for c in CASES if c[0] in (
