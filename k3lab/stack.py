@@ -258,10 +258,13 @@ def _noop(_category: str) -> None:
 @dataclass(frozen=True)
 class Configs:
     """The tuning configs a run passes to the launchers (None: each launcher's default):
-    gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits)."""
+    gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits),
+    attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode)."""
 
     gemv: object = None
     route: object = None
+    attn_res: object = None
+    kda: object = None
 
 
 @dataclass(frozen=True)
@@ -297,7 +300,8 @@ def _read(run: _Run, state: dict, bank, live, site: str) -> torch.Tensor:
     w, cfg = state[f"res_{site}"], state["cfg"]
     args = (bank, live, w["res_norm_weight"], w["res_proj_weight"], w["norm_weight"])
     if run.fused(f"attn_res.read@{site}"):
-        return _kernels().attn_res_norm(*args, eps=cfg.rms_eps, return_h=False)[1]
+        return _kernels().attn_res_norm(*args, eps=cfg.rms_eps, return_h=False,
+                                        config=run.configs.attn_res)[1]
     return ref_attn_res.attn_res_norm_reference(*args, eps=cfg.rms_eps)[1]
 
 
@@ -329,7 +333,8 @@ def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual) -> torch.Ten
             f_low = torch.ones(1, 1, dtype=x.dtype, device=x.device)
         o = _kernels().kda_decode(q, k, v, f_low.contiguous(), f_b, w["A_log"], w["dt_bias"],
                                   b_logits.contiguous(), cache["state"],
-                                  lower_bound=cfg.kda_lower_bound, conv=conv, out_gate=gate)
+                                  lower_bound=cfg.kda_lower_bound, conv=conv, out_gate=gate,
+                                  config=run.configs.kda)
     else:
         o = ref_kda.kda_decode_reference(q, k, v, f_low, w["f_b"], w["A_log"], w["dt_bias"],
                                          b_logits, cache["state"],
@@ -544,6 +549,7 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
     "segment embed", "segment layer <i>" and "segment head" where those parts start; record
     as in run_layer, one entry per layer."""
     tag = tag or _noop
+    configs = configs or Configs()
     cfg, rows = token["cfg"], token["rows"]
     tag("segment embed")
     tag("dense projections")
@@ -566,9 +572,9 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
     w = token["final"]
     args = (rows[:last], live, w["res_norm_weight"], w["res_proj_weight"], w["norm_weight"])
     if stack.fused("token.final_read"):
-        h = _kernels().attn_res_norm(*args, eps=cfg.rms_eps, return_h=False)[1]
+        h = _kernels().attn_res_norm(*args, eps=cfg.rms_eps, return_h=False,
+                                     config=configs.attn_res)[1]
     else:
         h = ref_attn_res.attn_res_norm_reference(*args, eps=cfg.rms_eps)[1]
     tag("dense projections")
-    return _linear(_Run(stack, num_splits, configs or Configs(), tag), "token.lm_head", h,
-                   token["lm_head"])
+    return _linear(_Run(stack, num_splits, configs, tag), "token.lm_head", h, token["lm_head"])

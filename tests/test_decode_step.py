@@ -2,6 +2,7 @@
 labelling, segment and extrapolation logic on hand-made timelines, the bytes floor against the
 shapes, one interpreted token on the CPU, and on a GPU the marked graph's labels."""
 
+import dataclasses
 import math
 
 import pandas as pd
@@ -196,3 +197,56 @@ def test_breakdown_plot_zooms_past_a_slow_stack():
     heights = [p.get_height() for p in fig.axes[1].patches]
     assert min(heights) == 0.0
     assert len(study.breakdown_plot(b[["full stack", "reviewed stack"]], "t").axes) == 1
+
+
+def test_token_passes_its_configs_to_the_small_launchers(device, monkeypatch):
+    """Configs.attn_res reaches every AttnRes read (the final one too) and Configs.kda every KDA
+    decode; the full stack's logits stay within the truth's tolerance with them set."""
+    from k3lab import kernels
+
+    cfg = preset("tiny")
+    tok = study.build(cfg, device, window=3, context=24, expert_format="bf16")
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    base = study.configs_for(device)
+    configs = dataclasses.replace(base, attn_res=kernels.AttnResConfig(pdl=True),
+                                  kda=kernels.KDAConfig(pdl=True))
+    seen = {"attn_res_norm": [], "kda_decode": []}
+    for name, calls in seen.items():
+        real = getattr(kernels, name)
+
+        def spy(*args, _real=real, _calls=calls, **kw):
+            _calls.append(kw.get("config"))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(kernels, name, spy)
+    check = study.check_token(tok, {"full": full}, configs, 4)
+    assert bool(check["ok"].iloc[0]), check
+    assert seen["attn_res_norm"] and all(c is configs.attn_res for c in seen["attn_res_norm"])
+    assert seen["kda_decode"] and all(c is configs.kda for c in seen["kda_decode"])
+    if device.type != "cuda":  # the interpreter runs plain launches: nothing to compare
+        assert study.launch_choices(tok, device, full, configs=base, num_splits=4).empty
+
+
+def test_headline_takes_the_launch_choices():
+    k3 = preset("kimi-k3", 8)
+    figs = {"full stack": _figs("f", 8000.0, 900)}
+    fl = {"roofline tok/s": 150.0, "floor_us": 1e6 / 150, "copy bandwidth": 4.2e12}
+    r = study.rates(figs, fl, k3, allreduce_us=10.0)
+    choices = pd.DataFrame({"choice": ["defaults", "KDA decode by PDL"], "tok/s": [100.0, 103.0],
+                            "vs defaults": [1.0, 1.03]})
+    head = study.headline(r, fl, {}, choices)
+    assert head["full stack, KDA decode by PDL: tok/s / defaults' (one run)"] == 1.03
+    assert not any("defaults, defaults" in k for k in head)
+    assert study.headline(r, fl, {}, pd.DataFrame()) == study.headline(r, fl, {})
+
+
+@pytest.mark.gpu
+def test_launch_choices_on_the_gpu(device):
+    """Each PDL choice's token checked against the truth and timed, beside the defaults."""
+    cfg = preset("tiny")
+    tok = study.build(cfg, device, window=3, context=64, expert_format="mxfp4")
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    t = study.launch_choices(tok, device, full, configs=study.configs_for(device), num_splits=4)
+    assert t["choice"].tolist() == ["defaults", *(c[0] for c in study.PDL_CHOICES),
+                                    "all of them"]
+    assert (t["tok/s"] > 0).all() and t["vs defaults"].iloc[0] == 1.0

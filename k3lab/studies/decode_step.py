@@ -21,7 +21,8 @@ from k3lab.studies.decode_bytes import token_bytes
 from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 
 __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
-           "set_context", "check_token", "LOGITS_RTOL", "waterfall", "waterfall_table",
+           "launch_choices", "PDL_CHOICES", "set_context", "check_token", "LOGITS_RTOL",
+           "waterfall", "waterfall_table",
            "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "breakdown_plot",
            "layer_timelines", "context_sweep", "headline", "picker", "CUBLAS_LABEL",
            "cublas_stack"]
@@ -203,6 +204,53 @@ def cublas_stack() -> tuple[stack.Stack, list[str]]:
 
 
 # ---------------------------------------------------------------------------------------------
+# the launchers' choices in the token
+
+# Launch choices that stay off by default until the token has run with them: each small
+# launcher by programmatic dependent launch (its launch overlapping the previous grid's end, its
+# next launch free to start early), the Configs field and the config it takes.
+PDL_CHOICES = (("AttnRes reads by PDL", "attn_res", "AttnResConfig"),
+               ("KDA decode by PDL", "kda", "KDAConfig"))
+
+
+def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,
+                   num_splits: int, repeats: int | None = None) -> pd.DataFrame:
+    """The full stack's token with its launchers' defaults and with each of
+    :data:`PDL_CHOICES` (then all of them) on, measured back to back in this run, each checked
+    against the fp32 truth first: tok/s, launches, ratio to the defaults. Empty on the CPU:
+    the interpreter runs plain launches, so the rows would differ by noise alone."""
+    import dataclasses
+
+    if torch.device(device).type != "cuda":
+        return pd.DataFrame()
+
+    from k3lab import kernels
+
+    on = {field: dataclasses.replace(getattr(configs, field)
+                                     or getattr(kernels, cls)(), pdl=True)
+          for _, field, cls in PDL_CHOICES}
+    choices = {"defaults": configs,
+               **{label: dataclasses.replace(configs, **{field: on[field]})
+                  for label, field, _ in PDL_CHOICES},
+               "all of them": dataclasses.replace(configs, **on)}
+    rows = []
+    for label, cfgs in choices.items():
+        check = check_token(token, {"full stack": full}, cfgs, num_splits).iloc[0]
+        if not check["ok"]:
+            raise AssertionError(f"{label}: logits off the fp32 truth by "
+                                 f"{check['max abs error']:.4g} (tolerance "
+                                 f"{check['tolerance']:.4g})")
+        f = measure_token(full, token, device, label=label, configs=cfgs,
+                          num_splits=num_splits, repeats=repeats)
+        rows.append({"choice": label, "token us": f.token_us, "tok/s": f.tok_per_s,
+                     "launches per token": round(f.launches),
+                     "max abs error": check["max abs error"]})
+    out = pd.DataFrame(rows)
+    out["vs defaults"] = out["tok/s"] / out["tok/s"].iloc[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # floor, rates, where the time goes
 
 
@@ -316,9 +364,11 @@ def context_sweep(token: dict, device, contexts, stacks: dict, *, configs, num_s
     return pd.concat(rows, ignore_index=True)
 
 
-def headline(r: pd.DataFrame, fl: dict, tables: dict) -> dict:
+def headline(r: pd.DataFrame, fl: dict, tables: dict, choices: pd.DataFrame | None = None
+             ) -> dict:
     """The report's headline: engine baseline and full stack tok/s with and without the
-    all-reduces, the roofline, the fraction reached, the seed's anchor, launches."""
+    all-reduces, the roofline, the fraction reached, the seed's anchor, launches; with
+    ``choices`` (:func:`launch_choices`), each launch choice's tok/s over the defaults'."""
     by = r.set_index("stack")
     head = {}
     for label in by.index:
@@ -333,6 +383,9 @@ def headline(r: pd.DataFrame, fl: dict, tables: dict) -> dict:
     head["seed anchor tok/s (MI355X, 8 GPUs, comm included)"] = SEED_ANCHOR["tok/s"]
     for name, t in tables.items():
         head[f"{name} stack end tok/s"] = round(float(t["tok/s"].iloc[-1]), 2)
+    for c in ([] if choices is None else choices.iloc[1:].to_dict("records")):
+        head[f"full stack, {c['choice']}: tok/s / defaults' (one run)"] = round(
+            float(c["vs defaults"]), 3)
     return {k: v for k, v in head.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
