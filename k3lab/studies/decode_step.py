@@ -8,6 +8,7 @@ and ``k3lab.studies.decode_bytes`` (the floor); the stacks from ``k3lab.stack``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 
@@ -219,8 +220,6 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
     :data:`PDL_CHOICES` (then all of them) on, measured back to back in this run, each checked
     against the fp32 truth first: tok/s, launches, ratio to the defaults. Empty on the CPU:
     the interpreter runs plain launches, so the rows would differ by noise alone."""
-    import dataclasses
-
     if torch.device(device).type != "cuda":
         return pd.DataFrame()
 
