@@ -438,9 +438,9 @@ _SWEEPS = [
           "the scores to the norm (one_chunk_elems, 16384 default, 32768 wider, 0 off) against "
           "the split and the default depth rule ({})"),
     Sweep("pdl", "attn_res", grid(({"n_sealed": 0}, {"n_sealed": 1}, {"n_sealed": 2}),
-                                  ({}, {"pdl": True})),
+                                  ({"pdl": False}, {"pdl": True})),
           "the one-program read by programmatic dependent launch (weights loaded before the "
-          "wait) against a plain launch, at 1 to 3 candidates"),
+          "wait; the default) against a plain launch, at 1 to 3 candidates"),
     Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 16}, {"M": 64}),
                                      ({}, {"split_h": 0}, {"max_split_programs": 8})),
           "the split schedule (by default while its grid is at most one program an SM) and one "

@@ -69,7 +69,7 @@ class AttnResConfig:
         re-read from L1 measured faster).
     pdl: the one-program read is launched with programmatic dependent launch (compiled only):
         it loads its weights while the previous launch finishes and lets the next launch
-        start once it has waited for the previous one.
+        start once it has waited for the previous one (off: a plain launch).
     """
 
     tile_elems: int = 32768
@@ -82,7 +82,7 @@ class AttnResConfig:
     max_split_programs: int = 1
     one_chunk_elems: int = 16384
     one_chunk_min_candidates: int = 3
-    pdl: bool = False
+    pdl: bool = True
 
     def __post_init__(self):
         for f in fields(self):

@@ -207,31 +207,33 @@ def cublas_stack() -> tuple[stack.Stack, list[str]]:
 # ---------------------------------------------------------------------------------------------
 # the launchers' choices in the token
 
-# Launch choices that stay off by default until the token has run with them: each small
-# launcher by programmatic dependent launch (its launch overlapping the previous grid's end, its
-# next launch free to start early), the Configs field and the config it takes.
-PDL_CHOICES = (("AttnRes reads by PDL", "attn_res", "AttnResConfig"),
-               ("KDA decode by PDL", "kda", "KDAConfig"))
+# Launch choices of the small launchers, each toggled in the token: programmatic dependent
+# launch (the launch overlapping the previous grid's end, the next launch free to start
+# early); (what, the Configs field, the config class).
+PDL_CHOICES = (("AttnRes reads", "attn_res", "AttnResConfig"),
+               ("KDA decode", "kda", "KDAConfig"))
 
 
 def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,
                    num_splits: int, repeats: int | None = None) -> pd.DataFrame:
-    """The full stack's token with its launchers' defaults and with each of
-    :data:`PDL_CHOICES` (then all of them) on, measured back to back in this run, each checked
-    against the fp32 truth first: tok/s, launches, ratio to the defaults. Empty on the CPU:
-    the interpreter runs plain launches, so the rows would differ by noise alone."""
+    """The full stack's token with its launchers' defaults, then with each of
+    :data:`PDL_CHOICES` toggled (by PDL where the default is a plain launch, plain where it is
+    PDL), then all of them toggled, measured back to back in this run, each checked against
+    the fp32 truth first: tok/s, launches, ratio to the defaults. Empty on the CPU: the
+    interpreter runs plain launches, so the rows would differ by noise alone."""
     if torch.device(device).type != "cuda":
         return pd.DataFrame()
 
     from k3lab import kernels
 
-    on = {field: dataclasses.replace(getattr(configs, field)
-                                     or getattr(kernels, cls)(), pdl=True)
-          for _, field, cls in PDL_CHOICES}
+    toggled, labels = {}, {}
+    for what, field, cls in PDL_CHOICES:
+        default = getattr(configs, field) or getattr(kernels, cls)()
+        toggled[field] = dataclasses.replace(default, pdl=not default.pdl)
+        labels[field] = f"{what} {'plain' if default.pdl else 'by PDL'}"
     choices = {"defaults": configs,
-               **{label: dataclasses.replace(configs, **{field: on[field]})
-                  for label, field, _ in PDL_CHOICES},
-               "all of them": dataclasses.replace(configs, **on)}
+               **{labels[f]: dataclasses.replace(configs, **{f: c}) for f, c in toggled.items()},
+               "all of them toggled": dataclasses.replace(configs, **toggled)}
     rows = []
     for label, cfgs in choices.items():
         check = check_token(token, {"full stack": full}, cfgs, num_splits).iloc[0]
