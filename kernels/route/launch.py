@@ -82,8 +82,8 @@ def _gemv_rows(E: int, H: int, on_gpu: bool,
 DOT_M = 16  # tokens of one tensor-core product in the GEMV (tl.dot's smallest N)
 # Shared memory the unrolled K steps of a tile take on sm_90: Triton keeps each step's operands
 # (BLOCK_E x DOT_K and DOT_K x DOT_M bf16) apart and double-buffered, about
-# 4 * BLOCK_K * (BLOCK_E + DOT_M) bytes (32 x 1024 tiles: 192 KB at DOT_M 16; at 64 tokens the
-# compile asked for 401 KB of the 227 KB there are).
+# 4 * BLOCK_K * (BLOCK_E + DOT_M) bytes (32 x 1024 tiles: 192 KB at DOT_M 16, about 400 KB at
+# 64, where an SM has 227 KB).
 DOT_SMEM_BYTES = 200 * 1024
 NO_DOT = dict(DOT_M=0, DOT_K=16, DOT_FP32=INTERPRETED)  # the GEMV on the CUDA cores
 
