@@ -16,8 +16,9 @@ issue's whole-block figure. Variants:
   in one launch (route_sort's plus one with routing), W4A16 (bf16 activations) or A8W4 (e4m3
   activations quantized in the kernel); it passes ``inputs["config"]`` when that is a
   ``PersistentMoEConfig`` (else the defaults), with its activation format set by the variant;
-- grouped: strong eager torch: gather the selected experts' weights (MXFP4 dequantized), two
-  batched matmuls (bmm), fp32 weighted sum, cuBLAS dense projections;
+- grouped: strong eager torch: gather the selected experts' weights (MXFP4 dequantized in
+  bf16 by a byte lookup), two batched matmuls (bmm), fp32 weighted sum, cuBLAS dense
+  projections;
 - torch.compile: of the grouped peer (CUDA only); with routing two graphs, the reference
   route's then the block's given the plan (the one the plan-given scope compiles).
 The check compares every variant with the fp32 truth (``dtype=float32``), not with the bf16
@@ -52,12 +53,11 @@ from k3lab.kernels.moe.persistent import (
     fp8_rows_quantize,
     moe_persistent,
 )
-from k3lab.kernels.mxfp4 import MXFP4, mxfp4_tiled_codes
+from k3lab.kernels.mxfp4 import E2M1_VALUES, MXFP4, MXFP4_GROUP, mxfp4_tiled_codes
 from k3lab.kernels.route import RouteConfig
 from k3lab.kernels.runtime import INTERPRETED
 from k3lab.reference.moe import (
     activate,
-    dequantize_mxfp4,
     latent_moe_from_plan_reference,
     moe_stage1_reference,
     moe_stage2_reference,
@@ -286,13 +286,38 @@ def _persistent(activations: str):
 # the grouped eager peer
 
 
+_PAIRS: dict[torch.device, torch.Tensor] = {}  # device -> the code bytes' value pairs
+
+
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """bf16 [256, 2]: the two E2M1 values of every code byte (low nibble first), made once per
+    device (a host-to-device copy, so before any CUDA-graph capture)."""
+    if device not in _PAIRS:
+        table = torch.tensor(E2M1_VALUES)
+        codes = torch.arange(256)
+        value = [table[c & 7] * (1 - 2 * (c >> 3)) for c in (codes & 0xF, codes >> 4)]
+        _PAIRS[device] = torch.stack(value, dim=-1).to(device, torch.bfloat16)
+    return _PAIRS[device]
+
+
+def dequantize_mxfp4_bf16(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16 values of MXFP4 codes (row layout: packed uint8 [..., N, K/2], scales E8M0 uint8
+    [..., N, K/32]) as an engine dequantizes: one lookup of each byte's two values, one
+    multiply by the group's power of two, all in bf16 (exact: an E2M1 value times a power of
+    two). The same values as ``reference.moe.dequantize_mxfp4``, with a fraction of its
+    full-size fp32 temporaries."""
+    vals = _pair_table(packed.device)[packed.int()].flatten(-2)              # [..., N, K]
+    scale = torch.exp2(scales.float() - 127.0).to(torch.bfloat16).unsqueeze(-1)
+    return (vals.unflatten(-1, (-1, MXFP4_GROUP)) * scale).flatten(-2)
+
+
 def _gather(w, ids: torch.Tensor) -> torch.Tensor:
     """The selected experts ids [N] of w [E, R, C] as a bf16 [N, R, C] copy."""
     if isinstance(w, MXFP4):
         packed = w.packed.index_select(0, ids)
         if w.layout == "tiled":  # (the peers are given the row layout: Weights)
             packed = mxfp4_tiled_codes(packed, inverse=True)
-        return dequantize_mxfp4(packed, w.scales.index_select(0, ids)).to(torch.bfloat16)
+        return dequantize_mxfp4_bf16(packed, w.scales.index_select(0, ids))
     return w.index_select(0, ids)
 
 

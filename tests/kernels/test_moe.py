@@ -611,6 +611,23 @@ class _Probe(dict):
         return super().get(key, default)
 
 
+def test_grouped_dequantize_is_the_reference_in_bf16(device):
+    """The grouped peer's bf16 dequantization (byte lookup, one multiply) gives bitwise the
+    reference's fp32 values rounded to bf16: every code byte, under every finite E8M0 scale
+    (the smallest make bf16 subnormals), in a leading-dims layout."""
+    from k3lab.boundaries.moe import dequantize_mxfp4_bf16
+    from k3lab.reference.moe import dequantize_mxfp4
+
+    packed = torch.arange(256, dtype=torch.uint8, device=device).repeat(255, 1)   # [255, 256]
+    scales = torch.arange(255, dtype=torch.uint8, device=device)[:, None].repeat(1, 16)
+    got = dequantize_mxfp4_bf16(packed, scales)
+    want = dequantize_mxfp4(packed, scales).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (255, 512)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    lead = dequantize_mxfp4_bf16(packed.view(5, 51, 256), scales.view(5, 51, 16))
+    assert torch.equal(lead.view(255, 512).view(torch.int16), want.view(torch.int16))
+
+
 def test_boundary(device):
     boundary = get("moe")
     assert boundary.owns == ("moe.latent_down", "moe.stage1", "moe.stage2", "moe.latent_norm",
