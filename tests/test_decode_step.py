@@ -214,8 +214,8 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
             stack.run_token(full, tok, configs=dataclasses.replace(base, **{field: "pdl"}))
     configs = dataclasses.replace(base, attn_res=kernels.AttnResConfig(pdl=True),
                                   kda=kernels.KDAConfig(pdl=True))
-    check = study.check_token(tok, {"full": full}, configs, 4)
-    assert bool(check["ok"].iloc[0]), check
+    check = study.check_token(tok, {"plain": full, "pdl": full}, {"plain": base, "pdl": configs}, 4)
+    assert check["stack"].tolist() == ["plain", "pdl"] and check["ok"].all(), check
     if device.type != "cuda":  # the interpreter runs plain launches: nothing to compare
         assert study.launch_choices(tok, device, full, configs=base, num_splits=4).empty
 

@@ -110,35 +110,48 @@ def _restore(token: dict, snap: list) -> None:
             s["cache"][k].copy_(v)
 
 
-def check_token(token: dict, stacks: dict, configs: stack.Configs, num_splits: int
-                ) -> pd.DataFrame:
+def check_token(token: dict, stacks: dict, configs, num_splits: int) -> pd.DataFrame:
     """Each stack's logits against the fp32 truth (``reference.layer.run_token``) from the same
     caches, the truth's MoE layers using the experts the stack chose (a router near-tie flips
     an expert on a rounding difference; a column says in how many layers the stack chose the
     engine baseline's experts): max abs error, the tolerance (LOGITS_RTOL of the largest
-    |logit|), pass."""
+    |logit|), pass. ``configs``: one ``stack.Configs`` for every stack, or one per label; stacks
+    that chose the same experts share one truth."""
     snap = _snapshot(token)
     own: list = []
+    truths: list[tuple[list, torch.Tensor]] = []  # (experts chosen, the truth with them)
     rows = []
     for label, st in stacks.items():
+        cfgs = configs[label] if isinstance(configs, dict) else configs
         _restore(token, snap)
         chosen: list = []
-        got = stack.run_token(st, token, num_splits=num_splits, configs=configs,
+        got = stack.run_token(st, token, num_splits=num_splits, configs=cfgs,
                               record=chosen).float()
-        _restore(token, snap)
-        truth = ref_layer.run_token(token, topk_ids=chosen)
+        truth = next((t for c, t in truths if _same_experts(c, chosen)), None)
+        if truth is None:
+            _restore(token, snap)
+            truth = ref_layer.run_token(token, topk_ids=chosen)
+            truths.append((chosen, truth))
         if not own:
             _restore(token, snap)
             own = _own_routing(token)
         tol = LOGITS_RTOL * float(truth.abs().max())
         err = float((got - truth).abs().max())
-        same = sum(a is not None and torch.equal(a.sort(-1).values.long(), b.sort(-1).values.long())
-                   for a, b in zip(chosen, own, strict=True))
+        same = sum(a is not None and _same_experts([a], [b]) for a, b in zip(chosen, own,
+                                                                             strict=True))
         moe = sum(a is not None for a in chosen)
         rows.append({"stack": label, "max abs error": err, "tolerance": tol, "ok": err <= tol,
                      "routing as the engine baseline's": f"{same} of {moe} MoE layers"})
     _restore(token, snap)
     return pd.DataFrame(rows)
+
+
+def _same_experts(a: list, b: list) -> bool:
+    """Whether two per-layer records of chosen experts (None: a layer without routing) pick the
+    same experts for every token (in any slot order)."""
+    return len(a) == len(b) and all(
+        (x is None) == (y is None) and (x is None or torch.equal(
+            x.sort(-1).values.long(), y.sort(-1).values.long())) for x, y in zip(a, b, strict=True))
 
 
 def _own_routing(token: dict) -> list:
@@ -234,18 +247,18 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
     choices = {"defaults": configs,
                **{labels[f]: dataclasses.replace(configs, **{f: c}) for f, c in toggled.items()},
                "all of them toggled": dataclasses.replace(configs, **toggled)}
+    checks = check_token(token, dict.fromkeys(choices, full), choices, num_splits)
+    bad = checks[~checks["ok"]]
+    if len(bad):
+        raise AssertionError("logits off the fp32 truth: " + "; ".join(
+            f"{r['stack']} by {r['max abs error']:.4g} (tolerance {r['tolerance']:.4g})"
+            for _, r in bad.iterrows()))
     rows = []
-    for label, cfgs in choices.items():
-        check = check_token(token, {"full stack": full}, cfgs, num_splits).iloc[0]
-        if not check["ok"]:
-            raise AssertionError(f"{label}: logits off the fp32 truth by "
-                                 f"{check['max abs error']:.4g} (tolerance "
-                                 f"{check['tolerance']:.4g})")
+    for (label, cfgs), err in zip(choices.items(), checks["max abs error"], strict=True):
         f = measure_token(full, token, device, label=label, configs=cfgs,
                           num_splits=num_splits, repeats=repeats)
         rows.append({"choice": label, "token us": f.token_us, "tok/s": f.tok_per_s,
-                     "launches per token": round(f.launches),
-                     "max abs error": check["max abs error"]})
+                     "launches per token": round(f.launches), "max abs error": err})
     out = pd.DataFrame(rows)
     out["vs defaults"] = out["tok/s"] / out["tok/s"].iloc[0]
     return out
