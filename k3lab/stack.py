@@ -22,7 +22,6 @@ MLP, the layers with their AttnRes reads and block sums, the final read and norm
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -260,14 +259,9 @@ def _noop(_category: str) -> None:
 class Configs:
     """The tuning configs a run passes to the launchers (None: each launcher's default):
     gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits),
-    attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode).
-    gemv_prefetch_steps: with gemv None, on the GPU, every projection takes its per-shape
-    default with this many weight steps prefetched into L2 before its PDL wait (the table's
-    choice was timed with the same GEMV before it; in the token a projection follows other
-    kernels)."""
+    attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode)."""
 
     gemv: object = None
-    gemv_prefetch_steps: int | None = None
     route: object = None
     attn_res: object = None
     kda: object = None
@@ -292,13 +286,8 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
     """A projection: the dense GEMV when ``op`` is the dense-gemv change's, else the engine's call
     (bf16 F.linear, the norm, activation or residual as separate ops)."""
     if run.stack.owned_by(op, "dense-gemv"):
-        from k3lab.kernels.dense import default_config_for, dense_gemv
-        cfg, steps = run.configs.gemv, run.configs.gemv_prefetch_steps
-        if cfg is None and steps is not None and x.is_cuda:
-            cfg = dataclasses.replace(default_config_for(x, w, splits=kw.get("splits"),
-                                                         activation=kw.get("activation")),
-                                      prefetch_steps=steps)
-        return dense_gemv(x, w, config=cfg, **kw)
+        from k3lab.kernels.dense import dense_gemv
+        return dense_gemv(x, w, config=run.configs.gemv, **kw)
     return dense_engine(x, w, **kw)
 
 
