@@ -400,6 +400,20 @@ _SWEEPS = [
                               ((8, 512, 1, 3, 0), {}), ((16, 256, 1, 3, 2), {}))),
           "7168-row shapes over a short K (o_proj, latent up, dense MLP down): tile rows, "
           "K step, stages and warps around the table's 16 x 256"),
+    Sweep("unroll", "dense", tuple(
+        {"shape": shape, **(_gemv(*tiling) if tiling else {}), **extra}
+        for shape, tilings in (
+            ("kda.o_proj", ((16, 256), (16, 512), (8, 512), (8, 256), (32, 256))),
+            ("moe.latent_up", ((16, 256), (16, 512), (8, 512))),
+            ("mlp.down", ((16, 512), (8, 512), (16, 1024))),
+            ("kda.q_proj", ((8, 512), (8, 1024), (16, 1024))))
+        for tiling, extra in ((None, {}), *(((t[0], t[1], 1, 1, 0), {"unroll_k": True})
+                                            for t in tilings),
+                              ((tilings[0][0], tilings[0][1], 1, 1, 0),
+                               {"unroll_k": True, "num_warps": 8}))),
+          "a K share's steps unrolled (every step's loads independent, no shared-memory "
+          "pipeline) against the per-shape table ({}), on the shapes farthest from the "
+          "dependent skeleton: the tall short-K ones and the 22 MB q/k/v/g"),
     Sweep("tune", "dense", grid(tuple({"shape": n} for n in _DENSE_SHAPES),
                                 ({}, *GEMV_CANDIDATES)),
           "every K3 projection shape, M = 1: the per-shape default ({}: the measured table, "

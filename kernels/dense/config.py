@@ -29,6 +29,9 @@ class GemvConfig:
         implies the previous grid's.
     gate_up_together: with a gate/up activation, the gate and up rows stream in one K loop
         (two weight tiles a step) instead of one loop each.
+    unroll_k: a K share's steps are unrolled, every step's loads independent and issued at
+        once into registers (no shared-memory pipeline; num_stages unused), at most
+        ``MAX_UNROLL`` steps (launcher checks); for the short-K shapes.
     block_n 8 serves one token only (the tensor-core path of 2..16 tokens needs 16).
     """
 
@@ -41,6 +44,7 @@ class GemvConfig:
     prefetch_steps: int = 2
     wait_last: bool = False
     gate_up_together: bool = False
+    unroll_k: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -60,7 +64,7 @@ class GemvConfig:
         if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
-        for name in ("pdl", "wait_last", "gate_up_together"):
+        for name in ("pdl", "wait_last", "gate_up_together", "unroll_k"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name}: expected a bool, got "
                                  f"{getattr(self, name)!r}")

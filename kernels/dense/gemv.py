@@ -72,51 +72,69 @@ def _rstd(p_x, o_m, m_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off, acc, acc_u, ss,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+            DOT_FP32: tl.constexpr, TWO: tl.constexpr):
+    """One K step of :func:`_k_loop` at columns [k0, k0 + BLOCK_K) below k_hi."""
+    o_k = k0 + tl.arange(0, BLOCK_K)
+    m_k = o_k < k_hi
+    o_w = o_n[:, None].to(tl.int64) * K + o_k[None, :]
+    m_w = m_n[:, None] & m_k[None, :]
+    b_w = tl.load(p_w + o_w, mask=m_w, other=0.0)
+    if TWO:  # noqa: SIM108 - a constexpr branch: the load exists only when TWO
+        b_u = tl.load(p_w + u_off + o_w, mask=m_w, other=0.0)
+    else:
+        b_u = b_w
+    b_x = tl.load(p_x + o_m[:, None] * K + o_k[None, :],
+                  mask=m_m[:, None] & m_k[None, :], other=0.0)
+    b_xf = b_x.to(tl.float32)
+    if NORM:  # x is in registers anyway: its sum of squares costs no second pass
+        ss += tl.sum(b_xf * b_xf, axis=1)
+        b_xf = b_xf * tl.load(p_g + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    if BLOCK_M == 1:
+        acc += b_w.to(tl.float32) * b_xf
+        if TWO:
+            acc_u += b_u.to(tl.float32) * b_xf
+    elif DOT_FP32:  # the interpreter's dot is only exact in fp32
+        acc += tl.dot(b_xf, tl.trans(b_w.to(tl.float32)))
+        if TWO:
+            acc_u += tl.dot(b_xf, tl.trans(b_u.to(tl.float32)))
+    else:
+        acc += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_w))
+        if TWO:
+            acc_u += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_u))
+    return acc, acc_u, ss
+
+
+@triton.jit
 def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, u_off,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
-            TWO: tl.constexpr):
+            TWO: tl.constexpr, UNROLL: tl.constexpr):
     """(fp32 [BLOCK_M, BLOCK_N] sums of x[o_m, k] (* g[k]) * W[o_n, k] over k in [k_lo, k_hi),
     the same sums against the rows u_off elements further when TWO (else the first again), fp32
-    [BLOCK_M] sums of x^2 over the range: the RMSNorm's, when NORM)."""
+    [BLOCK_M] sums of x^2 over the range: the RMSNorm's, when NORM). UNROLL > 0: the range is
+    at most UNROLL steps, unrolled (every step's loads independent, no shared-memory pipeline);
+    0: a loop pipelined over NUM_STAGES."""
     ss = tl.zeros([BLOCK_M], tl.float32)
-    if BLOCK_M == 1:
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        accu2 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if BLOCK_M == 1:  # one token: elementwise products, one reduction after the loop
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
-        o_k = k0 + tl.arange(0, BLOCK_K)
-        m_k = o_k < k_hi
-        o_w = o_n[:, None].to(tl.int64) * K + o_k[None, :]
-        m_w = m_n[:, None] & m_k[None, :]
-        b_w = tl.load(p_w + o_w, mask=m_w, other=0.0)
-        if TWO:  # noqa: SIM108 - a constexpr branch: the load exists only when TWO
-            b_u = tl.load(p_w + u_off + o_w, mask=m_w, other=0.0)
-        else:
-            b_u = b_w
-        b_x = tl.load(p_x + o_m[:, None] * K + o_k[None, :],
-                      mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_xf = b_x.to(tl.float32)
-        if NORM:  # x is in registers anyway: its sum of squares costs no second pass
-            ss += tl.sum(b_xf * b_xf, axis=1)
-            b_xf = b_xf * tl.load(p_g + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
-        if BLOCK_M == 1:
-            acc2 += b_w.to(tl.float32) * b_xf
-            if TWO:
-                accu2 += b_u.to(tl.float32) * b_xf
-        elif DOT_FP32:  # the interpreter's dot is only exact in fp32
-            acc += tl.dot(b_xf, tl.trans(b_w.to(tl.float32)))
-            if TWO:
-                acc_u += tl.dot(b_xf, tl.trans(b_u.to(tl.float32)))
-        else:
-            acc += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_w))
-            if TWO:
-                acc_u += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_u))
+    if UNROLL > 0:
+        for j in tl.static_range(UNROLL):
+            acc, acc_u, ss = _k_step(k_lo + j * BLOCK_K, k_hi, p_x, p_w, p_g, o_m, m_m, o_n,
+                                     m_n, K, u_off, acc, acc_u, ss, BLOCK_M, BLOCK_K, NORM,
+                                     DOT_FP32, TWO)
+    else:
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+            acc, acc_u, ss = _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off,
+                                     acc, acc_u, ss, BLOCK_M, BLOCK_K, NORM, DOT_FP32, TWO)
     if BLOCK_M == 1:
-        acc = tl.sum(acc2, axis=1)[None, :]
-        acc_u = tl.sum(accu2, axis=1)[None, :]
+        acc = tl.sum(acc, axis=1)[None, :]
+        acc_u = tl.sum(acc_u, axis=1)[None, :]
     if not TWO:
         acc_u = acc
     return acc, acc_u, ss
@@ -209,7 +227,8 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
           NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
           DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
-          NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr):
+          NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
+          UNROLL: tl.constexpr):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns.
     GATE_UP_TOGETHER: with ACT, the gate and up rows stream in one K loop (else one loop
     each)."""
@@ -232,15 +251,16 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
         b_res = _residual(p_res, o_m, m_m, o_n, m_n, N)
     together = ACT != 0 and GATE_UP_TOGETHER
     acc, acc_u, ss = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, N * K, BLOCK_M,
-                             BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, together)
+                             BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, together, UNROLL)
     if ACT != 0 and not together:
         acc_u, _, _ = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, 0,
-                              BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, False)
+                              BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, False,
+                              UNROLL)
     if DUAL:
         k2_lo = i_k * K2_SPLIT
         acc_u, _, _ = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo,
                               tl.minimum(k2_lo + K2_SPLIT, K2), 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                              False, DOT_FP32, NUM_STAGES, False)
+                              False, DOT_FP32, NUM_STAGES, False, 0)
     if N_SEG > 1:  # segment s is its own contiguous [M, n_s] block of the output
         start, length = _segment(o_n, N, b1, b2, b3, b4, b5, b6, b7)
         o_y = M * start[None, :] + o_m[:, None] * length[None, :] + (o_n - start)[None, :]
@@ -272,13 +292,15 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2
                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
                       DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr):
+                      WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
+                      UNROLL: tl.constexpr):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
     first (after its RMSNorm) before the epilogue.
     MIXED: tiles [0, T0) are N plain rows (output [M, N]); tiles from T0 are the activation's NG
-    outputs (weight rows N.. gate, N + NG.. up; output [M, NG] after the first)."""
+    outputs (weight rows N.. gate, N + NG.. up; output [M, NG] after the first).
+    UNROLL: K steps of a share, unrolled (0: a pipelined loop)."""
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
     if MIXED:
@@ -287,14 +309,14 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2
                   p_ws + SPLIT_K * M * N, p_cnt, p_x2, p_w2, b1, b2, b3, b4, b5, b6, b7, M, NG,
                   K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M, BLOCK_N, BLOCK_K,
                   SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
-                  WAIT_LAST, GATE_UP_TOGETHER)
+                  WAIT_LAST, GATE_UP_TOGETHER, UNROLL)
         else:
             _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3,
                   b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta,
                   BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1, False, DOT_FP32, PDL,
-                  PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER)
+                  PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL)
     else:
         _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3, b4,
               b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M,
               BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32, PDL,
-              PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER)
+              PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL)

@@ -22,6 +22,7 @@ ACTIVATIONS = {None: ACT_NONE, "situ": ACT_SITU, "silu": ACT_SILU}
 # steps for weights under PREFETCH_BELOW bytes (their launch and ramp are a large share). Several
 # tokens: 16-row tiles (the tensor-core path). docs/decisions.md has the sweeps behind these.
 MIN_PROGRAMS = 160
+MAX_UNROLL = 16  # K steps a share unrolls at most (GemvConfig.unroll_k)
 MAX_SPLIT = 4
 PREFETCH_BELOW = 16 << 20
 _tickets: dict = {}
@@ -192,6 +193,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     split = min(config.split_k, steps)
     k_split = triton.cdiv(steps, split) * config.block_k
     split = triton.cdiv(k, k_split)  # no empty share
+    unroll = k_split // config.block_k if config.unroll_k else 0
+    if unroll > MAX_UNROLL:
+        raise ValueError(f"config: unroll_k unrolls a K share of {unroll} steps of "
+                         f"{config.block_k} columns; at most {MAX_UNROLL} (a wider block_k or "
+                         f"split_k, or unroll_k=False)")
     k2_split = triton.cdiv(triton.cdiv(k2, config.block_k), split) * config.block_k if k2 else 0
     y = torch.empty(m * (n + ng), dtype=out_dtype, device=dev)
     ws_cols = n + 2 * ng if mixed else n * (2 if act or x2 is not None else 1)
@@ -211,6 +217,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         N_SEG=len(bounds), DUAL=x2 is not None, MIXED=mixed, DOT_FP32=INTERPRETED, PDL=pdl,
         PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,
         WAIT_LAST=pdl and config.wait_last, GATE_UP_TOGETHER=config.gate_up_together,
+        UNROLL=unroll,
         num_warps=config.num_warps,
         **({"launch_pdl": True} if pdl else {}))
     if mixed:

@@ -62,6 +62,11 @@ CASES = [  # (id, M, N, K, config)
      GemvConfig(block_n=8, block_k=64, split_k=3, gate_up_together=True)),
     ("M4-N33-K300-together", 4, 33, 300, GemvConfig(block_n=16, block_k=64,
                                                     gate_up_together=True)),
+    # K steps unrolled: a K tail, a split whose last share is short, several tokens
+    ("M1-N40-K300-unroll", 1, 40, 300, GemvConfig(block_n=8, block_k=64, unroll_k=True)),
+    ("M1-N37-K600-unroll-split3", 1, 37, 600,
+     GemvConfig(block_n=16, block_k=64, split_k=3, unroll_k=True)),
+    ("M3-N38-K200-unroll", 3, 38, 200, GemvConfig(block_n=16, block_k=32, unroll_k=True)),
 ]
 
 
@@ -163,7 +168,11 @@ def test_fp32_input_with_norm_and_fp32_residual(m, device):
                                    (4, None), (3, GemvConfig(block_n=16, block_k=32, split_k=2)),
                                    (1, GemvConfig(block_n=8, block_k=64, split_k=3,
                                                   gate_up_together=True)),
-                                   (3, GemvConfig(block_n=16, block_k=32, gate_up_together=True))])
+                                   (3, GemvConfig(block_n=16, block_k=32, gate_up_together=True)),
+                                   (1, GemvConfig(block_n=8, block_k=32, unroll_k=True,
+                                                  gate_up_together=True)),
+                                   (1, GemvConfig(block_n=8, block_k=64, split_k=2,
+                                                  unroll_k=True))])
 def test_mixed_plain_and_gated_rows(m, cfg, device):
     """splits (plain rows, 2S gate/up rows) with an activation: the plain rows as they are, the
     activation of the gate/up rows; the plain count not a multiple of the tile."""
@@ -300,6 +309,8 @@ BAD = [
     (dict(out_dtype=torch.float16), "out_dtype"),
     (dict(config="fast"), "config"),
     (dict(config=GemvConfig(block_n=8)), "block_n=8 serves one token"),
+    (dict(x=torch.zeros(1, 2048).bfloat16(), w=torch.zeros(32, 2048).bfloat16(),
+          config=GemvConfig(block_n=8, block_k=64, unroll_k=True)), "unroll_k unrolls"),
     (dict(splits=(16, 16), residual=torch.zeros(2, 32).bfloat16()), "no residual"),
     (dict(splits=(8, 8, 16), activation="situ"), "plain rows"),
     (dict(splits=(15, 17), activation="situ"), "plain rows"),
@@ -323,7 +334,7 @@ def test_bad_input_is_a_clear_error(kw, msg):
     (dict(block_n=24), "block_n"), (dict(block_n=4), "block_n"), (dict(block_k=8), "block_k"),
     (dict(split_k=0), "split_k"), (dict(prefetch_steps=9), "prefetch_steps"),
     (dict(num_warps=3), "num_warps"), (dict(pdl=1), "pdl"), (dict(wait_last=None), "wait_last"),
-    (dict(gate_up_together=1), "gate_up_together")])
+    (dict(gate_up_together=1), "gate_up_together"), (dict(unroll_k="yes"), "unroll_k")])
 def test_bad_config(kw, msg):
     with pytest.raises(ValueError, match=f"GemvConfig.{msg}"):
         GemvConfig(**kw)
