@@ -402,18 +402,13 @@ _SWEEPS = [
           "K step, stages and warps around the table's 16 x 256"),
     Sweep("unroll", "dense", tuple(
         {"shape": shape, **(_gemv(*tiling) if tiling else {}), **extra}
-        for shape, tilings in (
-            ("kda.o_proj", ((16, 256), (16, 512), (8, 512), (8, 256), (32, 256))),
-            ("moe.latent_up", ((16, 256), (16, 512), (8, 512))),
-            ("mlp.down", ((16, 512), (8, 512), (16, 1024))),
-            ("kda.q_proj", ((8, 512), (8, 1024), (16, 1024))))
-        for tiling, extra in ((None, {}), *(((t[0], t[1], 1, 1, 0), {"unroll_k": True})
-                                            for t in tilings),
-                              ((tilings[0][0], tilings[0][1], 1, 1, 0),
-                               {"unroll_k": True, "num_warps": 8}))),
+        for shape in ("kda.o_proj", "moe.shared_down", "mlp.down")
+        for tiling, extra in ((None, {}), *(
+            ((n, k, 1, 3, 0), {"unroll_k": unroll})
+            for n, k in ((8, 256), (8, 512), (16, 256)) for unroll in (False, True)))),
           "a K share's steps unrolled (every step's loads independent, no shared-memory "
-          "pipeline) against the per-shape table ({}), on the shapes farthest from the "
-          "dependent skeleton: the tall short-K ones and the 22 MB q/k/v/g"),
+          "pipeline) against the same tiling pipelined over 3 stages and the per-shape table "
+          "({}), on the 7168-row short-K shapes (run at --tp 8 and --tp 16)"),
     Sweep("tune", "dense", grid(tuple({"shape": n} for n in _DENSE_SHAPES),
                                 ({}, *GEMV_CANDIDATES)),
           "every K3 projection shape, M = 1: the per-shape default ({}: the measured table, "
