@@ -216,7 +216,8 @@ GEMV_CANDIDATES = (
     _gemv(8, 1024, 1, 3, 0), _gemv(8, 1024, 2, 4, 2), _gemv(8, 512, 2, 5, 2),
     _gemv(16, 512, 1, 4, 2), _gemv(8, 512, 1, 5, 0), _gemv(8, 512, 1, 2, 2),
     _gemv(8, 512, 1, 3, 0), _gemv(8, 512, 1, 4, 0), _gemv(8, 512, 4, 4, 2),
-    {**_gemv(8, 512, 1, 4, 0), "gate_up_together": True})
+    {**_gemv(8, 512, 1, 4, 0), "gate_up_together": True},
+    {**_gemv(8, 512, 1, 3, 0), "unroll_k": True})
 
 
 _SWEEPS = [

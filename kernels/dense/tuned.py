@@ -15,10 +15,11 @@ from .config import GemvConfig
 __all__ = ["TUNED_M1"]
 
 
-def _c(block_n, block_k, split_k, num_stages, prefetch_steps, gate_up_together=False):
+def _c(block_n, block_k, split_k, num_stages, prefetch_steps, gate_up_together=False,
+       unroll_k=False):
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
                       num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps,
-                      gate_up_together=gate_up_together)
+                      gate_up_together=gate_up_together, unroll_k=unroll_k)
 
 
 # thin rows over K 7168: 1024-column steps, split K below about 200 rows, the L2 prefetch
@@ -41,7 +42,7 @@ TUNED_M1: dict[tuple[int, int, bool], GemvConfig] = {
     (1152, 1536, False): _c(16, 512, 1, 4, 2),  # MLA q_b, tp 16
     (1536, 7168, False): _c(8, 512, 1, 5, 0),  # KDA q/k/v/g, MLA q_a, tp 8
     (7168, 384, False): _c(8, 512, 1, 2, 2),  # shared down, tp 16
-    (7168, 1536, False): _TALL,  # o_proj, tp 8
+    (7168, 1536, False): _c(8, 512, 1, 3, 0, unroll_k=True),  # o_proj, tp 8 (dense --sweep unroll)
     (7168, 2112, False): _TALL,  # dense MLP down, tp 16
     (7168, 3584, False): _TALL,  # latent up
     (7168, 4224, False): _TALL,  # dense MLP down, tp 8

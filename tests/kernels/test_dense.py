@@ -276,7 +276,8 @@ def test_tuned_table_picks_from_the_sweep():
 
 @pytest.mark.parametrize("fields", GEMV_CANDIDATES, ids=lambda c: (
     f"n{c['block_n']}k{c['block_k']}s{c['split_k']}st{c['num_stages']}p{c['prefetch_steps']}"
-    + ("-together" if c.get("gate_up_together") else "")))
+    + ("-together" if c.get("gate_up_together") else "")
+    + ("-unroll" if c.get("unroll_k") else "")))
 def test_tune_candidates(fields, device):
     """Each tiling the tune sweep (and so the table) may pick, on a shape with a K tail, plain
     and with the gate/up epilogue."""
