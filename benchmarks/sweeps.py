@@ -451,6 +451,13 @@ _SWEEPS = [
                                   ({"pdl": False}, {"pdl": True})),
           "the one-program read by programmatic dependent launch (weights loaded before the "
           "wait; the default) against a plain launch, at 1 to 3 candidates"),
+    Sweep("bank_early", "attn_res", grid(tuple({"n_sealed": n} for n in (0, 1, 2, 3, 8)),
+                                         ({}, {"bank_before_wait": True},
+                                          {"bank_before_wait": True,
+                                           "one_chunk_min_candidates": 1})),
+          "the sealed bank rows (and the split's score weight) loaded before the PDL wait, "
+          "live after it, against the defaults (every candidate after the wait), at 1 to 4 and "
+          "9 candidates; with the one-pass read from one candidate on"),
     Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 16}, {"M": 64}),
                                      ({}, {"split_h": 0}, {"max_split_programs": 8})),
           "the split schedule (by default while its grid is at most one program an SM) and one "

@@ -70,6 +70,12 @@ class AttnResConfig:
     pdl: the one-program read is launched with programmatic dependent launch (compiled only):
         it loads its weights while the previous launch finishes and lets the next launch
         start once it has waited for the previous one (off: a plain launch).
+    bank_before_wait: (with pdl, or split_pdl for the split's first launch) the sealed bank
+        rows, and the score weights, are loaded before the wait for the previous grid, live
+        after it. Only where no launch the read may overlap writes the bank: the previous one,
+        and any earlier one still running (one that lets its dependents start before it waits
+        itself). The decode token seals a row by a plain copy launched at least two launches
+        before any read whose bank holds it.
     """
 
     tile_elems: int = 32768
@@ -83,13 +89,14 @@ class AttnResConfig:
     one_chunk_elems: int = 16384
     one_chunk_min_candidates: int = 3
     pdl: bool = True
+    bank_before_wait: bool = False
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("split_h", "one_chunk_elems") and v == 0 and not isinstance(v, bool):
                 continue
-            if f.name in ("split_pdl", "pdl"):
+            if f.name in ("split_pdl", "pdl", "bank_before_wait"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
                 continue
@@ -143,11 +150,13 @@ def _attn_res_norm_kernel(
     N, H, eps,
     BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HN: tl.constexpr,
     ONE_CHUNK: tl.constexpr, STORE_H: tl.constexpr, PDL: tl.constexpr,
+    BANK_EARLY: tl.constexpr,
 ):
     """One program per token. ONE_CHUNK (H <= BLOCK_H): one load of the rows serves the scores,
     the mix and the norm. STORE_H: h is stored too (else only h_normed). PDL: launched with
     programmatic dependent launch; the weights (never written by a previous launch) are read
-    before the wait for the previous grid, every candidate after it."""
+    before the wait for the previous grid, every candidate after it (BANK_EARLY, one chunk: the
+    bank rows before it too)."""
     i_m = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, BLOCK_NB)
     m_bank = o_n < N
@@ -162,10 +171,16 @@ def _attn_res_norm_kernel(
         b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
                * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
         b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0)  # in flight with the rows
+        if BANK_EARLY:
+            b_vb = tl.load(p_bank_rows + o_h[None, :], mask=m_bank[:, None] & m_h[None, :],
+                           other=0.0).to(tl.float32)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
+        if BANK_EARLY:
+            b_vl = tl.load(p_live_row + o_h, mask=m_h, other=0.0).to(tl.float32)
+        else:
+            b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
         b_p_b, b_p_l = _softmax(tl.sum(b_vb * b_vb, axis=1), tl.sum(b_vb * b_w[None, :], axis=1),
                                 tl.sum(b_vl * b_vl, axis=0), tl.sum(b_vl * b_w, axis=0), m_bank,
                                 H, eps)
@@ -226,23 +241,42 @@ def _attn_res_norm_kernel(
 # over the token's columns.
 
 @triton.jit
-def _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, stride_live_m,
-                BLOCK_NB: tl.constexpr):
-    """One H chunk of a token's N + 1 candidates as a [BLOCK_NB, BLOCK_H] bf16 tile: bank rows
-    0..N-1, live as row N, padded rows masked (no memory traffic, zeros)."""
+def _split_bank(p_bank, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, BLOCK_NB: tl.constexpr):
+    """One H chunk of a token's N bank rows as a [BLOCK_NB, BLOCK_H] bf16 tile (rows from N
+    masked: no memory traffic, zeros)."""
     o_n = tl.arange(0, BLOCK_NB)
-    b_vb = tl.load(p_bank + i_m * stride_bank_m + o_n[:, None].to(tl.int64) * stride_bank_n
+    return tl.load(p_bank + i_m * stride_bank_m + o_n[:, None].to(tl.int64) * stride_bank_n
                    + o_h[None, :], mask=(o_n < N)[:, None] & m_h[None, :], other=0.0)
+
+
+@triton.jit
+def _with_live(b_vb, p_live, i_m, o_h, m_h, N, stride_live_m, BLOCK_NB: tl.constexpr):
+    """The bank tile with live as row N."""
+    o_n = tl.arange(0, BLOCK_NB)
     b_vl = tl.load(p_live + i_m * stride_live_m + o_h, mask=m_h, other=0.0)
     return tl.where((o_n == N)[:, None], b_vl[None, :], b_vb)
 
 
 @triton.jit
-def _chunk_sums(b_v, p_res_norm_w, p_res_proj_w, p_g, p_d, slot, o_h, m_h,
-                DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """Store one chunk's G [BLOCK_NB, BLOCK_NB] and dots [BLOCK_NB] in slot ``slot``."""
-    b_w = (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-           * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
+def _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, stride_live_m,
+                BLOCK_NB: tl.constexpr):
+    """One H chunk of a token's N + 1 candidates as a [BLOCK_NB, BLOCK_H] bf16 tile: bank rows
+    0..N-1, live as row N, padded rows masked (no memory traffic, zeros)."""
+    b_vb = _split_bank(p_bank, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, BLOCK_NB)
+    return _with_live(b_vb, p_live, i_m, o_h, m_h, N, stride_live_m, BLOCK_NB)
+
+
+@triton.jit
+def _score_weight(p_res_norm_w, p_res_proj_w, o_h, m_h):
+    """w = res_norm_w * res_proj_w on one H chunk, fp32."""
+    return (tl.load(p_res_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
+            * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _chunk_sums(b_v, b_w, p_g, p_d, slot, DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Store one chunk's G [BLOCK_NB, BLOCK_NB] and dots [BLOCK_NB] with the score weight b_w
+    in slot ``slot``."""
     b_vd = b_v.to(tl.float32) if DOT_FP32 else b_v  # the interpreter's bf16 dot is wrong
     b_g = tl.dot(b_vd, tl.trans(b_vd), out_dtype=tl.float32)  # bf16 products: exact in fp32
     b_d = tl.sum(b_v.to(tl.float32) * b_w[None, :], axis=1)
@@ -286,19 +320,27 @@ def _attn_res_sums_kernel(
     p_bank, p_live, p_res_norm_w, p_res_proj_w, p_g, p_d,
     stride_bank_n, stride_bank_m, stride_live_m, N, H, P,
     PDL: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr,
+    BANK_EARLY: tl.constexpr,
 ):
-    """Two launches, the first: program (i_p, token i_m) stores its chunk's sums."""
+    """Two launches, the first: program (i_p, token i_m) stores its chunk's sums. BANK_EARLY:
+    the bank rows and the score weight are loaded before the wait for the previous grid."""
     i_p = tl.program_id(0)
     i_m = tl.program_id(1).to(tl.int64)
+    o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    if BANK_EARLY:
+        b_vb = _split_bank(p_bank, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, BLOCK_NB)
+        b_w = _score_weight(p_res_norm_w, p_res_proj_w, o_h, m_h)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < H
-    b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
-                      stride_live_m, BLOCK_NB)
-    _chunk_sums(b_v, p_res_norm_w, p_res_proj_w, p_g, p_d, i_m * P + i_p, o_h, m_h, DOT_FP32,
-                BLOCK_NB)
+    if BANK_EARLY:
+        b_v = _with_live(b_vb, p_live, i_m, o_h, m_h, N, stride_live_m, BLOCK_NB)
+    else:
+        b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
+                          stride_live_m, BLOCK_NB)
+        b_w = _score_weight(p_res_norm_w, p_res_proj_w, o_h, m_h)
+    _chunk_sums(b_v, b_w, p_g, p_d, i_m * P + i_p, DOT_FP32, BLOCK_NB)
 
 
 @triton.jit
@@ -418,7 +460,8 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
         launch = {"launch_pdl": True} if pdl else {}
         _attn_res_sums_kernel[(n_split, M)](
             bank_arg, live, res_norm_weight, res_proj_weight, part_g, part_d, *strides[:3], N,
-            H, n_split, PDL=pdl, DOT_FP32=INTERPRETED, **blocks, **launch)
+            H, n_split, PDL=pdl, DOT_FP32=INTERPRETED, BANK_EARLY=pdl and cfg.bank_before_wait,
+            **blocks, **launch)
         _attn_res_mix_kernel[(n_split, M)](
             bank_arg, live, norm_weight, h, h_normed, part_g, part_d, *strides, N, H,
             float(eps), n_split, PDL=pdl, BLOCK_P=triton.next_power_of_2(n_split),
@@ -433,7 +476,8 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
         bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed, *strides,
         N, H, float(eps),
         BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, ONE_CHUNK=one_chunk,
-        STORE_H=return_h or not one_chunk, PDL=pdl, num_warps=cfg.num_warps,
+        STORE_H=return_h or not one_chunk, PDL=pdl,
+        BANK_EARLY=pdl and one_chunk and cfg.bank_before_wait, num_warps=cfg.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return (h if return_h else None), h_normed

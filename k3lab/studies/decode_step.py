@@ -22,8 +22,8 @@ from k3lab.studies.decode_bytes import token_bytes
 from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 
 __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
-           "launch_choices", "PDL_CHOICES", "set_context", "check_token", "LOGITS_RTOL",
-           "waterfall", "waterfall_table",
+           "launch_choices", "PDL_CHOICES", "CONFIG_CHOICES", "set_context", "check_token",
+           "LOGITS_RTOL", "waterfall", "waterfall_table",
            "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "breakdown_plot",
            "layer_timelines", "context_sweep", "headline", "picker", "CUBLAS_LABEL",
            "cublas_stack"]
@@ -225,13 +225,18 @@ def cublas_stack() -> tuple[stack.Stack, list[str]]:
 # early); (what, the Configs field, the config class).
 PDL_CHOICES = (("AttnRes reads", "attn_res", "AttnResConfig"),
                ("KDA decode", "kda", "KDAConfig"))
+# Other launch choices timed in the token, each alone on top of the defaults: (label, the
+# Configs field, the config class, the fields it changes).
+CONFIG_CHOICES = (("AttnRes bank rows before the PDL wait", "attn_res", "AttnResConfig",
+                   {"bank_before_wait": True}),)
 
 
 def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,
                    num_splits: int, repeats: int | None = None) -> pd.DataFrame:
     """The full stack's token with its launchers' defaults, then with each of
     :data:`PDL_CHOICES` toggled (by PDL where the default is a plain launch, plain where it is
-    PDL), then all of them toggled, measured back to back in this run, each checked against
+    PDL), then all of them toggled, then each of :data:`CONFIG_CHOICES`, measured back to back
+    in this run, each checked against
     the fp32 truth first: tok/s, launches, ratio to the defaults. Empty on the CPU: the
     interpreter runs plain launches, so the rows would differ by noise alone."""
     if torch.device(device).type != "cuda":
@@ -247,6 +252,10 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
     choices = {"defaults": configs,
                **{labels[f]: dataclasses.replace(configs, **{f: c}) for f, c in toggled.items()},
                "all of them toggled": dataclasses.replace(configs, **toggled)}
+    for label, field, cls, changes in CONFIG_CHOICES:
+        default = getattr(configs, field) or getattr(kernels, cls)()
+        choices[label] = dataclasses.replace(
+            configs, **{field: dataclasses.replace(default, **changes)})
     checks = check_token(token, dict.fromkeys(choices, full), choices, num_splits)
     bad = checks[~checks["ok"]]
     if len(bad):

@@ -239,7 +239,8 @@ def test_bad_input(device, param, change):
                                          ("split_min_candidates", 0), ("split_pdl", None),
                                          ("split_min_candidates", True), ("pdl", 1),
                                          ("one_chunk_elems", 100), ("one_chunk_elems", True),
-                                         ("one_chunk_min_candidates", 0)])
+                                         ("one_chunk_min_candidates", 0),
+                                         ("bank_before_wait", 1)])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         AttnResConfig(**{field: value})
@@ -375,7 +376,11 @@ GPU_CONFIGS = {"default": AttnResConfig(), "one": AttnResConfig(split_h=0),
                "one-chunk-wide": AttnResConfig(split_h=0, one_chunk_elems=32768,
                                                one_chunk_min_candidates=1),
                "split1024-nopdl": AttnResConfig(split_h=1024, split_pdl=False,
-                                                split_min_candidates=1)}
+                                                split_min_candidates=1),
+               "bank-early": AttnResConfig(bank_before_wait=True),
+               "bank-early-one": AttnResConfig(split_h=0, one_chunk_min_candidates=1,
+                                               bank_before_wait=True),
+               "bank-early-split": AttnResConfig(split_min_candidates=1, bank_before_wait=True)}
 
 
 @pytest.mark.gpu
@@ -399,7 +404,7 @@ def test_gpu_no_host_sync():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "one", "split-all"])
+@pytest.mark.parametrize("config", ["default", "one", "split-all", "bank-early"])
 def test_gpu_graph_of_a_token(config):
     """A whole K3 token's 186 reads captured in one CUDA graph (every depth 1..9 candidates):
     replays equal eager calls, and follow the residual buffer when it changes in place."""
