@@ -451,13 +451,14 @@ _SWEEPS = [
                                   ({"pdl": False}, {"pdl": True})),
           "the one-program read by programmatic dependent launch (weights loaded before the "
           "wait; the default) against a plain launch, at 1 to 3 candidates"),
-    Sweep("bank_early", "attn_res", grid(tuple({"n_sealed": n} for n in (0, 1, 2, 3, 8)),
-                                         ({}, {"bank_before_wait": True},
-                                          {"bank_before_wait": True,
-                                           "one_chunk_min_candidates": 1})),
+    Sweep("bank_early", "attn_res", (
+        *({"n_sealed": n, **c} for n in (0, 1, 2)
+          for c in ({}, {"one_chunk_min_candidates": 1},
+                    {"one_chunk_min_candidates": 1, "bank_before_wait": True})),
+        *({"n_sealed": n, **c} for n in (3, 8) for c in ({}, {"bank_before_wait": True}))),
           "the sealed bank rows (and the split's score weight) loaded before the PDL wait, "
           "live after it, against the defaults (every candidate after the wait), at 1 to 4 and "
-          "9 candidates; with the one-pass read from one candidate on"),
+          "9 candidates; below 3 candidates the one-pass read alone and with it"),
     Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 16}, {"M": 64}),
                                      ({}, {"split_h": 0}, {"max_split_programs": 8})),
           "the split schedule (by default while its grid is at most one program an SM) and one "

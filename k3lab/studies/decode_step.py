@@ -227,8 +227,13 @@ PDL_CHOICES = (("AttnRes reads", "attn_res", "AttnResConfig"),
                ("KDA decode", "kda", "KDAConfig"))
 # Other launch choices timed in the token, each alone on top of the defaults: (label, the
 # Configs field, the config class, the fields it changes).
-CONFIG_CHOICES = (("AttnRes bank rows before the PDL wait", "attn_res", "AttnResConfig",
-                   {"bank_before_wait": True}),)
+CONFIG_CHOICES = (
+    ("AttnRes one pass from 1 candidate", "attn_res", "AttnResConfig",
+     {"one_chunk_min_candidates": 1}),
+    ("AttnRes bank rows before the PDL wait", "attn_res", "AttnResConfig",
+     {"bank_before_wait": True}),
+    ("AttnRes both", "attn_res", "AttnResConfig",
+     {"one_chunk_min_candidates": 1, "bank_before_wait": True}))
 
 
 def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,
