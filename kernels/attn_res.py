@@ -75,7 +75,8 @@ class AttnResConfig:
         after it. Only where no launch the read may overlap writes the bank: the previous one,
         and any earlier one still running (one that lets its dependents start before it waits
         itself). The decode token seals a row by a plain copy launched at least two launches
-        before any read whose bank holds it.
+        before any read whose bank holds it, so its configs turn this on; off by default, since
+        a caller that writes the bank just before the read would read stale rows.
     """
 
     tile_elems: int = 32768
@@ -87,7 +88,7 @@ class AttnResConfig:
     split_warps: int = 4
     max_split_programs: int = 1
     one_chunk_elems: int = 16384
-    one_chunk_min_candidates: int = 3
+    one_chunk_min_candidates: int = 1
     pdl: bool = True
     bank_before_wait: bool = False
 

@@ -22,7 +22,7 @@ from k3lab.studies.decode_bytes import token_bytes
 from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 
 __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
-           "launch_choices", "PDL_CHOICES", "CONFIG_CHOICES", "set_context", "check_token",
+           "launch_choices", "PDL_CHOICES", "SWITCH_CHOICES", "set_context", "check_token",
            "LOGITS_RTOL", "waterfall", "waterfall_table",
            "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "breakdown_plot",
            "layer_timelines", "context_sweep", "headline", "picker", "CUBLAS_LABEL",
@@ -71,11 +71,15 @@ def catalogue() -> pd.DataFrame:
 
 
 def configs_for(device) -> stack.Configs:
-    """The launchers' configs: their defaults on a GPU; under the interpreter, few big programs
-    (each interpreted program costs the same Python overhead, whatever its size): the route's
-    split-K gate tiles (the dense GEMV takes its own interpreter tiling when given none)."""
+    """The launchers' configs: on a GPU their defaults, except the AttnRes reads' sealed rows
+    loaded before their PDL wait (the token writes a bank row only by a plain copy at least two
+    launches before a read that holds it: ``AttnResConfig.bank_before_wait``); under the
+    interpreter, few big programs (each interpreted program costs the same Python overhead,
+    whatever its size): the route's split-K gate tiles (the dense GEMV takes its own
+    interpreter tiling when given none)."""
     if torch.device(device).type == "cuda":
-        return stack.Configs()
+        from k3lab.kernels import AttnResConfig
+        return stack.Configs(attn_res=AttnResConfig(bank_before_wait=True))
     from k3lab.kernels import RouteConfig
     return stack.Configs(route=RouteConfig(gemv_row_programs=0))
 
@@ -225,25 +229,20 @@ def cublas_stack() -> tuple[stack.Stack, list[str]]:
 # early); (what, the Configs field, the config class).
 PDL_CHOICES = (("AttnRes reads", "attn_res", "AttnResConfig"),
                ("KDA decode", "kda", "KDAConfig"))
-# Other launch choices timed in the token, each alone on top of the defaults: (label, the
-# Configs field, the config class, the fields it changes).
-CONFIG_CHOICES = (
-    ("AttnRes one pass from 1 candidate", "attn_res", "AttnResConfig",
-     {"one_chunk_min_candidates": 1}),
-    ("AttnRes bank rows before the PDL wait", "attn_res", "AttnResConfig",
-     {"bank_before_wait": True}),
-    ("AttnRes both", "attn_res", "AttnResConfig",
-     {"one_chunk_min_candidates": 1, "bank_before_wait": True}))
+# Other switches of the launchers' configs toggled in the token, each alone: (what, the Configs
+# field, the config class, the bool field).
+SWITCH_CHOICES = (("AttnRes bank rows before the PDL wait", "attn_res", "AttnResConfig",
+                   "bank_before_wait"),)
 
 
 def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,
                    num_splits: int, repeats: int | None = None) -> pd.DataFrame:
-    """The full stack's token with its launchers' defaults, then with each of
+    """The full stack's token with ``configs`` ("defaults"), then with each of
     :data:`PDL_CHOICES` toggled (by PDL where the default is a plain launch, plain where it is
-    PDL), then all of them toggled, then each of :data:`CONFIG_CHOICES`, measured back to back
-    in this run, each checked against
-    the fp32 truth first: tok/s, launches, ratio to the defaults. Empty on the CPU: the
-    interpreter runs plain launches, so the rows would differ by noise alone."""
+    PDL), then all of them toggled, then each of :data:`SWITCH_CHOICES` toggled alone, measured
+    back to back in this run, each checked against the fp32 truth first: tok/s, launches,
+    ratio to the defaults. Empty on the CPU: the interpreter runs plain launches, so the rows
+    would differ by noise alone."""
     if torch.device(device).type != "cuda":
         return pd.DataFrame()
 
@@ -257,10 +256,11 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
     choices = {"defaults": configs,
                **{labels[f]: dataclasses.replace(configs, **{f: c}) for f, c in toggled.items()},
                "all of them toggled": dataclasses.replace(configs, **toggled)}
-    for label, field, cls, changes in CONFIG_CHOICES:
+    for what, field, cls, switch in SWITCH_CHOICES:
         default = getattr(configs, field) or getattr(kernels, cls)()
-        choices[label] = dataclasses.replace(
-            configs, **{field: dataclasses.replace(default, **changes)})
+        on = not getattr(default, switch)
+        choices[f"{what}: {'on' if on else 'off'}"] = dataclasses.replace(
+            configs, **{field: dataclasses.replace(default, **{switch: on})})
     checks = check_token(token, dict.fromkeys(choices, full), choices, num_splits)
     bad = checks[~checks["ok"]]
     if len(bad):
