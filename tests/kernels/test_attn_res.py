@@ -380,7 +380,9 @@ GPU_CONFIGS = {"default": AttnResConfig(), "one": AttnResConfig(split_h=0),
                "bank-early": AttnResConfig(bank_before_wait=True),
                "bank-early-one": AttnResConfig(split_h=0, one_chunk_min_candidates=1,
                                                bank_before_wait=True),
-               "bank-early-split": AttnResConfig(split_min_candidates=1, bank_before_wait=True)}
+               "bank-early-split": AttnResConfig(split_min_candidates=1, bank_before_wait=True),
+               "one-pass-deep": AttnResConfig(one_chunk_elems=32768, split_min_candidates=6,
+                                              num_warps=16, bank_before_wait=True)}
 
 
 @pytest.mark.gpu
