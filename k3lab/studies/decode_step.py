@@ -22,7 +22,7 @@ from k3lab.studies.decode_bytes import token_bytes
 from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 
 __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
-           "launch_choices", "PDL_CHOICES", "SWITCH_CHOICES", "set_context", "check_token",
+           "launch_choices", "PDL_CHOICES", "CONFIG_CHOICES", "set_context", "check_token",
            "LOGITS_RTOL", "waterfall", "waterfall_table",
            "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "breakdown_plot",
            "layer_timelines", "context_sweep", "headline", "picker", "CUBLAS_LABEL",
@@ -229,17 +229,19 @@ def cublas_stack() -> tuple[stack.Stack, list[str]]:
 # early); (what, the Configs field, the config class).
 PDL_CHOICES = (("AttnRes reads", "attn_res", "AttnResConfig"),
                ("KDA decode", "kda", "KDAConfig"))
-# Other switches of the launchers' configs toggled in the token, each alone: (what, the Configs
-# field, the config class, the bool field).
-SWITCH_CHOICES = (("AttnRes bank rows before the PDL wait", "attn_res", "AttnResConfig",
-                   "bank_before_wait"),)
+# Other launch choices timed in the token, each alone on top of the configs given: (label, the
+# Configs field, the config class, the fields it sets).
+CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
+                   {"bank_before_wait": False}),
+                  ("KDA decode by PDL, state before the wait", "kda", "KDAConfig",
+                   {"pdl": True, "state_before_wait": True}))
 
 
 def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,
                    num_splits: int, repeats: int | None = None) -> pd.DataFrame:
     """The full stack's token with ``configs`` ("defaults"), then with each of
     :data:`PDL_CHOICES` toggled (by PDL where the default is a plain launch, plain where it is
-    PDL), then all of them toggled, then each of :data:`SWITCH_CHOICES` toggled alone, measured
+    PDL), then all of them toggled, then each of :data:`CONFIG_CHOICES` alone, measured
     back to back in this run, each checked against the fp32 truth first: tok/s, launches,
     ratio to the defaults. Empty on the CPU: the interpreter runs plain launches, so the rows
     would differ by noise alone."""
@@ -256,11 +258,10 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
     choices = {"defaults": configs,
                **{labels[f]: dataclasses.replace(configs, **{f: c}) for f, c in toggled.items()},
                "all of them toggled": dataclasses.replace(configs, **toggled)}
-    for what, field, cls, switch in SWITCH_CHOICES:
+    for label, field, cls, changes in CONFIG_CHOICES:
         default = getattr(configs, field) or getattr(kernels, cls)()
-        on = not getattr(default, switch)
-        choices[f"{what}: {'on' if on else 'off'}"] = dataclasses.replace(
-            configs, **{field: dataclasses.replace(default, **{switch: on})})
+        choices[label] = dataclasses.replace(
+            configs, **{field: dataclasses.replace(default, **changes)})
     checks = check_token(token, dict.fromkeys(choices, full), choices, num_splits)
     bad = checks[~checks["ok"]]
     if len(bad):
