@@ -181,11 +181,17 @@ def main() -> dict:
     for c, split in ((cfg, AttnResConfig(split_h=16, split_min_candidates=1)),
                      (k3, AttnResConfig(split_min_candidates=1)),
                      (k3, AttnResConfig(split_h=0, pdl=True, one_chunk_min_candidates=1)),
-                     (k3, AttnResConfig(split_h=0, pdl=True, one_chunk_elems=0))):
+                     (k3, AttnResConfig(split_h=0, pdl=True, one_chunk_elems=0)),
+                     (k3, AttnResConfig(bank_before_wait=True)),
+                     (k3, AttnResConfig(split_min_candidates=1, bank_before_wait=True))):
         a = boundaries.get("attn_res").make_inputs(c, cpu, 0)
-        attempt(f"attn_res split {split.split_h} at {c.name}", lambda a=a, split=split:
+        attempt(f"attn_res {split} at {c.name}", lambda a=a, split=split:
                 attn_res_norm(a["bank"], a["live"], a["res_norm_weight"], a["res_proj_weight"],
                               a["norm_weight"], config=split))
+    a = boundaries.get("attn_res").make_inputs(k3, cpu, 0, n_sealed=2)  # one pass, early bank
+    attempt("attn_res one pass bank early at kimi-k3", lambda: attn_res_norm(
+        a["bank"], a["live"], a["res_norm_weight"], a["res_proj_weight"], a["norm_weight"],
+        config=AttnResConfig(bank_before_wait=True)))
     r = boundaries.get("route").make_inputs(cfg, cpu, 0)
     attempt("gate_logits", lambda: gate_logits(r["hidden"], r["gate_weight"]))
     # the MoE block's overlapping front: a route that lets it start, a GEMV that waits last
@@ -207,8 +213,10 @@ def main() -> dict:
     kd = boundaries.get("kda")
     ki = kd.make_inputs(k3, cpu, 0)
     for name in ("fused", "fused+conv+out_gate"):
-        attempt(f"kda/{name} pdl", lambda name=name: kd.variant(name).fn(
-            {**boundaries.clone_inputs(ki), "config": KDAConfig(pdl=True)}))
+        for early in (False, True):
+            attempt(f"kda/{name} pdl state early {early}", lambda name=name, e=early: kd.variant(
+                name).fn({**boundaries.clone_inputs(ki),
+                          "config": KDAConfig(pdl=True, state_before_wait=e)}))
     rk = boundaries.get("route").make_inputs(k3, cpu, 0)
     for m in (1, 4):
         attempt(f"route pdl M {m}", lambda m=m: route_sort(
