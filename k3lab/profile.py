@@ -43,7 +43,7 @@ __all__ = [
     "Launches", "Timing", "count_launches", "time_variant", "graph_passes", "cold_copies",
     "tensor_bytes", "copy_bandwidth", "l2_bytes", "timeline", "measure", "roofline_us",
     "short_kernel_name", "value", "launch_lists", "variant_timelines", "graph_launch_us",
-    "QUIET_WARNINGS", "quiet_warnings",
+    "QUIET_WARNINGS", "quiet_warnings", "time_interleaved", "interleaved_ratios",
 ]
 
 # Warnings that tell a report's reader nothing, silenced for the whole process when this module is
@@ -290,6 +290,58 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
     samples = [s.elapsed_time(e) * 1e3 / (n * passes) for s, e in zip(starts, ends, strict=True)]
     del graph
     return _summary(samples, note=f"{n * passes} calls per graph replay", **meta)
+
+
+def time_interleaved(fns: dict[str, Callable[[Any], Any]], inputs: Any, *, rounds: int = 5,
+                     replays: int = 3) -> pd.DataFrame:
+    """One call's graph time of every ``fns[label](inputs)``, interleaved: a CUDA graph of one
+    call per label (after warm-up calls on a side stream), then ``rounds`` rounds that each
+    replay every label's graph ``replays`` times in turn, events around each label's replays
+    and one synchronization after the last round, so a slow drift of the clocks falls on
+    every label alike. Rows: round, label, us (per call, the mean of the round's replays).
+    CUDA only."""
+    if not fns:
+        raise ValueError("fns: expected at least one labelled function")
+    for name, v in (("rounds", rounds), ("replays", replays)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    device = _device_of(inputs)
+    if device.type != "cuda":
+        raise ValueError("inputs: time_interleaved needs CUDA tensors (CUDA graphs)")
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for fn in fns.values():
+            fn(inputs)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graphs = {label: _capture(fn, [inputs], 1) for label, fn in fns.items()}
+    for g in graphs.values():  # one untimed replay each
+        g.replay()
+    events = []
+    for r in range(rounds):
+        for label, g in graphs.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(replays):
+                g.replay()
+            end.record()
+            events.append((r, label, start, end))
+    torch.cuda.synchronize(device)
+    _done(device)
+    del graphs
+    return pd.DataFrame([{"round": r, "label": label, "us": s.elapsed_time(e) * 1e3 / replays}
+                         for r, label, s, e in events])
+
+
+def interleaved_ratios(t: pd.DataFrame, base: str) -> pd.DataFrame:
+    """From :func:`time_interleaved`'s rows: per label, base's time over the label's in each
+    round (above 1: the label is faster), its median, min and max over the rounds."""
+    piv = t.pivot(index="round", columns="label", values="us")
+    if base not in piv.columns:
+        raise ValueError(f"base: expected one of {list(piv.columns)}, got {base!r}")
+    ratio = piv.rdiv(piv[base], axis=0)
+    return pd.DataFrame({"median": ratio.median(), "min": ratio.min(), "max": ratio.max()})
 
 
 _BANDWIDTH: dict[str, float] = {}

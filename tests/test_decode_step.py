@@ -7,8 +7,9 @@ import math
 
 import pandas as pd
 import pytest
+import torch
 
-from k3lab import stack
+from k3lab import profile, stack
 from k3lab.config import preset
 from k3lab.studies import decode_step as study
 from k3lab.studies import decode_token as dt
@@ -220,6 +221,22 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
         assert study.launch_choices(tok, device, full, configs=base, num_splits=4).empty
 
 
+def test_interleaved_ratios_per_round():
+    """The base's time over each label's, per round: median, min and max over the rounds."""
+    t = pd.DataFrame({"round": [0, 0, 1, 1, 2, 2], "label": ["d", "x"] * 3,
+                      "us": [100.0, 50.0, 110.0, 100.0, 90.0, 100.0]})
+    r = profile.interleaved_ratios(t, "d")
+    assert r.loc["d"].tolist() == [1.0, 1.0, 1.0]
+    assert r.loc["x", "min"] == pytest.approx(0.9) and r.loc["x", "max"] == 2.0
+    assert r.loc["x", "median"] == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="base"):
+        profile.interleaved_ratios(t, "y")
+    with pytest.raises(ValueError, match="rounds"):
+        profile.time_interleaved({"d": lambda _: None}, torch.zeros(1), rounds=0)
+    with pytest.raises(ValueError, match="CUDA"):
+        profile.time_interleaved({"d": lambda _: None}, torch.zeros(1))
+
+
 def test_headline_takes_the_launch_choices():
     k3 = preset("kimi-k3", 8)
     figs = {"full stack": _figs("f", 8000.0, 900)}
@@ -231,6 +248,11 @@ def test_headline_takes_the_launch_choices():
     assert head["full stack, KDA decode by PDL: tok/s / defaults' (one run)"] == 1.03
     assert not any("defaults, defaults" in k for k in head)
     assert study.headline(r, fl, {}, pd.DataFrame()) == study.headline(r, fl, {})
+    spread = choices.assign(**{"window vs defaults, interleaved min": [1.0, 0.99],
+                               "window vs defaults, interleaved max": [1.0, 1.05]})
+    head = study.headline(r, fl, {}, spread)
+    key = "full stack, KDA decode by PDL: defaults' window / its, interleaved"
+    assert (head[f"{key} min"], head[f"{key} max"]) == (0.99, 1.05)
 
 
 @pytest.mark.gpu
@@ -243,3 +265,6 @@ def test_launch_choices_on_the_gpu(device):
     assert t["choice"].tolist() == ["defaults", "AttnRes reads plain", "KDA decode by PDL",
                                     "all of them toggled"] + [c[0] for c in study.CONFIG_CHOICES]
     assert (t["tok/s"] > 0).all() and t["vs defaults"].iloc[0] == 1.0
+    lo, med, hi = (t[f"window vs defaults, interleaved {k}"] for k in ("min", "median", "max"))
+    assert (lo > 0).all() and (lo <= med).all() and (med <= hi).all(), t
+    assert lo.iloc[0] == hi.iloc[0] == 1.0  # the defaults against themselves

@@ -229,6 +229,8 @@ def cublas_stack() -> tuple[stack.Stack, list[str]]:
 # early); (what, the Configs field, the config class).
 PDL_CHOICES = (("AttnRes reads", "attn_res", "AttnResConfig"),
                ("KDA decode", "kda", "KDAConfig"))
+# Rounds of the launch choices' interleaved replays (launch_choices)
+INTERLEAVED_ROUNDS = 7
 # Other launch choices timed in the token, each alone on top of the configs given: (label, the
 # Configs field, the config class, the fields it sets).
 CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
@@ -243,8 +245,11 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
     :data:`PDL_CHOICES` toggled (by PDL where the default is a plain launch, plain where it is
     PDL), then all of them toggled, then each of :data:`CONFIG_CHOICES` alone, measured
     back to back in this run, each checked against the fp32 truth first: tok/s, launches,
-    ratio to the defaults. Empty on the CPU: the interpreter runs plain launches, so the rows
-    would differ by noise alone."""
+    ratio to the defaults; then the window's graphs of every choice replayed in turn over
+    :data:`INTERLEAVED_ROUNDS` rounds (``profile.time_interleaved``): the defaults' window
+    time over each choice's, its median, min and max over the rounds (the spread says how
+    much of a ratio is noise). Empty on the CPU: the interpreter runs plain launches, so the
+    rows would differ by noise alone."""
     if torch.device(device).type != "cuda":
         return pd.DataFrame()
 
@@ -276,6 +281,14 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
                      "launches per token": round(f.launches), "max abs error": err})
     out = pd.DataFrame(rows)
     out["vs defaults"] = out["tok/s"] / out["tok/s"].iloc[0]
+    runs = {label: (lambda tk, c=cfgs: stack.run_token(full, tk, num_splits=num_splits,
+                                                       configs=c))
+            for label, cfgs in choices.items()}
+    r = profile.interleaved_ratios(profile.time_interleaved(runs, token,
+                                                            rounds=INTERLEAVED_ROUNDS),
+                                   "defaults")
+    for col in ("median", "min", "max"):
+        out[f"window vs defaults, interleaved {col}"] = out["choice"].map(r[col]).to_numpy()
     return out
 
 
@@ -415,6 +428,11 @@ def headline(r: pd.DataFrame, fl: dict, tables: dict, choices: pd.DataFrame | No
     for c in ([] if choices is None else choices.iloc[1:].to_dict("records")):
         head[f"full stack, {c['choice']}: tok/s / defaults' (one run)"] = round(
             float(c["vs defaults"]), 3)
+        for k in ("min", "max"):
+            v = c.get(f"window vs defaults, interleaved {k}")
+            if v is not None:
+                head[f"full stack, {c['choice']}: defaults' window / its, interleaved {k}"] = \
+                    round(float(v), 3)
     return {k: v for k, v in head.items() if not (isinstance(v, float) and math.isnan(v))}
 
 
