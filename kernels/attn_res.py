@@ -125,11 +125,21 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _load_bank(p_bank_rows, o_h, m_h, m_bank):
+    """One H chunk of the bank rows in fp32 [BLOCK_NB, BLOCK_H] (masked rows 0)."""
+    return tl.load(p_bank_rows + o_h[None, :], mask=m_bank[:, None] & m_h[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_live(p_live_row, o_h, m_h):
+    return tl.load(p_live_row + o_h, mask=m_h, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank):
     """One H chunk of the candidates in fp32: bank [BLOCK_NB, BLOCK_H] (masked rows 0), live."""
-    b_vb = tl.load(p_bank_rows + o_h[None, :], mask=m_bank[:, None] & m_h[None, :], other=0.0)
-    b_vl = tl.load(p_live_row + o_h, mask=m_h, other=0.0)
-    return b_vb.to(tl.float32), b_vl.to(tl.float32)
+    return _load_bank(p_bank_rows, o_h, m_h, m_bank), _load_live(p_live_row, o_h, m_h)
 
 
 @triton.jit
@@ -173,13 +183,12 @@ def _attn_res_norm_kernel(
                * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
         b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0)  # in flight with the rows
         if BANK_EARLY:
-            b_vb = tl.load(p_bank_rows + o_h[None, :], mask=m_bank[:, None] & m_h[None, :],
-                           other=0.0).to(tl.float32)
+            b_vb = _load_bank(p_bank_rows, o_h, m_h, m_bank)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         if BANK_EARLY:
-            b_vl = tl.load(p_live_row + o_h, mask=m_h, other=0.0).to(tl.float32)
+            b_vl = _load_live(p_live_row, o_h, m_h)
         else:
             b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
         b_p_b, b_p_l = _softmax(tl.sum(b_vb * b_vb, axis=1), tl.sum(b_vb * b_w[None, :], axis=1),

@@ -255,18 +255,20 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
 
     from k3lab import kernels
 
+    def current(field, cls):  # the configs' own, else the launcher's default
+        return getattr(configs, field) or getattr(kernels, cls)()
+
     toggled, labels = {}, {}
     for what, field, cls in PDL_CHOICES:
-        default = getattr(configs, field) or getattr(kernels, cls)()
+        default = current(field, cls)
         toggled[field] = dataclasses.replace(default, pdl=not default.pdl)
         labels[field] = f"{what} {'plain' if default.pdl else 'by PDL'}"
     choices = {"defaults": configs,
                **{labels[f]: dataclasses.replace(configs, **{f: c}) for f, c in toggled.items()},
                "all of them toggled": dataclasses.replace(configs, **toggled)}
     for label, field, cls, changes in CONFIG_CHOICES:
-        default = getattr(configs, field) or getattr(kernels, cls)()
         choices[label] = dataclasses.replace(
-            configs, **{field: dataclasses.replace(default, **changes)})
+            configs, **{field: dataclasses.replace(current(field, cls), **changes)})
     checks = check_token(token, dict.fromkeys(choices, full), choices, num_splits)
     bad = checks[~checks["ok"]]
     if len(bad):
