@@ -410,6 +410,13 @@ _SWEEPS = [
           "a K share's steps unrolled (every step's loads independent, no shared-memory "
           "pipeline) against the same tiling pipelined over 3 stages and the per-shape table "
           "({}), on the 7168-row short-K shapes (run at --tp 8 and --tp 16)"),
+    Sweep("rows4", "dense", grid(
+        tuple({"shape": n} for n in ("kda.q_proj", "moe.shared_gate_up", "mla.kv_a_proj",
+                                     "moe.router", "mla.in_proj", "kda.in_proj",
+                                     "moe.latent_down")),
+        ({}, _gemv(4, 512, 1, 5, 0), _gemv(4, 1024, 1, 4, 0), _gemv(4, 2048, 1, 3, 0))),
+          "4-row tiles on the K = 7168 shapes (twice the programs of the table's 8 rows, no "
+          "split-K reduction: a finer grain for the last wave) against the per-shape table"),
     Sweep("tune", "dense", grid(tuple({"shape": n} for n in _DENSE_SHAPES),
                                 ({}, *GEMV_CANDIDATES)),
           "every K3 projection shape, M = 1: the per-shape default ({}: the measured table, "

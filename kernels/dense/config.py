@@ -32,7 +32,7 @@ class GemvConfig:
     unroll_k: a K share's steps are unrolled, every step's loads independent and issued at
         once into registers (no shared-memory pipeline; num_stages unused), at most
         ``MAX_UNROLL`` steps (launcher checks); for the short-K shapes.
-    block_n 8 serves one token only (the tensor-core path of 2..16 tokens needs 16).
+    block_n 4 and 8 serve one token only (the tensor-core path of 2..16 tokens needs 16).
     """
 
     block_n: int = 16
@@ -49,9 +49,9 @@ class GemvConfig:
     def __post_init__(self):
         for name in ("block_n", "block_k"):
             v = getattr(self, name)
-            if isinstance(v, bool) or v not in _POW2 or v < (8 if name == "block_n" else 16):
+            if isinstance(v, bool) or v not in _POW2 or v < (4 if name == "block_n" else 16):
                 raise ValueError(f"GemvConfig.{name}: expected a power of two >= "
-                                 f"{8 if name == 'block_n' else 16}, got {v!r}")
+                                 f"{4 if name == 'block_n' else 16}, got {v!r}")
         if isinstance(self.split_k, bool) or not isinstance(self.split_k, int) or not (
                 1 <= self.split_k <= 64):
             raise ValueError(f"GemvConfig.split_k: expected an int in 1..64, got "

@@ -64,6 +64,8 @@ CASES = [  # (id, M, N, K, config)
                                                     gate_up_together=True)),
     # K steps unrolled: a K tail, a split whose last share is short, several tokens
     ("M1-N40-K300-unroll", 1, 40, 300, GemvConfig(block_n=8, block_k=64, unroll_k=True)),
+    # 4-row tiles (one token): a row tail, a split
+    ("M1-N39-K600-bn4-split2", 1, 39, 600, GemvConfig(block_n=4, block_k=128, split_k=2)),
     ("M1-N37-K600-unroll-split3", 1, 37, 600,
      GemvConfig(block_n=16, block_k=64, split_k=3, unroll_k=True)),
     ("M3-N38-K200-unroll", 3, 38, 200, GemvConfig(block_n=16, block_k=32, unroll_k=True)),
@@ -310,6 +312,7 @@ BAD = [
     (dict(out_dtype=torch.float16), "out_dtype"),
     (dict(config="fast"), "config"),
     (dict(config=GemvConfig(block_n=8)), "block_n=8 serves one token"),
+    (dict(config=GemvConfig(block_n=4)), "block_n=4 serves one token"),
     (dict(x=torch.zeros(1, 2048).bfloat16(), w=torch.zeros(32, 2048).bfloat16(),
           config=GemvConfig(block_n=8, block_k=64, unroll_k=True)), "unroll_k unrolls"),
     (dict(splits=(16, 16), residual=torch.zeros(2, 32).bfloat16()), "no residual"),
@@ -332,7 +335,7 @@ def test_bad_input_is_a_clear_error(kw, msg):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(block_n=24), "block_n"), (dict(block_n=4), "block_n"), (dict(block_k=8), "block_k"),
+    (dict(block_n=24), "block_n"), (dict(block_n=2), "block_n"), (dict(block_k=8), "block_k"),
     (dict(split_k=0), "split_k"), (dict(prefetch_steps=9), "prefetch_steps"),
     (dict(num_warps=3), "num_warps"), (dict(pdl=1), "pdl"), (dict(wait_last=None), "wait_last"),
     (dict(gate_up_together=1), "gate_up_together"), (dict(unroll_k="yes"), "unroll_k")])
