@@ -259,12 +259,14 @@ def _noop(_category: str) -> None:
 class Configs:
     """The tuning configs a run passes to the launchers (None: each launcher's default):
     gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits),
-    attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode)."""
+    attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode), mla an
+    ``MLAConfig`` (mla_decode)."""
 
     gemv: object = None
     route: object = None
     attn_res: object = None
     kda: object = None
+    mla: object = None
 
 
 @dataclass(frozen=True)
@@ -369,7 +371,7 @@ def _mla(run: _Run, x, state: dict, residual) -> torch.Tensor:
     if run.fused("mla.attention"):
         o_lat = _kernels().mla_decode(q_lat.to(kv_cache.dtype), q_rope.to(kv_cache.dtype),
                                       kv_cache, seq_lens, sm_scale=sm_scale,
-                                      num_splits=num_splits)
+                                      num_splits=num_splits, config=run.configs.mla)
     else:
         o_lat = ref_mla.mla_decode_reference(q_lat, q_rope, kv_cache, seq_lens,
                                              sm_scale=sm_scale)

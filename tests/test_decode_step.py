@@ -201,20 +201,22 @@ def test_breakdown_plot_zooms_past_a_slow_stack():
 
 
 def test_token_passes_its_configs_to_the_small_launchers(device):
-    """Configs.attn_res reaches the AttnRes reads and Configs.kda the KDA decode (a config that
-    is not one is refused by the launcher, naming it); with PDL configs the full stack's logits
-    stay within the truth's tolerance."""
+    """Configs.attn_res reaches the AttnRes reads, Configs.kda the KDA decode and Configs.mla the
+    MLA decode (a config that is not one is refused by the launcher, naming it); with PDL
+    configs the full stack's logits stay within the truth's tolerance."""
     from k3lab import kernels
 
     cfg = preset("tiny")
     tok = study.build(cfg, device, window=3, context=24, expert_format="bf16")
     full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
     base = study.configs_for(device)
-    for field, cls in (("attn_res", "AttnResConfig"), ("kda", "KDAConfig")):
+    for field, cls in (("attn_res", "AttnResConfig"), ("kda", "KDAConfig"),
+                       ("mla", "MLAConfig")):
         with pytest.raises(ValueError, match=f"config: expected an? {cls}"):
             stack.run_token(full, tok, configs=dataclasses.replace(base, **{field: "pdl"}))
     configs = dataclasses.replace(base, attn_res=kernels.AttnResConfig(pdl=True),
-                                  kda=kernels.KDAConfig(pdl=True))
+                                  kda=kernels.KDAConfig(pdl=True, state_before_wait=True),
+                                  mla=kernels.MLAConfig(split_pdl=True))
     check = study.check_token(tok, {"plain": full, "pdl": full}, {"plain": base, "pdl": configs}, 4)
     assert check["stack"].tolist() == ["plain", "pdl"] and check["ok"].all(), check
     if device.type != "cuda":  # the interpreter runs plain launches: nothing to compare

@@ -236,7 +236,8 @@ INTERLEAVED_ROUNDS = 7
 CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
                    {"bank_before_wait": False}),
                   ("KDA decode by PDL, state before the wait", "kda", "KDAConfig",
-                   {"pdl": True, "state_before_wait": True}))
+                   {"pdl": True, "state_before_wait": True}),
+                  ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}))
 
 
 def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,
