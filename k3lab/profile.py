@@ -186,6 +186,17 @@ def graph_passes(replay_call_us: float, n: int, min_calls: int = MIN_GRAPH_CALLS
     return max(1, -(-min_calls // n))
 
 
+def _side_warmup(device: torch.device, run: Callable[[], Any]) -> None:
+    """``run()`` on a side stream, then wait for it: the warm-up a CUDA-graph capture needs (a
+    first call may compile or allocate)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+
+
 def _capture(fn: Callable[[Any], Any], inputs_list: list, passes: int):
     """A CUDA graph of ``passes`` passes of fn over the input copies."""
     graph = torch.cuda.CUDAGraph()
@@ -257,13 +268,7 @@ def time_variant(fn: Callable[[Any], Any], inputs_list: list, *, mode: str = "ea
         return _summary(samples, **meta)
 
     # graph: warm up on a side stream (required before capture), capture passes over the copies
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for inputs in [inputs_list[0], *inputs_list]:  # a first call may compile
-            fn(inputs)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
+    _side_warmup(device, lambda: [fn(inputs) for inputs in [inputs_list[0], *inputs_list]])
     graph = _capture(fn, inputs_list, 1)
     # how many passes: from one pass's graph replay, the GPU's time a call (an eager pass's time
     # is the host's when launches are slower than the kernels, which sized graphs too small;
@@ -308,13 +313,7 @@ def time_interleaved(fns: dict[str, Callable[[Any], Any]], inputs: Any, *, round
     device = _device_of(inputs)
     if device.type != "cuda":
         raise ValueError("inputs: time_interleaved needs CUDA tensors (CUDA graphs)")
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for fn in fns.values():
-            fn(inputs)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
+    _side_warmup(device, lambda: [fn(inputs) for fn in fns.values()])
     graphs = {label: _capture(fn, [inputs], 1) for label, fn in fns.items()}
     for g in graphs.values():  # one untimed replay each
         g.replay()

@@ -10,8 +10,8 @@ from .config import GemvConfig
 from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
 from .tuned import TUNED_M1
 
-__all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "dense_gemv", "default_config", "default_config_for",
-           "heuristic_config", "interpreter_config"]
+__all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "dense_gemv", "default_config", "heuristic_config",
+           "interpreter_config"]
 
 MAX_TOKENS = 16  # decode batches; beyond, a GEMM tile wins
 MAX_SEGMENTS = 8
@@ -36,16 +36,6 @@ def default_config(m: int, rows: int, k: int, gated: bool = False) -> GemvConfig
         if tuned is not None:
             return tuned
     return heuristic_config(m, rows, k)
-
-
-def default_config_for(x: torch.Tensor, weight: torch.Tensor, *, splits=None,
-                       activation=None) -> GemvConfig:
-    """The tiling ``dense_gemv(x, weight, splits=..., activation=...)`` takes on the GPU when
-    given no config (arguments as valid there)."""
-    rows = weight.shape[0]
-    if activation is not None:
-        rows = splits[0] + splits[1] // 2 if splits is not None else rows // 2
-    return default_config(x.shape[0], rows, x.shape[1], gated=activation is not None)
 
 
 def heuristic_config(m: int, rows: int, k: int) -> GemvConfig:
@@ -157,7 +147,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     if config is None:
         config = (interpreter_config(m, n + ng, k) if INTERPRETED
-                  else default_config_for(x, weight, splits=splits, activation=activation))
+                  else default_config(m, n + ng, k, gated=bool(act)))
     elif not isinstance(config, GemvConfig):
         raise ValueError(f"config: expected a GemvConfig or None, got {type(config).__name__}")
     if residual is not None:

@@ -12,7 +12,6 @@ from k3lab.kernels.dense import (
     TUNED_M1,
     GemvConfig,
     default_config,
-    default_config_for,
     dense_gemv,
     heuristic_config,
 )
@@ -256,20 +255,6 @@ def test_tuned_table_lists_k3_shapes_only():
         assert default_config(1, rows, k, gated=gated) is cfg
         assert default_config(4, rows, k, gated=gated) == heuristic_config(4, rows, k)
     assert default_config(1, 768, 7168, gated=True) != default_config(1, 768, 7168)
-
-
-def test_default_config_for_keys_on_the_output_rows():
-    """The launcher's own default for a call: a gate/up weight keys on its rows per half, a
-    merged call with an activation on its plain rows plus one half of the gate/up rows."""
-    x = torch.empty(1, 7168, device="meta")
-    w = torch.empty(2 * 768, 7168, device="meta")
-    assert default_config_for(x, w) is default_config(1, 1536, 7168)
-    assert default_config_for(x, w, activation="situ") is default_config(1, 768, 7168, True)
-    merged = torch.empty(100 + 2 * 384, 7168, device="meta")
-    assert default_config_for(x, merged, splits=(100, 768), activation="silu") == \
-        default_config(1, 484, 7168, True)
-    assert default_config_for(torch.empty(4, 7168, device="meta"), w) == heuristic_config(
-        4, 1536, 7168)
 
 
 def test_tuned_table_picks_from_the_sweep():
