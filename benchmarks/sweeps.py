@@ -430,11 +430,6 @@ _SWEEPS = [
           "the decode launched by PDL (its launch overlapping the previous grid's end; it waits "
           "for it before any read) against a plain launch: the core, and the whole decode",
           variants=("fused", "fused+conv+out_gate")),
-    Sweep("state_early", "kda", ({}, {"pdl": True}, {"pdl": True, "state_before_wait": True}),
-          "the decode by PDL with its state slice, A_log and dt_bias loaded before the wait "
-          "for the previous grid (the step's inputs after it) against PDL alone and a plain "
-          "launch: the core, and the whole decode",
-          variants=("fused", "fused+conv+out_gate")),
     Sweep("tiles", "kda", ({}, {"min_block_v": 16}, {"block_v": 64}, {"block_r": 32},
                            {"block_r": 128}, {"max_warps": 4}),
           "v-tile width, f_b rank chunk, warps"),

@@ -55,11 +55,6 @@ class KDAConfig:
     pdl: (compiled only) launched with programmatic dependent launch: a program lets the next
         such launch start and waits for the previous grid before it reads anything, so its
         launch overlaps the end of the previous grid.
-    state_before_wait: (with pdl) a program loads its state slice, A_log and dt_bias before
-        that wait, the step's inputs after it. Only where no launch still running may write
-        the state: a decode by PDL lets the next launch start before it waits, so two steps
-        on one state need a launch between them that waits before it lets its dependents
-        start (a plain launch, the dense GEMV). A decode token steps a layer's state once.
     """
 
     block_v: int | None = None
@@ -70,16 +65,15 @@ class KDAConfig:
     tile_per_warp: int = 512
     max_warps: int = 8
     pdl: bool = False
-    state_before_wait: bool = False
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None and f.name == "block_v":
                 continue
-            if f.name in ("pdl", "state_before_wait"):
+            if f.name == "pdl":
                 if not isinstance(v, bool):
-                    raise ValueError(f"{f.name}: expected a bool, got {v!r}")
+                    raise ValueError(f"pdl: expected a bool, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
@@ -133,26 +127,20 @@ def _kda_decode_kernel(
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
-    PDL: tl.constexpr, STATE_EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """STATE_EARLY (with PDL): the state slice, A_log and dt_bias are loaded before the wait for
-    the previous grid."""
     NV: tl.constexpr = D // BV  # v-tiles (programs) of a head
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_mh = (i_m * H + i_h).to(tl.int64)
     o_k = tl.arange(0, D)
     o_v = i_v * BV + tl.arange(0, BV)
-    # the state slice first: its load is the one that matters, let it fly during the GEMV
-    p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
-    if STATE_EARLY:
-        b_s = tl.load(p_s)
-        b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        b_bias = tl.load(dt_bias + i_h * D + o_k).to(tl.float32)
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-    if not STATE_EARLY:
-        b_s = tl.load(p_s)
+
+    # the state slice first: its load is the one that matters, let it fly during the GEMV
+    p_s = state + i_mh * D * D + o_k[:, None] * D + o_v[None, :]
+    b_s = tl.load(p_s)
     if FUSE_CONV:  # every program steps the head's q, k channels and its own v channels
         o_cache = i_mh * D * (C - 1)
         w_q, t_q = _conv_load(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
@@ -168,9 +156,8 @@ def _kda_decode_kernel(
         p_fb = f_b + (i_h * D + o_k)[:, None].to(tl.int64) * R + o_r[None, :]
         b_fb = tl.load(p_fb, mask=m_r[None, :], other=0.0).to(tl.float32)
         b_f += tl.sum(b_fb * b_fl[None, :], 1)
-    if not STATE_EARLY:
-        b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        b_bias = tl.load(dt_bias + i_h * D + o_k).to(tl.float32)
+    b_A = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    b_bias = tl.load(dt_bias + i_h * D + o_k).to(tl.float32)
     b_g = lower_bound * _sigmoid(b_A * (b_f + b_bias))
     b_beta = _sigmoid(tl.load(b_logits + i_mh).to(tl.float32))
 
@@ -381,8 +368,7 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         H=hl, D=d, R=r, BR=min(cfg.block_r, triton.next_power_of_2(r)), BV=block_v,
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
-        PDL=pdl, STATE_EARLY=pdl and cfg.state_before_wait, num_warps=num_warps,
-        **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
     return o
 

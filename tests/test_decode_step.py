@@ -215,7 +215,7 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
         with pytest.raises(ValueError, match=f"config: expected an? {cls}"):
             stack.run_token(full, tok, configs=dataclasses.replace(base, **{field: "pdl"}))
     configs = dataclasses.replace(base, attn_res=kernels.AttnResConfig(pdl=True),
-                                  kda=kernels.KDAConfig(pdl=True, state_before_wait=True),
+                                  kda=kernels.KDAConfig(pdl=True),
                                   mla=kernels.MLAConfig(split_pdl=True))
     check = study.check_token(tok, {"plain": full, "pdl": full}, {"plain": base, "pdl": configs}, 4)
     assert check["stack"].tolist() == ["plain", "pdl"] and check["ok"].all(), check

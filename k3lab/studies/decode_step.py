@@ -235,8 +235,6 @@ INTERLEAVED_ROUNDS = 7
 # Configs field, the config class, the fields it sets).
 CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
                    {"bank_before_wait": False}),
-                  ("KDA decode by PDL, state before the wait", "kda", "KDAConfig",
-                   {"pdl": True, "state_before_wait": True}),
                   ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}))
 
 

@@ -213,10 +213,8 @@ def main() -> dict:
     kd = boundaries.get("kda")
     ki = kd.make_inputs(k3, cpu, 0)
     for name in ("fused", "fused+conv+out_gate"):
-        for early in (False, True):
-            attempt(f"kda/{name} pdl state early {early}", lambda name=name, e=early: kd.variant(
-                name).fn({**boundaries.clone_inputs(ki),
-                          "config": KDAConfig(pdl=True, state_before_wait=e)}))
+        attempt(f"kda/{name} pdl", lambda name=name: kd.variant(name).fn(
+            {**boundaries.clone_inputs(ki), "config": KDAConfig(pdl=True)}))
     rk = boundaries.get("route").make_inputs(k3, cpu, 0)
     for m in (1, 4):
         attempt(f"route pdl M {m}", lambda m=m: route_sort(
