@@ -217,7 +217,7 @@ GEMV_CANDIDATES = (
     _gemv(16, 512, 1, 4, 2), _gemv(8, 512, 1, 5, 0), _gemv(8, 512, 1, 2, 2),
     _gemv(8, 512, 1, 3, 0), _gemv(8, 512, 1, 4, 0), _gemv(8, 512, 4, 4, 2),
     {**_gemv(8, 512, 1, 4, 0), "gate_up_together": True},
-    {**_gemv(8, 512, 1, 3, 0), "unroll_k": True})
+    {**_gemv(8, 512, 1, 3, 0), "unroll_k": True}, _gemv(4, 1024, 1, 4, 0))
 
 
 _SWEEPS = [

@@ -5,7 +5,8 @@ columns, gated whether the launch runs a gate/up epilogue. The shapes are Kimi-K
 projections at tp 8 and 16; the entry is the fastest of the ``tune`` sweep's candidates
 (``benchmarks.sweeps.GEMV_CANDIDATES``, ``python -m benchmarks.run dense --sweep tune``: cold
 weights, CUDA graph, H200), kept where it beat the rule of ``launch.heuristic_config`` by at
-least 2 %. Shapes not listed take the rule. docs/decisions.md has the figures.
+least 2 %. Shapes not listed take the rule. docs/decisions.md has the figures (H200 unless an
+entry's comment names the H100).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def _c(block_n, block_k, split_k, num_stages, prefetch_steps, gate_up_together=F
 # thin rows over K 7168: 1024-column steps, split K below about 200 rows, the L2 prefetch
 _THIN_SPLIT = _c(8, 1024, 4, 4, 2)
 _THIN = _c(8, 1024, 1, 4, 2)
+# 576-1536 rows over K 7168: 4-row tiles, twice the programs of 8 (dense --sweep rows4, H100)
+_ROWS4 = _c(4, 1024, 1, 4, 0)
 # 7168 rows over a short K: 16-row tiles, 256-column steps
 _TALL = _c(16, 256, 1, 3, 0)
 # large weights over K 7168: 1024-column steps, no prefetch
@@ -34,13 +37,13 @@ TUNED_M1: dict[tuple[int, int, bool], GemvConfig] = {
     (6, 7168, False): _THIN_SPLIT,  # KDA beta, tp 16
     (12, 7168, False): _THIN_SPLIT,  # KDA beta, tp 8
     (128, 7168, False): _THIN_SPLIT,  # KDA f_a
-    (576, 7168, False): _THIN,  # MLA kv_a
+    (576, 7168, False): _ROWS4,  # MLA kv_a
     (768, 7168, False): _THIN,  # KDA q/k/v/g, tp 16
-    (896, 7168, False): _THIN,  # router
+    (896, 7168, False): _ROWS4,  # router
     (384, 7168, True): _c(8, 1024, 2, 4, 2),  # shared gate/up, tp 16
     (768, 7168, True): _c(8, 512, 1, 4, 0, True),  # shared gate/up, tp 8 (dense --sweep gate_up)
     (1152, 1536, False): _c(16, 512, 1, 4, 2),  # MLA q_b, tp 16
-    (1536, 7168, False): _c(8, 512, 1, 5, 0),  # KDA q/k/v/g, MLA q_a, tp 8
+    (1536, 7168, False): _ROWS4,  # KDA q/k/v/g, MLA q_a, tp 8
     (7168, 384, False): _c(8, 512, 1, 2, 2),  # shared down, tp 16
     (7168, 1536, False): _c(8, 512, 1, 3, 0, unroll_k=True),  # o_proj, tp 8 (dense --sweep unroll)
     (7168, 2112, False): _TALL,  # dense MLP down, tp 16
