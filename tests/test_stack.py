@@ -189,3 +189,33 @@ def test_token_under_a_stack_matches_the_fp32_token_with_its_routing(names, devi
     err = float((got.float() - truth).abs().max())
     assert err <= 0.1 * float(truth.abs().max()), err
     assert int(b["rows"][1].abs().sum()) != 0  # the block sum of layers 0..3 was sealed
+
+
+def test_window_layers_from_a_layer_or_centred():
+    """Layer 0, then the window from first_layer (0: centred in the model); bad values named."""
+    from k3lab.reference.layer import window_layers
+
+    k3 = preset("kimi-k3")
+    assert window_layers(k3, 12) == list(range(13))
+    assert window_layers(k3, 12, 0) == [0, *range(40, 52)]  # blocks 3 and 4 of 8
+    assert window_layers(k3, 12, 88) == [0, *range(88, 93)]  # cut at the last layer
+    assert window_layers(preset("tiny"), 3, 0) == [0, 5, 6, 7]
+    for bad in (-1, 93, 1.0, True):
+        with pytest.raises(ValueError, match="first_layer: expected 0"):
+            window_layers(k3, 12, bad)
+
+
+def test_centred_token_reads_the_blocks_before_it_and_matches_the_truth(device):
+    """A window past the first blocks: their sums are rows of the token (random, not zero), its
+    reads see them, and the fused token still matches the fp32 truth."""
+    cfg = preset("tiny")
+    kw = dict(window=3, seed=4, context=24, expert_format="bf16", first_layer=0)
+    a, b = make_token(cfg, device, **kw), make_token(cfg, device, **kw)
+    assert a["layer_ids"] == [0, 5, 6, 7]
+    assert int(a["rows"][1].abs().sum()) != 0 and int(a["rows"][2].abs().sum()) == 0
+    chosen: list = []
+    got = run_token(compose(["attn-res-rmsnorm", "dense-gemv"]), b, num_splits=3, record=chosen,
+                    configs=configs_for(device))
+    truth = reference_token(a, topk_ids=chosen)
+    err = float((got.float() - truth).abs().max())
+    assert err <= 0.1 * float(truth.abs().max()), err

@@ -172,24 +172,35 @@ def token_schedule(cfg: Preset) -> dict[int, tuple[int, bool]]:
     return {layer: (1 + layer // b, layer % b == 0) for layer in range(cfg.n_layers)}
 
 
-def window_layers(cfg: Preset, window: int) -> list[int]:
-    """Layer 0 and the ``window`` layers after it (at most every layer)."""
+def window_layers(cfg: Preset, window: int, first_layer: int = 1) -> list[int]:
+    """Layer 0 and the ``window`` layers from ``first_layer`` on (at most to the last layer);
+    first_layer 0: the window centred in the model, so its AttnRes reads see about the sealed
+    rows a read of the whole token sees on average."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window: expected a positive number of layers, got {window!r}")
-    return list(range(min(window, cfg.n_layers - 1) + 1))
+    last = cfg.n_layers - 1
+    if isinstance(first_layer, bool) or not isinstance(first_layer, int) or \
+            not 0 <= first_layer <= last:
+        raise ValueError(f"first_layer: expected 0 (centred) or a layer in 1..{last}, got "
+                         f"{first_layer!r}")
+    window = min(window, last)
+    first = first_layer or max(1, (cfg.n_layers - window) // 2)
+    return [0, *range(first, min(first + window, last + 1))]
 
 
 def make_token(cfg: Preset, device, *, window: int, seed: int = 0, m: int = 1,
-               context: int = 256, expert_format: str = "bf16") -> dict:
-    """A decode token over layer 0 and ``window`` layers after it, distinct weights per layer.
+               context: int = 256, expert_format: str = "bf16", first_layer: int = 1) -> dict:
+    """A decode token over layer 0 and ``window`` layers from ``first_layer`` on
+    (``window_layers``), distinct weights per layer.
 
     embed, lm_head [vocab / tp, H] bf16 (the rank's vocabulary shard); ids [M] int64 (rows of
     the shard); rows [candidates, M, H] bf16, the AttnRes rows buffer (sealed rows, row 0 the
-    embedding); layers (make_layer states, layer 0 with the dense MLP); final (the last read's
-    weights); schedule (``token_schedule``); context: MLA cache length.
+    embedding; the block sums of layers before the window, which the token does not run, are
+    random rows); layers (make_layer states, layer 0 with the dense MLP); final (the last
+    read's weights); schedule (``token_schedule``); context: MLA cache length.
     """
     schedule = token_schedule(cfg)
-    layer_ids = window_layers(cfg, window)
+    layer_ids = window_layers(cfg, window, first_layer)
     gen = make_generator(seed + 7919, device)
     shard, h = cfg.vocab // cfg.tp, cfg.hidden
     mla = set(cfg.mla_layers)
@@ -197,13 +208,16 @@ def make_token(cfg: Preset, device, *, window: int, seed: int = 0, m: int = 1,
                          context=context, expert_format=expert_format, n_sealed=0,
                          ffn="mlp" if layer < cfg.first_dense else "moe")
               for layer in layer_ids]
+    rows = torch.zeros((cfg.max_attn_res_candidates, m, h), dtype=torch.bfloat16,
+                       device=device)
+    skipped = (layer_ids[1] - 1) // cfg.attn_res_block if len(layer_ids) > 1 else 0
+    if skipped:  # sealed at layers b, 2b, ... before the window
+        rows[1:1 + skipped] = randn((skipped, m, h), gen)
     return {
         "cfg": cfg, "layer_ids": layer_ids, "layers": layers, "schedule": schedule,
         "embed": randn((shard, h), gen), "lm_head": randn((shard, h), gen, std=h ** -0.5),
         "ids": torch.randint(0, shard, (m,), generator=gen, device=gen.device),
-        "rows": torch.zeros((cfg.max_attn_res_candidates, m, h), dtype=torch.bfloat16,
-                            device=device),
-        "final": attn_res_weights(cfg, gen), "context": context,
+        "rows": rows, "final": attn_res_weights(cfg, gen), "context": context,
         "expert_format": expert_format, "m": m, "window": len(layer_ids) - 1,
     }
 

@@ -41,15 +41,18 @@ ALLREDUCE = {"us": 10.0, "source": "sgl-project/sglang PR #2904 (H100, tp 8, wit
              "at this size (vLLM PR #2192's design note), so NCCL itself would cost more"}
 MODELS = (
     "Modeled: one tp rank's decode token at batch 1: the embedding row, layer 0 (KDA attention "
-    "and the dense MLP), a window of consecutive layers after it with distinct, cold weights "
-    "and caches (every AttnRes read, block sums sealed every attn_res_block layers), the final "
+    "and the dense MLP), a window of consecutive layers with distinct, cold weights and "
+    "caches (every AttnRes read, block sums sealed every attn_res_block layers; the sums of "
+    "blocks before the window are random rows), the final "
     "AttnRes read + RMSNorm and the LM head over the rank's vocabulary shard, captured and "
     "replayed as one CUDA graph, so the gaps between kernels are in the figure; the remaining "
     "layers are extrapolated at the mean of the window's layers of their kind; the two "
     "all-reduces per layer are modeled as allreduce_us each, shown apart. Left out: sampling "
     "and the host's scheduling between steps, the embedding's all-reduce and the logits' "
-    "gather across ranks, overlap of communication with compute, the deeper AttnRes reads of "
-    "later blocks (up to 9 candidates instead of the window's 2 or 3, a few KB more each), "
+    "gather across ranks, overlap of communication with compute, AttnRes reads of depths "
+    "other than the window's (a window from layer 1 reads 1 to 3 candidates, where the "
+    "model's reads average about 5 and reach 9; first_layer = 0 centres the window in the "
+    "model, so its reads are at about the mean depth), "
     "batch sizes above 1, and the accuracy of synthetic weights (the routing of real weights "
     "picks other experts; the bytes are the same).")
 # The full stack with its projections left to cuBLAS: every boundary fused, every projection
@@ -87,10 +90,12 @@ def configs_for(device) -> stack.Configs:
 
 
 def build(cfg, device, *, window: int = 0, context: int = 8192, expert_format: str = "mxfp4",
-          seed: int = 0) -> dict:
-    """The token of ``make_token``; window 0 = one AttnRes block (12 layers at K3)."""
+          seed: int = 0, first_layer: int = 1) -> dict:
+    """The token of ``make_token``; window 0 = one AttnRes block (12 layers at K3); first_layer
+    0: the window centred in the model (``window_layers``)."""
     return ref_layer.make_token(cfg, device, window=window or cfg.attn_res_block, seed=seed,
-                                context=context, expert_format=expert_format)
+                                context=context, expert_format=expert_format,
+                                first_layer=first_layer)
 
 
 def set_context(token: dict, context: int, seed: int = 0) -> None:
