@@ -468,12 +468,11 @@ _SWEEPS = [
           "9 candidates; below 3 candidates the one-pass read alone and with it"),
     Sweep("one_pass_deep", "attn_res", grid(
         ({"n_sealed": 3}, {"n_sealed": 4}),
-        ({"bank_before_wait": True},
-         *({"bank_before_wait": True, "one_chunk_elems": 32768, "split_min_candidates": 6,
-            "num_warps": w} for w in (8, 16)))),
+        tuple({**early, **one} for early in ({}, {"bank_before_wait": True})
+              for one in ({}, {"one_chunk_elems": 32768, "split_min_candidates": 6}))),
           "4 and 5 candidates in one pass (a 32768-element tile, rows held in registers: 242 "
-          "registers at 8 warps, 128 at 16, no spills in an offline sm_90 build) against the "
-          "split, both with the sealed rows before the PDL wait"),
+          "registers at 8 warps, no spills in an offline sm_90 build) against the split, with "
+          "and without the sealed rows before the PDL wait"),
     Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 16}, {"M": 64}),
                                      ({}, {"split_h": 0}, {"max_split_programs": 8})),
           "the split schedule (by default while its grid is at most one program an SM) and one "
