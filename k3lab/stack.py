@@ -260,13 +260,14 @@ class Configs:
     """The tuning configs a run passes to the launchers (None: each launcher's default):
     gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits),
     attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode), mla an
-    ``MLAConfig`` (mla_decode)."""
+    ``MLAConfig`` (mla_decode), moe a ``MoEConfig`` (moe_experts, moe_stage1, moe_stage2)."""
 
     gemv: object = None
     route: object = None
     attn_res: object = None
     kda: object = None
     mla: object = None
+    moe: object = None
 
 
 @dataclass(frozen=True)
@@ -456,14 +457,15 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
     if run.fused("moe.stage1") and run.fused("moe.stage2"):
         # moe_block's pair: stage 1 zeroes stage 2's accumulator, stage 2 follows by PDL; stage
         # 1 by PDL too where the plan was written two launches earlier (the handoff's route)
-        y = k.moe_experts(z, plan, experts["w13"], experts["w2"], **act, pdl=handoff)
+        y = k.moe_experts(z, plan, experts["w13"], experts["w2"], **act, pdl=handoff,
+                          config=run.configs.moe)
     else:
         if run.fused("moe.stage1"):
-            a = k.moe_stage1(z, plan, experts["w13"], **act)
+            a = k.moe_stage1(z, plan, experts["w13"], **act, config=run.configs.moe)
         else:
             a = ref_moe.moe_stage1_reference(z, plan, w["w13"], **act).to(torch.bfloat16)
         if run.fused("moe.stage2"):
-            y = k.moe_stage2(a, plan, experts["w2"])
+            y = k.moe_stage2(a, plan, experts["w2"], config=run.configs.moe)
         else:
             y = ref_moe.moe_stage2_reference(a, plan, w["w2"])
     shared = {"a": shared_a, "w2": w["shared_w2"]} if shared_a is not None else None

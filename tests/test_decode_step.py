@@ -201,8 +201,9 @@ def test_breakdown_plot_zooms_past_a_slow_stack():
 
 
 def test_token_passes_its_configs_to_the_small_launchers(device):
-    """Configs.attn_res reaches the AttnRes reads, Configs.kda the KDA decode and Configs.mla the
-    MLA decode (a config that is not one is refused by the launcher, naming it); with PDL
+    """Configs.attn_res reaches the AttnRes reads, Configs.kda the KDA decode, Configs.mla the
+    MLA decode and Configs.moe the expert stages (a config that is not one is refused by the
+    launcher, naming it); with PDL
     configs the full stack's logits stay within the truth's tolerance."""
     from k3lab import kernels
 
@@ -211,7 +212,7 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
     full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
     base = study.configs_for(device)
     for field, cls in (("attn_res", "AttnResConfig"), ("kda", "KDAConfig"),
-                       ("mla", "MLAConfig")):
+                       ("mla", "MLAConfig"), ("moe", "MoEConfig")):
         with pytest.raises(ValueError, match=f"config: expected an? {cls}"):
             stack.run_token(full, tok, configs=dataclasses.replace(base, **{field: "pdl"}))
     configs = dataclasses.replace(base, attn_res=kernels.AttnResConfig(pdl=True),

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..runtime import INTERPRETED  # noqa: F401  (sets the interpreter up before any jit)
 
-__all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2",
+__all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2", "bulk_prefetch_l2",
            "mma_layout_problem", "tiled_word_offset", "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
 
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
@@ -164,6 +164,21 @@ def prefetch_l2(ptrs, mask):
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def bulk_prefetch_l2(p_base, start, nbytes):
+    """Ask L2 for bytes [start, start + nbytes) of p_base (a byte pointer; start and the base
+    16-byte aligned): cp.async.bulk.prefetch.L2 in up to 128 pieces, one a thread of a 4-warp
+    program, each a multiple of 16 bytes (a tail under 16 bytes is left out; compiled only:
+    inline PTX, sm_90)."""
+    o_t = tl.arange(0, 128)
+    piece = ((nbytes + 127) // 128 + 15) // 16 * 16
+    n_t = tl.minimum(tl.maximum(nbytes - o_t * piece, 0), piece) // 16 * 16
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }", "=r,l,r",
+        [p_base + start + o_t * piece, n_t], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -1035,6 +1035,26 @@ def test_gpu_k3_tp8_fused_tail_bitwise(fmt, M):
         assert torch.equal(moe_block(x, w, cfg=cfg, plan=plan, deterministic=True), apart)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+@pytest.mark.parametrize("M", [1, 16])
+def test_gpu_k3_tp8_w2_prefetch_changes_nothing(fmt, M):
+    """Stage 1 asking L2 for stage 2's weights is a hint: with the deterministic stage 2 the
+    block and the expert pair give bitwise what they give without it."""
+    cfg, w, x = _gpu_k3(fmt, M)
+    plan = _fused_plan(cfg, x, w)
+    on = MoEConfig(stage1_prefetches_w2=True)
+    for fuse_tail in (False, True):
+        base = moe_block(x, w, cfg=cfg, plan=plan, deterministic=True, fuse_tail=fuse_tail)
+        assert torch.equal(moe_block(x, w, cfg=cfg, plan=plan, deterministic=True,
+                                     fuse_tail=fuse_tail, config=on), base)
+    kw = moe_kernel_weights({n: w[n] for n in ("w13", "w2")})
+    z = torch.randn(M, cfg.latent, device="cuda").to(torch.bfloat16)
+    base = moe_experts(z, plan, kw["w13"], kw["w2"], deterministic=True).clone()
+    assert torch.equal(moe_experts(z, plan, kw["w13"], kw["w2"], deterministic=True,
+                                   config=on), base)
+
+
 # the K-lane tiles (compiled: the token loop, pipelined stage-1 K loop) and the tensor-core tiles
 GPU_VARIANTS = {"klane": MoEConfig(mma=False),
                 "klane-stages": MoEConfig(mma=False, stage1_klane_stages=0,
