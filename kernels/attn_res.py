@@ -83,11 +83,11 @@ class AttnResConfig:
     max_block_h: int = 8192
     num_warps: int = 8
     split_h: int = 512
-    split_min_candidates: int = 4
+    split_min_candidates: int = 6
     split_pdl: bool = True
     split_warps: int = 4
     max_split_programs: int = 1
-    one_chunk_elems: int = 16384
+    one_chunk_elems: int = 32768
     one_chunk_min_candidates: int = 1
     pdl: bool = True
     bank_before_wait: bool = False

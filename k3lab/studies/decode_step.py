@@ -76,15 +76,13 @@ def catalogue() -> pd.DataFrame:
 def configs_for(device) -> stack.Configs:
     """The launchers' configs: on a GPU their defaults, except the AttnRes reads' sealed rows
     loaded before their PDL wait (the token writes a bank row only by a plain copy at least two
-    launches before a read that holds it: ``AttnResConfig.bank_before_wait``), and with them
-    reads of up to 5 candidates in one pass (a 32768-element tile; the split from 6); under the
+    launches before a read that holds it: ``AttnResConfig.bank_before_wait``); under the
     interpreter, few big programs (each interpreted program costs the same Python overhead,
     whatever its size): the route's split-K gate tiles (the dense GEMV takes its own
     interpreter tiling when given none)."""
     if torch.device(device).type == "cuda":
         from k3lab.kernels import AttnResConfig
-        return stack.Configs(attn_res=AttnResConfig(bank_before_wait=True, one_chunk_elems=32768,
-                                                    split_min_candidates=6))
+        return stack.Configs(attn_res=AttnResConfig(bank_before_wait=True))
     from k3lab.kernels import RouteConfig
     return stack.Configs(route=RouteConfig(gemv_row_programs=0))
 

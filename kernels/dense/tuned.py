@@ -26,7 +26,7 @@ def _c(block_n, block_k, split_k, num_stages, prefetch_steps, gate_up_together=F
 # thin rows over K 7168: 1024-column steps, split K below about 200 rows, the L2 prefetch
 _THIN_SPLIT = _c(8, 1024, 4, 4, 2)
 _THIN = _c(8, 1024, 1, 4, 2)
-# 576-1536 rows over K 7168: 4-row tiles, twice the programs of 8 (dense --sweep rows4, H100)
+# 384-1536 rows over K 7168: 4-row tiles, twice the programs of 8 (dense --sweep rows4, H100)
 _ROWS4 = _c(4, 1024, 1, 4, 0)
 # 7168 rows over a short K: 16-row tiles, 256-column steps
 _TALL = _c(16, 256, 1, 3, 0)
@@ -38,9 +38,9 @@ TUNED_M1: dict[tuple[int, int, bool], GemvConfig] = {
     (12, 7168, False): _THIN_SPLIT,  # KDA beta, tp 8
     (128, 7168, False): _THIN_SPLIT,  # KDA f_a
     (576, 7168, False): _ROWS4,  # MLA kv_a
-    (768, 7168, False): _THIN,  # KDA q/k/v/g, tp 16
+    (768, 7168, False): _ROWS4,  # KDA q/k/v/g, tp 16
     (896, 7168, False): _ROWS4,  # router
-    (384, 7168, True): _c(8, 1024, 2, 4, 2),  # shared gate/up, tp 16
+    (384, 7168, True): _ROWS4,  # shared gate/up, tp 16
     (768, 7168, True): _c(8, 512, 1, 4, 0, True),  # shared gate/up, tp 8 (dense --sweep gate_up)
     (1152, 1536, False): _c(16, 512, 1, 4, 2),  # MLA q_b, tp 16
     (1536, 7168, False): _ROWS4,  # KDA q/k/v/g, MLA q_a, tp 8

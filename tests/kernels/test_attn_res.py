@@ -136,10 +136,10 @@ def test_return_h_false(device, config):
     assert h_none is None and torch.equal(hn_only, hn)
 
 
-@pytest.mark.parametrize("n,launches", [(0, 1), (1, 1), (2, 1), (3, 2), (8, 2)])
+@pytest.mark.parametrize("n,launches", [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (8, 2)])
 def test_default_schedule_by_depth(device, n, launches):
     """The defaults: one program below split_min_candidates candidates, the split from it."""
-    assert AttnResConfig().split_min_candidates == 4
+    assert AttnResConfig().split_min_candidates == 6
     args = _inputs(K3, n, 1, device, seed=n)
     assert count_launches(lambda a: attn_res_norm(*a), args).count == launches
 
