@@ -177,11 +177,32 @@ def test_reference_matches_dense(changes, fmt):
     ("stage1_klane_stages", -1), ("stage2_klane_stages", 8), ("klane_words", 48),
     ("klane_words", 2), ("klane_rows", 0), ("target_programs", 0),
     ("front_target_programs", 2.5), ("stage2_evict_first", "no"), ("tiled_weights", None),
-    ("front_overlaps_route", 1)])
+    ("front_overlaps_route", 1), ("stage1_prefetches_w2", "on")])
 def test_bad_config(field, value):
     """A bad MoEConfig field is a ValueError naming it, before anything runs."""
     with pytest.raises(ValueError, match=f"^{field}: expected"):
         MoEConfig(**{field: value})
+
+
+def test_w2_prefetch_is_a_compiled_hint_on_aligned_experts(device, monkeypatch):
+    """The stage-2 prefetch's arguments: none when off, interpreted or misaligned; else the
+    experts' codes and scales as bytes with each expert's byte counts."""
+    from k3lab.kernels.moe import launch
+
+    cfg, w, _ = _setup(device, M=1, fmt="mxfp4")
+    on = MoEConfig(stage1_prefetches_w2=True)
+    assert launch._w2_prefetch_args(MoEConfig(), w["w2"]) is None
+    assert launch._w2_prefetch_args(on, None) is None
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    codes, scales, cb, sb = launch._w2_prefetch_args(on, w["w2"])
+    e = cfg.n_experts
+    assert codes.dtype == torch.uint8 and (cb, sb) == (w["w2"].packed.nbytes // e,
+                                                       w["w2"].scales.nbytes // e)
+    assert cb % 16 == 0 and sb % 16 == 0
+    odd = dataclasses.replace(w["w2"], packed=w["w2"].packed[..., :-1])  # 16-byte rule broken
+    assert launch._w2_prefetch_args(on, odd) is None
+    bf = torch.zeros(e, cfg.moe_in, cfg.moe_intermediate, dtype=torch.bfloat16, device=device)
+    assert launch._w2_prefetch_args(on, bf)[2:] == (bf.nbytes // e, 0)
 
 
 def test_config_argument_checked(device):
