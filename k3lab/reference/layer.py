@@ -208,18 +208,20 @@ def make_token(cfg: Preset, device, *, window: int, seed: int = 0, m: int = 1,
                          context=context, expert_format=expert_format, n_sealed=0,
                          ffn="mlp" if layer < cfg.first_dense else "moe")
               for layer in layer_ids]
-    rows = torch.zeros((cfg.max_attn_res_candidates, m, h), dtype=torch.bfloat16,
-                       device=device)
-    skipped = (layer_ids[1] - 1) // cfg.attn_res_block if len(layer_ids) > 1 else 0
-    if skipped:  # sealed at layers b, 2b, ... before the window
-        rows[1:1 + skipped] = randn((skipped, m, h), gen)
-    return {
+    token = {
         "cfg": cfg, "layer_ids": layer_ids, "layers": layers, "schedule": schedule,
         "embed": randn((shard, h), gen), "lm_head": randn((shard, h), gen, std=h ** -0.5),
         "ids": torch.randint(0, shard, (m,), generator=gen, device=gen.device),
-        "rows": rows, "final": attn_res_weights(cfg, gen), "context": context,
+        "rows": torch.zeros((cfg.max_attn_res_candidates, m, h), dtype=torch.bfloat16,
+                            device=device),
+        "final": attn_res_weights(cfg, gen), "context": context,
         "expert_format": expert_format, "m": m, "window": len(layer_ids) - 1,
     }
+    skipped = (layer_ids[1] - 1) // cfg.attn_res_block if len(layer_ids) > 1 else 0
+    if skipped:  # sealed at layers b, 2b, ... before the window (drawn last: the rest of the
+        # token is the same wherever its window starts)
+        token["rows"][1:1 + skipped] = randn((skipped, m, h), gen)
+    return token
 
 
 def run_token(token: dict, topk_ids: list | None = None) -> torch.Tensor:

@@ -167,15 +167,18 @@ def prefetch_l2(ptrs, mask):
 
 
 @triton.jit
-def bulk_prefetch_l2(p_base, start, nbytes):
-    """Ask L2 for bytes [start, start + nbytes) of p_base (a byte pointer; start and the base
-    16-byte aligned): cp.async.bulk.prefetch.L2 in pieces of at least 4 KB, at most 128, one a
-    thread of a 4-warp program, each a multiple of 16 bytes (a tail under 16 bytes is left out;
-    compiled only: inline PTX, sm_90). The compiler issues a warp's distinct (address, size)
-    pairs one after another, so the threads past the last piece all share one pair (size 0)."""
-    piece = tl.maximum(((nbytes + 127) // 128 + 15) // 16 * 16, 4096)
-    o_t = tl.minimum(tl.arange(0, 128), (nbytes + piece - 1) // piece)
-    n_t = tl.minimum(tl.maximum(nbytes - o_t * piece, 0), piece) // 16 * 16
+def bulk_prefetch_l2(p_base, nbytes, i_share, n_shares):
+    """Ask L2 for share i_share of n_shares (16-byte multiples) of bytes [0, nbytes) of p_base
+    (a 16-byte aligned byte pointer): cp.async.bulk.prefetch.L2 in pieces of at least 4 KB, at
+    most 128, one a thread of a 4-warp program (a tail under 16 bytes is left out; compiled
+    only: inline PTX, sm_90). The compiler issues a warp's distinct (address, size) pairs one
+    after another, so the threads past the last piece all share one pair (size 0)."""
+    share = (nbytes + n_shares * 16 - 1) // (n_shares * 16) * 16
+    start = i_share * share
+    size = tl.minimum(share, nbytes - start)
+    piece = tl.maximum(((size + 127) // 128 + 15) // 16 * 16, 4096)
+    o_t = tl.minimum(tl.arange(0, 128), (size + piece - 1) // piece)
+    n_t = tl.minimum(tl.maximum(size - o_t * piece, 0), piece) // 16 * 16
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
         "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }", "=r,l,r",

@@ -119,15 +119,9 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
     p_we = p_w + i_e * (2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS))
     p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
     if PREFETCH_W2:  # noqa: SIM102  (a constexpr, then a runtime test)
-        if runs:  # weights: safe before the wait
-            n_i = tl.num_programs(1)
-            c_w = (w2_bytes + n_i * 16 - 1) // (n_i * 16) * 16
-            bulk_prefetch_l2(p_w2 + i_e * w2_bytes, i_n * c_w,
-                             tl.minimum(c_w, w2_bytes - i_n * c_w))
-            if ws2_bytes > 0:
-                c_s = (ws2_bytes + n_i * 16 - 1) // (n_i * 16) * 16
-                bulk_prefetch_l2(p_ws2 + i_e * ws2_bytes, i_n * c_s,
-                                 tl.minimum(c_s, ws2_bytes - i_n * c_s))
+        if runs:  # weights: safe before the wait (ws2_bytes 0: bf16 experts, no scales)
+            bulk_prefetch_l2(p_w2 + i_e * w2_bytes, w2_bytes, i_n, tl.num_programs(1))
+            bulk_prefetch_l2(p_ws2 + i_e * ws2_bytes, ws2_bytes, i_n, tl.num_programs(1))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
