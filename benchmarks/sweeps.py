@@ -293,12 +293,6 @@ _SWEEPS = [
           "routing)",
           variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
           config=("moe.persistent_config", "PersistentMoEConfig")),
-    Sweep("w2_prefetch", "moe", grid(({"route": False}, {"route": True}),
-                                     ({}, {"stage1_prefetches_w2": True})),
-          "stage 1's programs asking L2 for stage 2's weights before their K loop (stage 1 "
-          "leaves DRAM bandwidth unused at tp 8) against the default, MXFP4, the block given "
-          "the plan and with routing",
-          variants=("fused", "fused+dense"), params={"expert_format": "mxfp4"}, tp=8),
     Sweep("front_overlap", "moe",
           ({"front_overlaps_route": False}, {"front_overlaps_route": True}),
           "the dense front launched after route_sort against while it runs (fused+dense, "

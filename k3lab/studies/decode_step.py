@@ -240,9 +240,7 @@ INTERLEAVED_ROUNDS = 7
 # Configs field, the config class, the fields it sets).
 CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
                    {"bank_before_wait": False}),
-                  ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}),
-                  ("MoE stage 1 prefetching stage 2's weights", "moe", "MoEConfig",
-                   {"stage1_prefetches_w2": True}))
+                  ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}))
 
 
 def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,

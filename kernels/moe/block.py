@@ -214,7 +214,7 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     sync = torch.empty(2, device=x.device, dtype=torch.int32)
     front = z is not None or shared_a is not None  # a launch between the plan and stage 1
     a = _launch_stage1(config, z if cfg.latent else x, plan, w13, act, *betas, n_tiles,
-                       sync=sync, z_mma=z_mma, a_mma_out=a_mma, pdl=front, w2=w2)
+                       sync=sync, z_mma=z_mma, a_mma_out=a_mma, pdl=front)
     stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
     if not cfg.latent and shared_a is None:  # K2-style without shared experts: y is the output
         _launch_stage2_tail(config, stage2, None, pdl=True)

@@ -91,10 +91,6 @@ class MoEConfig:
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
-        stage1_prefetches_w2: where stage 2 follows stage 1 (moe_experts, moe_block), each
-            stage-1 program asks L2 for a slice of its expert's stage-2 weights (codes and
-            scales, bulk prefetches) before its own K loop, so stage 2 reads them from L2 while
-            stage 1 leaves DRAM bandwidth unused (compiled only; a hint: no result changes).
     """
 
     mma: bool = True
@@ -115,12 +111,11 @@ class MoEConfig:
     interpret_gpu_tiles: bool = False
     dense_projections: bool = False
     front_overlaps_route: bool = True
-    stage1_prefetches_w2: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
-                     "dense_projections", "front_overlaps_route", "stage1_prefetches_w2"):
+                     "dense_projections", "front_overlaps_route"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)

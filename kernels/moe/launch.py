@@ -173,24 +173,8 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
     return z, a_s
 
 
-def _w2_prefetch_args(config: MoEConfig, w2) -> tuple | None:
-    """(codes, scales, codes bytes, scales bytes an expert) of stage 2's weights for stage 1's
-    L2 prefetch (``config.stage1_prefetches_w2``, compiled), or None where off or where an
-    expert's bytes do not start 16-byte aligned (the bulk prefetch needs it)."""
-    if w2 is None or not config.stage1_prefetches_w2 or INTERPRETED:
-        return None
-    codes, scales = (w2.packed, w2.scales) if isinstance(w2, MXFP4) else (w2, None)
-    e = codes.shape[0]
-    cb, sb = codes.nbytes // e, (scales.nbytes // e if scales is not None else 0)
-    if not codes.is_contiguous() or cb % 16 or codes.data_ptr() % 16 or (scales is not None and (
-            not scales.is_contiguous() or sb % 16 or scales.data_ptr() % 16)):
-        return None
-    codes = codes.view(torch.uint8)
-    return codes, (scales if scales is not None else codes), cb, sb
-
-
 def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync=None,
-                   z_mma=None, a_mma_out=None, pdl=False, w2=None):
+                   z_mma=None, a_mma_out=None, pdl=False):
     m, d = z.shape
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
@@ -203,12 +187,11 @@ def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_til
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
                                             triton.cdiv(m * d, grid[0] * grid[1])))
     w_v, w_s = _expert_ptrs(w13)
-    pf = _w2_prefetch_args(config, w2)
     args = (z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids,
             plan.num_valid, a, a_mma_out if a_mma_out is not None else a,
             out if out is not None else a,
-            sync if sync is not None else plan.num_valid, *(pf or (w_s, w_s, 0, 0)), m * top_k,
-            block_m, top_k, i, d // 2, m * d, float(situ_beta), float(situ_linear_beta))
+            sync if sync is not None else plan.num_valid, m * top_k, block_m, top_k, i, d // 2,
+            m * d, float(situ_beta), float(situ_linear_beta))
     consts = _expert_constexprs(config, w13, t, 1, x_prepared)
     del consts["R"]  # stage 1's tensor-core R is 2: its gate and up tiles
     # compiled tensor-core tiles only: launched with PDL, or letting the next launch start
@@ -218,7 +201,7 @@ def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_til
                   BLOCK_N=t.block_n, BLOCK_KP=t.block_kp, TOKEN_LOOP=token_loop(config),
                   WRITE_PREPARED=a_mma_out is not None, PDL=pdl,
                   TRIGGER=not pdl and _pdl_on(config) and t.mma is not None, TILED=_tiled(w13),
-                  PREFETCH_W2=pf is not None, num_warps=NUM_WARPS)
+                  num_warps=NUM_WARPS)
     if pdl:
         kwargs["launch_pdl"] = True
     if t.mma is not None:
@@ -429,7 +412,7 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
                          "(route_sort(..., out_dim=D)); stage 1 zeroes it")
     a_mma = prepared_a(config, w2, plan, n_tiles, deterministic)
     a = _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles,
-                       a_mma_out=a_mma, pdl=pdl, w2=w2)
+                       a_mma_out=a_mma, pdl=pdl)
     stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
     _launch_stage2_tail(config, stage2, None, pdl=True)
     return stage2[2]

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..runtime import INTERPRETED  # noqa: F401  (sets the interpreter up before any jit)
 
-__all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2", "bulk_prefetch_l2",
+__all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2",
            "mma_layout_problem", "tiled_word_offset", "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
 
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
@@ -164,25 +164,6 @@ def prefetch_l2(ptrs, mask):
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def bulk_prefetch_l2(p_base, nbytes, i_share, n_shares):
-    """Ask L2 for share i_share of n_shares (16-byte multiples) of bytes [0, nbytes) of p_base
-    (a 16-byte aligned byte pointer): cp.async.bulk.prefetch.L2 in pieces of at least 4 KB, at
-    most 128, one a thread of a 4-warp program (a tail under 16 bytes is left out; compiled
-    only: inline PTX, sm_90). The compiler issues a warp's distinct (address, size) pairs one
-    after another, so the threads past the last piece all share one pair (size 0)."""
-    share = (nbytes + n_shares * 16 - 1) // (n_shares * 16) * 16
-    start = i_share * share
-    size = tl.minimum(share, nbytes - start)
-    piece = tl.maximum(((size + 127) // 128 + 15) // 16 * 16, 4096)
-    o_t = tl.minimum(tl.arange(0, 128), (size + piece - 1) // piece)
-    n_t = tl.minimum(tl.maximum(size - o_t * piece, 0), piece) // 16 * 16
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }", "=r,l,r",
-        [p_base + start + o_t * piece, n_t], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -17,7 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..runtime import INTERPRETED  # noqa: F401  (sets the interpreter up before any jit)
 from .gemv import act, bf16_gemv, expert_gemv, gate_up_act, to_bf16
-from .mma import bulk_prefetch_l2, fp4_mma_gemv, store_prepared_x
+from .mma import fp4_mma_gemv, store_prepared_x
 
 # A tail program waiting for stage 2 gives up after this many polls: a scheduling bug then shows
 # as a wrong result in the tests instead of a hung GPU.
@@ -89,23 +89,21 @@ def _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT: tl.constexpr,
 
 @triton.jit
 def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_ap, p_out,
-                       p_sync, p_w2, p_ws2, w2_bytes, ws2_bytes, n_entries, block_m, top_k, N_I,
-                       D_PAIRS, n_zero, beta, linear_beta, ACT: tl.constexpr, FP4: tl.constexpr,
-                       USE_MMA: tl.constexpr, WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr,
+                       p_sync, n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta,
+                       linear_beta, ACT: tl.constexpr, FP4: tl.constexpr, USE_MMA: tl.constexpr,
+                       WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr,
                        X_PREPARED: tl.constexpr, EVICT_FIRST: tl.constexpr, ASM: tl.constexpr,
                        KLANE_STAGES: tl.constexpr, ZERO_OUT: tl.constexpr,
                        ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
                        WRITE_PREPARED: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
-                       TILED: tl.constexpr, PREFETCH_W2: tl.constexpr):
+                       TILED: tl.constexpr):
     """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T), gate
     rows [0, N_I) and up rows [N_I, 2 N_I) of w13 (z as mma_prepare_x wrote it where
     X_PREPARED); WRITE_PREPARED: also a's mma_prepare_x copy at p_ap. Side jobs: zero stage 2's
     accumulator (a slice a program) and the stage-2 + tail launch's two counters (program 0),
     after the wait under PDL. TRIGGER (without PDL): let the next launch start as programs
-    start. TILED: MXFP4 codes in the tiled layout. PREFETCH_W2: the program asks L2 for its
-    share (I tile i_n of the grid's) of its expert's stage-2 weights, w2_bytes of codes and
-    ws2_bytes of scales an expert from byte pointers p_w2 / p_ws2, before its K loop."""
+    start. TILED: MXFP4 codes in the tiled layout."""
     i_b, i_n = tl.program_id(0), tl.program_id(1)
     if TRIGGER and not PDL:
         gdc_launch_dependents()
@@ -118,10 +116,6 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
     runs = _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent)
     p_we = p_w + i_e * (2 * N_I * (D_PAIRS // 4 if FP4 else D_PAIRS))
     p_se = p_ws + i_e * (2 * N_I * (D_PAIRS // 16)) if FP4 else p_ws
-    if PREFETCH_W2:  # noqa: SIM102  (a constexpr, then a runtime test)
-        if runs:  # weights: safe before the wait (ws2_bytes 0: bf16 experts, no scales)
-            bulk_prefetch_l2(p_w2 + i_e * w2_bytes, w2_bytes, i_n, tl.num_programs(1))
-            bulk_prefetch_l2(p_ws2 + i_e * ws2_bytes, ws2_bytes, i_n, tl.num_programs(1))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

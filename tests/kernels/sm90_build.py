@@ -134,7 +134,6 @@ def main() -> dict:
     from k3lab.kernels import (
         AttnResConfig,
         KDAConfig,
-        MoEConfig,
         RouteConfig,
         attn_res_norm,
         gate_logits,
@@ -170,13 +169,6 @@ def main() -> dict:
         inputs = b.make_inputs(k3, cpu, 0, **params)
         attempt(f"{name} at kimi-k3", lambda b=b, i=inputs: b.variant("fused").fn(i))
     attempt("mla absorb at kimi-k3", lambda: _absorb(k3))
-    m = boundaries.get("moe")
-    for fmt in ("mxfp4", "bf16"):  # stage 1 asking L2 for stage 2's weights
-        mk = m.make_inputs(cfg, cpu, 0, expert_format=fmt)
-        for name in ("fused", "fused+dense"):
-            attempt(f"moe/{name} {fmt} w2 prefetch", lambda name=name, mk=mk: m.variant(
-                name).fn({**boundaries.clone_inputs(mk),
-                          "config": MoEConfig(stage1_prefetches_w2=True)}))
     for rows, k, act in ((1536, 7168, None), (7168, 1536, None), (1536, 7168, "situ")):
         attempt(f"dense {rows}x{k} {act}", lambda rows=rows, k=k, act=act: dense_gemv(
             torch.zeros(1, k, dtype=torch.bfloat16), torch.zeros(rows, k, dtype=torch.bfloat16),

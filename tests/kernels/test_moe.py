@@ -177,32 +177,11 @@ def test_reference_matches_dense(changes, fmt):
     ("stage1_klane_stages", -1), ("stage2_klane_stages", 8), ("klane_words", 48),
     ("klane_words", 2), ("klane_rows", 0), ("target_programs", 0),
     ("front_target_programs", 2.5), ("stage2_evict_first", "no"), ("tiled_weights", None),
-    ("front_overlaps_route", 1), ("stage1_prefetches_w2", "on")])
+    ("front_overlaps_route", 1)])
 def test_bad_config(field, value):
     """A bad MoEConfig field is a ValueError naming it, before anything runs."""
     with pytest.raises(ValueError, match=f"^{field}: expected"):
         MoEConfig(**{field: value})
-
-
-def test_w2_prefetch_is_a_compiled_hint_on_aligned_experts(device, monkeypatch):
-    """The stage-2 prefetch's arguments: none when off, interpreted or misaligned; else the
-    experts' codes and scales as bytes with each expert's byte counts."""
-    from k3lab.kernels.moe import launch
-
-    cfg, w, _ = _setup(device, M=1, fmt="mxfp4")
-    on = MoEConfig(stage1_prefetches_w2=True)
-    assert launch._w2_prefetch_args(MoEConfig(), w["w2"]) is None
-    assert launch._w2_prefetch_args(on, None) is None
-    monkeypatch.setattr(launch, "INTERPRETED", False)
-    codes, scales, cb, sb = launch._w2_prefetch_args(on, w["w2"])
-    e = cfg.n_experts
-    assert codes.dtype == torch.uint8 and (cb, sb) == (w["w2"].packed.nbytes // e,
-                                                       w["w2"].scales.nbytes // e)
-    assert cb % 16 == 0 and sb % 16 == 0
-    odd = dataclasses.replace(w["w2"], packed=w["w2"].packed[..., :-1])  # 16-byte rule broken
-    assert launch._w2_prefetch_args(on, odd) is None
-    bf = torch.zeros(e, cfg.moe_in, cfg.moe_intermediate, dtype=torch.bfloat16, device=device)
-    assert launch._w2_prefetch_args(on, bf)[2:] == (bf.nbytes // e, 0)
 
 
 def test_config_argument_checked(device):
@@ -1054,26 +1033,6 @@ def test_gpu_k3_tp8_fused_tail_bitwise(fmt, M):
     apart = moe_block(x, w, cfg=cfg, plan=plan, deterministic=True, fuse_tail=False)
     for _ in range(5):
         assert torch.equal(moe_block(x, w, cfg=cfg, plan=plan, deterministic=True), apart)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
-@pytest.mark.parametrize("M", [1, 16])
-def test_gpu_k3_tp8_w2_prefetch_changes_nothing(fmt, M):
-    """Stage 1 asking L2 for stage 2's weights is a hint: with the deterministic stage 2 the
-    block and the expert pair give bitwise what they give without it."""
-    cfg, w, x = _gpu_k3(fmt, M)
-    plan = _fused_plan(cfg, x, w)
-    on = MoEConfig(stage1_prefetches_w2=True)
-    for fuse_tail in (False, True):
-        base = moe_block(x, w, cfg=cfg, plan=plan, deterministic=True, fuse_tail=fuse_tail)
-        assert torch.equal(moe_block(x, w, cfg=cfg, plan=plan, deterministic=True,
-                                     fuse_tail=fuse_tail, config=on), base)
-    kw = moe_kernel_weights({n: w[n] for n in ("w13", "w2")})
-    z = torch.randn(M, cfg.latent, device="cuda").to(torch.bfloat16)
-    base = moe_experts(z, plan, kw["w13"], kw["w2"], deterministic=True).clone()
-    assert torch.equal(moe_experts(z, plan, kw["w13"], kw["w2"], deterministic=True,
-                                   config=on), base)
 
 
 # the K-lane tiles (compiled: the token loop, pipelined stage-1 K loop) and the tensor-core tiles
