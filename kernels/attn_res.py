@@ -77,6 +77,10 @@ class AttnResConfig:
         itself). The decode token seals a row by a plain copy launched at least two launches
         before any read whose bank holds it, so its configs turn this on; off by default, since
         a caller that writes the bank just before the read would read stale rows.
+    hold_bf16: the one pass holds the bank rows in bf16 from their load to the mix and widens
+        them to fp32 at each use, half the registers of an fp32 tile (offline sm_90 builds: 8
+        rows x 8192 at 8 warps 243 registers, no spills; in fp32 at 16 warps 376 bytes of
+        stack). The values are the same either way.
     """
 
     tile_elems: int = 32768
@@ -91,13 +95,14 @@ class AttnResConfig:
     one_chunk_min_candidates: int = 1
     pdl: bool = True
     bank_before_wait: bool = False
+    hold_bf16: bool = False
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("split_h", "one_chunk_elems") and v == 0 and not isinstance(v, bool):
                 continue
-            if f.name in ("split_pdl", "pdl", "bank_before_wait"):
+            if f.name in ("split_pdl", "pdl", "bank_before_wait", "hold_bf16"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
                 continue
@@ -125,10 +130,22 @@ def _round_bf16(x):
 
 
 @triton.jit
+def _load_bank16(p_bank_rows, o_h, m_h, m_bank):
+    """One H chunk of the bank rows as stored [BLOCK_NB, BLOCK_H] (masked rows 0)."""
+    return tl.load(p_bank_rows + o_h[None, :], mask=m_bank[:, None] & m_h[None, :], other=0.0)
+
+
+@triton.jit
 def _load_bank(p_bank_rows, o_h, m_h, m_bank):
     """One H chunk of the bank rows in fp32 [BLOCK_NB, BLOCK_H] (masked rows 0)."""
-    return tl.load(p_bank_rows + o_h[None, :], mask=m_bank[:, None] & m_h[None, :],
-                   other=0.0).to(tl.float32)
+    return _load_bank16(p_bank_rows, o_h, m_h, m_bank).to(tl.float32)
+
+
+@triton.jit
+def _widen_again(x):
+    """bf16 -> fp32 by its bits: the same values as ``x.to(tl.float32)``, by other ops, so
+    the compiler does not merge the two widenings and keep one fp32 copy of x live between."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -161,13 +178,14 @@ def _attn_res_norm_kernel(
     N, H, eps,
     BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HN: tl.constexpr,
     ONE_CHUNK: tl.constexpr, STORE_H: tl.constexpr, PDL: tl.constexpr,
-    BANK_EARLY: tl.constexpr,
+    BANK_EARLY: tl.constexpr, HOLD_BF16: tl.constexpr,
 ):
     """One program per token. ONE_CHUNK (H <= BLOCK_H): one load of the rows serves the scores,
     the mix and the norm. STORE_H: h is stored too (else only h_normed). PDL: launched with
     programmatic dependent launch; the weights (never written by a previous launch) are read
     before the wait for the previous grid, every candidate after it (BANK_EARLY, one chunk: the
-    bank rows before it too)."""
+    bank rows before it too). HOLD_BF16 (one chunk): the bank rows stay bf16 between their
+    uses."""
     i_m = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, BLOCK_NB)
     m_bank = o_n < N
@@ -183,17 +201,19 @@ def _attn_res_norm_kernel(
                * tl.load(p_res_proj_w + o_h, mask=m_h, other=0.0).to(tl.float32))
         b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0)  # in flight with the rows
         if BANK_EARLY:
-            b_vb = _load_bank(p_bank_rows, o_h, m_h, m_bank)
+            b_v16 = _load_bank16(p_bank_rows, o_h, m_h, m_bank)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        if BANK_EARLY:
-            b_vl = _load_live(p_live_row, o_h, m_h)
-        else:
-            b_vb, b_vl = _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank)
+        if not BANK_EARLY:
+            b_v16 = _load_bank16(p_bank_rows, o_h, m_h, m_bank)
+        b_vl = _load_live(p_live_row, o_h, m_h)
+        b_vb = b_v16.to(tl.float32)
         b_p_b, b_p_l = _softmax(tl.sum(b_vb * b_vb, axis=1), tl.sum(b_vb * b_w[None, :], axis=1),
                                 tl.sum(b_vl * b_vl, axis=0), tl.sum(b_vl * b_w, axis=0), m_bank,
                                 H, eps)
+        if HOLD_BF16:
+            b_vb = _widen_again(b_v16)
         b_h = _round_bf16(tl.sum(b_p_b[:, None] * b_vb, axis=0) + b_p_l * b_vl)
         if STORE_H:
             tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
@@ -487,7 +507,8 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
         N, H, float(eps),
         BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, ONE_CHUNK=one_chunk,
         STORE_H=return_h or not one_chunk, PDL=pdl,
-        BANK_EARLY=pdl and one_chunk and cfg.bank_before_wait, num_warps=cfg.num_warps,
+        BANK_EARLY=pdl and one_chunk and cfg.bank_before_wait,
+        HOLD_BF16=one_chunk and cfg.hold_bf16, num_warps=cfg.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return (h if return_h else None), h_normed
