@@ -78,9 +78,9 @@ class AttnResConfig:
         before any read whose bank holds it, so its configs turn this on; off by default, since
         a caller that writes the bank just before the read would read stale rows.
     hold_bf16: the one pass holds the bank rows in bf16 from their load to the mix and widens
-        them to fp32 at each use, half the registers of an fp32 tile (offline sm_90 builds: 8
-        rows x 8192 at 8 warps 243 registers, no spills; in fp32 at 16 warps 376 bytes of
-        stack). The values are the same either way.
+        them to fp32 at each use: half the registers of an fp32 tile, so deeper reads fit one
+        pass (with one_chunk_elems and tile_elems of 65536: up to 9 candidates at K3). The
+        values are the same either way.
     """
 
     tile_elems: int = 32768
