@@ -136,12 +136,6 @@ def _load_bank16(p_bank_rows, o_h, m_h, m_bank):
 
 
 @triton.jit
-def _load_bank(p_bank_rows, o_h, m_h, m_bank):
-    """One H chunk of the bank rows in fp32 [BLOCK_NB, BLOCK_H] (masked rows 0)."""
-    return _load_bank16(p_bank_rows, o_h, m_h, m_bank).to(tl.float32)
-
-
-@triton.jit
 def _widen_again(x):
     """bf16 -> fp32 by its bits: the same values as ``x.to(tl.float32)``, by other ops, so
     the compiler does not merge the two widenings and keep one fp32 copy of x live between."""
@@ -156,7 +150,8 @@ def _load_live(p_live_row, o_h, m_h):
 @triton.jit
 def _load_chunk(p_bank_rows, p_live_row, o_h, m_h, m_bank):
     """One H chunk of the candidates in fp32: bank [BLOCK_NB, BLOCK_H] (masked rows 0), live."""
-    return _load_bank(p_bank_rows, o_h, m_h, m_bank), _load_live(p_live_row, o_h, m_h)
+    return (_load_bank16(p_bank_rows, o_h, m_h, m_bank).to(tl.float32),
+            _load_live(p_live_row, o_h, m_h))
 
 
 @triton.jit

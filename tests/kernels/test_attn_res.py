@@ -144,11 +144,11 @@ def test_hold_bf16_changes_nothing(device, n, early):
     args = _inputs(K3, n, 2, device, seed=11 + n)
     deep = dict(one_chunk_elems=65536, tile_elems=65536, split_min_candidates=10,
                 bank_before_wait=early)
+    held = AttnResConfig(hold_bf16=True, **deep)
     h, hn = _check(args, config=AttnResConfig(**deep))
-    h16, hn16 = attn_res_norm(*args, config=AttnResConfig(hold_bf16=True, **deep))
+    h16, hn16 = attn_res_norm(*args, config=held)
     assert torch.equal(h16, h) and torch.equal(hn16, hn)
-    assert count_launches(lambda a: attn_res_norm(
-        *a, config=AttnResConfig(hold_bf16=True, **deep)), args).count == 1
+    assert count_launches(lambda a: attn_res_norm(*a, config=held), args).count == 1
 
 
 @pytest.mark.parametrize("n,launches", [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (8, 2)])
