@@ -4,8 +4,8 @@ __version__ = "0.1.0"
 
 
 def preload(modules, env: str | None = None, calls=()) -> None:
-    """Import ``modules`` as a notebook kernel starts (``k3lab.runner.PRELOAD``), then call each
-    ``"module:function"`` of ``calls`` (``k3lab.runner.PRELOAD_CALLS``), where ``env`` (when
+    """Import ``modules`` as a notebook kernel starts (``k3lab.kernelenv.PRELOAD``), then call each
+    ``"module:function"`` of ``calls`` (``k3lab.kernelenv.PRELOAD_CALLS``), where ``env`` (when
     given) is set in its environment; one that fails is left for the notebook's own import to
     raise."""
     import importlib

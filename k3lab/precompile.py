@@ -174,7 +174,7 @@ def _pool(n: int) -> cf.ProcessPoolExecutor | None:
 def start_workers(n_workers: int | None = None) -> int:
     """Start this process's compile workers (:func:`ahead`'s pool) and have each import what a
     compile needs, returning at once: a notebook kernel started ahead of its notebook calls it
-    (``k3lab.runner.PRELOAD_CALLS``), so that the notebook's first :func:`ahead` does not wait
+    (``k3lab.kernelenv.PRELOAD_CALLS``), so that the notebook's first :func:`ahead` does not wait
     for processes to start. Returns the number of workers asked for."""
     n = workers() if n_workers is None else n_workers
     pool = _pool(n)

@@ -31,54 +31,24 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-import k3lab
-from k3lab import folder, hostprofile, precompile, readable, report, traces
+from k3lab import folder, hostprofile, kernelenv, precompile, readable, report, traces
+from k3lab.kernelenv import KERNEL_NAME, repo_root
 from k3lab.parameters import coerce, declared, notebook_parameters, validate
 
 __all__ = ["Result", "Results", "auto_jobs", "notebook_dir", "list_notebooks", "resolve",
            "notebook_parameters", "declared", "validate", "coerce", "run", "update_index",
            "repo_root", "default_out_dir", "RUN_OPTIONS", "TRACE_PARAM", "KERNEL_NAME"]
 
-KERNEL_NAME = "python3"
 RUN_OPTIONS = ("device", "preset", "tp")  # given by their own options, injected when declared
 TRACE_PARAM = "trace_dir"  # set by the runner, when declared, to the run's folder for traces
 NOTEBOOKS_ENV = "K3LAB_NOTEBOOKS"
 # The per-cell limit where a run names none (unset: no limit). The test suite sets it: a kernel
 # that finishes a cell but whose reply never reaches the client would otherwise wait forever.
 TIMEOUT_ENV = "K3LAB_CELL_TIMEOUT"
-# What every notebook's first cell imports, and torch.compile's compiler, which the peers and
-# the launch counting (through torch's dispatch modes) import (never ``k3lab.kernels``:
-# ``studies.setup`` chooses its device first). A kernel imports them as it starts, so the
-# standby kernel a sequential batch starts for the next notebook has them loaded by the time
-# that notebook runs. A kernel started when its notebook starts has nothing to overlap and
-# skips it (the notebook imports what it needs), and so does a CPU run's standby: there the
-# notebook before it needs the cores.
-PRELOAD_ENV = "K3LAB_PRELOAD"
-PRELOAD_DEVICES = ("cuda",)
-PRELOAD = ("torch", "triton", "numpy", "pandas", "matplotlib.pyplot", "IPython.display",
-           "ipywidgets", "torch._inductor.compile_fx", "k3lab.plots", "k3lab.report",
-           "k3lab.profile", "k3lab.studies", "k3lab.traces")
-# then started: Inductor's compile workers (its first torch.compile would start them) and the
-# Triton compile workers of k3lab.precompile.ahead (a notebook's first sweep would)
-PRELOAD_CALLS = ("torch._inductor.async_compile:maybe_warm_pool",
-                 "k3lab.precompile:start_workers")
-# the kernel's own log (start-up warnings, the ZMQ trace of a kernel stopped by a timeout) would
-# break the one-line-per-notebook progress; a cell's errors still reach the report
-KERNEL_ARGS = ["--IPKernelApp.log_level=CRITICAL",
-               # tables for people: floats to the digits a reader uses (k3lab.readable.human);
-               # a preload that fails leaves the import, and its error, to the notebook's cell
-               "--IPKernelApp.exec_lines=import k3lab.readable as _k3r; _k3r.human_tables(); "
-               f"del _k3r; __import__('k3lab').preload({list(PRELOAD)!r}, '{PRELOAD_ENV}', "
-               f"{list(PRELOAD_CALLS)!r}); "
-               # k3lab run --profile: sample every cell (k3lab.hostprofile)
-               "__import__('k3lab.hostprofile').hostprofile.start_from_env(); "
-               # on a GPU: list the kernels it compiles (k3lab.precompile.record)
-               "__import__('k3lab.precompile').precompile.record()"]
 
 
 @dataclass
@@ -99,10 +69,6 @@ class Result:
 
 
 # ---------------------------------------------------------------- finding notebooks
-
-def repo_root() -> Path:
-    return Path(k3lab.__file__).resolve().parents[1]
-
 
 def default_out_dir() -> Path:
     return repo_root() / "executed" / "local"
@@ -258,121 +224,6 @@ def _quiet_papermill():
         log.setLevel(level)
 
 
-def _kernel_environ(device: str, profile: Path | None = None,
-                    kernels: Path | None = None) -> dict[str, str]:
-    """The environment a notebook kernel gets: this process's, with the interpreter on for the
-    CPU and off for CUDA, inline plots, and this checkout importable; ``profile``: the file its
-    cells' host profile goes to (:mod:`k3lab.hostprofile`); ``kernels``: the file it lists its
-    compiled kernels in (:func:`k3lab.precompile.record`)."""
-    env = dict(os.environ)
-    env.pop(hostprofile.ENV, None)
-    env.pop(PRELOAD_ENV, None)
-    env.pop(precompile.LIST_ENV, None)
-    if profile is not None:
-        env[hostprofile.ENV] = str(profile)
-    if kernels is not None:
-        env[precompile.LIST_ENV] = str(kernels)
-    if str(device).startswith("cpu"):
-        env["TRITON_INTERPRET"] = "1"
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    env.pop("MPLBACKEND", None)  # an inherited Agg would silence the inline plots
-    cache = precompile.pin_cache_dir()  # the folder the background compile fills
-    if cache:
-        env[precompile.CACHE_ENV] = cache
-    root = str(repo_root())
-    path = env.get("PYTHONPATH", "")
-    if root not in path.split(os.pathsep):
-        env["PYTHONPATH"] = root + (os.pathsep + path if path else "")
-    return env
-
-
-@contextlib.contextmanager
-def _kernel_env(device: str, profile: Path | None = None, kernels: Path | None = None):
-    """:func:`_kernel_environ` as this process's environment, which the kernel inherits."""
-    saved = dict(os.environ)
-    env = _kernel_environ(device, profile, kernels)  # from this one, before it is cleared
-    try:
-        os.environ.clear()
-        os.environ.update(env)
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
-def _kernel_manager():
-    """A manager for one notebook kernel, not started. Its channels are Unix sockets at a path
-    of its own: TCP ports are picked before the kernel binds them, and two kernels starting at
-    once (two notebooks at once, a standby beside a starting notebook) could take each other's,
-    failing one with "Address already in use" before it ran anything."""
-    from jupyter_client.manager import AsyncKernelManager
-
-    if os.name == "nt":  # no Unix sockets
-        return AsyncKernelManager(kernel_name=KERNEL_NAME)
-    path = os.path.join(tempfile.gettempdir(), f"k3lab-kernel-{uuid.uuid4().hex[:16]}")
-    return AsyncKernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=path)
-
-
-def _shutdown(km) -> None:
-    """Stop a kernel this process started (nothing when it is gone already)."""
-    from jupyter_core.utils import run_sync
-
-    with contextlib.suppress(Exception):
-        run_sync(km.shutdown_kernel)(now=True)
-
-
-class Standby:
-    """A kernel started ahead of its notebook (a sequential batch starts the next notebook's
-    while one runs): its start and :data:`PRELOAD` imports, seconds of host work, overlap the
-    running notebook instead of adding to the batch. Nothing it runs touches a GPU. Hand
-    :meth:`take` to the notebook's run, and :meth:`close` it whatever happened."""
-
-    def __init__(self, device: str, profile: Path | None = None, kernels: Path | None = None):
-        from jupyter_core.utils import run_sync
-
-        self._run_sync = run_sync
-        self.km = _kernel_manager()
-        env = _kernel_environ(device, profile, kernels)
-        if str(device).split(":")[0] in PRELOAD_DEVICES:
-            env[PRELOAD_ENV] = "1"
-        run_sync(self.km.start_kernel)(extra_arguments=list(KERNEL_ARGS), cwd=str(repo_root()),
-                                       env=env)
-
-    def take(self):
-        """The kernel manager for the notebook's client, or None when the kernel has died (the
-        notebook then starts a kernel of its own)."""
-        try:
-            alive = self._run_sync(self.km.is_alive)()
-        except Exception:  # noqa: BLE001 - a broken standby only costs its head start
-            alive = False
-        return self.km if alive else None
-
-    def close(self) -> None:
-        _shutdown(self.km)
-
-
-def _check_kernel() -> None:
-    """Make sure kernel "python3" exists and warn when it runs another Python than this one.
-
-    jupyter_client falls back to this interpreter's own ipykernel when no "python3" kernelspec
-    is installed, so nothing needs registering; only a missing ipykernel is fatal.
-    """
-    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
-
-    try:
-        spec = KernelSpecManager().get_kernel_spec(KERNEL_NAME)
-    except NoSuchKernel as exc:
-        raise RuntimeError(f"no Jupyter kernel {KERNEL_NAME!r}: install ipykernel in this "
-                           f"Python ({sys.executable} -m pip install ipykernel)") from exc
-    exe = spec.argv[0] if spec.argv else ""
-    if exe not in ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"):
-        with contextlib.suppress(OSError):
-            if Path(exe).resolve() != Path(sys.executable).resolve():
-                print(f"k3lab: warning: kernel {KERNEL_NAME!r} runs {exe}, not {sys.executable}; "
-                      "k3lab must be importable there", file=sys.stderr)
-
-
 def _error_text(exc: BaseException, timeout: float | None = None) -> str:
     """One line: the cell's exception, or what timed out."""
     from nbclient.exceptions import CellTimeoutError
@@ -477,7 +328,7 @@ def _publish_failed(name: str, out_dir: Path, tmp: Path, header: str, hide_code:
 
 def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
              timeout: float | None, hide_code: bool, header: str, progress: dict | None,
-             staging: Path | None = None, standby: Standby | None = None,
+             staging: Path | None = None, standby: kernelenv.Standby | None = None,
              profile: Path | None = None, kernels: Path | None = None):
     """Run the notebook into ``tmp``; (error or None, report page, metrics, profile page).
     ``params`` are the kernel's (``trace_dir`` included); the traces found in ``staging``
@@ -489,19 +340,19 @@ def _execute(src: Path, tmp: Path, out_dir: Path, params: dict, man: dict,
 
     km = standby.take() if standby is not None else None
     own = km is None  # started by papermill below, stopped here
-    km = _kernel_manager() if own else km
+    km = kernelenv.manager() if own else km
     profile_page = None
     try:
-        with _kernel_env(man["device"], profile, kernels), _quiet_papermill():
+        with kernelenv.env(man["device"], profile, kernels), _quiet_papermill():
             try:
                 papermill.execute_notebook(
-                    str(src), str(tmp), parameters=params, kernel_name=KERNEL_NAME,
+                    str(src), str(tmp), parameters=params, kernel_name=kernelenv.KERNEL_NAME,
                     cwd=str(repo_root()), execution_timeout=timeout,
                     progress_bar=progress if progress is not None else False,
-                    log_output=False, extra_arguments=KERNEL_ARGS, km=km)
+                    log_output=False, extra_arguments=kernelenv.KERNEL_ARGS, km=km)
             finally:
                 if own:
-                    _shutdown(km)
+                    kernelenv.shutdown(km)
         nb = nbformat.read(tmp, as_version=4)  # the page's copy: the .ipynb keeps everything
         metrics = report.read_metrics(nb)
         metrics["warnings"] = readable.split_warnings(nb)
@@ -547,7 +398,7 @@ def _temp_file(out_dir: Path, name: str, suffix: str = ".tmp") -> str:
 
 def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: float | None,
              hide_code: bool, progress: dict | None = None, source: str | None = None,
-             standby: Standby | None = None, profile: bool | Path = False) -> Result:
+             standby: kernelenv.Standby | None = None, profile: bool | Path = False) -> Result:
     """Execute one notebook into ``out_dir``. A failing notebook and a report that cannot be
     written (disk full, a folder in the way) both give a failed Result; the batch goes on.
     source: the notebook's path as recorded (default ``src``; a Ray task runs a copy).
@@ -683,15 +534,15 @@ def _run_parallel(paths, plans, lasts, out, options, timeout, hide_code, jobs, r
             or "the last notebooks"
 
 
-def _standby(device: str, out: Path, path: Path, profile: bool) -> tuple[Standby | None,
-                                                                        Path | bool]:
+def _standby(device: str, out: Path, path: Path,
+             profile: bool) -> tuple[kernelenv.Standby | None, Path | bool]:
     """A kernel started for the notebook ``path`` and the file its host profile goes to (False:
     not profiled)."""
     to: Path | bool = False
     try:
         if profile:
             to = Path(_temp_file(out, path.stem))
-        return Standby(device, to or None, _kernel_list_file(out, path.stem, device)), to
+        return kernelenv.Standby(device, to or None, _kernel_list_file(out, path.stem, device)), to
     except Exception:  # noqa: BLE001 - without it the notebook starts its own kernel
         return None, to
 
@@ -798,7 +649,7 @@ def run(notebooks=None, *, device: str = "cpu", preset: str = "tiny", tp: int = 
     plans = _plan(paths, options, dict(params or {}), decl)
     if not force and (not ray or ray == "local"):
         _check_memory(paths, plans, decl, options, 1 if ray else jobs)
-    _check_kernel()
+    kernelenv.check_kernel()
     out = folder.prepare(Path(out_dir) if out_dir is not None else default_out_dir())
     removed, busy = folder.remove_stale(out)
     say = (lambda text: print(text, flush=True)) if progress else (lambda text: None)

@@ -4,7 +4,7 @@ tp, against the RAM (CPU) or each GPU's free memory, refused with exit 2 and one
 
 import pytest
 
-from k3lab import cli, memory, runner
+from k3lab import cli, kernelenv, memory
 from k3lab.config import preset
 
 NOTEBOOKS = ["00_overview", "10_route", "20_moe", "30_dense", "40_kda", "50_mla",
@@ -76,7 +76,7 @@ def test_cpu_available_is_a_positive_number():
 def small_machine(monkeypatch):
     monkeypatch.setattr(memory, "_cpu_available", lambda: 16 * GB)
     # past the memory check, stop before a kernel starts
-    monkeypatch.setattr(runner, "_check_kernel",
+    monkeypatch.setattr(kernelenv, "check_kernel",
                         lambda: (_ for _ in ()).throw(RuntimeError("past the memory check")))
 
 

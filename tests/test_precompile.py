@@ -78,15 +78,15 @@ def test_the_cache_folder_is_pinned_for_kernels_and_workers(monkeypatch, tmp_pat
     runs a kernel: the batch pins it, so a notebook finds what the warming workers compiled."""
     from triton import knobs
 
-    from k3lab import runner
+    from k3lab import kernelenv
 
     monkeypatch.delenv(precompile.CACHE_ENV, raising=False)
     assert precompile.pin_cache_dir() == knobs.cache.dir == os.environ[precompile.CACHE_ENV]
     monkeypatch.setenv(precompile.CACHE_ENV, str(tmp_path))
     assert precompile.pin_cache_dir() == str(tmp_path)  # a folder already chosen stays
-    assert runner._kernel_environ("cuda")[precompile.CACHE_ENV] == str(tmp_path)
+    assert kernelenv.environ("cuda")[precompile.CACHE_ENV] == str(tmp_path)
     monkeypatch.delenv(precompile.CACHE_ENV)
-    assert runner._kernel_environ("cpu")[precompile.CACHE_ENV] == knobs.cache.dir
+    assert kernelenv.environ("cpu")[precompile.CACHE_ENV] == knobs.cache.dir
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from k3lab import cli, report, runner
+from k3lab import cli, kernelenv, report, runner
 
 FIXTURES = Path(__file__).parent / "notebooks"
 ECHO_DEFAULTS = {"preset": "tiny", "tp": 1, "device": "cpu", "seed": 0, "sizes": [1, 2],
@@ -52,7 +52,7 @@ def test_the_kernel_environment_keeps_this_processes_variables(monkeypatch):
     monkeypatch.setenv("K3LAB_TEST_MARK", "kept")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     before = dict(os.environ)
-    with runner._kernel_env("cuda"):
+    with kernelenv.env("cuda"):
         assert os.environ.get("K3LAB_TEST_MARK") == "kept"
         assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(runner.repo_root()),
                                                                "/opt/some/site"]
@@ -63,9 +63,9 @@ def test_the_kernel_environment_keeps_this_processes_variables(monkeypatch):
 @pytest.mark.skipif(os.name == "nt", reason="no Unix sockets")
 def test_kernels_talk_over_unix_sockets_each_at_its_own_path():
     """No TCP ports to race for between kernels starting at once."""
-    a, b = runner._kernel_manager(), runner._kernel_manager()
+    a, b = kernelenv.manager(), kernelenv.manager()
     assert a.transport == b.transport == "ipc" and a.ip != b.ip
-    assert a.kernel_name == runner.KERNEL_NAME
+    assert a.kernel_name == kernelenv.KERNEL_NAME
 
 
 def test_a_gpu_kernel_lists_its_kernels_in_a_temp_file_of_the_folder(tmp_path):
@@ -73,9 +73,9 @@ def test_a_gpu_kernel_lists_its_kernels_in_a_temp_file_of_the_folder(tmp_path):
 
     listed = runner._kernel_list_file(tmp_path, "10_route", "cuda:0")
     assert listed.parent == tmp_path and folder.TEMP_PATTERN.match(listed.name)
-    assert runner._kernel_environ("cuda", None, listed)[precompile.LIST_ENV] == str(listed)
+    assert kernelenv.environ("cuda", None, listed)[precompile.LIST_ENV] == str(listed)
     assert runner._kernel_list_file(tmp_path, "10_route", "cpu") is None
-    assert precompile.LIST_ENV not in runner._kernel_environ("cpu")
+    assert precompile.LIST_ENV not in kernelenv.environ("cpu")
 
 
 # ---------------------------------------------------------------- parameters, names
@@ -423,8 +423,8 @@ def _pid_notebooks(folder: Path, names: list[str]) -> Path:
     import nbformat
 
     folder.mkdir()
-    code = ("import os, sys\nfrom k3lab import report, runner\n"
-            "missing = [m for m in runner.PRELOAD if m not in sys.modules]\n"
+    code = ("import os, sys\nfrom k3lab import kernelenv, report\n"
+            "missing = [m for m in kernelenv.PRELOAD if m not in sys.modules]\n"
             "report.publish([{'pid': os.getpid(), 'missing': missing}], headline='pid')")
     for name in names:
         params = nbformat.v4.new_code_cell("seed = 0")
@@ -444,13 +444,13 @@ def test_one_at_a_time_each_notebook_runs_in_a_kernel_started_ahead(tmp_path, mo
 
     started = []
 
-    class Spy(runner.Standby):
+    class Spy(kernelenv.Standby):
         def __init__(self, *args):
             super().__init__(*args)
             started.append(self)
 
-    monkeypatch.setattr(runner, "Standby", Spy)
-    monkeypatch.setattr(runner, "PRELOAD_DEVICES", ("cpu", "cuda"))  # a GPU run's, here
+    monkeypatch.setattr(kernelenv, "Standby", Spy)
+    monkeypatch.setattr(kernelenv, "PRELOAD_DEVICES", ("cpu", "cuda"))  # a GPU run's, here
     nbs = _pid_notebooks(tmp_path / "nbs", ["00_a", "10_b", "20_c"])
     out = tmp_path / "out"
     res = runner.run(None, notebook_dir=nbs, out_dir=out, progress=False, jobs=1)
@@ -467,12 +467,12 @@ def test_a_standby_kernel_that_died_costs_only_its_head_start(tmp_path, monkeypa
     """The kernel started ahead is gone when its notebook comes: the notebook starts its own."""
     from jupyter_core.utils import run_sync
 
-    class Dead(runner.Standby):
+    class Dead(kernelenv.Standby):
         def __init__(self, *args):
             super().__init__(*args)
             run_sync(self.km.shutdown_kernel)(now=True)
 
-    monkeypatch.setattr(runner, "Standby", Dead)
+    monkeypatch.setattr(kernelenv, "Standby", Dead)
     nbs = _pid_notebooks(tmp_path / "nbs", ["00_a", "10_b"])
     res = runner.run(None, notebook_dir=nbs, out_dir=tmp_path / "out", progress=False, jobs=1)
     assert res.ok, [r.error for r in res]
