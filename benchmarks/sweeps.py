@@ -473,15 +473,6 @@ _SWEEPS = [
           "4 and 5 candidates in one pass (a 32768-element tile, rows held in registers: 242 "
           "registers at 8 warps, no spills in an offline sm_90 build) against the split, with "
           "and without the sealed rows before the PDL wait"),
-    Sweep("hold_bf16", "attn_res", grid(
-        tuple({"n_sealed": n} for n in (3, 4, 5, 8)),
-        tuple({"bank_before_wait": True, **c} for c in (
-            {}, {"hold_bf16": True},
-            *({"hold_bf16": True, "one_chunk_elems": 65536, "tile_elems": 65536,
-               "split_min_candidates": 10, "num_warps": w} for w in (8, 16))))),
-          "the one pass with the bank rows held in bf16 between their uses, and with it 6 to 9 "
-          "candidates in one pass (a 65536-element tile) against the split, at 4, 5, 6 and 9 "
-          "candidates, sealed rows before the PDL wait (the decode token's setting)"),
     Sweep("tokens", "attn_res", grid(({"M": 4}, {"M": 16}, {"M": 64}),
                                      ({}, {"split_h": 0}, {"max_split_programs": 8})),
           "the split schedule (by default while its grid is at most one program an SM) and one "

@@ -77,10 +77,6 @@ class AttnResConfig:
         itself). The decode token seals a row by a plain copy launched at least two launches
         before any read whose bank holds it, so its configs turn this on; off by default, since
         a caller that writes the bank just before the read would read stale rows.
-    hold_bf16: the one pass holds the bank rows in bf16 from their load to the mix and widens
-        them to fp32 at each use: half the registers of an fp32 tile, so deeper reads fit one
-        pass (with one_chunk_elems and tile_elems of 65536: up to 9 candidates at K3). The
-        values are the same either way.
     """
 
     tile_elems: int = 32768
@@ -95,14 +91,13 @@ class AttnResConfig:
     one_chunk_min_candidates: int = 1
     pdl: bool = True
     bank_before_wait: bool = False
-    hold_bf16: bool = False
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if f.name in ("split_h", "one_chunk_elems") and v == 0 and not isinstance(v, bool):
                 continue
-            if f.name in ("split_pdl", "pdl", "bank_before_wait", "hold_bf16"):
+            if f.name in ("split_pdl", "pdl", "bank_before_wait"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
                 continue
@@ -136,13 +131,6 @@ def _load_bank16(p_bank_rows, o_h, m_h, m_bank):
 
 
 @triton.jit
-def _widen_again(x):
-    """bf16 -> fp32 by its bits: the same values as ``x.to(tl.float32)``, by other ops, so
-    the compiler does not merge the two widenings and keep one fp32 copy of x live between."""
-    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _load_live(p_live_row, o_h, m_h):
     return tl.load(p_live_row + o_h, mask=m_h, other=0.0).to(tl.float32)
 
@@ -173,14 +161,13 @@ def _attn_res_norm_kernel(
     N, H, eps,
     BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HN: tl.constexpr,
     ONE_CHUNK: tl.constexpr, STORE_H: tl.constexpr, PDL: tl.constexpr,
-    BANK_EARLY: tl.constexpr, HOLD_BF16: tl.constexpr,
+    BANK_EARLY: tl.constexpr,
 ):
     """One program per token. ONE_CHUNK (H <= BLOCK_H): one load of the rows serves the scores,
     the mix and the norm. STORE_H: h is stored too (else only h_normed). PDL: launched with
     programmatic dependent launch; the weights (never written by a previous launch) are read
     before the wait for the previous grid, every candidate after it (BANK_EARLY, one chunk: the
-    bank rows before it too). HOLD_BF16 (one chunk): the bank rows stay bf16 between their
-    uses."""
+    bank rows before it too)."""
     i_m = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, BLOCK_NB)
     m_bank = o_n < N
@@ -207,8 +194,6 @@ def _attn_res_norm_kernel(
         b_p_b, b_p_l = _softmax(tl.sum(b_vb * b_vb, axis=1), tl.sum(b_vb * b_w[None, :], axis=1),
                                 tl.sum(b_vl * b_vl, axis=0), tl.sum(b_vl * b_w, axis=0), m_bank,
                                 H, eps)
-        if HOLD_BF16:
-            b_vb = _widen_again(b_v16)
         b_h = _round_bf16(tl.sum(b_p_b[:, None] * b_vb, axis=0) + b_p_l * b_vl)
         if STORE_H:
             tl.store(p_h_row + o_h, b_h.to(tl.bfloat16), mask=m_h)
@@ -502,8 +487,7 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
         N, H, float(eps),
         BLOCK_NB=BLOCK_NB, BLOCK_H=BLOCK_H, BLOCK_HN=BLOCK_HN, ONE_CHUNK=one_chunk,
         STORE_H=return_h or not one_chunk, PDL=pdl,
-        BANK_EARLY=pdl and one_chunk and cfg.bank_before_wait,
-        HOLD_BF16=one_chunk and cfg.hold_bf16, num_warps=cfg.num_warps,
+        BANK_EARLY=pdl and one_chunk and cfg.bank_before_wait, num_warps=cfg.num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return (h if return_h else None), h_normed

@@ -240,11 +240,7 @@ INTERLEAVED_ROUNDS = 7
 # Configs field, the config class, the fields it sets).
 CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
                    {"bank_before_wait": False}),
-                  ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}),
-                  ("AttnRes reads of up to 9 candidates in one pass, rows held in bf16",
-                   "attn_res", "AttnResConfig",
-                   {"hold_bf16": True, "one_chunk_elems": 65536, "tile_elems": 65536,
-                    "split_min_candidates": 10}))
+                  ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}))
 
 
 def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,

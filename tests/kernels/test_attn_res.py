@@ -136,21 +136,6 @@ def test_return_h_false(device, config):
     assert h_none is None and torch.equal(hn_only, hn)
 
 
-@pytest.mark.parametrize("n", [0, 1, 4, 5, 8])
-@pytest.mark.parametrize("early", [False, True])
-def test_hold_bf16_changes_nothing(device, n, early):
-    """The one pass with the bank rows held in bf16 gives bitwise what the fp32 tile gives
-    (the same values widened by other ops), up to 9 candidates in one 65536-element tile."""
-    args = _inputs(K3, n, 2, device, seed=11 + n)
-    deep = dict(one_chunk_elems=65536, tile_elems=65536, split_min_candidates=10,
-                bank_before_wait=early)
-    held = AttnResConfig(hold_bf16=True, **deep)
-    h, hn = _check(args, config=AttnResConfig(**deep))
-    h16, hn16 = attn_res_norm(*args, config=held)
-    assert torch.equal(h16, h) and torch.equal(hn16, hn)
-    assert count_launches(lambda a: attn_res_norm(*a, config=held), args).count == 1
-
-
 @pytest.mark.parametrize("n,launches", [(0, 1), (1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (8, 2)])
 def test_default_schedule_by_depth(device, n, launches):
     """The defaults: one program below split_min_candidates candidates, the split from it."""
@@ -255,7 +240,7 @@ def test_bad_input(device, param, change):
                                          ("split_min_candidates", True), ("pdl", 1),
                                          ("one_chunk_elems", 100), ("one_chunk_elems", True),
                                          ("one_chunk_min_candidates", 0),
-                                         ("bank_before_wait", 1), ("hold_bf16", "yes")])
+                                         ("bank_before_wait", 1)])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         AttnResConfig(**{field: value})
@@ -397,13 +382,7 @@ GPU_CONFIGS = {"default": AttnResConfig(), "one": AttnResConfig(split_h=0),
                                                bank_before_wait=True),
                "bank-early-split": AttnResConfig(split_min_candidates=1, bank_before_wait=True),
                "one-pass-deep": AttnResConfig(one_chunk_elems=32768, split_min_candidates=6,
-                                              num_warps=16, bank_before_wait=True),
-               "one-pass-bf16": AttnResConfig(one_chunk_elems=65536, tile_elems=65536,
-                                              split_min_candidates=10, hold_bf16=True,
-                                              bank_before_wait=True),
-               "one-pass-bf16-w16": AttnResConfig(one_chunk_elems=65536, tile_elems=65536,
-                                                  split_min_candidates=10, hold_bf16=True,
-                                                  num_warps=16, bank_before_wait=True)}
+                                              num_warps=16, bank_before_wait=True)}
 
 
 @pytest.mark.gpu
