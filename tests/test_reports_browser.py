@@ -5,8 +5,8 @@ decode, or a stylesheet it links that is missing. A screenshot of each page is s
 test's temporary folder.
 
 Pages checked: a fresh CPU batch of the fixture notebooks (the views fixture with a timeline,
-its Perfetto trace, a widget and a summary card among them), and the committed H200 reports
-under ``executed/h200`` when present.
+its Perfetto trace, a widget and a summary card among them), and the committed reports
+under ``executed/h200`` (H200) and ``executed/h100`` (H100) when present.
 """
 
 import json
@@ -101,12 +101,14 @@ def test_fresh_reports_open_cleanly(browser, fresh_reports, tmp_path):
     assert (tmp_path / "shots" / "index.png").stat().st_size > 0
 
 
-H200 = REPO / "executed" / "h200" / "index.html"
+COMMITTED = [REPO / "executed" / gpu / "index.html" for gpu in ("h200", "h100")]
 
 
-@pytest.mark.skipif(not H200.exists(), reason="no committed H200 reports (executed/h200)")
-def test_committed_h200_reports_open_cleanly(browser, tmp_path):
-    pages = _pages(H200)
+@pytest.mark.parametrize("index", COMMITTED, ids=lambda p: p.parent.name)
+def test_committed_reports_open_cleanly(browser, tmp_path, index):
+    if not index.exists():
+        pytest.skip(f"no committed reports ({index.parent.relative_to(REPO)})")
+    pages = _pages(index)
     assert len(pages) > 1
     problems = {p.name: _check_page(browser, p, tmp_path / "shots") for p in pages}
     assert {k: v for k, v in problems.items() if v} == {}
