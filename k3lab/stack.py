@@ -125,8 +125,9 @@ CATALOGUE: tuple[Change, ...] = (
            "routing, the route-to-expert handoff and both stages in one launch",
            ("moe.route_select", "moe.sort", "moe.expert_align", "moe.stage1", "moe.stage2"),
            needs=("moe:persistent",)),
-    Change("fp8-latent-tail", "FP8 latent tail up-projection (per-channel scales; #18)", (),
-           requires=("fused-latent-tail",), needs=("moe:fp8-tail",)),
+    Change("fp8-latent-tail", "FP8 latent tail up-projection (per-channel scales; #18), in the "
+           "persistent MoE launch", (), requires=("fused-latent-tail", "persistent-moe"),
+           needs=("moe:persistent_fp8_tail",)),
 )
 CHANGES = {c.name: c for c in CATALOGUE}
 
@@ -401,14 +402,14 @@ def _route(run: _Run, x, w: dict, cfg: Preset):
                                           out_dim=cfg.moe_in, **route)
 
 
-def _persistent(x, w: dict, cfg: Preset) -> torch.Tensor:
-    """The moe boundary's ``persistent`` variant on the whole block (routing included)."""
+def _persistent(x, w: dict, cfg: Preset, variant: str = "persistent") -> torch.Tensor:
+    """A persistent variant of the moe boundary on the whole block (routing included)."""
     from k3lab.boundaries import get
     from k3lab.boundaries.moe import Weights
 
     inputs = {"x": x, "weights": Weights(w), "cfg": cfg, "plan": None, "route": True,
               "block_m": 1}
-    return get("moe").variant("persistent").fn(inputs)
+    return get("moe").variant(variant).fn(inputs)
 
 
 def _kernel_experts(w: dict) -> dict:
@@ -428,7 +429,8 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
         tag("MoE experts")
         if run.record is not None:
             run.record.append(None)
-        return _persistent(x, w, cfg), False
+        fp8_tail = "fp8-latent-tail" in run.stack.names and cfg.latent
+        return _persistent(x, w, cfg, "persistent_fp8_tail" if fp8_tail else "persistent"), False
     k, act = _kernels(), _act(cfg)
     tag("routing")
     plan = _route(run, x, w, cfg)

@@ -271,3 +271,26 @@ def test_launch_choices_on_the_gpu(device):
     lo, med, hi = (t[f"window vs defaults, interleaved {k}"] for k in ("min", "median", "max"))
     assert (lo > 0).all() and (lo <= med).all() and (med <= hi).all(), t
     assert lo.iloc[0] == hi.iloc[0] == 1.0  # the defaults against themselves
+
+
+def test_fp8_latent_tail_runs_the_persistent_variant_with_the_fp8_tail(device, monkeypatch):
+    """In the reviewed stack, fp8-latent-tail makes every MoE layer run the moe boundary's
+    persistent_fp8_tail variant (persistent-moe alone: persistent), and the token still meets
+    the truth check."""
+    ran: list[str] = []
+    persistent = stack._persistent
+
+    def spy(x, w, cfg, variant="persistent"):
+        ran.append(variant)
+        return persistent(x, w, cfg, variant)
+
+    monkeypatch.setattr(stack, "_persistent", spy)
+    cfg = preset("tiny")
+    tok = study.build(cfg, device, window=1, context=24, expert_format="mxfp4")
+    base = ["persistent-moe", "fused-latent-tail"]
+    stacks = {"bf16 tail": stack.compose(base),
+              "fp8 tail": stack.compose([*base, "fp8-latent-tail"])}
+    check = study.check_token(tok, stacks, study.configs_for(device), 4)
+    assert check["ok"].all(), check
+    moe_layers = len(tok["layer_ids"]) - 1  # layer 0 has a dense MLP
+    assert ran == ["persistent"] * moe_layers + ["persistent_fp8_tail"] * moe_layers

@@ -12,10 +12,12 @@ issue's whole-block figure. Variants:
   layout where the shapes allow); the other variants read the model's row layout. It passes
   ``inputs.get("config")`` (a ``k3lab.kernels.moe.MoEConfig`` or None: the defaults) to the
   launchers, which is how a benchmark sweep sets the kernels' tuning choices;
-- persistent / persistent_a8w4: ``k3lab.kernels.moe.persistent.moe_persistent``, the whole block
-  in one launch (route_sort's plus one with routing), W4A16 (bf16 activations) or A8W4 (e4m3
-  activations quantized in the kernel); it passes ``inputs["config"]`` when that is a
-  ``PersistentMoEConfig`` (else the defaults), with its activation format set by the variant;
+- persistent / persistent_a8w4 / persistent_fp8_tail: ``k3lab.kernels.moe.persistent.
+  moe_persistent``, the whole block in one launch (route_sort's plus one with routing), W4A16
+  (bf16 activations), A8W4 (e4m3 activations quantized in the kernel) or W4A16 with the latent
+  tail's up-projection in e4m3 with per-row scales (the seed's #18); it passes
+  ``inputs["config"]`` when that is a ``PersistentMoEConfig`` (else the defaults), with its
+  activation format and tail set by the variant;
 - grouped: strong eager torch: gather the selected experts' weights (MXFP4 dequantized in
   bf16 by a byte lookup), two batched matmuls (bmm), fp32 weighted sum, cuBLAS dense
   projections;
@@ -226,7 +228,8 @@ def _fused_dense(inputs: dict) -> torch.Tensor:
 
 # Launches of the fused variants: (given the plan, with routing).
 LAUNCHES = {"fused": (3, 4), "fused+dense": (4, 5), "persistent": (1, 2),
-            "persistent_a8w4": (1, 2)}
+            "persistent_a8w4": (1, 2), "persistent_fp8_tail": (1, 2)}
+PERSISTENT_VARIANTS = ("persistent", "persistent_a8w4", "persistent_fp8_tail")
 # Output vs the fp32 truth for quantized numerics, which the persistent variants mark their
 # output with (``k3lab_numerics``): (relative norm error, elementwise error as a multiple of
 # rms(truth)); derived in tests/kernels/test_moe_persistent.py, which checks these values.
@@ -267,9 +270,11 @@ _INTERPRETER_ITEMS = dict(front_block_n=128, expert_block_n=128, tail_block_n=25
                           max_products=1 << 22)
 
 
-def _persistent(activations: str):
+def _persistent(activations: str, tail_fp8: bool = False):
     def run(inputs: dict) -> torch.Tensor:
         config = persistent_config(activations, inputs.get("config"))
+        if tail_fp8:
+            config = dataclasses.replace(config, tail_fp8=True)
         cfg = inputs["cfg"]
         out = moe_persistent(inputs["x"], _persistent_weights(inputs["weights"], config),
                              cfg=cfg, plan=_own_plan(inputs),
@@ -623,6 +628,10 @@ BOUNDARY = Boundary(
         Variant("persistent_a8w4", "fused", _persistent("fp8"),
                 "the persistent launch with e4m3 expert activations quantized per row in the "
                 "kernel (A8W4 with MXFP4 experts)"),
+        Variant("persistent_fp8_tail", "fused", _persistent("bf16", tail_fp8=True),
+                "the W4A16 persistent launch with the latent tail's up-projection in e4m3, "
+                "one scale per output row (quantized once, as at load time; the seed's #18): "
+                "half the tail's weight bytes"),
         Variant("grouped", "peer", _grouped,
                 "eager torch: gather the selected experts' weights (MXFP4 dequantized), bmm for "
                 "each stage, fp32 weighted sum, cuBLAS dense projections"),

@@ -283,7 +283,7 @@ def bar(s: Setup, records: pd.DataFrame, stages: pd.DataFrame, kernels: dict,
                  f"tp {s.cfg.tp})", "measured": fused_us / dense_us, "target": 1.3,
                  "ok": fused_us / dense_us >= 1.3 if at_tp8 else None,
                  "note": f"fused {fused_us:.1f} us, fused+dense {dense_us:.1f} us"})
-    for v in ("persistent", "persistent_a8w4"):
+    for v in bmoe.PERSISTENT_VARIANTS:
         n_v, us = profile.value(rec_route, v, "launches"), _lat(rec_route, v, mode)
         if not math.isnan(n_v):  # the variant ran
             rows.append({"check": f"{v}: <= 2 launches and <= 55 us with routing ({mode}, "
@@ -421,10 +421,9 @@ def headline(s: Setup, records: pd.DataFrame, stages: pd.DataFrame, sweep_tf: pd
         "fused launches given the plan": int(profile.value(plan_r, "fused", "launches")),
         "reference launches with routing": int(profile.value(route_r, "reference", "launches")),
         **{f"{v} block us with routing ({mode})": round(_lat(route_r, v, mode), 2)
-           for v in ("fused", "fused+dense", "persistent", "persistent_a8w4", "reference",
-                     "grouped")},
+           for v in ("fused", "fused+dense", *bmoe.PERSISTENT_VARIANTS, "reference", "grouped")},
         **{f"{v} launches with routing": _count(profile.value(route_r, v, "launches"))
-           for v in ("fused+dense", "persistent", "persistent_a8w4")},
+           for v in ("fused+dense", *bmoe.PERSISTENT_VARIANTS)},
         f"fused / fused+dense with routing ({mode})": round(
             _lat(route_r, "fused", mode) / _lat(route_r, "fused+dense", mode), 3),
         f"speedup vs reference with routing ({mode})": round(

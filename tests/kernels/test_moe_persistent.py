@@ -349,7 +349,7 @@ def test_boundary_tolerances_are_the_derived_ones():
         "w4a16+fp8 tail": (W4A16_FP8_TAIL_FRO, W4A16_FP8_TAIL_ELEM)}
 
 
-@pytest.mark.parametrize("name", ["persistent", "persistent_a8w4"])
+@pytest.mark.parametrize("name", ["persistent", "persistent_a8w4", "persistent_fp8_tail"])
 def test_boundary_variants(name, device):
     """Registered on the moe boundary: the boundary's check passes (with the format's
     tolerances), and the launches are the boundary's LAUNCHES (1 given the plan, 2 routing)."""
@@ -362,7 +362,9 @@ def test_boundary_variants(name, device):
     assert v.role == "fused"
     inputs = {**inputs, "config": BIG}
     out = v.fn(clone_inputs(inputs))
-    assert getattr(out, "k3lab_numerics", None) == ("a8w4" if name.endswith("a8w4") else None)
+    assert getattr(out, "k3lab_numerics", None) == {
+        "persistent": None, "persistent_a8w4": "a8w4",
+        "persistent_fp8_tail": "w4a16+fp8 tail"}[name]
     b.check(out, None, inputs)
     lc = count_launches(v.fn, clone_inputs(inputs), warmup=False)
     assert lc.count == bmoe.LAUNCHES[name][1], lc.kernels
