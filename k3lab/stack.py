@@ -125,9 +125,9 @@ CATALOGUE: tuple[Change, ...] = (
            "routing, the route-to-expert handoff and both stages in one launch",
            ("moe.route_select", "moe.sort", "moe.expert_align", "moe.stage1", "moe.stage2"),
            needs=("moe:persistent",)),
-    Change("fp8-latent-tail", "FP8 latent tail up-projection (per-channel scales; #18), in the "
-           "persistent MoE launch", (), requires=("fused-latent-tail", "persistent-moe"),
-           needs=("moe:persistent_fp8_tail",)),
+    Change("fp8-latent-tail", "FP8 latent tail up-projection (per-channel scales; #18): in "
+           "the persistent MoE launch, or in the fused tail's dense GEMV", (),
+           requires=("fused-latent-tail",), needs=("moe:persistent_fp8_tail",)),
 )
 CHANGES = {c.name: c for c in CATALOGUE}
 
@@ -412,6 +412,15 @@ def _persistent(x, w: dict, cfg: Preset, variant: str = "persistent") -> torch.T
     return get("moe").variant(variant).fn(inputs)
 
 
+def _fp8_up(w: dict):
+    """The latent up-projection as e4m3 rows with their scales (``fp8_rows_quantize``), made on
+    the first call (an eager one, before any capture) and kept in ``w``, as at load time."""
+    if "latent_up_fp8" not in w:
+        from k3lab.kernels.moe.persistent import fp8_rows_quantize
+        w["latent_up_fp8"] = fp8_rows_quantize(w["latent_up"])
+    return w["latent_up_fp8"]
+
+
 def _kernel_experts(w: dict) -> dict:
     """The experts in the fused kernels' layout (``moe_kernel_weights``: MXFP4 tiled), made on
     the first fused call (an eager one, before any capture) and kept in ``w``, as an engine lays
@@ -474,13 +483,21 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
     norm, up = (w["latent_norm"], w["latent_up"]) if cfg.latent else (None, None)
     if run.fused("moe.latent_up"):
         tag("dense projections")
+        fp8 = "fp8-latent-tail" in run.stack.names and cfg.latent
         if cfg.latent and shared is not None:
             # the MoE block's dense_projections tail: one dense GEMV launch, the RMSNorm in its
             # prologue, the shared down-projection its second product, the residual its epilogue
+            # (fp8-latent-tail: the up-projection's e4m3 rows, scaled per row)
             from k3lab.kernels.dense import dense_gemv
-            return dense_gemv(y, up, norm_weight=norm, eps=cfg.rms_eps, x2=shared_a,
-                              weight2=shared["w2"], residual=residual,
+            q = _fp8_up(w) if fp8 else None
+            return dense_gemv(y, q.values if fp8 else up, norm_weight=norm, eps=cfg.rms_eps,
+                              x2=shared_a, weight2=shared["w2"], residual=residual,
+                              weight_scale=q.scales if fp8 else None,
                               config=run.configs.gemv), True
+        if fp8:
+            raise ValueError("stack: fp8-latent-tail runs in the persistent MoE launch or the "
+                             "fused tail's dense GEMV, which needs shared experts; this preset "
+                             "has none")
         return k.latent_moe_tail(y, norm, up, shared, eps=cfg.rms_eps), False
     out = y
     if cfg.latent:

@@ -40,9 +40,12 @@ def _split(y, splits):
 
 
 def dense_reference(x, weight, *, splits=None, activation=None, residual=None,
-                    norm_weight=None, x2=None, weight2=None, eps=1e-5, situ_beta=4.0,
-                    situ_linear_beta=25.0):
-    """fp32 truth of ``k3lab.kernels.dense.dense_gemv`` (same arguments, fp32 outputs)."""
+                    norm_weight=None, x2=None, weight2=None, weight_scale=None, eps=1e-5,
+                    situ_beta=4.0, situ_linear_beta=25.0):
+    """fp32 truth of ``k3lab.kernels.dense.dense_gemv`` (same arguments, fp32 outputs); an e4m3
+    weight is taken as its values times ``weight_scale`` per row."""
+    if weight_scale is not None:
+        weight = weight.float() * weight_scale.float()[:, None]
     xf = rms_norm(x, norm_weight, eps) if norm_weight is not None else x.float()
     if splits is not None and activation is not None:  # plain rows, then gate/up rows
         p = splits[0]

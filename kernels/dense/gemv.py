@@ -99,10 +99,10 @@ def _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off, acc, acc_u, s
         acc += tl.dot(b_xf, tl.trans(b_w.to(tl.float32)))
         if TWO:
             acc_u += tl.dot(b_xf, tl.trans(b_u.to(tl.float32)))
-    else:
-        acc += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_w))
+    else:  # e4m3 weights widen to bf16 (exact) for the bf16 tensor-core product
+        acc += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_w.to(tl.bfloat16)))
         if TWO:
-            acc_u += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_u))
+            acc_u += tl.dot(b_xf.to(tl.bfloat16), tl.trans(b_u.to(tl.bfloat16)))
     return acc, acc_u, ss
 
 
@@ -222,8 +222,9 @@ def _split_reduce(acc, acc_u, p_ws, p_cnt, i_n, i_k, o_m, m_m, o_n, m_n, M, N,
 
 
 @triton.jit
-def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3, b4, b5,
-          b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M: tl.constexpr,
+def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3,
+          b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta,
+          SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
           NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
           DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
@@ -231,7 +232,7 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
           UNROLL: tl.constexpr):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns.
     GATE_UP_TOGETHER: with ACT, the gate and up rows stream in one K loop (else one loop
-    each)."""
+    each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales)."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_m = tl.arange(0, BLOCK_M)
@@ -249,9 +250,14 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
     b_res = 0.0  # the residual, loaded before the K loop so its latency hides behind it
     if RESIDUAL and SPLIT_K == 1:
         b_res = _residual(p_res, o_m, m_m, o_n, m_n, N)
+    b_sc = 1.0
+    if SCALED:  # loaded before the K loop, as the residual
+        b_sc = tl.load(p_sc + o_n, mask=m_n, other=0.0)[None, :]
     together = ACT != 0 and GATE_UP_TOGETHER
     acc, acc_u, ss = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, N * K, BLOCK_M,
                              BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, together, UNROLL)
+    if SCALED:
+        acc = acc * b_sc
     if ACT != 0 and not together:
         acc_u, _, _ = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, 0,
                               BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, False,
@@ -285,9 +291,10 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1,
 
 
 @triton.jit
-def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3, b4, b5, b6,
-                      b7, M, N, K, K_SPLIT, K2, K2_SPLIT, T0, NG, eps,
-                      beta, linear_beta, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3, b4,
+                      b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, T0, NG, eps,
+                      beta, linear_beta, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
                       DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -300,23 +307,25 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2
     first (after its RMSNorm) before the epilogue.
     MIXED: tiles [0, T0) are N plain rows (output [M, N]); tiles from T0 are the activation's NG
     outputs (weight rows N.. gate, N + NG.. up; output [M, NG] after the first).
-    UNROLL: K steps of a share, unrolled (0: a pipelined loop)."""
+    UNROLL: K steps of a share, unrolled (0: a pipelined loop).
+    SCALED (plain rows only): the weight is e4m3 with one fp32 scale per row at p_sc."""
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
     if MIXED:
         if i_n >= T0:
             _tile(i_n - T0, i_n, i_k, p_x, p_w + N * K, p_y + M * N, p_res, p_g,
-                  p_ws + SPLIT_K * M * N, p_cnt, p_x2, p_w2, b1, b2, b3, b4, b5, b6, b7, M, NG,
-                  K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M, BLOCK_N, BLOCK_K,
-                  SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
-                  WAIT_LAST, GATE_UP_TOGETHER, UNROLL)
-        else:
-            _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3,
-                  b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta,
-                  BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1, False, DOT_FP32, PDL,
+                  p_ws + SPLIT_K * M * N, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3, b4, b5, b6, b7,
+                  M, NG, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, False, BLOCK_M,
+                  BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL,
                   PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL)
+        else:
+            _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1,
+                  b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta,
+                  linear_beta, False, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1,
+                  False, DOT_FP32, PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER,
+                  UNROLL)
     else:
-        _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, b1, b2, b3, b4,
-              b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, BLOCK_M,
-              BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32, PDL,
-              PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL)
+        _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3,
+              b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, SCALED,
+              BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
+              PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL)

@@ -83,14 +83,17 @@ def _ticket_buffer(device: torch.device, tiles: int) -> torch.Tensor:
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation=None,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                x2: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
-               eps: float = 1e-5, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+               weight_scale: torch.Tensor | None = None, eps: float = 1e-5,
+               situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None):
     """y = x @ weight^T for a decode batch, one launch.
 
     x: bf16 or fp32 [M, K], 1 <= M <= MAX_TOKENS (fp32 x meets the weights in fp32 at one
     token; several tokens round it to bf16 for the tensor cores).
     weight: bf16 [N, K] (with ``activation``, [2S, K]: gate rows then up rows, and
-    y = act(x @ gate^T, x @ up^T) is [M, S]).
+    y = act(x @ gate^T, x @ up^T) is [M, S]); or e4m3 (torch.float8_e4m3fn) [N, K] with
+    ``weight_scale``, fp32 [N], y = x @ (weight * weight_scale[:, None])^T (no activation, no
+    splits; ``x2 @ weight2^T`` is added unscaled).
     splits: row counts summing to N (merged projections): returns a tuple of contiguous
         [M, n_i] tensors, one per segment, instead of one [M, N] tensor. With ``activation``:
         (plain rows, 2S gate/up rows), returning ([M, plain], act [M, S]).
@@ -104,8 +107,20 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     """
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float32), dim=2)
     dev = x.device
-    check_tensor("weight", weight, dtypes=(torch.bfloat16,), dim=2, device=dev)
+    check_tensor("weight", weight, dtypes=(torch.bfloat16, torch.float8_e4m3fn), dim=2,
+                 device=dev)
     m, k = x.shape
+    if (weight.dtype == torch.float8_e4m3fn) != (weight_scale is not None):
+        raise ValueError("weight_scale: expected fp32 [N] row scales with an e4m3 weight, and "
+                         f"none with a bf16 one; got weight {weight.dtype}, weight_scale "
+                         f"{None if weight_scale is None else weight_scale.dtype}")
+    if weight_scale is not None:
+        check_tensor("weight_scale", weight_scale, dtypes=(torch.float32,), dim=1, device=dev)
+        if weight_scale.numel() != weight.shape[0]:
+            raise ValueError(f"weight_scale: expected [N={weight.shape[0]}], got "
+                             f"{list(weight_scale.shape)}")
+        if activation is not None or splits is not None:
+            raise ValueError("weight_scale: an e4m3 weight takes no activation and no splits")
     if not 1 <= m <= MAX_TOKENS:
         raise ValueError(f"x: expected 1 <= M <= {MAX_TOKENS} tokens (a decode batch), got "
                          f"M={m}")
@@ -200,9 +215,11 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     dense_gemv_kernel[(tiles, split)](
         x, weight, y, residual if residual is not None else x,
         norm_weight if norm_weight is not None else x, ws, cnt,
-        x2 if x2 is not None else x, weight2 if weight2 is not None else weight, *starts,
+        x2 if x2 is not None else x, weight2 if weight2 is not None else weight,
+        weight_scale if weight_scale is not None else y, *starts,
         m, n, k, k_split, k2, k2_split, t0, ng, eps, beta, linear_beta,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split,
+        SCALED=weight_scale is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, SPLIT_K=split,
         ACT=act, NORM=norm_weight is not None, RESIDUAL=residual is not None,
         N_SEG=len(bounds), DUAL=x2 is not None, MIXED=mixed, DOT_FP32=INTERPRETED, PDL=pdl,
         PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,

@@ -210,6 +210,54 @@ def test_dual_product_with_norm(m, cfg, device):
     _close(got, want, terms, rounded_inputs=m > 1)
 
 
+def _e4m3_rows(w):
+    """Per-row e4m3 values and fp32 scales of w (amax / 448, as fp8_rows_quantize)."""
+    amax = w.float().abs().amax(1)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+E4M3_CASES = [(1, None), (1, GemvConfig(block_n=8, block_k=64, split_k=3)),
+              (1, GemvConfig(block_n=16, block_k=64, unroll_k=True)), (4, None)]
+
+
+@pytest.mark.parametrize("m,cfg", E4M3_CASES, ids=["M1", "M1-split3", "M1-unroll", "M4"])
+def test_e4m3_weight_with_row_scales(m, cfg, device):
+    """An e4m3 weight times its row scales: the same sums as its values in bf16 would give,
+    scaled per row (e4m3 values are exact in bf16 and fp32); rows of zeros and of mixed
+    magnitudes among them."""
+    x, w = _data(m, 37, 320, 41 + m, scale=3.0)
+    w[3] = 0
+    w[5] *= 100.0
+    q, scale = _e4m3_rows(w)
+    got = dense_gemv(x.to(device), q.to(device), weight_scale=scale.to(device), config=cfg).cpu()
+    want = dense_reference(x, q, weight_scale=scale)
+    _close(got, want, _terms(x, q.float() * scale[:, None]), rounded_inputs=m > 1)
+    assert got[:, 3].float().abs().max() == 0
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_e4m3_tail_norm_second_product_and_residual(m, device):
+    """The MoE tail's launch with an e4m3 up-projection: RMSNorm(y) @ (values * scale)^T +
+    shared @ W2^T + residual; the scale applies to the first product only."""
+    gen = torch.Generator().manual_seed(7 + m)
+    y = torch.randn(m, 192, generator=gen) * 2.0
+    x2 = torch.randn(m, 72, generator=gen).bfloat16()
+    w = (torch.randn(45, 192, generator=gen) / 192 ** 0.5).bfloat16()
+    w2 = (torch.randn(45, 72, generator=gen) / 72 ** 0.5).bfloat16()
+    g = torch.rand(192, generator=gen) + 0.5
+    res = torch.randn(m, 45, generator=gen).bfloat16()
+    q, scale = _e4m3_rows(w)
+    got = dense_gemv(y.to(device), q.to(device), weight_scale=scale.to(device),
+                     norm_weight=g.to(device), eps=1e-5, x2=x2.to(device),
+                     weight2=w2.to(device), residual=res.to(device)).cpu()
+    want = dense_reference(y, q, weight_scale=scale, norm_weight=g, eps=1e-5, x2=x2,
+                           weight2=w2, residual=res)
+    terms = (rms_norm(y, g, 1e-5).abs() @ (q.float() * scale[:, None]).abs().T
+             + x2.float().abs() @ w2.float().abs().T + res.float().abs())
+    _close(got, want, terms, rounded_inputs=m > 1)
+
+
 def test_engine_baseline_matches_reference():
     x, w = _data(2, 48, 256, 8)
     g = torch.rand(256) + 0.5
@@ -307,6 +355,15 @@ BAD = [
     (dict(x2=torch.zeros(2, 8).bfloat16(), weight2=torch.zeros(31, 8).bfloat16()), "weight2"),
     (dict(x2=torch.zeros(2, 8).bfloat16(), weight2=torch.zeros(32, 8).bfloat16(),
           activation="situ"), "x2: a second product"),
+    (dict(w=torch.zeros(32, 64).to(torch.float8_e4m3fn)), "weight_scale: expected fp32 \\[N\\]"),
+    (dict(weight_scale=torch.ones(32)), "weight_scale: expected fp32 \\[N\\]"),
+    (dict(w=torch.zeros(32, 64).to(torch.float8_e4m3fn), weight_scale=torch.ones(31)),
+     "weight_scale: expected \\[N=32\\]"),
+    (dict(w=torch.zeros(32, 64).to(torch.float8_e4m3fn), weight_scale=torch.ones(32).double()),
+     "weight_scale: expected dtype"),
+    (dict(w=torch.zeros(32, 64).to(torch.float8_e4m3fn), weight_scale=torch.ones(32),
+          activation="situ"), "weight_scale: an e4m3 weight"),
+    (dict(w=torch.zeros(32, 64).half()), "weight: expected dtype"),
 ]
 
 
