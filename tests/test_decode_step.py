@@ -318,3 +318,21 @@ def test_fp8_latent_tail_in_the_dense_tail(device):
     check = study.check_token(tok, {"fp8 tail": fp8}, study.configs_for(device), 4)
     assert check["ok"].all(), check
     assert _holds(tok, "latent_up_fp8")
+
+
+def test_stack_choices_add_one_change_to_the_full_stack(device, capsys):
+    """The launch-choice table's stack choices: the full stack plus the change (checked against
+    the truth here, as the table checks every choice first); none where the change is already
+    in, and a change that cannot join is left out with a note."""
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    got = study.stack_choices(full)
+    assert list(got) == [label for label, _ in study.STACK_CHOICES]
+    for (_, name), st in zip(study.STACK_CHOICES, got.values(), strict=True):
+        assert set(st.names) == {*full.names, name}
+    assert study.stack_choices(next(iter(got.values()))) == {}
+    assert study.stack_choices(stack.compose([])) == {}
+    assert "left out" in capsys.readouterr().out
+    cfg = preset("tiny")
+    tok = study.build(cfg, device, window=2, context=24, expert_format="mxfp4")
+    check = study.check_token(tok, {"full": full, **got}, study.configs_for(device), 4)
+    assert check["ok"].all(), check

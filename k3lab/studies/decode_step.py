@@ -22,7 +22,8 @@ from k3lab.studies.decode_bytes import token_bytes
 from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 
 __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
-           "launch_choices", "PDL_CHOICES", "CONFIG_CHOICES", "set_context", "check_token",
+           "launch_choices", "PDL_CHOICES", "CONFIG_CHOICES", "STACK_CHOICES", "set_context",
+           "check_token",
            "LOGITS_RTOL", "waterfall", "waterfall_table",
            "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "breakdown_plot",
            "layer_timelines", "context_sweep", "headline", "picker", "CUBLAS_LABEL",
@@ -241,14 +242,38 @@ INTERLEAVED_ROUNDS = 7
 CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
                    {"bank_before_wait": False}),
                   ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}))
+# Changes of the catalogue timed in the token on top of the full stack, each alone with the
+# configs given: (label, the change). A change joins the integration stack once measured here.
+STACK_CHOICES = (("FP8 latent tail (#18) in the fused tail's dense GEMV", "fp8-latent-tail"),)
+
+
+def stack_choices(full: stack.Stack) -> dict:
+    """label -> the full stack with that :data:`STACK_CHOICES` change added, for the changes
+    not in it already that can join it (the others' notes printed)."""
+    out = {}
+    for label, name in STACK_CHOICES:
+        if name in full.names:
+            continue
+        try:
+            st, notes = stack.runnable(stack.compose([*full.names, name]))
+        except ValueError as exc:  # it cannot join this stack
+            print(f"launch choices: {label}: left out ({exc})")
+            continue
+        for note in notes:
+            print(f"launch choices: {label}: {note}")
+        if name in st.names:
+            out[label] = st
+    return out
 
 
 def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Configs,
                    num_splits: int, repeats: int | None = None) -> pd.DataFrame:
     """The full stack's token with ``configs`` ("defaults"), then with each of
     :data:`PDL_CHOICES` toggled (by PDL where the default is a plain launch, plain where it is
-    PDL), then all of them toggled, then each of :data:`CONFIG_CHOICES` alone, measured
-    back to back in this run, each checked against the fp32 truth first: tok/s, launches,
+    PDL), then all of them toggled, then each of :data:`CONFIG_CHOICES` alone, then each of
+    :data:`STACK_CHOICES` (the full stack with one more change; one that cannot join it is
+    left out, its note printed), measured back to back in this run, each checked against the
+    fp32 truth first: tok/s, launches,
     ratio to the defaults; then the window's graphs of every choice replayed in turn over
     :data:`INTERLEAVED_ROUNDS` rounds (``profile.time_interleaved``): the defaults' window
     time over each choice's, its median, min and max over the rounds (the spread says how
@@ -274,7 +299,10 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
     for label, field, cls, changes in CONFIG_CHOICES:
         choices[label] = dataclasses.replace(
             configs, **{field: dataclasses.replace(current(field, cls), **changes)})
-    checks = check_token(token, dict.fromkeys(choices, full), choices, num_splits)
+    stacks = dict.fromkeys(choices, full)
+    for label, st in stack_choices(full).items():
+        stacks[label], choices[label] = st, configs
+    checks = check_token(token, stacks, choices, num_splits)
     bad = checks[~checks["ok"]]
     if len(bad):
         raise AssertionError("logits off the fp32 truth: " + "; ".join(
@@ -282,14 +310,14 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
             for _, r in bad.iterrows()))
     rows = []
     for (label, cfgs), err in zip(choices.items(), checks["max abs error"], strict=True):
-        f = measure_token(full, token, device, label=label, configs=cfgs,
+        f = measure_token(stacks[label], token, device, label=label, configs=cfgs,
                           num_splits=num_splits, repeats=repeats)
         rows.append({"choice": label, "token us": f.token_us, "tok/s": f.tok_per_s,
                      "launches per token": round(f.launches), "max abs error": err})
     out = pd.DataFrame(rows)
     out["vs defaults"] = out["tok/s"] / out["tok/s"].iloc[0]
-    runs = {label: (lambda tk, c=cfgs: stack.run_token(full, tk, num_splits=num_splits,
-                                                       configs=c))
+    runs = {label: (lambda tk, c=cfgs, st=stacks[label]: stack.run_token(
+                st, tk, num_splits=num_splits, configs=c))
             for label, cfgs in choices.items()}
     try:
         r = profile.interleaved_ratios(profile.time_interleaved(runs, token,
