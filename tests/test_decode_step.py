@@ -336,3 +336,21 @@ def test_stack_choices_add_one_change_to_the_full_stack(device, capsys):
     tok = study.build(cfg, device, window=2, context=24, expert_format="mxfp4")
     check = study.check_token(tok, {"full": full, **got}, study.configs_for(device), 4)
     assert check["ok"].all(), check
+
+
+def test_a_stack_choice_off_the_truth_is_dropped_a_launch_choice_is_an_error(capsys):
+    full, other = stack.compose([]), stack.compose(["dense-gemv"])
+
+    def checks(oks):
+        return pd.DataFrame({"stack": list(oks), "ok": list(oks.values()),
+                             "max abs error": 1.0, "tolerance": 0.5})
+
+    choices = {"defaults": 0, "plain": 1, "fp8": 2}
+    stacks = {"defaults": full, "plain": full, "fp8": other}
+    kept = study._checked(checks({"defaults": True, "plain": True, "fp8": False}), choices,
+                          stacks, full)
+    assert list(kept["stack"]) == list(choices) == list(stacks) == ["defaults", "plain"]
+    assert "fp8: logits off the fp32 truth" in capsys.readouterr().out
+    choices, stacks = {"defaults": 0, "plain": 1}, {"defaults": full, "plain": full}
+    with pytest.raises(AssertionError, match="plain by 1"):
+        study._checked(checks({"defaults": True, "plain": False}), choices, stacks, full)
