@@ -192,16 +192,22 @@ def test_mixed_plain_and_gated_rows(m, cfg, device):
     assert ((got - want).abs() <= bound + 1e-6).all()
 
 
-@pytest.mark.parametrize("m,cfg", [(1, None), (1, GemvConfig(block_n=8, block_k=64, split_k=4)),
-                                   (5, None)])
-def test_dual_product_with_norm(m, cfg, device):
-    """y = RMSNorm(x) @ W^T + x2 @ W2^T: the norm applies to the first product only."""
-    gen = torch.Generator().manual_seed(31 + m)
+def _tail_data(m, seed):
+    """x [M, 192] (fp32, not normalized), x2 [M, 72], W [45, 192], W2 [45, 72] (bf16) and a
+    norm weight [192]: the MoE tail's launch in small."""
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, 192, generator=gen) * 2.0
     x2 = torch.randn(m, 72, generator=gen).bfloat16()
     w = (torch.randn(45, 192, generator=gen) / 192 ** 0.5).bfloat16()
     w2 = (torch.randn(45, 72, generator=gen) / 72 ** 0.5).bfloat16()
-    g = torch.rand(192, generator=gen) + 0.5
+    return x, x2, w, w2, torch.rand(192, generator=gen) + 0.5
+
+
+@pytest.mark.parametrize("m,cfg", [(1, None), (1, GemvConfig(block_n=8, block_k=64, split_k=4)),
+                                   (5, None)])
+def test_dual_product_with_norm(m, cfg, device):
+    """y = RMSNorm(x) @ W^T + x2 @ W2^T: the norm applies to the first product only."""
+    x, x2, w, w2, g = _tail_data(m, 31 + m)
     got = dense_gemv(x.to(device), w.to(device), norm_weight=g.to(device), eps=1e-5,
                      x2=x2.to(device), weight2=w2.to(device), config=cfg).cpu()
     rn = rms_norm(x, g, 1e-5)
@@ -240,13 +246,8 @@ def test_e4m3_weight_with_row_scales(m, cfg, device):
 def test_e4m3_tail_norm_second_product_and_residual(m, device):
     """The MoE tail's launch with an e4m3 up-projection: RMSNorm(y) @ (values * scale)^T +
     shared @ W2^T + residual; the scale applies to the first product only."""
-    gen = torch.Generator().manual_seed(7 + m)
-    y = torch.randn(m, 192, generator=gen) * 2.0
-    x2 = torch.randn(m, 72, generator=gen).bfloat16()
-    w = (torch.randn(45, 192, generator=gen) / 192 ** 0.5).bfloat16()
-    w2 = (torch.randn(45, 72, generator=gen) / 72 ** 0.5).bfloat16()
-    g = torch.rand(192, generator=gen) + 0.5
-    res = torch.randn(m, 45, generator=gen).bfloat16()
+    y, x2, w, w2, g = _tail_data(m, 7 + m)
+    res = torch.randn(m, 45, generator=torch.Generator().manual_seed(m)).bfloat16()
     q, scale = _e4m3_rows(w)
     got = dense_gemv(y.to(device), q.to(device), weight_scale=scale.to(device),
                      norm_weight=g.to(device), eps=1e-5, x2=x2.to(device),
