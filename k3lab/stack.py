@@ -412,15 +412,6 @@ def _persistent(x, w: dict, cfg: Preset, variant: str = "persistent") -> torch.T
     return get("moe").variant(variant).fn(inputs)
 
 
-def _fp8_up(w: dict):
-    """The latent up-projection as e4m3 rows with their scales (``fp8_rows_quantize``), made on
-    the first call (an eager one, before any capture) and kept in ``w``, as at load time."""
-    if "latent_up_fp8" not in w:
-        from k3lab.kernels.moe.persistent import fp8_rows_quantize
-        w["latent_up_fp8"] = fp8_rows_quantize(w["latent_up"])
-    return w["latent_up_fp8"]
-
-
 def _kernel_experts(w: dict) -> dict:
     """The experts in the fused kernels' layout (``moe_kernel_weights``: MXFP4 tiled), made on
     the first fused call (an eager one, before any capture) and kept in ``w``, as an engine lays
@@ -434,11 +425,11 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
          ) -> tuple[torch.Tensor, bool]:
     """(the latent MoE's output [M, H] bf16 or fp32, whether ``residual`` is already added)."""
     tag = run.tag
+    fp8_tail = "fp8-latent-tail" in run.stack.names and cfg.latent
     if run.stack.owned_by("moe.stage1", "persistent-moe"):
         tag("MoE experts")
         if run.record is not None:
             run.record.append(None)
-        fp8_tail = "fp8-latent-tail" in run.stack.names and cfg.latent
         return _persistent(x, w, cfg, "persistent_fp8_tail" if fp8_tail else "persistent"), False
     k, act = _kernels(), _act(cfg)
     tag("routing")
@@ -483,18 +474,18 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
     norm, up = (w["latent_norm"], w["latent_up"]) if cfg.latent else (None, None)
     if run.fused("moe.latent_up"):
         tag("dense projections")
-        fp8 = "fp8-latent-tail" in run.stack.names and cfg.latent
         if cfg.latent and shared is not None:
             # the MoE block's dense_projections tail: one dense GEMV launch, the RMSNorm in its
             # prologue, the shared down-projection its second product, the residual its epilogue
             # (fp8-latent-tail: the up-projection's e4m3 rows, scaled per row)
+            from k3lab.boundaries.moe import fp8_tail_rows
             from k3lab.kernels.dense import dense_gemv
-            q = _fp8_up(w) if fp8 else None
-            return dense_gemv(y, q.values if fp8 else up, norm_weight=norm, eps=cfg.rms_eps,
-                              x2=shared_a, weight2=shared["w2"], residual=residual,
-                              weight_scale=q.scales if fp8 else None,
+            q = fp8_tail_rows(up) if fp8_tail else None
+            return dense_gemv(y, q.values if fp8_tail else up, norm_weight=norm,
+                              eps=cfg.rms_eps, x2=shared_a, weight2=shared["w2"],
+                              residual=residual, weight_scale=q.scales if fp8_tail else None,
                               config=run.configs.gemv), True
-        if fp8:
+        if fp8_tail:
             raise ValueError("stack: fp8-latent-tail runs in the persistent MoE launch or the "
                              "fused tail's dense GEMV, which needs shared experts; this preset "
                              "has none")

@@ -238,15 +238,20 @@ QUANTIZED_TOLERANCES = {"a8w4": (0.09, 0.27), "a8w4+fp8 tail": (0.1, 0.31),
 _FP8_TAILS: dict = {}  # id of a latent_up -> (it, its FP8Rows): quantized once, as at load time
 
 
+def fp8_tail_rows(up: torch.Tensor):
+    """``up`` (a latent up-projection) as e4m3 rows with their scales (``fp8_rows_quantize``),
+    made on the first call (an eager one, before any capture) and kept, as at load time."""
+    key = (id(up), up.data_ptr())
+    if key not in _FP8_TAILS:
+        _FP8_TAILS[key] = (up, fp8_rows_quantize(up))
+    return _FP8_TAILS[key][1]
+
+
 def _persistent_weights(weights, config: PersistentMoEConfig):
     """The weights moe_persistent reads: the model's (MXFP4 rows), plus the fp8 tail's."""
     if not (config.tail_fp8 and "latent_up" in weights):
         return weights
-    up = weights["latent_up"]
-    key = (id(up), up.data_ptr())
-    if key not in _FP8_TAILS:
-        _FP8_TAILS[key] = (up, fp8_rows_quantize(up))
-    return {**weights, "latent_up_fp8": _FP8_TAILS[key][1]}
+    return {**weights, "latent_up_fp8": fp8_tail_rows(weights["latent_up"])}
 
 
 def persistent_config(activations: str, config=None) -> PersistentMoEConfig:
