@@ -23,7 +23,7 @@ MLP, the layers with their AttnRes reads and block sums, the final read and norm
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -387,13 +387,18 @@ def _mla(run: _Run, x, state: dict, residual) -> torch.Tensor:
     return _linear(run, "mla.o_proj", o, w["o_proj"], residual=residual)
 
 
-def _route(run: _Run, x, w: dict, cfg: Preset):
+def _route(run: _Run, x, w: dict, cfg: Preset, early: bool = False):
+    """The plan; ``early``: route_sort lets the next launch (an overlapping MoE front) start
+    at once."""
     route = dict(top_k=cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
                  renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling)
     k = _kernels()
     if run.stack.owned_by("moe.route_select", "route-sort"):
+        rc = run.configs.route
+        if early:
+            rc = replace(rc or k.RouteConfig(), early_dependents=True)
         return k.route_sort(x, w["gate_weight"], w["correction_bias"], out_dim=cfg.moe_in,
-                            config=run.configs.route, **route)
+                            config=rc, **route)
     if run.fused("moe.gate_proj"):
         logits = k.gate_logits(x, w["gate_weight"], config=run.configs.route)
         return ref_route.route_from_logits_reference(logits, w["correction_bias"],
@@ -432,17 +437,28 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
             run.record.append(None)
         return _persistent(x, w, cfg, "persistent_fp8_tail" if fp8_tail else "persistent"), False
     k, act = _kernels(), _act(cfg)
+    merged = "front" in w and all(run.stack.owned_by(op, "dense-gemv")
+                                  for op in ("moe.latent_down", "moe.shared"))
+    moe_cfg = run.configs.moe or k.MoEConfig()
+    # as moe_block: the merged front reads x alone, so it may overlap route_sort (compiled, PDL)
+    # (a config that is not a MoEConfig is left for moe_experts to refuse)
+    overlap = (merged and run.stack.owned_by("moe.route_select", "route-sort")
+               and not k.INTERPRETED and isinstance(moe_cfg, k.MoEConfig)
+               and moe_cfg.pdl and moe_cfg.front_overlaps_route)
     tag("routing")
-    plan = _route(run, x, w, cfg)
+    plan = _route(run, x, w, cfg, early=overlap)
     if run.record is not None:
         run.record.append(plan.topk_ids.clone())
     tag("dense projections")
-    if "front" in w and all(run.stack.owned_by(op, "dense-gemv")
-                            for op in ("moe.latent_down", "moe.shared")):
+    if merged:
         # latent down and the shared gate/up read the same x: one launch over the merged rows
-        from k3lab.kernels.dense import dense_gemv
-        z, shared_a = dense_gemv(x, w["front"], splits=w["front_splits"],
-                                 config=run.configs.gemv, **act)
+        from k3lab.kernels.dense import default_config, dense_gemv
+        gc = run.configs.gemv
+        if overlap:  # it waits for the route only before its programs exit
+            d, s2 = w["front_splits"]
+            gc = replace(gc or default_config(x.shape[0], d + s2 // 2, x.shape[1], gated=True),
+                         pdl=True, wait_last=True)
+        z, shared_a = dense_gemv(x, w["front"], splits=w["front_splits"], config=gc, **act)
     else:
         z = _linear(run, "moe.latent_down", x, w["latent_down"]) if cfg.latent else x
         shared_a = (_linear(run, "moe.shared", x, w["shared_w13"], **act)
@@ -459,8 +475,9 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
     if run.fused("moe.stage1") and run.fused("moe.stage2"):
         # moe_block's pair: stage 1 zeroes stage 2's accumulator, stage 2 follows by PDL; stage
         # 1 by PDL too where the plan was written two launches earlier (the handoff's route)
-        y = k.moe_experts(z, plan, experts["w13"], experts["w2"], **act, pdl=handoff,
-                          config=run.configs.moe)
+        # (not after an overlapping front: stage 1 reads the plan before its PDL wait)
+        y = k.moe_experts(z, plan, experts["w13"], experts["w2"], **act,
+                          pdl=handoff and not overlap, config=run.configs.moe)
     else:
         if run.fused("moe.stage1"):
             a = k.moe_stage1(z, plan, experts["w13"], **act, config=run.configs.moe)

@@ -260,17 +260,48 @@ def test_headline_takes_the_launch_choices():
 
 @pytest.mark.gpu
 def test_launch_choices_on_the_gpu(device):
-    """Each PDL choice's token checked against the truth and timed, beside the defaults."""
+    """Each launch and stack choice's token checked against the truth and timed, beside the
+    defaults (the tiny preset's FP8 tail meets the truth, so no stack choice is dropped)."""
     cfg = preset("tiny")
     tok = study.build(cfg, device, window=3, context=64, expert_format="mxfp4")
     full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
     t = study.launch_choices(tok, device, full, configs=study.configs_for(device), num_splits=4)
     assert t["choice"].tolist() == ["defaults", "AttnRes reads plain", "KDA decode by PDL",
-                                    "all of them toggled"] + [c[0] for c in study.CONFIG_CHOICES]
+                                    "all of them toggled"] + [
+        c[0] for c in study.CONFIG_CHOICES] + list(study.stack_choices(full))
     assert (t["tok/s"] > 0).all() and t["vs defaults"].iloc[0] == 1.0
     lo, med, hi = (t[f"window vs defaults, interleaved {k}"] for k in ("min", "median", "max"))
     assert (lo > 0).all() and (lo <= med).all() and (med <= hi).all(), t
     assert lo.iloc[0] == hi.iloc[0] == 1.0  # the defaults against themselves
+
+
+@pytest.mark.gpu
+def test_gpu_moe_front_overlapping_the_route_gives_the_sequential_logits(device):
+    """The full stack's merged MoE front overlaps route_sort (MoEConfig.front_overlaps_route,
+    the default): the token's logits equal, bit for bit, those of the front launched after the
+    route, eager and over replays of one captured token."""
+    from k3lab.kernels import MoEConfig
+
+    cfg = preset("tiny")
+    tok = study.build(cfg, device, window=3, context=64, expert_format="mxfp4")
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    base = study.configs_for(device)
+    snap = study._snapshot(tok)
+    logits = {}
+    for overlap in (False, True):
+        configs = dataclasses.replace(base, moe=MoEConfig(front_overlaps_route=overlap))
+        study._restore(tok, snap)
+        logits[overlap] = stack.run_token(full, tok, num_splits=4, configs=configs)
+        out = []
+        graph = dt._graph(lambda t, c=configs: out.append(
+            stack.run_token(full, t, num_splits=4, configs=c)), tok)
+        out = out[-1]
+        for _ in range(10):
+            study._restore(tok, snap)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, logits[overlap])
+    assert torch.equal(logits[True], logits[False])
 
 
 def test_fp8_latent_tail_runs_the_persistent_variant_with_the_fp8_tail(device, monkeypatch):
