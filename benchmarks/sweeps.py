@@ -422,6 +422,12 @@ _SWEEPS = [
           "every K3 projection shape, M = 1: the per-shape default ({}: the measured table, "
           "else the rule) against each candidate tiling the table picks from; run at --tp 8 "
           "and --tp 16 to re-tune kernels/dense/tuned.py"),
+    Sweep("fp8", "dense", grid(({"shape": "moe.latent_up"}, {"shape": "moe.latent_down"},
+                                ({"shape": "kda.o_proj"})),
+                               ({}, {"weight_format": "e4m3"})),
+          "e4m3 weights with fp32 row scales (the seed's FP8 latent tail, #18) against bf16 at "
+          "the per-shape tiling: half the weight bytes, a wider conversion per byte",
+          variants=("fused", "reference")),
     Sweep("fusions", "kda", ({}, {"block_v": 16}, {"block_v": 64}, {"block_v": 128}),
           "the whole decode (conv, core, out gate) in one launch: v-tiles meeting through "
           "tickets (the default and 16 / 64 wide) against a whole head a program (128)",

@@ -15,6 +15,7 @@ import torch
 from k3lab.boundaries import Boundary, Variant, assert_close, compiled
 from k3lab.config import Preset
 from k3lab.kernels.dense import dense_gemv
+from k3lab.kernels.moe.persistent import fp8_rows_quantize
 from k3lab.reference.dense import dense_engine, dense_reference
 from k3lab.weights import make_generator, randn
 
@@ -79,15 +80,29 @@ def default_shape(cfg: Preset) -> str:
     return "kda.in_proj" if cfg.kda_heads else "mla.in_proj"
 
 
-def make_inputs(cfg: Preset, device, seed: int, M: int = 1, shape: str | None = None) -> dict:
+WEIGHT_FORMATS = ("bf16", "e4m3")
+
+
+def make_inputs(cfg: Preset, device, seed: int, M: int = 1, shape: str | None = None,
+                weight_format: str = "bf16") -> dict:
     """x bf16 [M, K]; weight bf16 [rows, K]; the launch's keyword arguments (``kwargs``).
-    shape: a name of ``shapes(cfg)`` (None: ``default_shape``)."""
+    shape: a name of ``shapes(cfg)`` (None: ``default_shape``). weight_format "e4m3": the
+    weight as e4m3 values with one fp32 scale per row (``kwargs["weight_scale"]``, quantized
+    once as at load time; the seed's FP8 latent tail, #18), for shapes without merged outputs
+    or an activation."""
     table = shapes(cfg)
     shape = default_shape(cfg) if shape is None else shape
     if shape not in table:
         raise ValueError(f"shape: {cfg.describe()} has no projection {shape!r}; expected one "
                          f"of {sorted(table)}")
     s = table[shape]
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format: expected one of {WEIGHT_FORMATS}, got "
+                         f"{weight_format!r}")
+    if weight_format == "e4m3" and (s.get("splits") or s.get("activation")):
+        raise ValueError(f"weight_format: 'e4m3' serves projections without merged outputs or "
+                         f"an activation; {shape} has "
+                         f"{'merged outputs' if s.get('splits') else 'an activation'}")
     gen = make_generator(seed, device)
     x = randn((M, s["K"]), gen)
     weight = randn((s["rows"], s["K"]), gen, std=s["K"] ** -0.5)
@@ -104,13 +119,21 @@ def make_inputs(cfg: Preset, device, seed: int, M: int = 1, shape: str | None = 
         kwargs["residual"] = randn((M, s["rows"]), gen)
     if s.get("fp32"):
         kwargs["out_dtype"] = torch.float32
+    if weight_format == "e4m3":
+        q = fp8_rows_quantize(weight)
+        weight, kwargs["weight_scale"] = q.values, q.scales
     return {"x": x, "weight": weight, "kwargs": kwargs, "shape": shape}
 
 
 def reference(inputs: dict):
+    """The engine's call; an e4m3 weight is dequantized to bf16 first (at every call: cuBLAS
+    has no B1 e4m3 GEMV with row scales)."""
     kw = dict(inputs["kwargs"])
     out_dtype = kw.pop("out_dtype", None)
-    y = dense_engine(inputs["x"], inputs["weight"], **kw)
+    scale, w = kw.pop("weight_scale", None), inputs["weight"]
+    if scale is not None:
+        w = (w.float() * scale[:, None]).to(torch.bfloat16)
+    y = dense_engine(inputs["x"], w, **kw)
     return y.to(out_dtype) if out_dtype is not None else y
 
 
@@ -124,6 +147,8 @@ def check(out, ref, inputs) -> dict:
     kw = {k: v for k, v in inputs["kwargs"].items() if k != "out_dtype"}
     truth = dense_reference(inputs["x"], inputs["weight"], **kw)
     x, w = inputs["x"].float().abs(), inputs["weight"].float().abs()
+    if "weight_scale" in kw:
+        w = w * kw["weight_scale"][:, None]
     if "norm_weight" in kw:
         xf = inputs["x"].float()
         x = x * kw["norm_weight"].float().abs() * torch.rsqrt(
@@ -137,11 +162,11 @@ def check(out, ref, inputs) -> dict:
 
 
 def bytes_moved(inputs: dict) -> int:
-    """The weight once, x, the output, and the epilogue's extra tensors."""
+    """The weight once (its row scales too), x, the output, and the epilogue's extra tensors."""
     kw = inputs["kwargs"]
     rows = inputs["weight"].shape[0] // (2 if kw.get("activation") else 1)
     out_elem = 4 if kw.get("out_dtype") == torch.float32 else 2
-    extra = sum(kw[k].nbytes for k in ("residual", "norm_weight") if k in kw)
+    extra = sum(kw[k].nbytes for k in ("residual", "norm_weight", "weight_scale") if k in kw)
     return (inputs["weight"].nbytes + inputs["x"].nbytes + inputs["x"].shape[0] * rows * out_elem
             + extra)
 
@@ -163,5 +188,5 @@ BOUNDARY = Boundary(
     ),
     check=check,
     bytes_moved=bytes_moved,
-    params={"M": 1, "shape": None},
+    params={"M": 1, "shape": None, "weight_format": "bf16"},
 )

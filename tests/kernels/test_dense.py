@@ -429,3 +429,31 @@ def test_gpu_merged_outputs_in_graph():
     torch.cuda.synchronize()
     for a, b in zip(outs, want, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", ["moe.latent_up", "kda.o_proj", "lm_head"])
+def test_boundary_e4m3_weight_format(shape, device):
+    """weight_format "e4m3": the boundary's fused launch and its reference (the weight
+    dequantized to bf16) both meet the fp32 truth of the scaled e4m3 rows; the bytes count one
+    byte a weight element plus the row scales; shapes with merged outputs or an activation say
+    they take no e4m3 weight."""
+    from k3lab.boundaries import dense
+    from k3lab.config import preset
+
+    cfg = preset("tiny")
+    b = dense.BOUNDARY
+    bf16 = b.make_inputs(cfg, device, 0, M=1, shape=shape)
+    e4m3 = b.make_inputs(cfg, device, 0, M=1, shape=shape, weight_format="e4m3")
+    w, scale = e4m3["weight"], e4m3["kwargs"]["weight_scale"]
+    assert w.dtype == torch.float8_e4m3fn and scale.shape == (w.shape[0],)
+    assert dense.bytes_moved(bf16) - dense.bytes_moved(e4m3) == w.numel() - scale.nbytes
+    for fn in (dense.fused, dense.reference):
+        out = fn(e4m3)
+        dense.check(out, out, e4m3)  # raises when off the truth
+    with pytest.raises(AssertionError):  # the check can fail: an output off by one
+        dense.check(dense.fused(bf16) + 1.0, None, e4m3)
+    for bad in ("moe.shared_gate_up", "kda.in_proj"):
+        with pytest.raises(ValueError, match="weight_format: 'e4m3' serves"):
+            b.make_inputs(cfg, device, 0, shape=bad, weight_format="e4m3")
+    with pytest.raises(ValueError, match="weight_format: expected one of"):
+        b.make_inputs(cfg, device, 0, shape=shape, weight_format="fp8")
