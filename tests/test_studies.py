@@ -226,6 +226,30 @@ def test_dense_headline_scopes_the_bar_to_tp_8_and_16():
     assert dep == round(min(0.75 * 7.0 / 6.5, 0.79 * 15.4 / 14.0), 3)
 
 
+def test_dense_fp8_tail_measures_both_formats_in_one_run():
+    """The FP8 latent tail table: the bf16 row first (its speedup 1), the e4m3 row moving
+    fewer bytes, both checked and counted; its speedup reaches the headline. A preset without
+    a latent gives empty frames."""
+    from k3lab.studies import dense as dense_study
+
+    s = _setup("dense")
+    recs, table = dense_study.fp8_tail(s, variants=["reference", "fused"])
+    assert table["weight"].tolist() == ["bf16", "e4m3"]
+    assert table["fused speedup vs bf16"].iloc[0] == 1.0
+    assert table["MB moved"].iloc[1] < table["MB moved"].iloc[0]
+    assert (table["launches fused"] == 1).all()
+    checks = recs[recs["metric"] == "check"]
+    assert set(checks["weight_format"]) == {"bf16", "e4m3"} and (checks["value"] == 1).all()
+    one = pd.DataFrame([{"tp": 1, "shape": "lm_head", "weight MB": 1.0, "launches fused": 1,
+                         f"fused us ({s.mode})": 2.0, "fused frac of copy bw": 0.5,
+                         "speedup vs cuBLAS": 1.5, "dependent skeleton us (graph)": math.nan}])
+    head = dense_study.headline(s, one, table)
+    key = f"moe.latent_up e4m3 speedup vs bf16 ({s.mode})"
+    assert head[key] == round(float(table["fused speedup vs bf16"].iloc[1]), 3)
+    flat = _setup("dense", preset="kimi-linear")
+    assert all(f.empty for f in dense_study.fp8_tail(flat))
+
+
 @pytest.mark.gpu
 def test_moe_compiled_peer_routes_then_reuses_the_block_graph():
     """torch.compile peer: given the plan one graph; with routing only the route's is added, and

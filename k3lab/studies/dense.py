@@ -15,14 +15,15 @@ from k3lab import config, floors, plots, profile
 from k3lab.boundaries import dense as dense_boundary
 from k3lab.studies import Setup
 
-__all__ = ["BIG_WEIGHT_MB", "CPU_SHAPES", "default_shapes", "shape_table", "sweep", "summary",
-           "fraction_plot", "headline"]
+__all__ = ["BIG_WEIGHT_MB", "CPU_SHAPES", "FP8_SHAPE", "default_shapes", "shape_table", "sweep",
+           "summary", "fraction_plot", "headline", "fp8_tail"]
 
 BIG_WEIGHT_MB = 20.0  # weights at least this large are expected near the copy bandwidth
 # On the CPU one shape of each launch kind (merged outputs, norm prologue, activation, residual,
 # fp32 out, plain): the interpreter's figures are no GPU figures, every code path is.
 CPU_SHAPES = ("kda.in_proj", "mla.q_b_proj", "moe.shared_gate_up", "kda.o_proj", "moe.router",
               "lm_head")
+FP8_SHAPE = "moe.latent_up"  # the seed's FP8 latent tail (#18): this projection in e4m3
 
 
 def default_shapes(s: Setup) -> list[str] | None:
@@ -123,8 +124,9 @@ def fraction_plot(s: Setup, table: pd.DataFrame):
     return plots.finish(fig, f"dense projections, M = {s.M}{s.note}", legend=True)
 
 
-def headline(s: Setup, table: pd.DataFrame) -> dict:
-    """The bars of the dense boundary: big weights' worst fraction, worst speedups."""
+def headline(s: Setup, table: pd.DataFrame, fp8: pd.DataFrame | None = None) -> dict:
+    """The bars of the dense boundary: big weights' worst fraction, worst speedups; with
+    ``fp8`` (:func:`fp8_tail`'s table) the e4m3 tail's speedup over bf16."""
     big = table[table["weight MB"] >= BIG_WEIGHT_MB]
     small = table[table["weight MB"] < BIG_WEIGHT_MB]
     mode = s.mode
@@ -157,4 +159,41 @@ def headline(s: Setup, table: pd.DataFrame) -> dict:
             f"{BIG_WEIGHT_MB:g} MB (graph)"] = round(float(frac.min()), 3)
     for tp, d in table[table["shape"] == "kda.in_proj"].groupby("tp"):
         out[f"kda.in_proj us, tp {tp} ({mode})"] = round(float(d[f"fused us ({mode})"].iloc[0]), 2)
+    if fp8 is not None and len(fp8):
+        out[f"{FP8_SHAPE} e4m3 speedup vs bf16 ({mode})"] = round(
+            float(fp8["fused speedup vs bf16"].iloc[-1]), 3)
     return out
+
+
+def fp8_tail(s: Setup, variants=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The seed's FP8 latent tail (#18) against bf16, in one run: :data:`FP8_SHAPE` (the
+    RMSNorm prologue, not sharded by tp) with its weight in bf16 and as e4m3 rows with fp32
+    scales (the boundary's ``weight_format``), each measured as the shapes are, beside the
+    bytes-only skeleton of its bytes. Returns (records, table: one row a format; empty where
+    the preset has no latent)."""
+    if FP8_SHAPE not in dense_boundary.shapes(s.cfg):
+        return pd.DataFrame(), pd.DataFrame()
+    mode, recs, rows = s.mode, [], []
+    for fmt in dense_boundary.WEIGHT_FORMATS:
+        params = {"M": s.M, "shape": FP8_SHAPE, "weight_format": fmt}
+        rec = profile.measure(s.boundary, s.cfg, s.device, variants=variants, seed=s.seed,
+                              params=params, repeats=s.repeats, modes=s.modes)
+        skel = (floors.stream_floor_us(int(profile.value(rec, "fused", "bytes")), s.device)
+                if s.on_gpu else math.nan)
+        recs.append(rec)
+        if s.on_gpu:
+            recs.append(pd.DataFrame([{**s.base, "tp": s.cfg.tp, "variant": "skeleton",
+                                       "role": "floor", "mode": "graph", "metric": "latency_us",
+                                       "value": skel, "unit": "us", "note": "bytes-only stream",
+                                       "shape": FP8_SHAPE, "weight_format": fmt}]))
+        rows.append({"weight": fmt, "MB moved": profile.value(rec, "fused", "bytes") / 1e6,
+                     "launches fused": profile.value(rec, "fused", "launches"),
+                     f"engine us ({mode})": profile.value(rec, "reference", "latency_us", mode),
+                     f"fused us ({mode})": profile.value(rec, "fused", "latency_us", mode),
+                     "skeleton us (graph)": skel,
+                     "fused frac of copy bw": profile.value(rec, "fused", "roofline_frac",
+                                                            mode)})
+    table = pd.DataFrame(rows)
+    table["fused speedup vs bf16"] = table[f"fused us ({mode})"].iloc[0] / table[
+        f"fused us ({mode})"]
+    return pd.concat(recs, ignore_index=True), table
