@@ -423,7 +423,7 @@ _SWEEPS = [
           "else the rule) against each candidate tiling the table picks from; run at --tp 8 "
           "and --tp 16 to re-tune kernels/dense/tuned.py"),
     Sweep("fp8", "dense", grid(({"shape": "moe.latent_up"}, {"shape": "moe.latent_down"},
-                                ({"shape": "kda.o_proj"})),
+                                {"shape": "kda.o_proj"}),
                                ({}, {"weight_format": "e4m3"})),
           "e4m3 weights with fp32 row scales (the seed's FP8 latent tail, #18) against bf16 at "
           "the per-shape tiling: half the weight bytes, a wider conversion per byte",
