@@ -298,6 +298,11 @@ _SWEEPS = [
           "the dense front launched after route_sort against while it runs (fused+dense, "
           "with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
+    Sweep("tail_shared_first", "moe",
+          grid(({"M": 1}, {"M": 4}), ({"tail_shared_first": False}, {"tail_shared_first": True})),
+          "the dense tail's shared down-projection after its wait for stage 2 against before "
+          "it, overlapping stage 2 (fused+dense, with routing)",
+          variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("pdl", "route", grid(({"M": 1}, {"M": 4}), ({}, {"pdl": True})),
           "the route launched by PDL (its launch overlapping the previous grid's end; it waits "
           "for it before any read) against a plain launch"),

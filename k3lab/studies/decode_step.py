@@ -243,7 +243,9 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                    {"bank_before_wait": False}),
                   ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}),
                   ("MoE front after the route", "moe", "MoEConfig",
-                   {"front_overlaps_route": False}))
+                   {"front_overlaps_route": False}),
+                  ("MoE tail's shared product after its wait", "moe", "MoEConfig",
+                   {"tail_shared_first": False}))
 # Changes of the catalogue timed in the token on top of the full stack, each alone with the
 # configs given: (label, the change). A change joins the integration stack once measured here.
 STACK_CHOICES = (("FP8 latent tail (#18) in the fused tail's dense GEMV", "fp8-latent-tail"),)

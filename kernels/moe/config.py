@@ -82,6 +82,10 @@ class MoEConfig:
             the dense front launch start at once and the front waits for the route only before
             its programs exit: the two read x alone, so the front streams its weights while
             the route's GEMV and selection run (stage 1 still waits for both).
+        tail_shared_first: with dense_projections and pdl, the tail's dense GEMV computes the
+            shared experts' down-projection before its wait for stage 2 (its input, from the
+            front, was complete before the stages began; ``GemvConfig.second_before_wait``),
+            so that product overlaps stage 2.
         deterministic_stage2: stage 2's default mode where the launcher is not told
             (``deterministic=None`` of moe_stage2 / moe_block): one program per (token, D tile)
             summing its top_k slots in slot order and storing (bitwise reproducible), instead of
@@ -111,11 +115,12 @@ class MoEConfig:
     interpret_gpu_tiles: bool = False
     dense_projections: bool = False
     front_overlaps_route: bool = True
+    tail_shared_first: bool = True
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
-                     "dense_projections", "front_overlaps_route"):
+                     "dense_projections", "front_overlaps_route", "tail_shared_first"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)
