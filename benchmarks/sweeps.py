@@ -303,6 +303,11 @@ _SWEEPS = [
           "the dense tail's shared down-projection after its wait for stage 2 against before "
           "it, overlapping stage 2 (fused+dense, with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
+    Sweep("shared_beside", "moe",
+          grid(({"M": 1}, {"M": 4}), ({}, {"shared_beside_stage1": True})),
+          "the shared experts' gate/up in the front launch against a launch of its own "
+          "between the expert stages, overlapping stage 1 (fused+dense, with routing)",
+          variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("pdl", "route", grid(({"M": 1}, {"M": 4}), ({}, {"pdl": True})),
           "the route launched by PDL (its launch overlapping the previous grid's end; it waits "
           "for it before any read) against a plain launch"),

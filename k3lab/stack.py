@@ -449,16 +449,26 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
     plan = _route(run, x, w, cfg, early=overlap)
     if run.record is not None:
         run.record.append(plan.topk_ids.clone())
+    pair = run.fused("moe.stage1") and run.fused("moe.stage2")
+    # the shared gate/up between the expert stages (moe_experts(shared_x=...); MoEConfig.
+    # shared_beside_stage1), counted with the MoE experts' launches
+    beside = (merged and pair and isinstance(moe_cfg, k.MoEConfig)
+              and moe_cfg.shared_beside_stage1)
     tag("dense projections")
     if merged:
         # latent down and the shared gate/up read the same x: one launch over the merged rows
+        # (the latent rows alone when the shared gate/up goes beside stage 1)
         from k3lab.kernels.dense import default_config, dense_gemv
         gc = run.configs.gemv
+        d, s2 = w["front_splits"]
         if overlap:  # it waits for the route only before its programs exit
-            d, s2 = w["front_splits"]
-            gc = replace(gc or default_config(x.shape[0], d + s2 // 2, x.shape[1], gated=True),
+            gc = replace(gc or (default_config(x.shape[0], d, x.shape[1]) if beside else
+                                default_config(x.shape[0], d + s2 // 2, x.shape[1], gated=True)),
                          pdl=True, wait_last=True)
-        z, shared_a = dense_gemv(x, w["front"], splits=w["front_splits"], config=gc, **act)
+        if beside:
+            z, shared_a = dense_gemv(x, w["latent_down"], config=gc), None
+        else:
+            z, shared_a = dense_gemv(x, w["front"], splits=w["front_splits"], config=gc, **act)
     else:
         z = _linear(run, "moe.latent_down", x, w["latent_down"]) if cfg.latent else x
         shared_a = (_linear(run, "moe.shared", x, w["shared_w13"], **act)
@@ -472,12 +482,15 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
                                                  cfg.n_experts, block_m=1, out_dim=cfg.moe_in)
     tag("MoE experts")
     experts = _kernel_experts(w) if fused_stage else w
-    if run.fused("moe.stage1") and run.fused("moe.stage2"):
+    if pair:
         # moe_block's pair: stage 1 zeroes stage 2's accumulator, stage 2 follows by PDL; stage
         # 1 by PDL too where the plan was written two launches earlier (the handoff's route)
         # (not after an overlapping front: stage 1 reads the plan before its PDL wait)
         y = k.moe_experts(z, plan, experts["w13"], experts["w2"], **act,
-                          pdl=handoff and not overlap, config=run.configs.moe)
+                          pdl=handoff and not overlap, config=run.configs.moe,
+                          **(dict(shared_x=x, shared_w13=w["shared_w13"]) if beside else {}))
+        if beside:
+            y, shared_a = y
     else:
         if run.fused("moe.stage1"):
             a = k.moe_stage1(z, plan, experts["w13"], **act, config=run.configs.moe)

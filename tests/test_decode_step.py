@@ -224,6 +224,22 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
         assert study.launch_choices(tok, device, full, configs=base, num_splits=4).empty
 
 
+def test_moe_launch_choices_meet_the_truth(device):
+    """Every MoE launch choice of the table (overlaps, the shared gate/up beside stage 1) runs
+    the full stack's token within the truth's tolerance."""
+    from k3lab import kernels
+
+    cfg = preset("tiny")
+    tok = study.build(cfg, device, window=2, context=24, expert_format="mxfp4")
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    base = study.configs_for(device)
+    choices = {label: dataclasses.replace(base, moe=kernels.MoEConfig(**changes))
+               for label, field, _, changes in study.CONFIG_CHOICES if field == "moe"}
+    assert len(choices) == 3
+    check = study.check_token(tok, dict.fromkeys(choices, full), choices, 4)
+    assert check["ok"].all(), check
+
+
 def test_interleaved_ratios_per_round():
     """The base's time over each label's, per round: median, min and max over the rounds."""
     t = pd.DataFrame({"round": [0, 0, 1, 1, 2, 2], "label": ["d", "x"] * 3,

@@ -246,13 +246,15 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     """moe_block with ``config.dense_projections``: one dense GEMV launch for the GEMVs of x
     (latent down and, merged, the shared gate/up: ``weights["front"]``, else two launches),
     stage 1, stage 2 alone, then RMSNorm(y) @ W_up^T + a_s @ W_s2^T as one dense GEMV (the norm
-    in its prologue, the shared down-projection its second product): 4 launches given a plan.
+    in its prologue, the shared down-projection its second product): 4 launches given a plan
+    (5 with ``config.shared_beside_stage1``: the shared gate/up between the stages).
     overlap: the front follows a route_sort launched with early dependents (MoEConfig.
     front_overlaps_route) and waits for it only at its end."""
     m, d = x.shape[0], cfg.moe_in
     h, s = x.shape[1], cfg.shared_intermediate
     a_s = None
-    if not s:
+    beside = bool(s) and config.shared_beside_stage1
+    if not s or beside:
         z = dense_gemv(x, weights["latent_down"], config=_front_config(m, d, h, False, overlap))
     elif "front" in weights:
         front = weights["front"]
@@ -272,7 +274,10 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     # for the route before letting it start: an overlapping front (wait_last) does not.
     y = moe_experts(z, plan, w13, w2, activation=cfg.activation, situ_beta=betas[0],
                     situ_linear_beta=betas[1], deterministic=deterministic, pdl=not overlap,
-                    config=config)
+                    config=config, **(dict(shared_x=x, shared_w13=weights["shared_w13"])
+                                      if beside else {}))
+    if beside:
+        y, a_s = y
     shared = {} if a_s is None else {"x2": a_s, "weight2": weights["shared_w2"]}
     return dense_gemv(y, weights["latent_up"], norm_weight=weights["latent_norm"],
                       eps=cfg.rms_eps, config=tail_config(config, m, h, d, bool(shared)),

@@ -82,6 +82,10 @@ class MoEConfig:
             the dense front launch start at once and the front waits for the route only before
             its programs exit: the two read x alone, so the front streams its weights while
             the route's GEMV and selection run (stage 1 still waits for both).
+        shared_beside_stage1: with dense_projections, the front is the latent down alone and
+            the shared experts' gate/up runs as its own launch between stage 1 and stage 2
+            (``moe_experts(shared_x=...)``), overlapping stage 1 (compiled, pdl): one launch
+            more, the shared rows' bytes off the front's critical path.
         tail_shared_first: with dense_projections and pdl, the tail's dense GEMV computes the
             shared experts' down-projection before its wait for stage 2 (its input, from the
             front, was complete before the stages began; ``GemvConfig.second_before_wait``),
@@ -116,11 +120,13 @@ class MoEConfig:
     dense_projections: bool = False
     front_overlaps_route: bool = True
     tail_shared_first: bool = True
+    shared_beside_stage1: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
-                     "dense_projections", "front_overlaps_route", "tail_shared_first"):
+                     "dense_projections", "front_overlaps_route", "tail_shared_first",
+                     "shared_beside_stage1"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)

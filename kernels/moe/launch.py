@@ -6,9 +6,12 @@ named constexprs of the kernels.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 
+from ..dense import default_config, dense_gemv
 from ..mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
 from ..plan import RoutePlan
 from ..runtime import INTERPRETED, zeroed_words
@@ -387,9 +390,16 @@ def _launch_stage2_tail(config, stage2, tail, sync=None, pdl=False):
 def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = "situ",
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 deterministic: bool | None = None, pdl: bool = True,
-                config: MoEConfig | None = None, validate: str = "cheap") -> torch.Tensor:
+                config: MoEConfig | None = None, validate: str = "cheap",
+                shared_x: torch.Tensor | None = None, shared_w13: torch.Tensor | None = None):
     """Stage 1 then stage 2 as ``moe_block`` runs them: 2 launches, returns plan.out (fp32
     [M, D], the routed experts' weighted sum).
+
+    shared_x, shared_w13: the shared experts' gate/up (bf16 [M, H] and [2S, H]) as one dense
+    GEMV launch between the stages, act(x @ gate^T, x @ up^T): it reads nothing stage 1
+    writes, so (compiled, ``config.pdl``) it starts while stage 1 runs and waits for it only
+    before its programs exit (``GemvConfig.wait_last``), and stage 2's wait still covers stage
+    1. Returns (plan.out, a_s [M, S]) when given: 3 launches.
 
     Stage 1 zeroes plan.out for stage 2 (which then skips its own zeroing and its counters),
     writes a's tensor-core copy for stage 2 where the tiles read one (``MoEConfig.x_prepared``),
@@ -410,12 +420,31 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
     if plan.out is None:
         raise ValueError("plan.out: moe_experts needs the plan's fp32 [M, D] buffer "
                          "(route_sort(..., out_dim=D)); stage 1 zeroes it")
+    if (shared_x is None) != (shared_w13 is None):
+        raise ValueError("shared_x: give both shared_x and shared_w13, or neither")
+    if shared_x is not None:
+        check_tensor("shared_x", shared_x, dtypes=(torch.bfloat16,), dim=2, device=z.device)
+        check_tensor("shared_w13", shared_w13, dtypes=(torch.bfloat16,), dim=2,
+                     device=z.device)
+        if (shared_x.shape[0] != m or shared_w13.shape[1] != shared_x.shape[1]
+                or shared_w13.shape[0] % 2):
+            raise ValueError(f"shared_w13: expected shared_x [M={m}, H] and shared_w13 [2S, H], "
+                             f"got {list(shared_x.shape)} and {list(shared_w13.shape)}")
     a_mma = prepared_a(config, w2, plan, n_tiles, deterministic)
     a = _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles,
                        a_mma_out=a_mma, pdl=pdl)
+    a_s = None
+    if shared_x is not None:
+        tiling = None
+        if _pdl_on(config):
+            tiling = dataclasses.replace(default_config(m, shared_w13.shape[0] // 2,
+                                                        shared_x.shape[1], gated=True),
+                                         pdl=True, wait_last=True)
+        a_s = dense_gemv(shared_x, shared_w13, activation=activation, situ_beta=situ_beta,
+                         situ_linear_beta=situ_linear_beta, config=tiling)
     stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
     _launch_stage2_tail(config, stage2, None, pdl=True)
-    return stage2[2]
+    return stage2[2] if a_s is None else (stage2[2], a_s)
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool | None = None,

@@ -53,6 +53,42 @@ def test_dense_projections_launches(device):
     assert len(names) == 4, names
 
 
+@pytest.mark.parametrize("fmt,m,det", [("bf16", 1, True), ("mxfp4", 3, False)])
+def test_shared_gate_up_beside_stage1(fmt, m, det, device):
+    """MoEConfig.shared_beside_stage1: the front is the latent down alone and the shared
+    gate/up a launch of its own between the stages (5 given a plan); the output meets the
+    reference, and equals the merged front's where stage 2 is deterministic (the same sums)."""
+    cfg = preset("tiny", 1)
+    inp = _inputs(cfg, device, m, fmt)
+    w = inp["weights"].fused
+    beside = MoEConfig(dense_projections=True, shared_beside_stage1=True)
+    out = moe_block(inp["x"], w, cfg=cfg, plan=inp["plan"], deterministic=det, config=beside)
+    B.check(out, None, inp)
+    merged = moe_block(inp["x"], w, cfg=cfg, plan=inp["plan"], deterministic=det, config=DENSE)
+    assert torch.equal(out, merged) if det else (out.float() - merged.float()).abs().max() < 0.05
+    names = count_launches(lambda x: moe_block(x, w, cfg=cfg, plan=inp["plan"], config=beside),
+                           inp["x"]).kernels
+    if device.type == "cpu":
+        names = [n for n in names if n.startswith("triton::")]
+    assert len(names) == 5, names
+
+
+def test_moe_experts_shared_inputs_are_checked(device):
+    from k3lab.kernels import moe_experts
+
+    cfg = preset("tiny", 1)
+    inp = _inputs(cfg, device, 2, "bf16")
+    w = inp["weights"].fused
+    z = torch.zeros(2, cfg.moe_in, dtype=torch.bfloat16, device=device)
+    x, w13s = inp["x"], w["shared_w13"]
+    for kw, msg in [(dict(shared_x=x), "give both"),
+                    (dict(shared_x=x.float(), shared_w13=w13s), "shared_x: expected"),
+                    (dict(shared_x=x[:1], shared_w13=w13s), r"shared_w13: expected shared_x \[M=2"),
+                    (dict(shared_x=x, shared_w13=w13s[:, :-1].contiguous()), "shared_w13")]:
+        with pytest.raises(ValueError, match=msg):
+            moe_experts(z, inp["plan"], w["w13"], w["w2"], **kw)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_dense_projections_k3_tp8_graph(fmt):
@@ -84,12 +120,14 @@ def test_dense_projections_k3_tp8_graph(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("field", ["front_overlaps_route", "tail_shared_first"])
+@pytest.mark.parametrize("field", ["front_overlaps_route", "tail_shared_first",
+                                   "shared_beside_stage1"])
 def test_overlapping_launches_change_nothing(field):
     """K3 tp 8, MXFP4, routing in the block, deterministic stage 2: the front launched while the
-    route runs (MoEConfig.front_overlaps_route), and the tail's shared product computed while
-    stage 2 runs (tail_shared_first), each give the bitwise output of the launch waiting
-    first, eager and in a CUDA graph of 16 calls on distinct x replayed 20 times."""
+    route runs (MoEConfig.front_overlaps_route), the tail's shared product computed while
+    stage 2 runs (tail_shared_first) and the shared gate/up launched beside stage 1
+    (shared_beside_stage1; the same tiles' sums) each give the bitwise output of the other
+    order, eager and in a CUDA graph of 16 calls on distinct x replayed 20 times."""
     cfg = preset("kimi-k3", 8)
     dev = torch.device("cuda")
     inp = _inputs(cfg, dev, 1, "mxfp4")
