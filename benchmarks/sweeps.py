@@ -298,11 +298,6 @@ _SWEEPS = [
           "the dense front launched after route_sort against while it runs (fused+dense, "
           "with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
-    Sweep("tail_shared_first", "moe",
-          grid(({"M": 1}, {"M": 4}), ({"tail_shared_first": False}, {"tail_shared_first": True})),
-          "the dense tail's shared down-projection after its wait for stage 2 against before "
-          "it, overlapping stage 2 (fused+dense, with routing)",
-          variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("shared_beside", "moe",
           grid(({"M": 1}, {"M": 4}), ({}, {"shared_beside_stage1": True})),
           "the shared experts' gate/up in the front launch against a launch of its own "

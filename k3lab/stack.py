@@ -508,19 +508,13 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
             # the MoE block's dense_projections tail: one dense GEMV launch, the RMSNorm in its
             # prologue, the shared down-projection its second product, the residual its epilogue
             # (fp8-latent-tail: the up-projection's e4m3 rows, scaled per row)
-            # (the shared product before its wait for stage 2, as moe_block's tail)
             from k3lab.boundaries.moe import fp8_tail_rows
             from k3lab.kernels.dense import dense_gemv
-            from k3lab.kernels.moe.block import tail_config
             q = fp8_tail_rows(up) if fp8_tail else None
-            gc = run.configs.gemv
-            if isinstance(moe_cfg, k.MoEConfig) and (tc := tail_config(
-                    moe_cfg, y.shape[0], up.shape[0], up.shape[1], True)) is not None:
-                gc = tc if gc is None else replace(gc, second_before_wait=gc.pdl)
             return dense_gemv(y, q.values if fp8_tail else up, norm_weight=norm,
                               eps=cfg.rms_eps, x2=shared_a, weight2=shared["w2"],
                               residual=residual, weight_scale=q.scales if fp8_tail else None,
-                              config=gc), True
+                              config=run.configs.gemv), True
         if fp8_tail:
             raise ValueError("stack: fp8-latent-tail runs in the persistent MoE launch or the "
                              "fused tail's dense GEMV, which needs shared experts; this preset "

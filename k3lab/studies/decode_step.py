@@ -244,8 +244,6 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                   ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}),
                   ("MoE front after the route", "moe", "MoEConfig",
                    {"front_overlaps_route": False}),
-                  ("MoE tail's shared product after its wait", "moe", "MoEConfig",
-                   {"tail_shared_first": False}),
                   ("MoE shared gate/up beside stage 1", "moe", "MoEConfig",
                    {"shared_beside_stage1": True}))
 # Changes of the catalogue timed in the token on top of the full stack, each alone with the

@@ -32,11 +32,6 @@ class GemvConfig:
     unroll_k: a K share's steps are unrolled, every step's loads independent and issued at
         once into registers (no shared-memory pipeline; num_stages unused), at most
         ``MAX_UNROLL`` steps (launcher checks); for the short-K shapes.
-    second_before_wait: (pdl, with a second product) the second product runs before the wait
-        for the previous grid, overlapping its end. Only where x2 was complete before the
-        previous grid let this launch start (e.g. written two launches back, by a chain whose
-        launches let dependents start only after their own waits): the MoE tail's shared
-        down-projection, whose input the front wrote before the expert stages.
     block_n 4 and 8 serve one token only (the tensor-core path of 2..16 tokens needs 16).
     """
 
@@ -50,7 +45,6 @@ class GemvConfig:
     wait_last: bool = False
     gate_up_together: bool = False
     unroll_k: bool = False
-    second_before_wait: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -70,7 +64,7 @@ class GemvConfig:
         if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
-        for name in ("pdl", "wait_last", "gate_up_together", "unroll_k", "second_before_wait"):
+        for name in ("pdl", "wait_last", "gate_up_together", "unroll_k"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name}: expected a bool, got "
                                  f"{getattr(self, name)!r}")

@@ -229,28 +229,21 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
           NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
           DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
           NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-          UNROLL: tl.constexpr, DUAL_FIRST: tl.constexpr):
+          UNROLL: tl.constexpr):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns.
     GATE_UP_TOGETHER: with ACT, the gate and up rows stream in one K loop (else one loop
-    each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales).
-    DUAL_FIRST: the second product before the PDL wait (x2 needs none)."""
+    each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales)."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < M
     k_lo = i_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
-    k2_lo = i_k * K2_SPLIT
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if PDL and PREFETCH > 0:
-        _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
-        if ACT != 0:
-            _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
-    if DUAL and DUAL_FIRST:
-        acc2, _, _ = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo,
-                             tl.minimum(k2_lo + K2_SPLIT, K2), 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                             False, DOT_FP32, NUM_STAGES, False, 0)
     if PDL:
+        if PREFETCH > 0:
+            _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
+            if ACT != 0:
+                _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
         if not WAIT_LAST:
             gdc_wait()
         gdc_launch_dependents()
@@ -269,9 +262,8 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
         acc_u, _, _ = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, 0,
                               BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, False,
                               UNROLL)
-    if DUAL and DUAL_FIRST:
-        acc_u = acc2
-    elif DUAL:
+    if DUAL:
+        k2_lo = i_k * K2_SPLIT
         acc_u, _, _ = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo,
                               tl.minimum(k2_lo + K2_SPLIT, K2), 0, BLOCK_M, BLOCK_N, BLOCK_K,
                               False, DOT_FP32, NUM_STAGES, False, 0)
@@ -308,15 +300,14 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
                       DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                       WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-                      UNROLL: tl.constexpr, DUAL_FIRST: tl.constexpr):
+                      UNROLL: tl.constexpr):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
     first (after its RMSNorm) before the epilogue.
     MIXED: tiles [0, T0) are N plain rows (output [M, N]); tiles from T0 are the activation's NG
     outputs (weight rows N.. gate, N + NG.. up; output [M, NG] after the first).
-    UNROLL: K steps of a share, unrolled (0: a pipelined loop). DUAL_FIRST: the second
-    product before the PDL wait.
+    UNROLL: K steps of a share, unrolled (0: a pipelined loop).
     SCALED (plain rows only): the weight is e4m3 with one fp32 scale per row at p_sc."""
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -326,15 +317,15 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
                   p_ws + SPLIT_K * M * N, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3, b4, b5, b6, b7,
                   M, NG, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, False, BLOCK_M,
                   BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL,
-                  PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, False)
+                  PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL)
         else:
             _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1,
                   b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta,
                   linear_beta, False, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1,
                   False, DOT_FP32, PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER,
-                  UNROLL, False)
+                  UNROLL)
     else:
         _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3,
               b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, SCALED,
               BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
-              PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, DUAL_FIRST)
+              PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL)

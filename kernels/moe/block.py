@@ -280,16 +280,4 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
         y, a_s = y
     shared = {} if a_s is None else {"x2": a_s, "weight2": weights["shared_w2"]}
     return dense_gemv(y, weights["latent_up"], norm_weight=weights["latent_norm"],
-                      eps=cfg.rms_eps, config=tail_config(config, m, h, d, bool(shared)),
-                      **shared)
-
-
-def tail_config(config: MoEConfig, m: int, h: int, d: int, shared: bool) -> GemvConfig | None:
-    """The dense tail's tiling: the dense defaults; with shared experts and
-    ``config.tail_shared_first`` (compiled, PDL) their down-projection before the wait for
-    stage 2 (``GemvConfig.second_before_wait``): stage 2 lets the tail start only after its
-    own wait, so the front that wrote a_s had ended before it."""
-    if not (shared and config.pdl and config.tail_shared_first and not INTERPRETED):
-        return None
-    tiling = default_config(m, h, d)
-    return dataclasses.replace(tiling, second_before_wait=tiling.pdl)
+                      eps=cfg.rms_eps, **shared)

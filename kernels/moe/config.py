@@ -86,10 +86,6 @@ class MoEConfig:
             the shared experts' gate/up runs as its own launch between stage 1 and stage 2
             (``moe_experts(shared_x=...)``), overlapping stage 1 (compiled, pdl): one launch
             more, the shared rows' bytes off the front's critical path.
-        tail_shared_first: with dense_projections and pdl, the tail's dense GEMV computes the
-            shared experts' down-projection before its wait for stage 2 (its input, from the
-            front, was complete before the stages began; ``GemvConfig.second_before_wait``),
-            so that product overlaps stage 2.
         deterministic_stage2: stage 2's default mode where the launcher is not told
             (``deterministic=None`` of moe_stage2 / moe_block): one program per (token, D tile)
             summing its top_k slots in slot order and storing (bitwise reproducible), instead of
@@ -119,14 +115,12 @@ class MoEConfig:
     interpret_gpu_tiles: bool = False
     dense_projections: bool = False
     front_overlaps_route: bool = True
-    tail_shared_first: bool = True
     shared_beside_stage1: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
-                     "dense_projections", "front_overlaps_route", "tail_shared_first",
-                     "shared_beside_stage1"):
+                     "dense_projections", "front_overlaps_route", "shared_beside_stage1"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)

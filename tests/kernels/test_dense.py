@@ -216,25 +216,6 @@ def test_dual_product_with_norm(m, cfg, device):
     _close(got, want, terms, rounded_inputs=m > 1)
 
 
-@pytest.mark.parametrize("m,split", [(1, 1), (1, 3), (4, 1), (4, 2)])
-def test_second_product_before_the_wait_gives_the_same_sums(m, split, device):
-    """GemvConfig.second_before_wait moves the second product ahead of the PDL wait: the same
-    sums in the same order, so the same bits as the product after it (with a residual)."""
-    x, x2, w, w2, g = _tail_data(m, 53 + m)
-    res = torch.randn(m, 45, generator=torch.Generator().manual_seed(m)).bfloat16()
-    args = [t.to(device) for t in (x, w, g, x2, w2, res)]
-    got = {}
-    for first in (False, True):
-        cfg = GemvConfig(block_n=16, block_k=64, split_k=split, second_before_wait=first)
-        got[first] = dense_gemv(args[0], args[1], norm_weight=args[2], eps=1e-5, x2=args[3],
-                                weight2=args[4], residual=args[5], config=cfg).cpu()
-    assert torch.equal(got[True], got[False])
-    want = dense_reference(x, w, norm_weight=g, eps=1e-5, x2=x2, weight2=w2, residual=res)
-    terms = (rms_norm(x, g, 1e-5).abs() @ w.float().abs().T
-             + x2.float().abs() @ w2.float().abs().T + res.float().abs())
-    _close(got[True], want, terms, rounded_inputs=m > 1)
-
-
 def _e4m3_rows(w):
     """Per-row e4m3 values and fp32 scales of w (amax / 448, as fp8_rows_quantize)."""
     amax = w.float().abs().amax(1)
@@ -400,8 +381,7 @@ def test_bad_input_is_a_clear_error(kw, msg):
     (dict(block_n=24), "block_n"), (dict(block_n=2), "block_n"), (dict(block_k=8), "block_k"),
     (dict(split_k=0), "split_k"), (dict(prefetch_steps=9), "prefetch_steps"),
     (dict(num_warps=3), "num_warps"), (dict(pdl=1), "pdl"), (dict(wait_last=None), "wait_last"),
-    (dict(gate_up_together=1), "gate_up_together"), (dict(unroll_k="yes"), "unroll_k"),
-    (dict(second_before_wait=1), "second_before_wait")])
+    (dict(gate_up_together=1), "gate_up_together"), (dict(unroll_k="yes"), "unroll_k")])
 def test_bad_config(kw, msg):
     with pytest.raises(ValueError, match=f"GemvConfig.{msg}"):
         GemvConfig(**kw)
