@@ -11,6 +11,7 @@ import torch
 
 from k3lab import profile, stack
 from k3lab.config import preset
+from k3lab.reference import layer as ref_layer
 from k3lab.studies import decode_step as study
 from k3lab.studies import decode_token as dt
 from k3lab.studies.decode_bytes import MXFP4_BYTES, expert_bytes_per_token, token_bytes
@@ -358,6 +359,27 @@ def test_fp8_latent_tail_in_the_dense_tail(device):
         study._restore(tok, snap)
         logits[label] = stack.run_token(st, tok, num_splits=4, configs=study.configs_for(device))
     assert not torch.equal(logits["bf16 tail"], logits["fp8 tail"])
+
+
+def test_fp8_tail_stacks_are_checked_against_their_own_weights(device):
+    """A stack with fp8-latent-tail meets the truth that runs its e4m3 rows (dequantized), and
+    is nearer to it than to the truth of the bf16 weight: the quantization is the model's
+    change of numbers, the rest the kernels' rounding."""
+    cfg = preset("tiny")
+    tok = study.build(cfg, device, window=2, context=24, expert_format="mxfp4")
+    st = stack.compose(["fused-latent-tail", "fp8-latent-tail"])
+    check = study.check_token(tok, {"fp8 tail": st, "bf16": stack.compose(["fused-latent-tail"])},
+                              study.configs_for(device), 4)
+    assert check["truth latent up"].tolist() == ["e4m3 rows", "bf16"]
+    assert check["ok"].all(), check
+    snap = study._snapshot(tok)
+    chosen: list = []
+    got = stack.run_token(st, tok, num_splits=4, configs=study.configs_for(device),
+                          record=chosen).float()
+    study._restore(tok, snap)
+    bf16_truth = ref_layer.run_token(tok, topk_ids=chosen)
+    err = float(check.loc[0, "max abs error"])
+    assert err < float((got - bf16_truth).abs().max())
 
 
 def test_stack_choices_add_one_change_to_the_full_stack(device, capsys):

@@ -125,13 +125,16 @@ def forced_route(x: torch.Tensor, weights: dict, cfg: Preset, topk_ids: torch.Te
 
 
 def run_layer(state: dict, *, bank=None, live=None, start: bool = False,
-              ffn_bank=None, topk_ids: torch.Tensor | None = None) -> torch.Tensor:
+              ffn_bank=None, topk_ids: torch.Tensor | None = None,
+              moe_view=None) -> torch.Tensor:
     """Run one decode layer on ``state`` (from make_layer); returns the new live sum [M, H].
 
     bank, live, start, ffn_bank: as ``k3lab.stack.run_layer`` (default: the state's own
     candidates, the layer inside a block). topk_ids: the experts the MoE must use (another
     run's choice, so that a near-tie of the router does not make two runs incomparable); None:
-    the reference's own routing."""
+    the reference's own routing. moe_view: a function of the MoE's weight dict giving the
+    weights the truth uses (e.g. the latent up-projection as a stack's FP8 rows dequantized);
+    None: the layer's own."""
     cfg = state["cfg"]
     bank = state["bank"] if bank is None else bank
     live = state["live"] if live is None else live
@@ -151,10 +154,11 @@ def run_layer(state: dict, *, bank=None, live=None, start: bool = False,
                    situ_linear_beta=cfg.situ_linear_beta)
         a = dense_reference(x, state["mlp"]["gate_up"], **act).to(torch.bfloat16)
         return _add(live, dense_reference(a, state["mlp"]["down"]))
+    moe = state["moe"] if moe_view is None else moe_view(state["moe"])
     if topk_ids is not None:
-        plan = forced_route(x, state["moe"], cfg, topk_ids)
-        return _add(live, latent_moe_from_plan_reference(x, plan, state["moe"], cfg))
-    return _add(live, latent_moe_reference(x, state["moe"], cfg))
+        plan = forced_route(x, moe, cfg, topk_ids)
+        return _add(live, latent_moe_from_plan_reference(x, plan, moe, cfg))
+    return _add(live, latent_moe_reference(x, moe, cfg))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,11 +228,11 @@ def make_token(cfg: Preset, device, *, window: int, seed: int = 0, m: int = 1,
     return token
 
 
-def run_token(token: dict, topk_ids: list | None = None) -> torch.Tensor:
+def run_token(token: dict, topk_ids: list | None = None, moe_view=None) -> torch.Tensor:
     """The fp32 truth of ``k3lab.stack.run_token``: logits [M, vocab / tp] fp32.
 
     topk_ids: per layer of the token, the experts its MoE must use (None entries, or None:
-    the reference's own routing)."""
+    the reference's own routing). moe_view: as for :func:`run_layer`."""
     cfg, rows = token["cfg"], token["rows"]
     forced = topk_ids or [None] * len(token["layers"])
     rows[0] = token["embed"].index_select(0, token["ids"])
@@ -240,7 +244,7 @@ def run_token(token: dict, topk_ids: list | None = None) -> torch.Tensor:
         bank, cand = (rows[:n_sealed - 1], rows[n_sealed - 1]) if start else (
             rows[:n_sealed], live)
         live = run_layer(state, bank=bank, live=cand, start=start, ffn_bank=rows[:n_sealed],
-                         topk_ids=ids)
+                         topk_ids=ids, moe_view=moe_view)
     last = token["schedule"][token["layer_ids"][-1]][0]
     w = token["final"]
     _, h = attn_res_norm_reference(rows[:last], live, w["res_norm_weight"],

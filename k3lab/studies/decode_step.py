@@ -125,23 +125,28 @@ def check_token(token: dict, stacks: dict, configs, num_splits: int) -> pd.DataF
     caches, the truth's MoE layers using the experts the stack chose (a router near-tie flips
     an expert on a rounding difference; a column says in how many layers the stack chose the
     engine baseline's experts): max abs error, the tolerance (LOGITS_RTOL of the largest
-    |logit|), pass. ``configs``: one ``stack.Configs`` for every stack, or one per label; stacks
-    that chose the same experts share one truth."""
+    |logit|), pass. A stack with ``fp8-latent-tail`` is checked against the truth of its own
+    weights: the latent up-projection as the e4m3 rows it runs, dequantized (column "truth
+    latent up"); the quantization itself is a change of the model's numbers, not an error of
+    the kernels. ``configs``: one ``stack.Configs`` for every stack, or one per label; stacks
+    that chose the same experts and weights share one truth."""
     snap = _snapshot(token)
     own: list = []
-    truths: list[tuple[list, torch.Tensor]] = []  # (experts chosen, the truth with them)
+    truths: list[tuple[list, bool, torch.Tensor]] = []  # (experts chosen, fp8 tail, truth)
     rows = []
     for label, st in stacks.items():
         cfgs = configs[label] if isinstance(configs, dict) else configs
+        fp8 = "fp8-latent-tail" in st.names and bool(token["cfg"].latent)
         _restore(token, snap)
         chosen: list = []
         got = stack.run_token(st, token, num_splits=num_splits, configs=cfgs,
                               record=chosen).float()
-        truth = next((t for c, t in truths if _same_experts(c, chosen)), None)
+        truth = next((t for c, f, t in truths if f == fp8 and _same_experts(c, chosen)), None)
         if truth is None:
             _restore(token, snap)
-            truth = ref_layer.run_token(token, topk_ids=chosen)
-            truths.append((chosen, truth))
+            truth = ref_layer.run_token(token, topk_ids=chosen,
+                                        moe_view=_fp8_tail_view if fp8 else None)
+            truths.append((chosen, fp8, truth))
         if not own:
             _restore(token, snap)
             own = _own_routing(token)
@@ -151,9 +156,18 @@ def check_token(token: dict, stacks: dict, configs, num_splits: int) -> pd.DataF
                                                                              strict=True))
         moe = sum(a is not None for a in chosen)
         rows.append({"stack": label, "max abs error": err, "tolerance": tol, "ok": err <= tol,
-                     "routing as the engine baseline's": f"{same} of {moe} MoE layers"})
+                     "routing as the engine baseline's": f"{same} of {moe} MoE layers",
+                     "truth latent up": "e4m3 rows" if fp8 else "bf16"})
     _restore(token, snap)
     return pd.DataFrame(rows)
+
+
+def _fp8_tail_view(moe: dict) -> dict:
+    """The MoE weights with the latent up-projection as the FP8 tail runs it: its e4m3 rows
+    (``boundaries.moe.fp8_tail_rows``, the stack's own) times their scales."""
+    from k3lab.boundaries.moe import fp8_tail_rows
+
+    return {**moe, "latent_up": fp8_tail_rows(moe["latent_up"]).dequantize()}
 
 
 def _same_experts(a: list, b: list) -> bool:
