@@ -369,10 +369,10 @@ BAD = [
 
 
 @pytest.mark.parametrize("kw,msg", BAD, ids=[b[1] for b in BAD])
-def test_bad_input_is_a_clear_error(kw, msg):
-    kw = dict(kw)
-    x = kw.pop("x", torch.zeros(2, 64).bfloat16())
-    w = kw.pop("w", torch.zeros(32, 64).bfloat16())
+def test_bad_input_is_a_clear_error(kw, msg, device):
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    x = kw.pop("x", torch.zeros(2, 64, device=device).bfloat16())
+    w = kw.pop("w", torch.zeros(32, 64, device=device).bfloat16())
     with pytest.raises(ValueError, match=msg):
         dense_gemv(x, w, **kw)
 
