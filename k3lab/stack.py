@@ -458,13 +458,14 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
     if merged:
         # latent down and the shared gate/up read the same x: one launch over the merged rows
         # (the latent rows alone when the shared gate/up goes beside stage 1)
-        from k3lab.kernels.dense import default_config, dense_gemv
+        from k3lab.kernels.dense import dense_gemv
+        from k3lab.kernels.moe.launch import wait_last_config
         gc = run.configs.gemv
         d, s2 = w["front_splits"]
         if overlap:  # it waits for the route only before its programs exit
-            gc = replace(gc or (default_config(x.shape[0], d, x.shape[1]) if beside else
-                                default_config(x.shape[0], d + s2 // 2, x.shape[1], gated=True)),
-                         pdl=True, wait_last=True)
+            gc = (replace(gc, pdl=True, wait_last=True) if gc is not None else
+                  wait_last_config(x.shape[0], d, x.shape[1]) if beside else
+                  wait_last_config(x.shape[0], d + s2 // 2, x.shape[1], gated=True))
         if beside:
             z, shared_a = dense_gemv(x, w["latent_down"], config=gc), None
         else:

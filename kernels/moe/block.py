@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from ..dense import GemvConfig, default_config, dense_gemv
+from ..dense import GemvConfig, dense_gemv
 from ..plan import RoutePlan
 from ..route import RouteConfig, route_sort
 from ..runtime import INTERPRETED, check_number
@@ -31,6 +29,7 @@ from .launch import (
     latent_down,
     moe_experts,
     prepared_a,
+    wait_last_config,
 )
 from .tiles import mma_tile
 
@@ -236,9 +235,7 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
 def _front_config(m: int, rows: int, k: int, gated: bool, overlap: bool) -> GemvConfig | None:
     """A front GEMV's tiling: the dense defaults; after an early-dependents route, waiting for
     it only at the end (``GemvConfig.wait_last``)."""
-    if not overlap:
-        return None
-    return dataclasses.replace(default_config(m, rows, k, gated=gated), pdl=True, wait_last=True)
+    return wait_last_config(m, rows, k, gated) if overlap else None
 
 
 def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic, config,

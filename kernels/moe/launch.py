@@ -11,7 +11,7 @@ import dataclasses
 import torch
 import triton
 
-from ..dense import default_config, dense_gemv
+from ..dense import GemvConfig, default_config, dense_gemv
 from ..mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
 from ..plan import RoutePlan
 from ..runtime import INTERPRETED, zeroed_words
@@ -48,6 +48,13 @@ ZERO_MIN_BLOCK = 16  # stage 1 zeroes stage 2's accumulator in slices of at leas
 # int32 counters (ticket, zeroed flag, done) per D tile, per device, of the self-zeroing atomic
 # stage 2
 _ZERO_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def wait_last_config(m: int, rows: int, k: int, gated: bool = False) -> GemvConfig:
+    """A dense GEMV's default tiling for ``rows`` output rows over K at M tokens, launched by
+    PDL and waiting for the previous grid only before its programs exit
+    (``GemvConfig.wait_last``): for a launch that reads nothing the previous grid writes."""
+    return dataclasses.replace(default_config(m, rows, k, gated=gated), pdl=True, wait_last=True)
 
 
 def _pdl_on(config: MoEConfig) -> bool:
@@ -435,11 +442,8 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
                        a_mma_out=a_mma, pdl=pdl)
     a_s = None
     if shared_x is not None:
-        tiling = None
-        if _pdl_on(config):
-            tiling = dataclasses.replace(default_config(m, shared_w13.shape[0] // 2,
-                                                        shared_x.shape[1], gated=True),
-                                         pdl=True, wait_last=True)
+        tiling = (wait_last_config(m, shared_w13.shape[0] // 2, shared_x.shape[1], gated=True)
+                  if _pdl_on(config) else None)
         a_s = dense_gemv(shared_x, shared_w13, activation=activation, situ_beta=situ_beta,
                          situ_linear_beta=situ_linear_beta, config=tiling)
     stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
