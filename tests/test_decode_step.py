@@ -134,6 +134,16 @@ def test_rates_waterfall_breakdown_and_headline_tables():
     b = study.breakdown(figs, 1860.0)
     assert b.loc["all-reduce (modeled)", "full stack"] == 1860.0
     assert b["full stack"].drop("all-reduce (modeled)").sum() == pytest.approx(8000.0)
+    assert study.FLOOR_LABEL not in b
+    fl_b = {**fl, "bytes": {"dense projections": 21e9, "MoE experts": 4.2e9}}
+    b = study.breakdown(figs, 1860.0, fl_b)
+    floor_us = b[study.FLOOR_LABEL]
+    assert floor_us["dense projections"] == pytest.approx(5000.0)
+    assert floor_us["MoE experts"] == pytest.approx(1000.0)
+    assert floor_us.drop(["dense projections", "MoE experts"]).eq(0.0).all()
+    assert b["full stack"].equals(study.breakdown(figs, 1860.0)["full stack"])
+    with pytest.raises(ValueError, match="fl: bytes of categories"):
+        study.breakdown(figs, 1860.0, {**fl, "bytes": {"lm head": 1.0}})
     head = study.headline(r, fl, {"integration": t})
     assert head["full stack tok/s (comm excluded)"] == 125.0
     assert head["seed anchor tok/s (MI355X, 8 GPUs, comm included)"] == 60.909

@@ -25,7 +25,8 @@ __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "bu
            "launch_choices", "PDL_CHOICES", "CONFIG_CHOICES", "STACK_CHOICES", "set_context",
            "check_token",
            "LOGITS_RTOL", "waterfall", "waterfall_table",
-           "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "breakdown_plot",
+           "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "FLOOR_LABEL",
+           "breakdown_plot",
            "layer_timelines", "context_sweep", "headline", "picker", "CUBLAS_LABEL",
            "cublas_stack"]
 
@@ -412,12 +413,25 @@ def rates_plot(r: pd.DataFrame, title: str):
     return plots.finish(fig)
 
 
-def breakdown(figs: dict, comm_us: float) -> pd.DataFrame:
-    """us per token by category (and the modeled all-reduces), one column per stack."""
+FLOOR_LABEL = "bytes floor"
+
+
+def breakdown(figs: dict, comm_us: float, fl: dict | None = None) -> pd.DataFrame:
+    """us per token by category (and the modeled all-reduces), one column per stack; with the
+    token's :func:`floor` ``fl``, a last column :data:`FLOOR_LABEL`: each category's bytes over
+    the copy bandwidth (0 for the launch gaps and the all-reduces), so that a category's excess
+    over its bytes reads off its row."""
     cols = {}
     for label, f in figs.items():
         cols[label] = {**f.categories, "all-reduce (modeled)": comm_us}
-    return pd.DataFrame(cols)
+    out = pd.DataFrame(cols)
+    if fl is not None:
+        unknown = set(fl["bytes"]) - set(out.index)
+        if unknown:
+            raise ValueError(f"fl: bytes of categories the stacks do not have: {sorted(unknown)}")
+        out[FLOOR_LABEL] = [fl["bytes"].get(c, 0.0) / fl["copy bandwidth"] * 1e6
+                            for c in out.index]
+    return out
 
 
 def _tick_labels(labels) -> list[str]:
