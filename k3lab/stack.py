@@ -466,6 +466,7 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
             gc = (replace(gc, pdl=True, wait_last=True) if gc is not None else
                   wait_last_config(x.shape[0], d, x.shape[1]) if beside else
                   wait_last_config(x.shape[0], d + s2 // 2, x.shape[1], gated=True))
+            gc = replace(gc, trigger_last=moe_cfg.front_triggers_last)
         if beside:
             z, shared_a = dense_gemv(x, w["latent_down"], config=gc), None
         else:
@@ -486,9 +487,11 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
     if pair:
         # moe_block's pair: stage 1 zeroes stage 2's accumulator, stage 2 follows by PDL; stage
         # 1 by PDL too where the plan was written two launches earlier (the handoff's route)
-        # (not after an overlapping front: stage 1 reads the plan before its PDL wait)
+        # (after an overlapping front only if it lets stage 1 start after its wait for the
+        # route: stage 1 reads the plan before its PDL wait)
         y = k.moe_experts(z, plan, experts["w13"], experts["w2"], **act,
-                          pdl=handoff and not overlap, config=run.configs.moe,
+                          pdl=handoff and (not overlap or moe_cfg.front_triggers_last),
+                          config=run.configs.moe,
                           **(dict(shared_x=x, shared_w13=w["shared_w13"]) if beside else {}))
         if beside:
             y, shared_a = y

@@ -27,6 +27,9 @@ class GemvConfig:
         the next launch start, runs, and waits for the previous grid only before it exits, so
         it overlaps a previous grid that lets its dependents start early, and its end still
         implies the previous grid's.
+    trigger_last: (wait_last only) a program lets the next launch start only after its final
+        wait, so that launch may read, before its own PDL wait, what the grid before this one
+        wrote (the route's plan, for an expert stage after a front that overlaps the route).
     gate_up_together: with a gate/up activation, the gate and up rows stream in one K loop
         (two weight tiles a step) instead of one loop each.
     unroll_k: a K share's steps are unrolled, every step's loads independent and issued at
@@ -43,6 +46,7 @@ class GemvConfig:
     pdl: bool = False
     prefetch_steps: int = 2
     wait_last: bool = False
+    trigger_last: bool = False
     gate_up_together: bool = False
     unroll_k: bool = False
 
@@ -64,7 +68,10 @@ class GemvConfig:
         if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
-        for name in ("pdl", "wait_last", "gate_up_together", "unroll_k"):
+        for name in ("pdl", "wait_last", "trigger_last", "gate_up_together", "unroll_k"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name}: expected a bool, got "
                                  f"{getattr(self, name)!r}")
+        if self.trigger_last and not self.wait_last:
+            raise ValueError("GemvConfig.trigger_last: expected only with wait_last=True (a "
+                             "launch that waits first lets the next one start after its wait)")

@@ -229,7 +229,7 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
           NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
           DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
           NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-          UNROLL: tl.constexpr):
+          UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns.
     GATE_UP_TOGETHER: with ACT, the gate and up rows stream in one K loop (else one loop
     each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales)."""
@@ -246,7 +246,8 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
                 _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
         if not WAIT_LAST:
             gdc_wait()
-        gdc_launch_dependents()
+        if not TRIGGER_LAST:
+            gdc_launch_dependents()
     b_res = 0.0  # the residual, loaded before the K loop so its latency hides behind it
     if RESIDUAL and SPLIT_K == 1:
         b_res = _residual(p_res, o_m, m_m, o_n, m_n, N)
@@ -288,6 +289,8 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
                   linear_beta, ACT, NORM, RESIDUAL, DUAL, True)
     if PDL and WAIT_LAST:
         gdc_wait()
+        if TRIGGER_LAST:  # the next launch starts once every program has seen the previous end
+            gdc_launch_dependents()
 
 
 @triton.jit
@@ -300,7 +303,7 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
                       DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                       WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-                      UNROLL: tl.constexpr):
+                      UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
@@ -308,6 +311,7 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
     MIXED: tiles [0, T0) are N plain rows (output [M, N]); tiles from T0 are the activation's NG
     outputs (weight rows N.. gate, N + NG.. up; output [M, NG] after the first).
     UNROLL: K steps of a share, unrolled (0: a pipelined loop).
+    TRIGGER_LAST (with WAIT_LAST): programs let the next launch start after their final wait.
     SCALED (plain rows only): the weight is e4m3 with one fp32 scale per row at p_sc."""
     i_n = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -317,15 +321,17 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
                   p_ws + SPLIT_K * M * N, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3, b4, b5, b6, b7,
                   M, NG, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, False, BLOCK_M,
                   BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL,
-                  PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL)
+                  PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL,
+                  TRIGGER_LAST)
         else:
             _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1,
                   b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta,
                   linear_beta, False, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1,
                   False, DOT_FP32, PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER,
-                  UNROLL)
+                  UNROLL, TRIGGER_LAST)
     else:
         _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3,
               b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, SCALED,
               BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
-              PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL)
+              PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL,
+                  TRIGGER_LAST)

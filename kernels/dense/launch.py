@@ -224,7 +224,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         N_SEG=len(bounds), DUAL=x2 is not None, MIXED=mixed, DOT_FP32=INTERPRETED, PDL=pdl,
         PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,
         WAIT_LAST=pdl and config.wait_last, GATE_UP_TOGETHER=config.gate_up_together,
-        UNROLL=unroll,
+        UNROLL=unroll, TRIGGER_LAST=pdl and config.wait_last and config.trigger_last,
         num_warps=config.num_warps,
         **({"launch_pdl": True} if pdl else {}))
     if mixed:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..dense import GemvConfig, dense_gemv
@@ -232,10 +234,15 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     return tail[2]
 
 
-def _front_config(m: int, rows: int, k: int, gated: bool, overlap: bool) -> GemvConfig | None:
+def _front_config(m: int, rows: int, k: int, gated: bool, overlap: bool,
+                  config: MoEConfig) -> GemvConfig | None:
     """A front GEMV's tiling: the dense defaults; after an early-dependents route, waiting for
-    it only at the end (``GemvConfig.wait_last``)."""
-    return wait_last_config(m, rows, k, gated) if overlap else None
+    it only at the end (``GemvConfig.wait_last``), and with ``config.front_triggers_last``
+    letting the next launch start only after that wait."""
+    if not overlap:
+        return None
+    return dataclasses.replace(wait_last_config(m, rows, k, gated),
+                               trigger_last=config.front_triggers_last)
 
 
 def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic, config,
@@ -252,7 +259,8 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     a_s = None
     beside = bool(s) and config.shared_beside_stage1
     if not s or beside:
-        z = dense_gemv(x, weights["latent_down"], config=_front_config(m, d, h, False, overlap))
+        z = dense_gemv(x, weights["latent_down"],
+                       config=_front_config(m, d, h, False, overlap, config))
     elif "front" in weights:
         front = weights["front"]
         check_tensor("front", front, dtypes=(torch.bfloat16,), dim=2, device=x.device)
@@ -261,16 +269,19 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
                              f"down rows, then shared gate and up rows), got {list(front.shape)}")
         z, a_s = dense_gemv(x, front, splits=(d, 2 * s), activation=cfg.activation,
                             situ_beta=betas[0], situ_linear_beta=betas[1],
-                            config=_front_config(m, d + s, h, True, overlap))
+                            config=_front_config(m, d + s, h, True, overlap, config))
     else:
-        z = dense_gemv(x, weights["latent_down"], config=_front_config(m, d, h, False, overlap))
+        z = dense_gemv(x, weights["latent_down"],
+                       config=_front_config(m, d, h, False, overlap, config))
         a_s = dense_gemv(x, weights["shared_w13"], activation=cfg.activation,
                          situ_beta=betas[0], situ_linear_beta=betas[1],
-                         config=_front_config(m, s, h, True, overlap))
+                         config=_front_config(m, s, h, True, overlap, config))
     # Stage 1 reads the plan before its PDL wait, which is safe only if its predecessor waited
-    # for the route before letting it start: an overlapping front (wait_last) does not.
+    # for the route before letting it start: an overlapping front (wait_last) does so only
+    # with front_triggers_last.
     y = moe_experts(z, plan, w13, w2, activation=cfg.activation, situ_beta=betas[0],
-                    situ_linear_beta=betas[1], deterministic=deterministic, pdl=not overlap,
+                    situ_linear_beta=betas[1], deterministic=deterministic,
+                    pdl=not overlap or config.front_triggers_last,
                     config=config, **(dict(shared_x=x, shared_w13=weights["shared_w13"])
                                       if beside else {}))
     if beside:

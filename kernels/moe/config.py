@@ -82,6 +82,10 @@ class MoEConfig:
             the dense front launch start at once and the front waits for the route only before
             its programs exit: the two read x alone, so the front streams its weights while
             the route's GEMV and selection run (stage 1 still waits for both).
+        front_triggers_last: with front_overlaps_route, the front lets the next launch start
+            only after it has waited for the route (``GemvConfig.trigger_last``), so the expert
+            pair after it launches by PDL (stage 1 reads the plan before its wait) instead of
+            plainly: stage 1's launch and plan read overlap the front's end.
         shared_beside_stage1: with dense_projections, the front is the latent down alone and
             the shared experts' gate/up runs as its own launch between stage 1 and stage 2
             (``moe_experts(shared_x=...)``), overlapping stage 1 (compiled, pdl): one launch
@@ -115,12 +119,14 @@ class MoEConfig:
     interpret_gpu_tiles: bool = False
     dense_projections: bool = False
     front_overlaps_route: bool = True
+    front_triggers_last: bool = False
     shared_beside_stage1: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
-                     "dense_projections", "front_overlaps_route", "shared_beside_stage1"):
+                     "dense_projections", "front_overlaps_route", "front_triggers_last",
+                     "shared_beside_stage1"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)

@@ -210,6 +210,9 @@ def main() -> dict:
     attempt("dense wait_last", lambda: dense_gemv(
         torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16),
         config=GemvConfig(block_n=8, pdl=True, wait_last=True)))
+    attempt("dense wait_last, trigger_last", lambda: dense_gemv(
+        torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16),
+        config=GemvConfig(block_n=8, split_k=2, pdl=True, wait_last=True, trigger_last=True)))
     kd = boundaries.get("kda")
     ki = kd.make_inputs(k3, cpu, 0)
     for name in ("fused", "fused+conv+out_gate"):

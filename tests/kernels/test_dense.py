@@ -381,7 +381,9 @@ def test_bad_input_is_a_clear_error(kw, msg, device):
     (dict(block_n=24), "block_n"), (dict(block_n=2), "block_n"), (dict(block_k=8), "block_k"),
     (dict(split_k=0), "split_k"), (dict(prefetch_steps=9), "prefetch_steps"),
     (dict(num_warps=3), "num_warps"), (dict(pdl=1), "pdl"), (dict(wait_last=None), "wait_last"),
-    (dict(gate_up_together=1), "gate_up_together"), (dict(unroll_k="yes"), "unroll_k")])
+    (dict(gate_up_together=1), "gate_up_together"), (dict(unroll_k="yes"), "unroll_k"),
+    (dict(pdl=True, wait_last=True, trigger_last=1), "trigger_last"),
+    (dict(pdl=True, trigger_last=True), "trigger_last: expected only with wait_last")])
 def test_bad_config(kw, msg):
     with pytest.raises(ValueError, match=f"GemvConfig.{msg}"):
         GemvConfig(**kw)

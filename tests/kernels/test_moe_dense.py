@@ -120,17 +120,19 @@ def test_dense_projections_k3_tp8_graph(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("field", ["front_overlaps_route", "shared_beside_stage1"])
+@pytest.mark.parametrize("field", ["front_overlaps_route", "shared_beside_stage1",
+                                   "front_triggers_last"])
 def test_overlapping_launches_change_nothing(field):
     """K3 tp 8, MXFP4, routing in the block, deterministic stage 2: the front launched while the
-    route runs (MoEConfig.front_overlaps_route) and the shared gate/up launched beside stage 1
-    (shared_beside_stage1; the same tiles' sums) each give the bitwise output of the other
-    order, eager and in a CUDA graph of 16 calls on distinct x replayed 20 times."""
+    route runs (MoEConfig.front_overlaps_route), the shared gate/up launched beside stage 1
+    (shared_beside_stage1; the same tiles' sums) and the expert pair launched by PDL after an
+    overlapping front (front_triggers_last) each give the bitwise output of the field off,
+    eager and in a CUDA graph of 16 calls on distinct x replayed 20 times."""
     cfg = preset("kimi-k3", 8)
     dev = torch.device("cuda")
     inp = _inputs(cfg, dev, 1, "mxfp4")
     xs = [_inputs(cfg, dev, 1, "mxfp4", seed=s)["x"] for s in range(16)]
-    configs = {o: MoEConfig(dense_projections=True, front_overlaps_route=o) for o in (False, True)}
+    configs = {o: MoEConfig(dense_projections=True, **{field: o}) for o in (False, True)}
     w = inp["weights"].for_kernels(configs[True])
 
     def run(x, overlap):
