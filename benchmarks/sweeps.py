@@ -300,6 +300,12 @@ _SWEEPS = [
           "the expert pair start (by PDL) only after its wait for the route (fused+dense, with "
           "routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
+    Sweep("ahead", "moe",
+          ({}, {"stage1_ahead": True}, {"stage2_ahead": True},
+           {"stage1_ahead": True, "stage2_ahead": True}),
+          "the expert stages' tensor-core tiles loading each K iteration's weight words one "
+          "iteration early (fused+dense, with routing)",
+          variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("shared_beside", "moe",
           grid(({"M": 1}, {"M": 4}), ({}, {"shared_beside_stage1": True})),
           "the shared experts' gate/up in the front launch against a launch of its own "
