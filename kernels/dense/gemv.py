@@ -333,5 +333,4 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
         _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3,
               b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, SCALED,
               BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
-              PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL,
-                  TRIGGER_LAST)
+              PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST)
