@@ -294,17 +294,12 @@ _SWEEPS = [
           variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
           config=("moe.persistent_config", "PersistentMoEConfig")),
     Sweep("front_overlap", "moe",
-          ({"front_overlaps_route": False}, {"front_overlaps_route": True},
+          ({"front_overlaps_route": False},
+           {"front_overlaps_route": True, "front_triggers_last": False},
            {"front_overlaps_route": True, "front_triggers_last": True}),
           "the dense front launched after route_sort against while it runs, and then letting "
           "the expert pair start (by PDL) only after its wait for the route (fused+dense, with "
           "routing)",
-          variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
-    Sweep("ahead", "moe",
-          ({}, {"stage1_ahead": True}, {"stage2_ahead": True},
-           {"stage1_ahead": True, "stage2_ahead": True}),
-          "the expert stages' tensor-core tiles loading each K iteration's weight words one "
-          "iteration early (fused+dense, with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("shared_beside", "moe",
           grid(({"M": 1}, {"M": 4}), ({}, {"shared_beside_stage1": True})),

@@ -237,8 +237,7 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
 
 def test_moe_launch_choices_meet_the_truth(device):
     """Every MoE launch choice of the table (overlaps, the shared gate/up beside stage 1, the
-    expert pair by PDL, stage 1 a step ahead) runs the full stack's token within the truth's
-    tolerance."""
+    expert pair plain) runs the full stack's token within the truth's tolerance."""
     from k3lab import kernels
 
     cfg = preset("tiny")
@@ -247,7 +246,7 @@ def test_moe_launch_choices_meet_the_truth(device):
     base = study.configs_for(device)
     choices = {label: dataclasses.replace(base, moe=kernels.MoEConfig(**changes))
                for label, field, _, changes in study.CONFIG_CHOICES if field == "moe"}
-    assert len(choices) == 4
+    assert len(choices) == 3
     check = study.check_token(tok, dict.fromkeys(choices, full), choices, 4)
     assert check["ok"].all(), check
 
@@ -307,8 +306,8 @@ def test_launch_choices_on_the_gpu(device):
 def test_gpu_moe_front_overlapping_the_route_gives_the_sequential_logits(device):
     """The full stack's merged MoE front overlaps route_sort (MoEConfig.front_overlaps_route,
     the default): the token's logits equal, bit for bit, those of the front launched after the
-    route, and those with the expert pair by PDL after the front (front_triggers_last), eager
-    and over replays of one captured token."""
+    route, and those with the expert pair launched plainly after the front
+    (front_triggers_last off), eager and over replays of one captured token."""
     from k3lab.kernels import MoEConfig
 
     cfg = preset("tiny")
@@ -318,7 +317,7 @@ def test_gpu_moe_front_overlapping_the_route_gives_the_sequential_logits(device)
     snap = study._snapshot(tok)
     logits = {}
     orders = {"after": MoEConfig(front_overlaps_route=False), "overlap": MoEConfig(),
-              "overlap, pair by PDL": MoEConfig(front_triggers_last=True)}
+              "overlap, pair plain": MoEConfig(front_triggers_last=False)}
     for overlap, moe_config in orders.items():
         configs = dataclasses.replace(base, moe=moe_config)
         study._restore(tok, snap)
@@ -333,7 +332,7 @@ def test_gpu_moe_front_overlapping_the_route_gives_the_sequential_logits(device)
             torch.cuda.synchronize()
             assert torch.equal(out, logits[overlap])
     assert torch.equal(logits["overlap"], logits["after"])
-    assert torch.equal(logits["overlap, pair by PDL"], logits["after"])
+    assert torch.equal(logits["overlap, pair plain"], logits["after"])
 
 
 def test_fp8_latent_tail_runs_the_persistent_variant_with_the_fp8_tail(device, monkeypatch):

@@ -261,10 +261,8 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                    {"front_overlaps_route": False}),
                   ("MoE shared gate/up beside stage 1", "moe", "MoEConfig",
                    {"shared_beside_stage1": True}),
-                  ("MoE expert pair by PDL after the front", "moe", "MoEConfig",
-                   {"front_triggers_last": True}),
-                  ("MoE stage 1 loading a K step ahead", "moe", "MoEConfig",
-                   {"stage1_ahead": True}))
+                  ("MoE expert pair plain after the front", "moe", "MoEConfig",
+                   {"front_triggers_last": False}))
 # Changes of the catalogue timed in the token on top of the full stack, each alone with the
 # configs given: (label, the change). A change joins the integration stack once measured here.
 STACK_CHOICES = (("FP8 latent tail (#18) in the fused tail's dense GEMV", "fp8-latent-tail"),)

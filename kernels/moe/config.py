@@ -58,9 +58,6 @@ class MoEConfig:
         stage1_evict_first, stage2_evict_first: the tensor-core tiles load that stage's expert
             weights with eviction_policy "evict_first" (read once; L2 is left to what is read or
             added to again).
-        stage1_ahead, stage2_ahead: the tensor-core tiles of that stage load each K
-            iteration's weight words one iteration early, into registers (mma.py's ``AHEAD``):
-            a warp's next loads are in flight while it decodes and multiplies.
         x_prepared: the tensor-core tiles read the activations already permuted and scaled
             (mma_prepare_x) where the caller has such a copy; moe_block has the producers
             write them.
@@ -88,7 +85,8 @@ class MoEConfig:
         front_triggers_last: with front_overlaps_route, the front lets the next launch start
             only after it has waited for the route (``GemvConfig.trigger_last``), so the expert
             pair after it launches by PDL (stage 1 reads the plan before its wait) instead of
-            plainly: stage 1's launch and plan read overlap the front's end.
+            plainly: stage 1's launch and plan read overlap the front's end. False: the pair
+            launches plainly after the front.
         shared_beside_stage1: with dense_projections, the front is the latent down alone and
             the shared experts' gate/up runs as its own launch between stage 1 and stage 2
             (``moe_experts(shared_x=...)``), overlapping stage 1 (compiled, pdl): one launch
@@ -109,8 +107,6 @@ class MoEConfig:
     stage2_mma_tile: tuple[int, int, int] | None = None
     stage1_evict_first: bool = False
     stage2_evict_first: bool = True
-    stage1_ahead: bool = False
-    stage2_ahead: bool = False
     x_prepared: bool = True
     pdl: bool = True
     stage1_klane_stages: int = 3
@@ -124,12 +120,11 @@ class MoEConfig:
     interpret_gpu_tiles: bool = False
     dense_projections: bool = False
     front_overlaps_route: bool = True
-    front_triggers_last: bool = False
+    front_triggers_last: bool = True
     shared_beside_stage1: bool = False
 
     def __post_init__(self):
-        for name in ("mma", "stage1_evict_first", "stage2_evict_first", "stage1_ahead",
-                     "stage2_ahead", "x_prepared", "pdl",
+        for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
                      "dense_projections", "front_overlaps_route", "front_triggers_last",
                      "shared_beside_stage1"):
@@ -149,9 +144,6 @@ class MoEConfig:
 
     def evict_first(self, stage: int) -> bool:
         return self.stage1_evict_first if stage == 1 else self.stage2_evict_first
-
-    def ahead(self, stage: int) -> bool:
-        return self.stage1_ahead if stage == 1 else self.stage2_ahead
 
     def klane_stages(self, stage: int) -> int:
         return self.stage1_klane_stages if stage == 1 else self.stage2_klane_stages

@@ -80,8 +80,7 @@ def _expert_constexprs(config: MoEConfig, w, t: ExpertTiles, stage: int,
     """The expert GEMV's constexprs: format, tensor-core tile (or K-lane stages), flags."""
     r, warps_k, prefetch = t.mma or (1, 1, 0)
     return dict(FP4=isinstance(w, MXFP4), USE_MMA=t.mma is not None, R=r, WARPS_K=warps_k,
-                L2_PREFETCH=prefetch, AHEAD=t.mma is not None and config.ahead(stage),
-                X_PREPARED=x_prepared,
+                L2_PREFETCH=prefetch, X_PREPARED=x_prepared,
                 EVICT_FIRST=t.mma is not None and config.evict_first(stage),
                 ASM=not INTERPRETED, KLANE_STAGES=t.klane_stages)
 

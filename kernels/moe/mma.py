@@ -244,43 +244,10 @@ def _x_operand(p_x, o_w, o_u, m_x, ASM: tl.constexpr, X_PREPARED: tl.constexpr):
 
 
 @triton.jit
-def _step_words(p_w, row0_i, ROW_R, grp, it, wk, n_steps, K_WORDS, t_lo0, t_hi0, t_lo1, t_hi1,
-                m_lo0, m_hi0, m_lo1, m_hi1, R: tl.constexpr, WARPS_K: tl.constexpr,
-                W_TILED: tl.constexpr, W_EVICT_FIRST: tl.constexpr):
-    """The weight words of K iteration ``it`` of the thread's row tiles: (rows g, g + 8) of tile
-    0 and of tile 1 (tile 0's again where R is 1), zeros past the K steps."""
-    step = it * WARPS_K + wk
-    o_w = step * 32 + 4 * grp
-    m_w = (step < n_steps) & (o_w < K_WORDS)
-    p_lo, p_hi = _word_ptrs(p_w, row0_i, o_w, step, K_WORDS, t_lo0, t_hi0, W_TILED)
-    b_lo0, b_hi0 = _load_words(p_lo, p_hi, m_lo0, m_hi0, m_w, W_EVICT_FIRST)
-    b_lo1, b_hi1 = b_lo0, b_hi0
-    if R == 2:
-        p_lo, p_hi = _word_ptrs(p_w, row0_i + ROW_R, o_w, step, K_WORDS, t_lo1, t_hi1, W_TILED)
-        b_lo1, b_hi1 = _load_words(p_lo, p_hi, m_lo1, m_hi1, m_w, W_EVICT_FIRST)
-    return b_lo0, b_hi0, b_lo1, b_hi1
-
-
-@triton.jit
-def _step_scales(p_s, q_row, m_q, o_q, q_wk, it, n_steps, N_GROUPS, R: tl.constexpr,
-                 WARPS_K: tl.constexpr):
-    """The E8M0 scales [128, R, 4] int32 of K iteration ``it`` in D's layout (0 past the K
-    steps)."""
-    q_step = it * WARPS_K + q_wk
-    q_grp = q_step * 8 + 2 * (o_q % 4)  # [128]: group of clo = 0
-    p_q = p_s + q_row * N_GROUPS + q_grp[:, None, None]
-    m_g = (q_step < n_steps)[:, None, None] & (q_grp[:, None, None] < N_GROUPS)
-    b_s0 = tl.load(p_q, mask=m_q & m_g, other=0).to(tl.int32)
-    b_s1 = tl.load(p_q + 1, mask=m_q & m_g, other=0).to(tl.int32)
-    return tl.reshape(tl.join(b_s0, b_s1), [128, R, 4])
-
-
-@triton.jit
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, ASM: tl.constexpr,
                  PREFETCH: tl.constexpr = 0, X_PREPARED: tl.constexpr = False, factor=1.0,
-                 W_EVICT_FIRST: tl.constexpr = False, W_TILED: tl.constexpr = False,
-                 AHEAD: tl.constexpr = False):
+                 W_EVICT_FIRST: tl.constexpr = False, W_TILED: tl.constexpr = False):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = factor * (w[row0 + r * ROW_R + j] . x), 0 for
     rows at or past row_lim + r * LIM_R (factor, fp32: multiplies every group's E8M0 factor).
 
@@ -295,11 +262,7 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     X_PREPARED: p_x holds mma_prepare_x(x) (the B pairs, already times 2^100): no permute and
     scale a step. W_EVICT_FIRST: the weight loads are "evict_first". W_TILED: p_w holds the
     codes in MXFP4's tiled layout (rows a multiple of 16, K of 256), where each of a warp's
-    16-byte loads reads 512 contiguous bytes. AHEAD: each K iteration loads the next
-    iteration's weight words into registers (the first before the loop), so that their
-    latency hides behind this iteration's decode and mmas instead of opening each iteration
-    (the scales too cost about 40 registers more at K3 tp 8: offline sm_90 builds). Launch
-    with 4 warps."""
+    16-byte loads reads 512 contiguous bytes. Launch with 4 warps."""
     WN: tl.constexpr = 4 // WARPS_K
     K_WORDS = N_GROUPS * 4
     n_steps = tl.cdiv(K_WORDS, 32)  # 32 words = 256 elements = 8 groups a step
@@ -336,10 +299,6 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         t_lo1 = tiled_word_offset(row0_i + ROW_R, 4 * grp, K_WORDS)
         t_hi1 = tiled_word_offset(row0_i + ROW_R + 8, 4 * grp, K_WORDS)
     acc = tl.zeros([128, R, 4], dtype=tl.float32)
-    if AHEAD:  # iteration 0's weight words
-        n_lo0, n_hi0, n_lo1, n_hi1 = _step_words(
-            p_w, row0_i, ROW_R, grp, 0, wk, n_steps, K_WORDS, t_lo0, t_hi0, t_lo1, t_hi1,
-            m_lo0, m_hi0, m_lo1, m_hi1, R, WARPS_K, W_TILED, W_EVICT_FIRST)
     for it in tl.range(0, tl.cdiv(n_steps, WARPS_K)):
         if PREFETCH > 0 and ASM:
             pf_step = (it + PREFETCH) * WARPS_K + q_wk  # [128]
@@ -354,33 +313,26 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         m_w = (step < n_steps) & (o_w < K_WORDS)
         b_a, b_b, b_c, b_d, x0, x1, x2, x3 = _x_operand(p_x, o_w, o_u, m_w & (g == grp), ASM,
                                                         X_PREPARED)
-        if AHEAD:  # this iteration's words were loaded one iteration ago; load the next's
-            b_lo0, b_hi0, b_lo1, b_hi1 = n_lo0, n_hi0, n_lo1, n_hi1
-            b_s = _step_scales(p_s, q_row, m_q, o_q, q_wk, it, n_steps, N_GROUPS, R, WARPS_K)
-            n_lo0, n_hi0, n_lo1, n_hi1 = _step_words(
-                p_w, row0_i, ROW_R, grp, it + 1, wk, n_steps, K_WORDS, t_lo0, t_hi0, t_lo1,
-                t_hi1, m_lo0, m_hi0, m_lo1, m_hi1, R, WARPS_K, W_TILED, W_EVICT_FIRST)
-            d = _mma(b_lo0, b_hi0, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
-            if R == 2:
-                d1 = _mma(b_lo1, b_hi1, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
-                d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
-            else:
-                d = d[:, None, :]
+        # row tile 0 (and 1): the B registers serve both
+        p_lo, p_hi = _word_ptrs(p_w, row0_i, o_w, step, K_WORDS, t_lo0, t_hi0, W_TILED)
+        b_lo, b_hi = _load_words(p_lo, p_hi, m_lo0, m_hi0, m_w, W_EVICT_FIRST)
+        d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
+        if R == 2:
+            p_lo, p_hi = _word_ptrs(p_w, row0_i + ROW_R, o_w, step, K_WORDS, t_lo1, t_hi1,
+                                    W_TILED)
+            b_lo, b_hi = _load_words(p_lo, p_hi, m_lo1, m_hi1, m_w, W_EVICT_FIRST)
+            d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
+            d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
         else:
-            # row tile 0 (and 1): the B registers serve both
-            p_lo, p_hi = _word_ptrs(p_w, row0_i, o_w, step, K_WORDS, t_lo0, t_hi0, W_TILED)
-            b_lo, b_hi = _load_words(p_lo, p_hi, m_lo0, m_hi0, m_w, W_EVICT_FIRST)
-            d = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
-            if R == 2:
-                p_lo, p_hi = _word_ptrs(p_w, row0_i + ROW_R, o_w, step, K_WORDS, t_lo1, t_hi1,
-                                        W_TILED)
-                b_lo, b_hi = _load_words(p_lo, p_hi, m_lo1, m_hi1, m_w, W_EVICT_FIRST)
-                d1 = _mma(b_lo, b_hi, b_a, b_b, b_c, b_d, x0, x1, x2, x3, ASM, X_PREPARED)
-                d = tl.permute(tl.join(d, d1), [0, 2, 1])  # [256, R, 4]
-            else:
-                d = d[:, None, :]
-            b_s = _step_scales(p_s, q_row, m_q, o_q, q_wk, it, n_steps, N_GROUPS, R, WARPS_K)
+            d = d[:, None, :]
         d = tl.sum(tl.reshape(d, [2, 128, R, 4]), axis=0)  # the two halves' groups
+        q_step = it * WARPS_K + q_wk
+        q_grp = q_step * 8 + 2 * (o_q % 4)  # [128]: group of clo = 0
+        p_q = p_s + q_row * N_GROUPS + q_grp[:, None, None]
+        m_g = (q_step < n_steps)[:, None, None] & (q_grp[:, None, None] < N_GROUPS)
+        b_s0 = tl.load(p_q, mask=m_q & m_g, other=0).to(tl.int32)
+        b_s1 = tl.load(p_q + 1, mask=m_q & m_g, other=0).to(tl.int32)
+        b_s = tl.reshape(tl.join(b_s0, b_s1), [128, R, 4])
         acc += d * (((b_s + SCALE_BIAS) << 23).to(tl.float32, bitcast=True) * factor)
     # rows: sum over the K warps, the lanes' groups t and the element's column half clo
     y = tl.sum(tl.reshape(acc, [WN, WARPS_K, 8, 4, R, 2, 2]), axis=6)

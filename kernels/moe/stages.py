@@ -4,8 +4,8 @@ Stages 1 and 2 consume the route plan as is: programs walk the expert-sorted ``s
 tiles of ``block_m`` entries of one expert, so tokens sharing an expert read its weights once a
 tile. Expert weights are bf16 (``FP4`` False) or MXFP4, then either K-lane tiles or, for plan
 tiles of one token, the tensor-core tiles of mma.py (``USE_MMA``, with the tile's ``R``,
-``WARPS_K``, ``L2_PREFETCH``, ``AHEAD``). ``PDL``: the kernel was launched with programmatic
-dependent launch; it reads only the plan (written two or more launches earlier) before
+``WARPS_K``, ``L2_PREFETCH``). ``PDL``: the kernel was launched with programmatic dependent
+launch; it reads only the plan (written two or more launches earlier) before
 ``griddepcontrol.wait``.
 """
 
@@ -91,7 +91,7 @@ def _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT: tl.constexpr,
 def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_ap, p_out,
                        p_sync, n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta,
                        linear_beta, ACT: tl.constexpr, FP4: tl.constexpr, USE_MMA: tl.constexpr,
-                       WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
+                       WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr,
                        X_PREPARED: tl.constexpr, EVICT_FIRST: tl.constexpr, ASM: tl.constexpr,
                        KLANE_STAGES: tl.constexpr, ZERO_OUT: tl.constexpr,
                        ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -126,8 +126,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
         if USE_MMA:  # tensor-core tiles: BLOCK_N gate rows and their up rows (R = 2)
             p_x = p_z + tl.sum(tl.where(m_ent, b_tok, 0)) * D_PAIRS
             b_gu = fp4_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16, 2,
-                                WARPS_K, ASM, L2_PREFETCH, X_PREPARED, 1.0, EVICT_FIRST, TILED,
-                                AHEAD)
+                                WARPS_K, ASM, L2_PREFETCH, X_PREPARED, 1.0, EVICT_FIRST, TILED)
             b_g, b_u = tl.split(tl.permute(b_gu, [1, 0]))
             b_a = act(b_g, b_u, beta, linear_beta, ACT)[None, :]
         else:
@@ -185,8 +184,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                  p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS, n_d_tiles,
                  p_sync, n_zero, ZERO_Y: tl.constexpr, ZERO_BLOCK: tl.constexpr,
                  FP4: tl.constexpr, USE_MMA: tl.constexpr, R: tl.constexpr,
-                 WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
-                 X_PREPARED: tl.constexpr,
+                 WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr, X_PREPARED: tl.constexpr,
                  EVICT_FIRST: tl.constexpr, ASM: tl.constexpr, KLANE_STAGES: tl.constexpr,
                  DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr, PDL: tl.constexpr,
@@ -233,8 +231,7 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                 b_w = tl.full([BLOCK_M], 1.0, tl.float32)  # applied in the factors
                 b_p = tl.reshape(fp4_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, BLOCK_N // R, D, 0,
                                               I_PAIRS // 16, R, WARPS_K, ASM, L2_PREFETCH,
-                                              X_PREPARED, w_in, EVICT_FIRST, TILED,
-                                              AHEAD),
+                                              X_PREPARED, w_in, EVICT_FIRST, TILED),
                                  [1, BLOCK_N])
             else:
                 b_p = expert_gemv(p_a, b_ent, m_ent, p_we, p_se, o_n, m_n, I_PAIRS, BLOCK_M,
@@ -305,7 +302,7 @@ def _moe_stage2_tail_kernel(
         p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync, M, H, S_PAIRS, eps, n_zero,
         STAGE2: tl.constexpr, TAIL: tl.constexpr, ZERO_Y: tl.constexpr,
         ZERO_BLOCK: tl.constexpr, FP4: tl.constexpr, USE_MMA: tl.constexpr,
-        R: tl.constexpr, WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr, AHEAD: tl.constexpr,
+        R: tl.constexpr, WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr,
         X_PREPARED: tl.constexpr, EVICT_FIRST: tl.constexpr, ASM: tl.constexpr,
         KLANE_STAGES: tl.constexpr, DETERMINISTIC: tl.constexpr, BLOCK_M2: tl.constexpr,
         BLOCK_N2: tl.constexpr, BLOCK_KP2: tl.constexpr, LATENT: tl.constexpr,
@@ -327,7 +324,7 @@ def _moe_stage2_tail_kernel(
             _stage2_tile(i_t, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_num_valid,
                          p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D, I_PAIRS,
                          n_d_tiles, p_sync, n_zero, False, ZERO_BLOCK, FP4, USE_MMA, R, WARPS_K,
-                         L2_PREFETCH, AHEAD, X_PREPARED,
+                         L2_PREFETCH, X_PREPARED,
                          EVICT_FIRST, ASM, KLANE_STAGES, DETERMINISTIC, BLOCK_M2, BLOCK_N2,
                          BLOCK_KP2, TOKEN_LOOP, False, TILED)
             tl.debug_barrier()  # every thread's adds issued before the release below
@@ -340,7 +337,7 @@ def _moe_stage2_tail_kernel(
         _stage2_tile(tl.program_id(0), p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
                      p_num_valid, p_topk_ids, p_topk_w, p_y, n_entries, block_m, top_k, D,
                      I_PAIRS, n_d_tiles, p_sync, n_zero, ZERO_Y, ZERO_BLOCK, FP4, USE_MMA, R,
-                     WARPS_K, L2_PREFETCH, AHEAD, X_PREPARED,
+                     WARPS_K, L2_PREFETCH, X_PREPARED,
                      EVICT_FIRST, ASM, KLANE_STAGES, DETERMINISTIC, BLOCK_M2, BLOCK_N2,
                      BLOCK_KP2, TOKEN_LOOP, PDL, TILED)
     else:

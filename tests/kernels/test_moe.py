@@ -177,8 +177,7 @@ def test_reference_matches_dense(changes, fmt):
     ("stage1_klane_stages", -1), ("stage2_klane_stages", 8), ("klane_words", 48),
     ("klane_words", 2), ("klane_rows", 0), ("target_programs", 0),
     ("front_target_programs", 2.5), ("stage2_evict_first", "no"), ("tiled_weights", None),
-    ("front_overlaps_route", 1), ("front_triggers_last", "on"), ("shared_beside_stage1", 0),
-    ("stage1_ahead", 1), ("stage2_ahead", None)])
+    ("front_overlaps_route", 1), ("front_triggers_last", "on"), ("shared_beside_stage1", 0)])
 def test_bad_config(field, value):
     """A bad MoEConfig field is a ValueError naming it, before anything runs."""
     with pytest.raises(ValueError, match=f"^{field}: expected"):
@@ -281,10 +280,6 @@ VARIANTS = {
                                       stage2_mma_tile=(1, 4, 2)),
     "mma-r1wk1": dataclasses.replace(MMA_TILES, stage1_mma_tile=(2, 2, 1),
                                      stage2_mma_tile=(1, 1, 1)),
-    "mma-ahead": dataclasses.replace(MMA_TILES, stage1_ahead=True, stage2_ahead=True),
-    "mma-wk4-ahead": dataclasses.replace(MMA_TILES, stage1_mma_tile=(2, 4, 0),
-                                         stage2_mma_tile=(2, 4, 0), stage1_ahead=True,
-                                         stage2_ahead=True),
 }
 VARIANT_CASES = [(c, v) for c in STAGE_CASES if c[0] in ("M1-bm1-mxfp4", "M3-bm4-mxfp4-crowd")
                  for v in ("klane", "klane-stages")] + [

@@ -24,26 +24,25 @@ ATOL, RTOL = 1e-5, 1e-5
 
 @triton.jit
 def _gemv_kernel(p_x, p_w, p_s, p_y, N, N_GROUPS, R: tl.constexpr, WARPS_K: tl.constexpr,
-                 ASM: tl.constexpr, X_PREPARED: tl.constexpr, TILED: tl.constexpr,
-                 AHEAD: tl.constexpr):
+                 ASM: tl.constexpr, X_PREPARED: tl.constexpr, TILED: tl.constexpr):
     """y[rows of the program's tiles] = w @ x, rows in R tiles of 16 * (4 // WARPS_K); TILED:
-    w's codes in the tiled layout; AHEAD: each K iteration's weight words loaded one early."""
+    w's codes in the tiled layout."""
     WN: tl.constexpr = 4 // WARPS_K
     row0 = tl.program_id(0) * (R * WN * 16)
     y = fp4_mma_gemv(p_x, p_w, p_s, row0, WN * 16, N, 0, N_GROUPS, R, WARPS_K, ASM, 0,
-                     X_PREPARED, 1.0, False, TILED, AHEAD)
+                     X_PREPARED, 1.0, False, TILED)
     o = row0 + tl.arange(0, R)[:, None] * (WN * 16) + tl.arange(0, WN * 16)[None, :]
     tl.store(p_y + o, y, mask=o < N)
 
 
-def _gemv(x, q, r, warps_k, prepared=False, ahead=False):
+def _gemv(x, q, r, warps_k, prepared=False):
     n, k = q.shape
     y = torch.zeros(n, device=x.device, dtype=torch.float32)
     rows = r * (4 // warps_k) * 16
     _gemv_kernel[(triton.cdiv(n, rows),)](
         (mma_prepare_x(x) if prepared else x).view(torch.int32), q.packed.view(torch.int32),
         q.scales, y, n, k // 32, r, warps_k, not INTERPRETED, prepared, q.layout == "tiled",
-        ahead, num_warps=4)
+        num_warps=4)
     return y
 
 
@@ -74,25 +73,6 @@ def test_tile_tiled_layout(n, k, r, warps_k, device):
     assert torch.equal(_gemv(x, mxfp4_layout(q, "tiled"), r, warps_k), rows)
     wrong = _gemv(x, dataclasses.replace(q, layout="tiled"), r, warps_k)
     assert not torch.allclose(wrong, rows, atol=1e-2, rtol=1e-2)
-
-
-@pytest.mark.parametrize("r,warps_k", TILES, ids=[f"R{r}-WK{w}" for r, w in TILES])
-@pytest.mark.parametrize("n,k,layout", [(40, 512, "rows"), (200, 384, "rows"),
-                                        (48, 768, "tiled"), (16, 32, "rows")],
-                         ids=["N40-K512", "N200-K384", "N48-K768-tiled", "N16-K32"])
-def test_ahead_gives_the_same_bits(n, k, layout, r, warps_k, device):
-    """AHEAD (each iteration's weight words loaded one iteration early, the last iteration's
-    early loads masked off) sums the same products in the same order: the bits of
-    the plain loop, over one and several iterations a warp, a short last step (K = 384) and
-    the tiled layout."""
-    gen = make_generator(7 * n + k, device)
-    q = mxfp4_layout(mxfp4_quantize(randn((n, k), gen, std=0.05)), layout)
-    x = randn((k,), gen)
-    plain = _gemv(x, q, r, warps_k)
-    torch.testing.assert_close(plain, q.dequantize() @ x.float(), atol=ATOL, rtol=RTOL)
-    assert torch.equal(_gemv(x, q, r, warps_k, ahead=True), plain)
-    assert torch.equal(_gemv(x, q, r, warps_k, prepared=True, ahead=True),
-                       _gemv(x, q, r, warps_k, prepared=True))
 
 
 @triton.jit
@@ -156,14 +136,13 @@ from test_moe_mma import TILES, _gemv_kernel
 from k3lab.kernels.moe.mma import mma_layout_problem
 sig = {"p_x": "*i32", "p_w": "*i32", "p_s": "*u8", "p_y": "*fp32", "N": "i32", "N_GROUPS": "i32",
        "R": "constexpr", "WARPS_K": "constexpr", "ASM": "constexpr",
-       "X_PREPARED": "constexpr", "TILED": "constexpr", "AHEAD": "constexpr"}
+       "X_PREPARED": "constexpr", "TILED": "constexpr"}
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}  # N_GROUPS: any value
 out = {}
-for (r, wk), tiled, ahead in [(t, tiled, ahead) for t in TILES for tiled in (False, True)
-                              for ahead in (False, True)]:
+for (r, wk), tiled in [(t, tiled) for t in TILES for tiled in (False, True)]:
     src = ASTSource(_gemv_kernel, signature=sig, attrs=attrs,
                     constexprs={"R": r, "WARPS_K": wk, "ASM": True, "X_PREPARED": False,
-                                "TILED": tiled, "AHEAD": ahead})
+                                "TILED": tiled})
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     except triton.compiler.errors.CompilationError as e:  # the kernel's fault: fail
@@ -172,8 +151,7 @@ for (r, wk), tiled, ahead in [(t, tiled, ahead) for t in TILES for tiled in (Fal
     except Exception as e:  # no sm_90 toolchain here (ptxas): skip
         print(json.dumps({"skip": f"{type(e).__name__}: {str(e)[:200]}"}))
         sys.exit(0)
-    key = f"R{r}-WK{wk}-{'tiled' if tiled else 'rows'}{'-ahead' if ahead else ''}"
-    out[key] = mma_layout_problem(ck.asm["ttgir"])
+    out[f"R{r}-WK{wk}-{'tiled' if tiled else 'rows'}"] = mma_layout_problem(ck.asm["ttgir"])
 print(json.dumps(out))
 """
 
@@ -196,8 +174,7 @@ def test_compiled_layout_is_the_fragment_layout():
     assert "error" not in got, got.get("error")
     if "skip" in got:
         pytest.skip(f"cannot compile for sm_90 here: {got['skip']}")
-    assert got == {f"R{r}-WK{w}-{lay}{a}": None for r, w in TILES for lay in ("rows", "tiled")
-                   for a in ("", "-ahead")}
+    assert got == {f"R{r}-WK{w}-{lay}": None for r, w in TILES for lay in ("rows", "tiled")}
 
 
 def test_layout_check_flags_another_layout():
