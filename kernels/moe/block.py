@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..dense import GemvConfig, dense_gemv
@@ -28,10 +26,10 @@ from .launch import (
     _launch_stage2_tail,
     _stage2_args,
     _tail_args,
+    front_config,
     latent_down,
     moe_experts,
     prepared_a,
-    wait_last_config,
 )
 from .tiles import mma_tile
 
@@ -236,13 +234,9 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
 
 def _front_config(m: int, rows: int, k: int, gated: bool, overlap: bool,
                   config: MoEConfig) -> GemvConfig | None:
-    """A front GEMV's tiling: the dense defaults; after an early-dependents route, waiting for
-    it only at the end (``GemvConfig.wait_last``), and with ``config.front_triggers_last``
-    letting the next launch start only after that wait."""
-    if not overlap:
-        return None
-    return dataclasses.replace(wait_last_config(m, rows, k, gated),
-                               trigger_last=config.front_triggers_last)
+    """A front GEMV's tiling: the dense defaults; after an early-dependents route,
+    :func:`front_config`."""
+    return front_config(m, rows, k, gated, config) if overlap else None
 
 
 def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic, config,

@@ -57,6 +57,14 @@ def wait_last_config(m: int, rows: int, k: int, gated: bool = False) -> GemvConf
     return dataclasses.replace(default_config(m, rows, k, gated=gated), pdl=True, wait_last=True)
 
 
+def front_config(m: int, rows: int, k: int, gated: bool, config: MoEConfig) -> GemvConfig:
+    """The tiling of an MoE front that overlaps route_sort (``config.front_overlaps_route``):
+    :func:`wait_last_config`, letting the next launch start only after its wait for the route
+    where ``config.front_triggers_last``."""
+    return dataclasses.replace(wait_last_config(m, rows, k, gated),
+                               trigger_last=config.front_triggers_last)
+
+
 def _pdl_on(config: MoEConfig) -> bool:
     """PDL is a compiled-only launch option."""
     return config.pdl and not INTERPRETED
