@@ -433,17 +433,20 @@ _SWEEPS = [
     Sweep("fp8", "dense", grid(({"shape": "moe.latent_up"}, {"shape": "moe.latent_down"},
                                 {"shape": "kda.o_proj"}),
                                ({}, {"weight_format": "e4m3"})),
-          "e4m3 weights with fp32 row scales (the seed's FP8 latent tail, #18) against bf16 at "
-          "the per-shape tiling: half the weight bytes, a wider conversion per byte",
+          "e4m3 weights with fp32 row scales (the seed's FP8 latent tail, #18) against bf16, "
+          "each at its default tiling (e4m3: the bf16 tiling's bytes a step, twice its "
+          "columns): half the weight bytes, a wider conversion per byte",
           variants=("fused", "reference")),
     Sweep("fp8_tiles", "dense", grid(
         tuple({"shape": n, "weight_format": "e4m3"}
               for n in ("moe.latent_up", "kda.o_proj", "moe.latent_down")),
-        ({}, _gemv(16, 512, 1, 3, 0), _gemv(16, 1024, 1, 3, 0), _gemv(8, 1024, 1, 3, 0),
-         _gemv(8, 2048, 1, 3, 0), _gemv(32, 512, 1, 3, 0), {**_gemv(8, 1024, 1, 3, 0),
-                                                            "unroll_k": True})),
-          "e4m3 weights at wider K steps (the same bytes a step as bf16 at half the columns) "
-          "against the bf16 weight's per-shape tiling ({})"),
+        ({}, _gemv(16, 256, 1, 3, 0), {**_gemv(8, 512, 1, 3, 0), "unroll_k": True},
+         _gemv(8, 512, 1, 3, 0), _gemv(16, 512, 1, 4, 0), _gemv(16, 1024, 1, 3, 0),
+         _gemv(8, 1024, 1, 3, 0), _gemv(8, 2048, 1, 3, 0), _gemv(32, 512, 1, 3, 0),
+         {**_gemv(8, 1024, 1, 3, 0), "unroll_k": True})),
+          "e4m3 weights: the default ({}: the bf16 tiling's bytes a step, twice its columns) "
+          "against the bf16 tilings of the three shapes (16 x 256, 8 x 512 unrolled, 8 x 512: "
+          "half the bytes a step) and other wide steps"),
     Sweep("fusions", "kda", ({}, {"block_v": 16}, {"block_v": 64}, {"block_v": 128}),
           "the whole decode (conv, core, out gate) in one launch: v-tiles meeting through "
           "tickets (the default and 16 / 64 wide) against a whole head a program (128)",

@@ -133,14 +133,15 @@ CHANGES = {c.name: c for c in CATALOGUE}
 
 # Both stacks in the order their waterfalls add the changes. integration: the seed PR's stack as
 # it banked it (the gate projection is skipped: route-sort supersedes it), then the workbench's
-# own: the dense GEMV, KDA decode's two neighbours and MLA's. reviewed: #20, #2, #6, #16 (KDA
-# decode + f_b), #17, #18, the vLLM-side AttnRes boundary (#10), then the same four.
+# own: the dense GEMV, KDA decode's two neighbours and MLA's, then the seed's FP8 latent tail
+# (#18) in the dense tail. reviewed: #20, #2, #6, #16 (KDA decode + f_b), #17, #18, the
+# vLLM-side AttnRes boundary (#10), then the same four.
 STACKS: dict[str, tuple[str, ...]] = {
     "integration": ("mla-split-override", "route-sort", "b1-gate-projection",
                     "stage1-direct-tile", "atomic-stage2", "fused-kda-decode", "kda-fb-fusion",
                     "fused-latent-tail", "prepared-routing-handoff", "attn-res-rmsnorm",
                     "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion",
-                    "mla-absorb-fusion"),
+                    "mla-absorb-fusion", "fp8-latent-tail"),
     "reviewed": ("mla-split-override", "persistent-moe", "b1-gate-projection",
                  "fused-kda-decode", "kda-fb-fusion", "fused-latent-tail", "fp8-latent-tail",
                  "attn-res-rmsnorm", "dense-gemv", "kda-conv-fusion", "kda-out-gate-fusion",

@@ -110,6 +110,19 @@ def test_bytes_floor_counts_the_shapes():
         token_bytes(k3, 8192, "int3")
     with pytest.raises(ValueError, match="context"):
         token_bytes(k3, 0)
+    # the FP8 latent tail: the up-projection [7168, 3584] a byte a weight plus a row's fp32 scale
+    fp8 = token_bytes(k3, 8192, "mxfp4", "e4m3")
+    saved = b["dense projections"] - fp8["dense projections"]
+    assert saved == pytest.approx(92 * (7168 * 3584 * (2 - 1) - 7168 * 4))
+    assert {k: v for k, v in fp8.items() if k != "dense projections"} == {
+        k: v for k, v in b.items() if k != "dense projections"}
+    with pytest.raises(ValueError, match="latent_up_format"):
+        token_bytes(k3, 8192, "mxfp4", "e5m2")
+    tiny = preset("tiny")
+    full = stack.compose(["fused-latent-tail", "fp8-latent-tail"])
+    assert study.latent_up_format(full, tiny) == "e4m3"
+    assert study.latent_up_format(stack.compose([]), tiny) == "bf16"
+    assert study.latent_up_format(full, preset("kimi-k2")) == "bf16"  # no latent
 
 
 def _figs(label, token_us, launches):
@@ -146,6 +159,16 @@ def test_rates_waterfall_breakdown_and_headline_tables():
         study.breakdown(figs, 1860.0, {**fl, "bytes": {"lm head": 1.0}})
     head = study.headline(r, fl, {"integration": t})
     assert head["full stack tok/s (comm excluded)"] == 125.0
+    assert "full stack roofline tok/s" not in head  # one floor: the model's
+    # each stack's own floor (the FP8 tail's fewer bytes): its roofline and fraction
+    own = {"engine baseline": fl, "full stack": {**fl, "roofline tok/s": 160.0,
+                                                 "floor_us": 1e6 / 160, "latent up": "e4m3"}}
+    r2 = study.rates(figs, own, k3, allreduce_us=10.0).set_index("stack")
+    assert r2.loc["full stack", "fraction of floor"] == pytest.approx((1e6 / 160) / 8000)
+    assert r2.loc["full stack", "latent up"] == "e4m3"
+    assert r2.loc["engine baseline", "roofline tok/s"] == 150.0
+    head2 = study.headline(r2.reset_index(), fl, {})
+    assert head2["full stack roofline tok/s"] == 160.0 and head2["roofline tok/s"] == 150.0
     assert head["seed anchor tok/s (MI355X, 8 GPUs, comm included)"] == 60.909
     assert not math.isnan(head["integration stack end tok/s"])
 
@@ -183,12 +206,14 @@ def test_graph_token_is_labelled_launch_for_launch(device):
 
 
 def test_cublas_stack_is_the_full_stack_without_the_gemv():
-    """Every change of the full stack's last step but dense-gemv: each projection op stays with
-    the engine baseline's F.linear, every other op keeps its fused owner."""
+    """Every change of the full stack's last step but dense-gemv and the FP8 latent tail: each
+    projection op stays with the engine baseline's F.linear, every other op keeps its fused
+    owner, every weight as the model stores it."""
     full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
     cublas, _ = study.cublas_stack()
     assert "dense-gemv" in full.names and "dense-gemv" not in cublas.names
-    assert set(full.names) - set(cublas.names) == {"dense-gemv"}
+    assert set(full.names) - set(cublas.names) == {"dense-gemv", "fp8-latent-tail"}
+    assert study.latent_up_format(cublas, preset("kimi-k3")) == "bf16"
     for op in stack.DENSE_OPS:
         assert not cublas.owner.get(op), op
     moved = {op for op, o in full.owner.items() if o != cublas.owner.get(op)}
@@ -396,22 +421,28 @@ def test_fp8_tail_stacks_are_checked_against_their_own_weights(device):
     assert err < float((got - bf16_truth).abs().max())
 
 
-def test_stack_choices_add_one_change_to_the_full_stack(device, capsys):
-    """The launch-choice table's stack choices: the full stack plus the change (checked against
-    the truth here, as the table checks every choice first); none where the change is already
-    in, and a change that cannot join is left out with a note."""
+def test_stack_choices_add_or_take_out_one_change_of_the_full_stack(device, capsys):
+    """The launch-choice table's stack choices: the full stack without a change it holds, or
+    with one it lacks (each checked against the truth here, as the table checks every choice
+    first); a change that cannot join is left out with a note."""
     full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    assert "fp8-latent-tail" in full.names
     got = study.stack_choices(full)
-    assert list(got) == [label for label, _ in study.STACK_CHOICES]
-    for (_, name), st in zip(study.STACK_CHOICES, got.values(), strict=True):
-        assert set(st.names) == {*full.names, name}
-    assert study.stack_choices(next(iter(got.values()))) == {}
+    held = [(label, name) for label, name, add in study.STACK_CHOICES if not add]
+    assert list(got) == [label for label, _ in held]
+    for (_, name), st in zip(held, got.values(), strict=True):
+        assert set(st.names) == set(full.names) - {name}
+    without = next(iter(got.values()))
+    added = study.stack_choices(without)
+    assert list(added) == [label for label, _, add in study.STACK_CHOICES if add]
+    assert set(next(iter(added.values())).names) == set(full.names)
     assert study.stack_choices(stack.compose([])) == {}
     assert "left out" in capsys.readouterr().out
     cfg = preset("tiny")
     tok = study.build(cfg, device, window=2, context=24, expert_format="mxfp4")
     check = study.check_token(tok, {"full": full, **got}, study.configs_for(device), 4)
     assert check["ok"].all(), check
+    assert check["truth latent up"].tolist() == ["e4m3 rows", "bf16"]
 
 
 def test_a_stack_choice_off_the_truth_is_dropped_a_launch_choice_is_an_error(capsys):

@@ -13,9 +13,10 @@ from __future__ import annotations
 from k3lab.config import Preset
 from k3lab.reference.layer import token_schedule
 
-__all__ = ["token_bytes", "expert_bytes_per_token", "BF16"]
+__all__ = ["token_bytes", "expert_bytes_per_token", "BF16", "LATENT_UP_FORMATS"]
 
-BF16, FP32 = 2, 4
+BF16, FP32, E4M3 = 2, 4, 1
+LATENT_UP_FORMATS = ("bf16", "e4m3")  # e4m3: the seed's FP8 latent tail (#18), fp32 row scales
 MXFP4_BYTES = 0.5 + 1 / 32  # a code and its share of the group scale
 
 
@@ -47,24 +48,32 @@ def _mla(cfg: Preset, context: int) -> tuple[float, float]:
     return proj, core
 
 
-def _moe(cfg: Preset, expert_format: str) -> dict[str, float]:
+def _moe(cfg: Preset, expert_format: str, latent_up_format: str) -> dict[str, float]:
     h, d, s = cfg.hidden, cfg.moe_in, cfg.shared_intermediate
-    dense = (2 * d * h * bool(cfg.latent) + 3 * s * h) * BF16
+    up = h * d * E4M3 + h * FP32 if latent_up_format == "e4m3" else h * d * BF16
+    dense = (d * h * BF16 + up) * bool(cfg.latent) + 3 * s * h * BF16
     return {"dense projections": dense, "routing": cfg.n_experts * h * BF16,
             "MoE experts": expert_bytes_per_token(cfg, expert_format)}
 
 
-def token_bytes(cfg: Preset, context: int, expert_format: str = "mxfp4") -> dict[str, float]:
+def token_bytes(cfg: Preset, context: int, expert_format: str = "mxfp4",
+                latent_up_format: str = "bf16") -> dict[str, float]:
     """Bytes one token moves at least on one tp rank, by category (``stack.CATEGORIES`` names;
-    norms move no bytes of their own beyond their weights, counted with AttnRes)."""
+    norms move no bytes of their own beyond their weights, counted with AttnRes).
+    latent_up_format: the latent MoE tail's up-projection as the model stores it ("bf16") or
+    as a stack with the FP8 latent tail runs it ("e4m3": a byte a weight and an fp32 scale a
+    row)."""
     if context < 1:
         raise ValueError(f"context: expected a positive length, got {context}")
+    if latent_up_format not in LATENT_UP_FORMATS:
+        raise ValueError(f"latent_up_format: expected one of {LATENT_UP_FORMATS}, got "
+                         f"{latent_up_format!r}")
     out = dict.fromkeys(("dense projections", "routing", "MoE experts", "KDA", "MLA",
                          "AttnRes"), 0.0)
     mla = set(cfg.mla_layers)
     kda_proj, kda_core = _kda(cfg) if cfg.kda_heads else (0.0, 0.0)
     mla_proj, mla_core = _mla(cfg, context)
-    moe = _moe(cfg, expert_format)
+    moe = _moe(cfg, expert_format, latent_up_format)
     h = cfg.hidden
     for layer, (n_sealed, _start) in token_schedule(cfg).items():
         if layer in mla:

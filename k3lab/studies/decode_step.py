@@ -25,7 +25,8 @@ __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "bu
            "launch_choices", "PDL_CHOICES", "CONFIG_CHOICES", "STACK_CHOICES", "set_context",
            "check_token",
            "LOGITS_RTOL", "waterfall", "waterfall_table",
-           "waterfall_plot", "floor", "rates", "rates_plot", "breakdown", "FLOOR_LABEL",
+           "waterfall_plot", "floor", "floors", "latent_up_format", "rates", "rates_plot",
+           "breakdown", "FLOOR_LABEL",
            "breakdown_plot",
            "layer_timelines", "context_sweep", "headline", "picker", "CUBLAS_LABEL",
            "cublas_stack"]
@@ -236,10 +237,12 @@ def waterfall_plot(tables: dict, title: str):
 
 
 def cublas_stack() -> tuple[stack.Stack, list[str]]:
-    """The integration stack's last step without ``dense-gemv`` (:data:`CUBLAS_LABEL`), and the
-    runnable notes."""
+    """The integration stack's last step without ``dense-gemv`` and ``fp8-latent-tail``
+    (:data:`CUBLAS_LABEL`: every boundary fused, every projection bf16 as the model stores it),
+    and the runnable notes."""
     names = stack.steps(stack.STACKS["integration"])[-1][1]
-    return stack.runnable(stack.compose([n for n in names if n != "dense-gemv"]))
+    return stack.runnable(stack.compose([n for n in names
+                                         if n not in ("dense-gemv", "fp8-latent-tail")]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,26 +266,31 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                    {"shared_beside_stage1": True}),
                   ("MoE expert pair plain after the front", "moe", "MoEConfig",
                    {"front_triggers_last": False}))
-# Changes of the catalogue timed in the token on top of the full stack, each alone with the
-# configs given: (label, the change). A change joins the integration stack once measured here.
-STACK_CHOICES = (("FP8 latent tail (#18) in the fused tail's dense GEMV", "fp8-latent-tail"),)
+# Changes of the catalogue timed in the token against the full stack, each alone with the
+# configs given: (label, the change, True: added to the full stack / False: taken out of it).
+# A change joins the integration stack once measured here; one in it stays measured by its
+# absence.
+STACK_CHOICES = (("FP8 latent tail (#18) in the fused tail's dense GEMV", "fp8-latent-tail",
+                  True),
+                 ("bf16 latent tail (the full stack without #18)", "fp8-latent-tail", False))
 
 
 def stack_choices(full: stack.Stack) -> dict:
-    """label -> the full stack with that :data:`STACK_CHOICES` change added, for the changes
-    not in it already that can join it (the others' notes printed)."""
+    """label -> the full stack with that :data:`STACK_CHOICES` change added (where it is not in
+    it) or taken out (where it is), for the stacks that compose (the others' notes printed)."""
     out = {}
-    for label, name in STACK_CHOICES:
-        if name in full.names:
+    for label, name, add in STACK_CHOICES:
+        if (name in full.names) == add:
             continue
+        names = [*full.names, name] if add else [n for n in full.names if n != name]
         try:
-            st, notes = stack.runnable(stack.compose([*full.names, name]))
-        except ValueError as exc:  # it cannot join this stack
+            st, notes = stack.runnable(stack.compose(names))
+        except ValueError as exc:  # it cannot join (or leave) this stack
             print(f"launch choices: {label}: left out ({exc})")
             continue
         for note in notes:
             print(f"launch choices: {label}: {note}")
-        if name in st.names:
+        if (name in st.names) == add:
             out[label] = st
     return out
 
@@ -371,28 +379,48 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
 # floor, rates, where the time goes
 
 
-def floor(token: dict, device) -> dict:
-    """The token's bytes by category, the copy bandwidth measured in this run, the floor in us
-    and the roofline tok/s."""
-    b = token_bytes(token["cfg"], token["context"], token["expert_format"])
-    bw = profile.copy_bandwidth(device)
+def latent_up_format(st: stack.Stack | None, cfg) -> str:
+    """How ``st`` stores the latent MoE tail's up-projection: "e4m3" with ``fp8-latent-tail``
+    (a latent preset), else the model's "bf16"."""
+    return "e4m3" if st is not None and cfg.latent and "fp8-latent-tail" in st.names else "bf16"
+
+
+def floor(token: dict, device, st: stack.Stack | None = None, *,
+          bandwidth: float | None = None) -> dict:
+    """The token's bytes by category as stack ``st`` stores its weights (None: as the model
+    does; ``fp8-latent-tail`` halves the latent up-projection's), the copy bandwidth measured
+    in this run (or ``bandwidth``, measured earlier in it), the floor in us and the roofline
+    tok/s."""
+    fmt = latent_up_format(st, token["cfg"])
+    b = token_bytes(token["cfg"], token["context"], token["expert_format"], fmt)
+    bw = profile.copy_bandwidth(device) if bandwidth is None else bandwidth
     us = profile.roofline_us(int(sum(b.values())), bw)
     return {"bytes": b, "total bytes": sum(b.values()), "copy bandwidth": bw, "floor_us": us,
-            "roofline tok/s": 1e6 / us}
+            "roofline tok/s": 1e6 / us, "latent up": fmt}
+
+
+def floors(token: dict, device, stacks: dict) -> dict:
+    """label -> :func:`floor` of each stack's own weight formats, over one copy bandwidth
+    measured in this run."""
+    bw = profile.copy_bandwidth(device)
+    return {label: floor(token, device, st, bandwidth=bw) for label, st in stacks.items()}
 
 
 def rates(figs: dict, fl: dict, cfg, allreduce_us: float) -> pd.DataFrame:
     """Per stack: per-token us, tok/s without and with the modeled all-reduces, the roofline
-    tok/s and the fraction of it reached, launches per token."""
+    tok/s and the fraction of it reached, launches per token. ``fl``: one :func:`floor` for
+    every stack, or label -> the stack's own (:func:`floors`)."""
     comm = allreduces(cfg) * allreduce_us
     rows = []
     for label, f in figs.items():
+        own = fl if "floor_us" in fl else fl[label]
         rows.append({"stack": label, "token us": f.token_us, "tok/s (comm excluded)":
                      f.tok_per_s, "all-reduce us": comm,
                      "tok/s (comm included)": 1e6 / (f.token_us + comm),
-                     "roofline tok/s": fl["roofline tok/s"],
-                     "fraction of floor": fl["floor_us"] / f.token_us,
-                     "launches per token": round(f.launches)})
+                     "roofline tok/s": own["roofline tok/s"],
+                     "fraction of floor": own["floor_us"] / f.token_us,
+                     "launches per token": round(f.launches),
+                     "latent up": own.get("latent up", "bf16")})
     return pd.DataFrame(rows)
 
 
@@ -404,7 +432,8 @@ def rates_plot(r: pd.DataFrame, title: str):
            color="#3a7")
     ax.bar([i + 0.2 for i in x], r["tok/s (comm included)"], 0.4, label="comm included (modeled)",
            color="#27a")
-    ax.axhline(float(r["roofline tok/s"].iloc[0]), color="#a33", ls="--", label="bytes floor")
+    ax.scatter(list(x), r["roofline tok/s"], marker="_", s=900, color="#a33", zorder=3,
+               label="bytes floor (the stack's own weight formats)")
     ax.axhline(SEED_ANCHOR["tok/s"], color="#777", ls=":",
                label=f"seed {SEED_ANCHOR['tok/s']} ({SEED_ANCHOR['machine']}, "
                      f"{SEED_ANCHOR['GPUs']} GPUs, comm included)")
@@ -486,7 +515,7 @@ def context_sweep(token: dict, device, contexts, stacks: dict, *, configs, num_s
     rows = []
     for c in contexts:
         set_context(token, int(c))
-        fl = floor(token, device)
+        fl = floors(token, device, stacks)
         figs = {label: measure_token(st, token, device, label=label, configs=configs,
                                      num_splits=num_splits, repeats=repeats)
                 for label, st in stacks.items()}
@@ -496,8 +525,9 @@ def context_sweep(token: dict, device, contexts, stacks: dict, *, configs, num_s
 
 def headline(r: pd.DataFrame, fl: dict, tables: dict, choices: pd.DataFrame | None = None
              ) -> dict:
-    """The report's headline: engine baseline and full stack tok/s with and without the
-    all-reduces, the roofline, the fraction reached, the seed's anchor, launches; with
+    """The report's headline: every stack's tok/s with and without the all-reduces, its
+    roofline (its own weight formats) and the fraction reached, launches; the model's roofline
+    (``fl``: the floor of the model's formats), the copy bandwidth, the seed's anchor; with
     ``choices`` (:func:`launch_choices`), each launch choice's tok/s over the defaults'."""
     by = r.set_index("stack")
     head = {}
@@ -507,6 +537,8 @@ def headline(r: pd.DataFrame, fl: dict, tables: dict, choices: pd.DataFrame | No
         head[f"{label} tok/s (comm included)"] = round(float(by.loc[label,
                                                                    "tok/s (comm included)"]), 2)
         head[f"{label} fraction of floor"] = round(float(by.loc[label, "fraction of floor"]), 3)
+        if by.loc[label, "roofline tok/s"] != fl["roofline tok/s"]:
+            head[f"{label} roofline tok/s"] = round(float(by.loc[label, "roofline tok/s"]), 2)
         head[f"{label} launches per token"] = int(by.loc[label, "launches per token"])
     head["roofline tok/s"] = round(fl["roofline tok/s"], 2)
     head["copy bandwidth TB/s"] = round(fl["copy bandwidth"] / 1e12, 3)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -28,14 +30,22 @@ PREFETCH_BELOW = 16 << 20
 _tickets: dict = {}
 
 
-def default_config(m: int, rows: int, k: int, gated: bool = False) -> GemvConfig:
+def default_config(m: int, rows: int, k: int, gated: bool = False, *,
+                   e4m3: bool = False) -> GemvConfig:
     """The tiling for ``rows`` output rows (per gate/up half when ``gated``) over K at M tokens:
-    the measured one-token table where it lists the shape, else :func:`heuristic_config`."""
+    the measured one-token table where it lists the shape, else :func:`heuristic_config`.
+    ``e4m3``: a one-byte weight at one token takes the bf16 tiling's bytes a step, twice its
+    columns (up to K's next power of two); the tensor-core path of several tokens keeps the
+    bf16 tiling (at twice the columns it spills: offline sm_90 build of K3's tail at M = 4)."""
+    config = None
     if m == 1:
-        tuned = TUNED_M1.get((rows, k, bool(gated)))
-        if tuned is not None:
-            return tuned
-    return heuristic_config(m, rows, k)
+        config = TUNED_M1.get((rows, k, bool(gated)))
+    if config is None:
+        config = heuristic_config(m, rows, k)
+    if e4m3 and m == 1:
+        config = replace(config, block_k=min(2 * config.block_k,
+                                             max(16, triton.next_power_of_2(k))))
+    return config
 
 
 def heuristic_config(m: int, rows: int, k: int) -> GemvConfig:
@@ -162,7 +172,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     if config is None:
         config = (interpreter_config(m, n + ng, k) if INTERPRETED
-                  else default_config(m, n + ng, k, gated=bool(act)))
+                  else default_config(m, n + ng, k, gated=bool(act),
+                                      e4m3=weight_scale is not None))
     elif not isinstance(config, GemvConfig):
         raise ValueError(f"config: expected a GemvConfig or None, got {type(config).__name__}")
     if residual is not None:

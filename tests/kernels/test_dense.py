@@ -1,7 +1,10 @@
 """Dense decode GEMV against the fp32 reference, under the interpreter on CPU."""
 
+import dataclasses
+
 import pytest
 import torch
+import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -259,6 +262,29 @@ def test_e4m3_tail_norm_second_product_and_residual(m, device):
     _close(got, want, terms, rounded_inputs=m > 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_e4m3_tail_at_k3_shapes_and_default_tiling(m, device):
+    """The K3 tail at tp 8 (up-projection [7168, 3584] in e4m3, shared down [7168, 768] bf16,
+    residual) at the default tiling, which takes the e4m3 weight's wider K steps."""
+    gen = torch.Generator().manual_seed(m)
+    y = torch.randn(m, 3584, generator=gen) * 2.0
+    x2 = torch.randn(m, 768, generator=gen).bfloat16()
+    w = (torch.randn(7168, 3584, generator=gen) / 3584 ** 0.5).bfloat16()
+    w2 = (torch.randn(7168, 768, generator=gen) / 768 ** 0.5).bfloat16()
+    g = torch.rand(3584, generator=gen) + 0.5
+    res = torch.randn(m, 7168, generator=gen).bfloat16()
+    q, scale = _e4m3_rows(w)
+    got = dense_gemv(y.to(device), q.to(device), weight_scale=scale.to(device),
+                     norm_weight=g.to(device), eps=1e-5, x2=x2.to(device),
+                     weight2=w2.to(device), residual=res.to(device)).cpu()
+    want = dense_reference(y, q, weight_scale=scale, norm_weight=g, eps=1e-5, x2=x2,
+                           weight2=w2, residual=res)
+    terms = (rms_norm(y, g, 1e-5).abs() @ (q.float() * scale[:, None]).abs().T
+             + x2.float().abs() @ w2.float().abs().T + res.float().abs())
+    _close(got, want, terms, rounded_inputs=m > 1)
+
+
 def test_engine_baseline_matches_reference():
     x, w = _data(2, 48, 256, 8)
     g = torch.rand(256) + 0.5
@@ -287,6 +313,19 @@ def test_default_config_fills_the_machine():
     assert heuristic_config(1, 7168, 1536).split_k == 1  # many row tiles already
     assert heuristic_config(4, 7168, 1536).block_n == 16  # the tensor-core path
     assert default_config(1, 100, 300) == heuristic_config(1, 100, 300)  # not in the table
+
+
+@pytest.mark.parametrize("m, rows, k", [(1, 7168, 3584), (1, 7168, 1536), (1, 100, 300),
+                                        (4, 7168, 3584), (1, 64, 40)])
+def test_e4m3_takes_the_bf16_tilings_bytes_a_step(m, rows, k):
+    """A one-byte weight at one token: twice the bf16 tiling's columns a step (the same bytes),
+    at most K's next power of two; every other field as bf16's. Several tokens: bf16's."""
+    bf16, fp8 = default_config(m, rows, k), default_config(m, rows, k, e4m3=True)
+    if m > 1:
+        assert fp8 == bf16
+        return
+    assert fp8.block_k == min(2 * bf16.block_k, max(16, triton.next_power_of_2(k)))
+    assert dataclasses.replace(fp8, block_k=bf16.block_k) == bf16
 
 
 def test_tuned_table_lists_k3_shapes_only():
