@@ -262,7 +262,8 @@ class Configs:
     """The tuning configs a run passes to the launchers (None: each launcher's default):
     gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits),
     attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode), mla an
-    ``MLAConfig`` (mla_decode), moe a ``MoEConfig`` (moe_experts, moe_stage1, moe_stage2)."""
+    ``MLAConfig`` (mla_decode), moe a ``MoEConfig`` (moe_experts, moe_stage1, moe_stage2), tail
+    a ``GemvConfig`` for the latent MoE tail's dense GEMV alone (None: gemv's)."""
 
     gemv: object = None
     route: object = None
@@ -270,6 +271,7 @@ class Configs:
     kda: object = None
     mla: object = None
     moe: object = None
+    tail: object = None
 
 
 @dataclass(frozen=True)
@@ -519,7 +521,7 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
             return dense_gemv(y, q.values if fp8_tail else up, norm_weight=norm,
                               eps=cfg.rms_eps, x2=shared_a, weight2=shared["w2"],
                               residual=residual, weight_scale=q.scales if fp8_tail else None,
-                              config=run.configs.gemv), True
+                              config=run.configs.tail or run.configs.gemv), True
         if fp8_tail:
             raise ValueError("stack: fp8-latent-tail runs in the persistent MoE launch or the "
                              "fused tail's dense GEMV, which needs shared experts; this preset "

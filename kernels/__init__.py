@@ -8,6 +8,7 @@ from .runtime import INTERPRETED  # noqa: F401  (before any import of triton)
 # isort: on
 
 from .attn_res import AttnResConfig, attn_res_norm  # noqa: F401, E402
+from .dense import GemvConfig, dense_gemv  # noqa: F401, E402
 from .kda import KDAConfig, KDAConv, KDAOutGate, kda_decode  # noqa: F401, E402
 from .mla import MLAConfig, mla_decode  # noqa: F401, E402
 from .mla_absorb import mla_absorb_out, mla_absorb_q  # noqa: F401, E402

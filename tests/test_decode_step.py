@@ -276,6 +276,35 @@ def test_moe_launch_choices_meet_the_truth(device):
     assert check["ok"].all(), check
 
 
+def test_tail_choice_is_k3s_bf16_tail_tiling_and_reaches_the_tail(device, monkeypatch):
+    """The launch choice of the MoE tail's tiling is the bf16 tail's table entry at K3 (the e4m3
+    default takes twice its columns), and Configs.tail reaches the tail's launch alone."""
+    from k3lab import kernels
+    from k3lab.kernels import dense
+    from k3lab.kernels.dense import default_config
+
+    (label, field, cls, changes), = [c for c in study.CONFIG_CHOICES if c[1] == "tail"]
+    tail = dataclasses.replace(getattr(kernels, cls)(), **changes)
+    assert tail == default_config(1, 7168, 3584)
+    assert default_config(1, 7168, 3584, e4m3=True).block_k == 2 * tail.block_k
+    seen = []
+    real = dense.dense_gemv
+
+    def spy(*a, **kw):
+        seen.append((kw.get("weight_scale") is not None, kw.get("config")))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dense, "dense_gemv", spy)
+    cfg = preset("tiny")
+    tok = study.build(cfg, device, window=1, context=24, expert_format="mxfp4")
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    mine = dataclasses.replace(tail, pdl=False)  # any config: the interpreter runs it plainly
+    stack.run_token(full, tok, num_splits=4,
+                    configs=dataclasses.replace(study.configs_for(device), tail=mine))
+    assert {c for fp8, c in seen if fp8} == {mine}
+    assert mine not in {c for fp8, c in seen if not fp8}
+
+
 def test_interleaved_ratios_per_round():
     """The base's time over each label's, per round: median, min and max over the rounds."""
     t = pd.DataFrame({"round": [0, 0, 1, 1, 2, 2], "label": ["d", "x"] * 3,

@@ -265,7 +265,12 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                   ("MoE shared gate/up beside stage 1", "moe", "MoEConfig",
                    {"shared_beside_stage1": True}),
                   ("MoE expert pair plain after the front", "moe", "MoEConfig",
-                   {"front_triggers_last": False}))
+                   {"front_triggers_last": False}),
+                  # K3's bf16 tail tiling (kernels/dense/tuned.py): the e4m3 tail at half the
+                  # bytes a step of its default
+                  ("MoE tail at 16 x 256 steps", "tail", "GemvConfig",
+                   {"block_n": 16, "block_k": 256, "num_stages": 3, "pdl": True,
+                    "prefetch_steps": 0}))
 # Changes of the catalogue timed in the token against the full stack, each alone with the
 # configs given: (label, the change, True: added to the full stack / False: taken out of it).
 # A change joins the integration stack once measured here; one in it stays measured by its
