@@ -266,8 +266,8 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                    {"shared_beside_stage1": True}),
                   ("MoE expert pair plain after the front", "moe", "MoEConfig",
                    {"front_triggers_last": False}),
-                  # K3's bf16 tail tiling (kernels/dense/tuned.py): the e4m3 tail at half the
-                  # bytes a step of its default
+                  # K3's bf16 tail tiling (kernels/dense/tuned.py) against the e4m3 tail's own
+                  # (TUNED_M1_E4M3: wider tiles, more bytes a step)
                   ("MoE tail at 16 x 256 steps", "tail", "GemvConfig",
                    {"block_n": 16, "block_k": 256, "num_stages": 3, "pdl": True,
                     "prefetch_steps": 0}))

@@ -1,4 +1,4 @@
 """Dense decode GEMV (the model's bf16 projections at batch 1..16)."""
 from .config import GemvConfig  # noqa: F401
 from .launch import MAX_TOKENS, default_config, dense_gemv, heuristic_config  # noqa: F401
-from .tuned import TUNED_M1  # noqa: F401
+from .tuned import TUNED_M1, TUNED_M1_E4M3  # noqa: F401

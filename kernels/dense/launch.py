@@ -10,7 +10,7 @@ import triton
 from ..runtime import INTERPRETED, check_number, check_tensor
 from .config import GemvConfig
 from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
-from .tuned import TUNED_M1
+from .tuned import TUNED_M1, TUNED_M1_E4M3
 
 __all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "dense_gemv", "default_config", "heuristic_config",
            "interpreter_config"]
@@ -34,10 +34,15 @@ def default_config(m: int, rows: int, k: int, gated: bool = False, *,
                    e4m3: bool = False) -> GemvConfig:
     """The tiling for ``rows`` output rows (per gate/up half when ``gated``) over K at M tokens:
     the measured one-token table where it lists the shape, else :func:`heuristic_config`.
-    ``e4m3``: a one-byte weight at one token takes the bf16 tiling's bytes a step, twice its
-    columns (up to K's next power of two); the tensor-core path of several tokens keeps the
-    bf16 tiling (at twice the columns it spills: offline sm_90 build of K3's tail at M = 4)."""
+    ``e4m3``: a one-byte weight at one token takes its own table's entry, else the bf16
+    tiling's bytes a step, twice its columns (up to K's next power of two); the tensor-core path
+    of several tokens keeps the bf16 tiling (at twice the columns it spills: offline sm_90 build
+    of K3's tail at M = 4)."""
     config = None
+    if m == 1 and e4m3:
+        config = TUNED_M1_E4M3.get((rows, k, bool(gated)))
+        if config is not None:
+            return config
     if m == 1:
         config = TUNED_M1.get((rows, k, bool(gated)))
     if config is None:

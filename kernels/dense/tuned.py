@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .config import GemvConfig
 
-__all__ = ["TUNED_M1"]
+__all__ = ["TUNED_M1", "TUNED_M1_E4M3"]
 
 
 def _c(block_n, block_k, split_k, num_stages, prefetch_steps, gate_up_together=False,
@@ -52,4 +52,12 @@ TUNED_M1: dict[tuple[int, int, bool], GemvConfig] = {
     (4224, 7168, True): _WIDE,  # dense MLP gate/up, tp 8
     (6284, 7168, False): _WIDE,  # KDA merged input projection, tp 8
     (10240, 7168, False): _WIDE,  # LM head, tp 16
+}
+
+# e4m3 weights with row scales (the seed's FP8 latent tail, #18; ``dense --sweep fp8_tiles``,
+# H200): shapes not listed take the bf16 entry at twice its columns a step
+TUNED_M1_E4M3: dict[tuple[int, int, bool], GemvConfig] = {
+    (7168, 3584, False): _c(32, 512, 1, 3, 0),  # latent up (the MoE tail)
+    (3584, 7168, False): _c(16, 512, 1, 4, 0),  # latent down
+    (7168, 1536, False): _c(8, 512, 1, 3, 0),  # o_proj, tp 8
 }

@@ -13,6 +13,7 @@ from k3lab.config import preset
 from k3lab.kernels.dense import (
     MAX_TOKENS,
     TUNED_M1,
+    TUNED_M1_E4M3,
     GemvConfig,
     default_config,
     dense_gemv,
@@ -315,14 +316,18 @@ def test_default_config_fills_the_machine():
     assert default_config(1, 100, 300) == heuristic_config(1, 100, 300)  # not in the table
 
 
-@pytest.mark.parametrize("m, rows, k", [(1, 7168, 3584), (1, 7168, 1536), (1, 100, 300),
-                                        (4, 7168, 3584), (1, 64, 40)])
-def test_e4m3_takes_the_bf16_tilings_bytes_a_step(m, rows, k):
-    """A one-byte weight at one token: twice the bf16 tiling's columns a step (the same bytes),
-    at most K's next power of two; every other field as bf16's. Several tokens: bf16's."""
+@pytest.mark.parametrize("m, rows, k", [(1, 7168, 2112), (1, 6284, 7168), (1, 100, 300),
+                                        (4, 7168, 3584), (1, 64, 40), *TUNED_M1_E4M3])
+def test_e4m3_takes_its_table_else_the_bf16_tilings_bytes_a_step(m, rows, k):
+    """A one-byte weight at one token: its own table's entry, else twice the bf16 tiling's
+    columns a step (the same bytes), at most K's next power of two, every other field as
+    bf16's. Several tokens: bf16's."""
     bf16, fp8 = default_config(m, rows, k), default_config(m, rows, k, e4m3=True)
     if m > 1:
         assert fp8 == bf16
+        return
+    if (rows, k, False) in TUNED_M1_E4M3:
+        assert fp8 is TUNED_M1_E4M3[(rows, k, False)]
         return
     assert fp8.block_k == min(2 * bf16.block_k, max(16, triton.next_power_of_2(k)))
     assert dataclasses.replace(fp8, block_k=bf16.block_k) == bf16
@@ -347,6 +352,16 @@ def test_tuned_table_lists_k3_shapes_only():
 
 def test_tuned_table_picks_from_the_sweep():
     assert {GemvConfig(**c) for c in GEMV_CANDIDATES} >= set(TUNED_M1.values())
+    # the e4m3 entries: K3 shapes that take an e4m3 weight, tilings of the fp8_tiles sweep
+    from benchmarks.sweeps import get
+    from k3lab.boundaries.dense import shapes
+    fields = {f.name for f in dataclasses.fields(GemvConfig)}
+    swept = {GemvConfig(**{k: v for k, v in p.items() if k in fields})
+             for p in get("dense", "fp8_tiles").points}
+    assert swept >= set(TUNED_M1_E4M3.values())
+    e4m3 = {(s["rows"], s["K"], False) for n, s in shapes(preset("kimi-k3", tp=8)).items()
+            if n in ("moe.latent_up", "moe.latent_down", "kda.o_proj")}
+    assert set(TUNED_M1_E4M3) <= e4m3
 
 
 @pytest.mark.parametrize("fields", GEMV_CANDIDATES, ids=lambda c: (
