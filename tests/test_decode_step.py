@@ -305,6 +305,28 @@ def test_tail_choice_is_k3s_bf16_tail_tiling_and_reaches_the_tail(device, monkey
     assert mine not in {c for fp8, c in seen if not fp8}
 
 
+def test_waterfalls_measure_each_distinct_stack_once(monkeypatch):
+    """Every step is measured unless an earlier step (of either waterfall) ran the same stack; a
+    change that owns no op but changes how its owner runs (fp8-latent-tail) is a step of its
+    own."""
+    measured = []
+
+    def fake(st, token, device, *, label, **kw):
+        measured.append(tuple(st.names))
+        return _figs(label, 1000.0 + len(measured), 10)
+
+    monkeypatch.setattr(study, "measure_token", fake)
+    cache: dict = {}
+    a = study.waterfall({}, "cpu", ["fused-latent-tail", "fp8-latent-tail"], configs=None,
+                        num_splits=4, cache=cache)
+    assert [added for added, _, _ in a] == ["engine baseline", "fused-latent-tail",
+                                            "fp8-latent-tail"]
+    assert len(measured) == 3 and len({id(f) for _, f, _ in a}) == 3
+    b = study.waterfall({}, "cpu", ["fused-latent-tail"], configs=None, num_splits=4,
+                        cache=cache)
+    assert len(measured) == 3 and b[-1][1] is a[1][1]  # shared with the first waterfall
+
+
 def test_interleaved_ratios_per_round():
     """The base's time over each label's, per round: median, min and max over the rounds."""
     t = pd.DataFrame({"round": [0, 0, 1, 1, 2, 2], "label": ["d", "x"] * 3,

@@ -195,12 +195,15 @@ def waterfall(token: dict, device, order, *, configs: stack.Configs, num_splits:
               repeats: int | None = None, cache: dict | None = None) -> list[tuple]:
     """[(change added, TokenFigures or None, note)] for ``stack.steps(order)``: a change whose
     kernel is absent is skipped with its note (and the step's figures are the previous ones).
-    ``cache`` ({owner map: figures}) shares measurements between waterfalls."""
+    ``cache`` ({stack key: figures}) shares measurements between waterfalls: stacks with the
+    same owner map and the same changes that own no op (``fp8-latent-tail`` changes how an
+    owner runs) are one measurement."""
     cache = {} if cache is None else cache
     out = []
     for added, names in stack.steps(order):
         st, notes = stack.runnable(stack.compose(names))
-        key = tuple(sorted((op, o) for op, o in st.owner.items() if o))
+        key = (tuple(sorted((op, o) for op, o in st.owner.items() if o)),
+               tuple(sorted(c.name for c in st.changes if not c.owns)))
         if key not in cache:
             cache[key] = measure_token(st, token, device, label=added, configs=configs,
                                        num_splits=num_splits, repeats=repeats)
