@@ -246,44 +246,40 @@ def test_e4m3_weight_with_row_scales(m, cfg, device):
     assert got[:, 3].float().abs().max() == 0
 
 
+def _check_e4m3_tail(y, x2, w, w2, g, res, device):
+    """The MoE tail's launch with the e4m3 rows of w against the fp32 reference."""
+    q, scale = _e4m3_rows(w)
+    got = dense_gemv(y.to(device), q.to(device), weight_scale=scale.to(device),
+                     norm_weight=g.to(device), eps=1e-5, x2=x2.to(device),
+                     weight2=w2.to(device), residual=res.to(device)).cpu()
+    want = dense_reference(y, q, weight_scale=scale, norm_weight=g, eps=1e-5, x2=x2,
+                           weight2=w2, residual=res)
+    terms = (rms_norm(y, g, 1e-5).abs() @ (q.float() * scale[:, None]).abs().T
+             + x2.float().abs() @ w2.float().abs().T + res.float().abs())
+    _close(got, want, terms, rounded_inputs=y.shape[0] > 1)
+
+
 @pytest.mark.parametrize("m", [1, 3])
 def test_e4m3_tail_norm_second_product_and_residual(m, device):
     """The MoE tail's launch with an e4m3 up-projection: RMSNorm(y) @ (values * scale)^T +
     shared @ W2^T + residual; the scale applies to the first product only."""
     y, x2, w, w2, g = _tail_data(m, 7 + m)
     res = torch.randn(m, 45, generator=torch.Generator().manual_seed(m)).bfloat16()
-    q, scale = _e4m3_rows(w)
-    got = dense_gemv(y.to(device), q.to(device), weight_scale=scale.to(device),
-                     norm_weight=g.to(device), eps=1e-5, x2=x2.to(device),
-                     weight2=w2.to(device), residual=res.to(device)).cpu()
-    want = dense_reference(y, q, weight_scale=scale, norm_weight=g, eps=1e-5, x2=x2,
-                           weight2=w2, residual=res)
-    terms = (rms_norm(y, g, 1e-5).abs() @ (q.float() * scale[:, None]).abs().T
-             + x2.float().abs() @ w2.float().abs().T + res.float().abs())
-    _close(got, want, terms, rounded_inputs=m > 1)
+    _check_e4m3_tail(y, x2, w, w2, g, res, device)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4])
 def test_e4m3_tail_at_k3_shapes_and_default_tiling(m, device):
     """The K3 tail at tp 8 (up-projection [7168, 3584] in e4m3, shared down [7168, 768] bf16,
-    residual) at the default tiling, which takes the e4m3 weight's wider K steps."""
+    residual) at the default tiling, the e4m3 weight's own (TUNED_M1_E4M3)."""
     gen = torch.Generator().manual_seed(m)
     y = torch.randn(m, 3584, generator=gen) * 2.0
     x2 = torch.randn(m, 768, generator=gen).bfloat16()
     w = (torch.randn(7168, 3584, generator=gen) / 3584 ** 0.5).bfloat16()
     w2 = (torch.randn(7168, 768, generator=gen) / 768 ** 0.5).bfloat16()
     g = torch.rand(3584, generator=gen) + 0.5
-    res = torch.randn(m, 7168, generator=gen).bfloat16()
-    q, scale = _e4m3_rows(w)
-    got = dense_gemv(y.to(device), q.to(device), weight_scale=scale.to(device),
-                     norm_weight=g.to(device), eps=1e-5, x2=x2.to(device),
-                     weight2=w2.to(device), residual=res.to(device)).cpu()
-    want = dense_reference(y, q, weight_scale=scale, norm_weight=g, eps=1e-5, x2=x2,
-                           weight2=w2, residual=res)
-    terms = (rms_norm(y, g, 1e-5).abs() @ (q.float() * scale[:, None]).abs().T
-             + x2.float().abs() @ w2.float().abs().T + res.float().abs())
-    _close(got, want, terms, rounded_inputs=m > 1)
+    _check_e4m3_tail(y, x2, w, w2, g, torch.randn(m, 7168, generator=gen).bfloat16(), device)
 
 
 def test_engine_baseline_matches_reference():
