@@ -434,7 +434,7 @@ _SWEEPS = [
                                 {"shape": "kda.o_proj"}),
                                ({}, {"weight_format": "e4m3"})),
           "e4m3 weights with fp32 row scales (the seed's FP8 latent tail, #18) against bf16, "
-          "each at its default tiling (e4m3: the bf16 tiling's bytes a step, twice its "
+          "each at its default tiling (e4m3: its own table's, else the bf16 tiling at twice its "
           "columns): half the weight bytes, a wider conversion per byte",
           variants=("fused", "reference")),
     Sweep("fp8_tiles", "dense", grid(
@@ -444,9 +444,10 @@ _SWEEPS = [
          _gemv(8, 512, 1, 3, 0), _gemv(16, 512, 1, 4, 0), _gemv(16, 1024, 1, 3, 0),
          _gemv(8, 1024, 1, 3, 0), _gemv(8, 2048, 1, 3, 0), _gemv(32, 512, 1, 3, 0),
          {**_gemv(8, 1024, 1, 3, 0), "unroll_k": True})),
-          "e4m3 weights: the default ({}: the bf16 tiling's bytes a step, twice its columns) "
-          "against the bf16 tilings of the three shapes (16 x 256, 8 x 512 unrolled, 8 x 512: "
-          "half the bytes a step) and other wide steps"),
+          "e4m3 weights: the default ({}: TUNED_M1_E4M3's tiling, else the bf16 tiling at twice "
+          "its columns) against the bf16 tilings of the three shapes (16 x 256, 8 x 512 "
+          "unrolled, 8 x 512: half the bytes a step) and other wide steps; picks the e4m3 "
+          "table of kernels/dense/tuned.py"),
     Sweep("fusions", "kda", ({}, {"block_v": 16}, {"block_v": 64}, {"block_v": 128}),
           "the whole decode (conv, core, out gate) in one launch: v-tiles meeting through "
           "tickets (the default and 16 / 64 wide) against a whole head a program (128)",
