@@ -2,6 +2,7 @@
 
     python -m benchmarks.run moe --sweep variants
     python -m benchmarks.run mla --sweep splits --preset kimi-k3 --tp 8 --base HEAD~3
+    python -m benchmarks.run token --sweep tail      # launcher configs in the whole token
     python -m benchmarks.run --list
 
 Every point is checked against the boundary's reference before it is timed (a variant whose
@@ -42,12 +43,17 @@ DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results.csv"
 COLUMNS = ["commit", "dirty", "gpu", "driver", "torch", "triton", "date", "device", "boundary",
            "variant", "sweep", "point", "config", "preset", "tp", "M", "metric", "value", "note"]
 # metrics a row can carry (latencies in us, bandwidth in GB/s, fractions of the copy bandwidth)
+# (token sweeps: tok/s and us of the extrapolated token, launches a token, the first point's
+# window graph time over this point's, interleaved: median, min and max over the rounds)
 METRICS = ("check", "available", "max_abs_err", "launches", "bytes",
            "eager_us", "eager_p10_us", "eager_p90_us", "eager_copy_frac",
-           "graph_us", "graph_p10_us", "graph_p90_us", "graph_copy_frac", "copy_bw_GBps")
+           "graph_us", "graph_p10_us", "graph_p90_us", "graph_copy_frac", "copy_bw_GBps",
+           "tok_per_s", "token_us", "window_ratio_median", "window_ratio_min",
+           "window_ratio_max")
 # shown in the printed tables (all of them go to the CSV)
 SHOWN = ("check", "launches", "eager_us", "eager_copy_frac", "graph_us", "graph_p10_us",
-         "graph_p90_us", "graph_copy_frac")
+         "graph_p90_us", "graph_copy_frac", "tok_per_s", "window_ratio_median",
+         "window_ratio_min", "window_ratio_max")
 CPU_NOTE = ("CPU timings (Triton interpreter, wall clock) are not GPU figures: they say that "
             "the sweep runs, nothing about a kernel's speed.")
 TREE_ENV = "K3LAB_BENCH_TREE"  # set for a --base run: {"root": ..., "package_dirs": {...}}
@@ -459,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from benchmarks import sweeps
+    from benchmarks import sweeps, token
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -483,8 +489,15 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda *a, **k: None) if args.quiet else print
     try:
-        head = run_sweep(sweep, device=device, preset=preset, tp=tp, repeats=args.repeats,
-                         points=points, variants=variants, log=log)
+        if sweep.boundary == token.TOKEN:
+            if variants:
+                raise sweeps.SweepError("--variants: a token sweep runs the full stack only")
+            head = token.run_token_sweep(sweep, device=device, preset=preset, tp=tp,
+                                         repeats=args.repeats, points=points, columns=COLUMNS,
+                                         meta=_manifest(device, preset, tp), log=log)
+        else:
+            head = run_sweep(sweep, device=device, preset=preset, tp=tp, repeats=args.repeats,
+                             points=points, variants=variants, log=log)
     except sweeps.SweepError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -135,6 +135,9 @@ def resolve(sweep: Sweep, points: list[int] | None = None) -> list[Point]:
     field, before anything runs."""
     from k3lab import boundaries
 
+    if sweep.boundary == "token":  # the whole decode token: benchmarks/token.py
+        from benchmarks.token import resolve as resolve_token
+        return resolve_token(sweep, points)
     b = boundaries.get(sweep.boundary)
     known = _input_params(b)
     cls = config_class(sweep.boundary, sweep.config) if sweep.config else \
@@ -503,6 +506,23 @@ _SWEEPS = [
                                      ({}, {"split_h": 0}, {"max_split_programs": 8})),
           "the split schedule (by default while its grid is at most one program an SM) and one "
           "program a token at 4, 16 and 64 tokens"),
+]
+
+
+
+def _tail(block_n, block_k, prefetch_steps=0, num_stages=3) -> dict:
+    return {"tail.block_n": block_n, "tail.block_k": block_k, "tail.num_stages": num_stages,
+            "tail.pdl": True, "tail.prefetch_steps": prefetch_steps}
+
+
+# the whole decode token (benchmarks/token.py): "<stack.Configs field>.<config field>" keys,
+# the first point {} (the decode step's own configs)
+_SWEEPS += [
+    Sweep("tail", "token", ({}, _tail(16, 256), _tail(16, 512), _tail(8, 512),
+                            _tail(32, 512, 2), _tail(32, 512, 4), _tail(32, 512, 7)),
+          "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
+          "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
+          "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
 ]
 
 SWEEPS: dict[tuple[str, str], Sweep] = {(s.boundary, s.name): s for s in _SWEEPS}

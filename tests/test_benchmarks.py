@@ -186,3 +186,56 @@ def test_base_head_side_by_side(tmp_path, capsys):
     assert base["dirty"].unique().tolist() == [False]
     assert set(base["metric"]) == set(df[df["date"] == df["date"].min()]["metric"])
     assert "k3lab-base-" not in _worktrees()  # the temporary worktree is gone
+
+
+@pytest.mark.interpreter
+def test_token_sweep_rows_and_checks(tmp_path, capsys, monkeypatch):
+    """A token sweep: every point's token checked, then measured (interpreted); its config
+    fields reach the launchers (a tail tiling the interpreter runs), rows under the CSV's
+    columns and metrics; a point off the truth is a check row of 0 and is not timed."""
+    out = tmp_path / "token.csv"
+    argv = ["token", "--sweep", "tail", "--points", "0,1", "--device", "cpu", "--out", str(out)]
+    assert run.main(argv) == 0
+    assert "not GPU figures" in capsys.readouterr().out
+    df = _rows(out)
+    assert set(df["metric"]) <= set(run.METRICS)
+    assert (df[["boundary", "variant", "sweep"]].drop_duplicates().values.tolist()
+            == [["token", "full stack", "tail"]])
+    points = [json.loads(p) for p in df["point"].unique()]
+    assert points == [{}, sweeps.get("token", "tail").points[1]]
+    v = df.pivot_table(index="point", columns="metric", values="value", aggfunc="first")
+    assert (v["check"] == 1).all() and (v["tok_per_s"] > 0).all() and (v["launches"] > 0).all()
+    assert "window_ratio_median" not in v  # CUDA graphs only
+
+    from k3lab.studies import decode_step
+
+    real = decode_step.check_token
+
+    def off(token, stacks, configs, num_splits):  # the second point misses the truth
+        t = real(token, stacks, configs, num_splits)
+        return t.assign(ok=[True] + [False] * (len(t) - 1))
+
+    monkeypatch.setattr(decode_step, "check_token", off)
+    out2 = tmp_path / "off.csv"
+    assert run.main([*argv[:-1], str(out2), "--quiet"]) == 0
+    df = _rows(out2)
+    second = df[df["point"] != "{}"]
+    assert second.set_index("metric").loc["check", "value"] == 0
+    assert "tok_per_s" not in set(second["metric"])
+    assert "tok_per_s" in set(df[df["point"] == "{}"]["metric"])
+
+
+def test_token_sweep_refuses_bad_points_before_running():
+    tail = sweeps.get("token", "tail")
+    for points, match in ((({"tail.block_k": 256},), "first point must be"),
+                          (({}, {"tail.nope": 1}), "GemvConfig has no field 'nope'"),
+                          (({}, {"nope.block_k": 1}), "names no config field"),
+                          (({}, {"tail": 1}), "names no config field")):
+        with pytest.raises(sweeps.SweepError, match=match):
+            sweeps.resolve(dataclasses.replace(tail, points=points))
+    with pytest.raises(ValueError, match="tail.block_k=3"):
+        sweeps.resolve(dataclasses.replace(tail, points=({}, {"tail.block_k": 3})))
+    with pytest.raises(sweeps.SweepError, match="no point 9"):
+        sweeps.resolve(tail, [9])
+    assert run.main(["token", "--sweep", "tail", "--variants", "fused", "--device", "cpu",
+                     "--out", "/dev/null"]) == 2

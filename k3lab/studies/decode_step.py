@@ -22,8 +22,8 @@ from k3lab.studies.decode_bytes import token_bytes
 from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 
 __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
-           "launch_choices", "PDL_CHOICES", "CONFIG_CHOICES", "STACK_CHOICES", "set_context",
-           "check_token",
+           "launch_choices", "compare", "PDL_CHOICES", "CONFIG_CHOICES", "STACK_CHOICES",
+           "set_context", "check_token",
            "LOGITS_RTOL", "waterfall", "waterfall_table",
            "waterfall_plot", "floor", "floors", "latent_up_format", "rates", "rates_plot",
            "breakdown", "FLOOR_LABEL",
@@ -360,21 +360,36 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
     for label, st in stack_choices(full).items():
         stacks[label], choices[label] = st, configs
     checks = _checked(check_token(token, stacks, choices, num_splits), choices, stacks, full)
+    out = compare(token, device, choices, stacks, num_splits=num_splits, repeats=repeats)
+    out.insert(4, "max abs error", checks["max abs error"].to_numpy())
+    return out
+
+
+def compare(token: dict, device, choices: dict, stacks: dict, *, num_splits: int,
+            repeats: int | None = None) -> pd.DataFrame:
+    """Each labelled token (``stacks[label]`` run with ``choices[label]``, a ``stack.Configs``;
+    the first label is the base, "defaults") measured back to back: tok/s, token us, launches,
+    its tok/s over the base's; on a GPU, then the window's graphs of every label replayed in
+    turn over :data:`INTERLEAVED_ROUNDS` rounds (``profile.time_interleaved``): the base's
+    window time over each label's, its median, min and max over the rounds (left out, with the
+    reason printed, where the replays fail). The caller checks the tokens against the truth."""
     rows = []
-    for (label, cfgs), err in zip(choices.items(), checks["max abs error"], strict=True):
+    for label, cfgs in choices.items():
         f = measure_token(stacks[label], token, device, label=label, configs=cfgs,
                           num_splits=num_splits, repeats=repeats)
         rows.append({"choice": label, "token us": f.token_us, "tok/s": f.tok_per_s,
-                     "launches per token": round(f.launches), "max abs error": err})
+                     "launches per token": round(f.launches)})
     out = pd.DataFrame(rows)
     out["vs defaults"] = out["tok/s"] / out["tok/s"].iloc[0]
+    if torch.device(device).type != "cuda":  # CUDA graphs only
+        return out
     runs = {label: (lambda tk, c=cfgs, st=stacks[label]: stack.run_token(
                 st, tk, num_splits=num_splits, configs=c))
             for label, cfgs in choices.items()}
     try:
         r = profile.interleaved_ratios(profile.time_interleaved(runs, token,
                                                                 rounds=INTERLEAVED_ROUNDS),
-                                       "defaults")
+                                       next(iter(choices)))
     except RuntimeError as exc:  # the table above stands without its spread; say why
         print(f"launch choices: the interleaved replays failed ({exc}); no spread columns")
         return out
