@@ -276,33 +276,27 @@ def test_moe_launch_choices_meet_the_truth(device):
     assert check["ok"].all(), check
 
 
-def test_tail_choice_is_k3s_bf16_tail_tiling_and_reaches_the_tail(device, monkeypatch):
+def test_tail_choice_is_k3s_bf16_tail_tiling_and_reaches_the_tail(device):
     """The launch choice of the MoE tail's tiling is the bf16 tail's table entry at K3 (the e4m3
-    tail has its own), and Configs.tail reaches the tail's launch alone."""
+    tail has its own); Configs.tail reaches the tail's launch (a config it refuses is named
+    there) and the token with another tail tiling meets the truth."""
     from k3lab import kernels
-    from k3lab.kernels import dense
     from k3lab.kernels.dense import default_config
 
     (label, field, cls, changes), = [c for c in study.CONFIG_CHOICES if c[1] == "tail"]
     tail = dataclasses.replace(getattr(kernels, cls)(), **changes)
     assert tail == default_config(1, 7168, 3584)
     assert default_config(1, 7168, 3584, e4m3=True) != tail
-    seen = []
-    real = dense.dense_gemv
-
-    def spy(*a, **kw):
-        seen.append((kw.get("weight_scale") is not None, kw.get("config")))
-        return real(*a, **kw)
-
-    monkeypatch.setattr(dense, "dense_gemv", spy)
     cfg = preset("tiny")
-    tok = study.build(cfg, device, window=1, context=24, expert_format="mxfp4")
+    tok = study.build(cfg, device, window=3, context=24, expert_format="mxfp4")
     full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
-    mine = dataclasses.replace(tail, pdl=False)  # any config: the interpreter runs it plainly
-    stack.run_token(full, tok, num_splits=4,
-                    configs=dataclasses.replace(study.configs_for(device), tail=mine))
-    assert {c for fp8, c in seen if fp8} == {mine}
-    assert mine not in {c for fp8, c in seen if not fp8}
+    base = study.configs_for(device)
+    with pytest.raises(ValueError, match="config: expected a GemvConfig"):
+        stack.run_token(full, tok, num_splits=4,
+                        configs=dataclasses.replace(base, tail="not a config"))
+    mine = dataclasses.replace(tail, block_n=8, block_k=32, split_k=2)
+    check = study.check_token(tok, {"tail": full}, dataclasses.replace(base, tail=mine), 4)
+    assert check["ok"].all(), check
 
 
 def test_waterfalls_measure_each_distinct_stack_once(monkeypatch):
