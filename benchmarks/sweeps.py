@@ -212,6 +212,12 @@ def _gemv(block_n, block_k, split_k, num_stages, prefetch_steps) -> dict:
                 num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps)
 
 
+def _tail(block_n, block_k, prefetch_steps=0, num_stages=3) -> dict:
+    """A token sweep's point: the MoE tail GEMV's tiling (stack.Configs.tail)."""
+    return {"tail.block_n": block_n, "tail.block_k": block_k, "tail.num_stages": num_stages,
+            "tail.pdl": True, "tail.prefetch_steps": prefetch_steps}
+
+
 # the one-token tilings the tune sweep tries on every shape; kernels/dense/tuned.py picks from
 # these (GemvConfig fields; literal, so the sweep also runs against a base commit's tree)
 GEMV_CANDIDATES = (
@@ -506,24 +512,16 @@ _SWEEPS = [
                                      ({}, {"split_h": 0}, {"max_split_programs": 8})),
           "the split schedule (by default while its grid is at most one program an SM) and one "
           "program a token at 4, 16 and 64 tokens"),
-]
 
-
-
-def _tail(block_n, block_k, prefetch_steps=0, num_stages=3) -> dict:
-    return {"tail.block_n": block_n, "tail.block_k": block_k, "tail.num_stages": num_stages,
-            "tail.pdl": True, "tail.prefetch_steps": prefetch_steps}
-
-
-# the whole decode token (benchmarks/token.py): "<stack.Configs field>.<config field>" keys,
-# the first point {} (the decode step's own configs)
-_SWEEPS += [
+    # the whole decode token (benchmarks/token.py): "<stack.Configs field>.<config field>"
+    # keys, the first point {} (the decode step's own configs)
     Sweep("tail", "token", ({}, _tail(16, 256), _tail(16, 512), _tail(8, 512),
                             _tail(32, 512, 2), _tail(32, 512, 4), _tail(32, 512, 7)),
           "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
           "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
 ]
+
 
 SWEEPS: dict[tuple[str, str], Sweep] = {(s.boundary, s.name): s for s in _SWEEPS}
 

@@ -44,7 +44,7 @@ def resolve(sweep, points: list[int] | None = None, device: str = "cpu") -> list
     """[(point spec, stack.Configs)] of ``sweep``'s points (or the chosen indices); raises
     SweepError (an unknown field or point, a first point that is not ``{}``) or ValueError (a
     value the config refuses), naming the point, before anything runs."""
-    from benchmarks.sweeps import SweepError, point_json
+    from benchmarks.sweeps import SweepError, _replace, point_json
     from k3lab import kernels
 
     if not sweep.points or sweep.points[0]:
@@ -65,12 +65,9 @@ def resolve(sweep, points: list[int] | None = None, device: str = "cpu") -> list
             if field not in CONFIG_CLASSES or not attr:
                 raise SweepError(f"{where}: {key!r} names no config field; expected "
                                  f"'<field>.<name>' with <field> one of {sorted(CONFIG_CLASSES)}")
-            cls = getattr(kernels, CONFIG_CLASSES[field])
-            current = getattr(configs, field) or cls()
-            if attr not in {f.name for f in dataclasses.fields(cls)}:
-                raise SweepError(f"{where}: {cls.__name__} has no field {attr!r}")
+            current = getattr(configs, field) or getattr(kernels, CONFIG_CLASSES[field])()
             try:
-                changed = dataclasses.replace(current, **{attr: value})
+                changed = _replace(current, attr, value, where)
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"{where}: {key}={value!r}: {exc}") from exc
             configs = dataclasses.replace(configs, **{field: changed})

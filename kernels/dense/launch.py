@@ -38,16 +38,13 @@ def default_config(m: int, rows: int, k: int, gated: bool = False, *,
     tiling's bytes a step, twice its columns (up to K's next power of two); the tensor-core path
     of several tokens keeps the bf16 tiling (at twice the columns it spills: offline sm_90 build
     of K3's tail at M = 4)."""
-    config = None
-    if m == 1 and e4m3:
-        config = TUNED_M1_E4M3.get((rows, k, bool(gated)))
-        if config is not None:
-            return config
-    if m == 1:
-        config = TUNED_M1.get((rows, k, bool(gated)))
-    if config is None:
-        config = heuristic_config(m, rows, k)
-    if e4m3 and m == 1:
+    key = (rows, k, bool(gated))
+    if m > 1:
+        return heuristic_config(m, rows, k)
+    if e4m3 and key in TUNED_M1_E4M3:
+        return TUNED_M1_E4M3[key]
+    config = TUNED_M1.get(key) or heuristic_config(m, rows, k)
+    if e4m3:
         config = replace(config, block_k=min(2 * config.block_k,
                                              max(16, triton.next_power_of_2(k))))
     return config
