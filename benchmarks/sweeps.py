@@ -520,6 +520,18 @@ _SWEEPS = [
           "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
           "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
+    Sweep("moe_early", "token",
+          ({}, {"moe.stage2_prefetch_steps": 2}, {"moe.stage2_trigger_early": True},
+           {"moe.stage2_trigger_early": True, **_tail(32, 512, 7)},
+           {"moe.stage2_prefetch_steps": 2, "moe.stage2_trigger_early": True,
+            **_tail(32, 512, 7)},
+           {"moe.stage2_prefetch_steps": 2, "moe.stage2_trigger_early": True,
+            "moe.stage1_evict_first": True, **_tail(32, 512, 7)}),
+          "the expert weights' stream moved before the PDL waits in the full stack's token: "
+          "stage 2 asks L2 for its tiles while stage 1 runs, lets the tail start before its "
+          "own wait (the tail then prefetches all of its weights, both products), and stage 1 "
+          "reads its weights evict-first so that those prefetched lines stay in L2",
+          variants=("full stack",), tp=8),
 ]
 
 

@@ -22,7 +22,8 @@ class GemvConfig:
     pdl: launch with programmatic dependent launch (compiled only): a program asks L2 for its
         first ``prefetch_steps`` weight steps (weights never depend on the previous launch), then
         waits for the previous grid before it reads x.
-    prefetch_steps: weight steps prefetched before that wait (pdl only).
+    prefetch_steps: weight steps prefetched before that wait (pdl only; with a second product,
+        its weight's first steps too).
     wait_last: (pdl only) the launch reads nothing the previous grid writes: a program lets
         the next launch start, runs, and waits for the previous grid only before it exits, so
         it overlaps a previous grid that lets its dependents start early, and its end still

@@ -154,3 +154,42 @@ def test_overlapping_launches_change_nothing(field):
         torch.cuda.synchronize()
         for out, ref in zip(outs, want, strict=True):
             assert torch.equal(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("early", [dict(stage2_prefetch_steps=2),
+                                   dict(stage2_trigger_early=True),
+                                   dict(stage2_prefetch_steps=2, stage2_trigger_early=True)],
+                         ids=["prefetch", "trigger-early", "both"])
+def test_stage2_before_its_wait_in_a_graph(early):
+    """K3 tp 8, MXFP4, routing in the block, atomic stage 2 by PDL: stage 2 asking L2 for its
+    weights before its wait (MoEConfig.stage2_prefetch_steps) and letting the tail GEMV start
+    before it (stage2_trigger_early; the tail then prefetches its weights too) still meet the
+    reference: four blocks on distinct x back to back in one CUDA graph, replayed three
+    times (a tail that read y or the shared product too early would miss it)."""
+    from k3lab.weights import hidden_states, make_generator
+
+    cfg = preset("kimi-k3", 8)
+    dev = torch.device("cuda")
+    inp = {**_inputs(cfg, dev, 1, "mxfp4"), "route": True}
+    config = MoEConfig(dense_projections=True, **early)
+    w = inp["weights"].for_kernels(config)
+    xs = [hidden_states(cfg, 1, make_generator(seed, "cuda")) for seed in range(1, 5)]
+
+    def run(x):
+        return moe_block(x, w, cfg=cfg, config=config)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for x in xs:
+            run(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [run(x) for x in xs]
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for x, out in zip(xs, outs, strict=True):
+            B.check(out, None, {**inp, "x": x})  # raises past the block tolerance
