@@ -218,6 +218,8 @@ def _tail(block_n, block_k, prefetch_steps=0, num_stages=3) -> dict:
             "tail.pdl": True, "tail.prefetch_steps": prefetch_steps}
 
 
+_STAGE2_EARLY = {"moe.stage2_prefetch_steps": 2, "moe.stage2_trigger_early": True}
+
 # the one-token tilings the tune sweep tries on every shape; kernels/dense/tuned.py picks from
 # these (GemvConfig fields; literal, so the sweep also runs against a base commit's tree)
 GEMV_CANDIDATES = (
@@ -520,18 +522,18 @@ _SWEEPS = [
           "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
           "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
-    Sweep("moe_early", "token",
-          ({}, {"moe.stage2_prefetch_steps": 2}, {"moe.stage2_trigger_early": True},
+    Sweep("weights_early", "token",
+          ({}, {"moe.stage2_prefetch_steps": 2},
            {"moe.stage2_trigger_early": True, **_tail(32, 512, 7)},
-           {"moe.stage2_prefetch_steps": 2, "moe.stage2_trigger_early": True,
-            **_tail(32, 512, 7)},
-           {"moe.stage2_prefetch_steps": 2, "moe.stage2_trigger_early": True,
-            "moe.stage1_evict_first": True, **_tail(32, 512, 7)}),
-          "the expert weights' stream moved before the PDL waits in the full stack's token: "
-          "stage 2 asks L2 for its tiles while stage 1 runs, lets the tail start before its "
-          "own wait (the tail then prefetches all of its weights, both products), and stage 1 "
-          "reads its weights evict-first so that those prefetched lines stay in L2",
-          variants=("full stack",), tp=8),
+           {**_STAGE2_EARLY, **_tail(32, 512, 7)},
+           {**_STAGE2_EARLY, "moe.stage1_evict_first": True, **_tail(32, 512, 7)},
+           {"gemv_prefetch": 2}, {"gemv_prefetch": 4},
+           {"gemv_prefetch": 4, **_STAGE2_EARLY, **_tail(32, 512, 7)}),
+          "weights streamed before the PDL waits in the full stack's token: stage 2 asks L2 "
+          "for its expert tiles while stage 1 runs and lets the tail start before its own wait "
+          "(the tail then prefetches all of its weights, both products); stage 1 evict-first, "
+          "so that those lines stay in L2; every projection on its default tiling prefetching "
+          "its first steps during the launch before it", variants=("full stack",), tp=8),
 ]
 
 
