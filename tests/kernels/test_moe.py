@@ -1147,15 +1147,18 @@ def test_gpu_cuda_graph(fmt, fuse_tail, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+@pytest.mark.parametrize("pdl", [True, False, "early"], ids=["pdl", "no-pdl", "stage2-early"])
 def test_gpu_pdl_back_to_back(pdl):
     """Programmatic dependent launch (MoEConfig.pdl): launches that start during the previous
     one's last wave and read the plan before their wait. Two blocks of different tokens captured
     back to back in one graph and replayed (stage 1 after the front with PDL, stage 2 and the
     tail apart with PDL), and two stage-1 (without PDL: it lets the next launch start early) and
     stage-2 (pdl=True) calls back to back, each against the reference: a missed wait would read
-    the other call's activations or accumulator."""
-    config = MoEConfig(pdl=pdl)
+    the other call's activations or accumulator. stage2-early: stage 2 also prefetches its
+    tiles and lets the tail start before its wait (MoEConfig.stage2_prefetch_steps,
+    stage2_trigger_early)."""
+    config = (MoEConfig(stage2_prefetch_steps=2, stage2_trigger_early=True) if pdl == "early"
+              else MoEConfig(pdl=pdl))
     cfg, w, _ = _gpu_k3("mxfp4", 1)
     xs = [hidden_states(cfg, 1, make_generator(seed, "cuda")) for seed in (1, 2)]
     stream = torch.cuda.Stream()
