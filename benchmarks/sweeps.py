@@ -218,8 +218,6 @@ def _tail(block_n, block_k, prefetch_steps=0, num_stages=3) -> dict:
             "tail.pdl": True, "tail.prefetch_steps": prefetch_steps}
 
 
-_STAGE2_EARLY = {"moe.stage2_prefetch_steps": 2, "moe.stage2_trigger_early": True}
-
 # the one-token tilings the tune sweep tries on every shape; kernels/dense/tuned.py picks from
 # these (GemvConfig fields; literal, so the sweep also runs against a base commit's tree)
 GEMV_CANDIDATES = (
@@ -483,14 +481,6 @@ _SWEEPS = [
                                      {"split_pdl": False, "split_min_candidates": 1})),
           "split schedule (programs of split_h columns over two launches) against one program "
           "a token (split_h 0) and the default depth rule ({}), at 0, 2, 4 and 8 sealed rows"),
-    Sweep("one_launch", "attn_res", grid(({"n_sealed": 2}, {"n_sealed": 5}, {"n_sealed": 8}),
-                                         ({}, {"split_one_launch": True},
-                                          {"split_one_launch": True, "split_min_candidates": 1},
-                                          {"split_one_launch": True, "split_h": 1024},
-                                          {"split_one_launch": True, "split_warps": 8})),
-          "the split schedule's sums and mix in one launch (tickets; a waiting program polls "
-          "until every chunk's sums are stored) against its two launches ({}), at 2, 5 and 8 "
-          "sealed rows"),
     Sweep("one_chunk", "attn_res", grid(tuple({"n_sealed": n} for n in range(5)),
                                         ({}, {"split_h": 0},
                                          {"split_h": 0, "one_chunk_elems": 0},
@@ -530,20 +520,6 @@ _SWEEPS = [
           "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
           "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
-    Sweep("early", "token",
-          ({}, {"moe.stage2_prefetch_steps": 2},
-           {"moe.stage2_trigger_early": True, **_tail(32, 512, 7)},
-           {**_STAGE2_EARLY, **_tail(32, 512, 7)},
-           {**_STAGE2_EARLY, "moe.stage1_evict_first": True, **_tail(32, 512, 7)},
-           {"gemv_prefetch": 2}, {"gemv_prefetch": 4},
-           {"gemv_prefetch": 4, **_STAGE2_EARLY, **_tail(32, 512, 7)},
-           {"attn_res.split_one_launch": True}),
-          "weights streamed before the PDL waits in the full stack's token: stage 2 asks L2 "
-          "for its expert tiles while stage 1 runs and lets the tail start before its own wait "
-          "(the tail then prefetches all of its weights, both products); stage 1 evict-first, "
-          "so that those lines stay in L2; every projection on its default tiling prefetching "
-          "its first steps during the launch before it; and the AttnRes reads' split "
-          "schedule in one launch", variants=("full stack",), tp=8),
 ]
 
 

@@ -2,13 +2,12 @@
 
 A token sweep's points set fields of the launchers' configs inside the full stack's decode token
 (``k3lab.stack.Configs``): a key ``"tail.block_k"`` is field ``block_k`` of the config the MoE
-tail's GEMV gets, ``"moe.front_overlaps_route"`` a field of the ``MoEConfig``, a key without a dot
-(``"gemv_prefetch"``) a field of ``Configs`` itself. A field is replaced on the config the
-decode step itself passes (``decode_step.configs_for``), else on the launcher's default config
-class. The first point is ``{}``: the decode step's own configs, the base of every ratio. Every
-point's token is checked against the fp32 truth first (a point off it gets a ``check`` row of 0
-and is not timed), then measured as the decode-step notebook's launch-choice table measures its
-choices (``decode_step.compare``): tok/s, launches, and on a
+tail's GEMV gets, ``"moe.front_overlaps_route"`` a field of the ``MoEConfig``. A field is
+replaced on the config the decode step itself passes (``decode_step.configs_for``), else on the
+launcher's default config class. The first point is ``{}``: the decode step's own configs, the
+base of every ratio. Every point's token is checked against the fp32 truth first (a point off
+it gets a ``check`` row of 0 and is not timed), then measured as the decode-step notebook's
+launch-choice table measures its choices (``decode_step.compare``): tok/s, launches, and on a
 GPU the window graphs of all points replayed in turn (the base's window time over each point's).
 On the CPU the token is interpreted: its figures say that the sweep runs, not how fast.
 """
@@ -19,16 +18,13 @@ import dataclasses
 
 import pandas as pd
 
-__all__ = ["TOKEN", "CONFIG_CLASSES", "PLAIN_FIELDS", "GPU_PARAMS", "CPU_PARAMS", "resolve",
-           "run_token_sweep"]
+__all__ = ["TOKEN", "CONFIG_CLASSES", "GPU_PARAMS", "CPU_PARAMS", "resolve", "run_token_sweep"]
 
 TOKEN = "token"  # the boundary name token sweeps go by
 # stack.Configs field -> the config class of its launcher (k3lab.kernels)
 CONFIG_CLASSES = {"gemv": "GemvConfig", "tail": "GemvConfig", "route": "RouteConfig",
                   "attn_res": "AttnResConfig", "kda": "KDAConfig", "mla": "MLAConfig",
                   "moe": "MoEConfig"}
-# stack.Configs fields that hold a value, not a config: a point's key is the field's name
-PLAIN_FIELDS = ("gemv_prefetch",)
 # the token measured: the reference reports' setup on a GPU, a short one under the interpreter
 GPU_PARAMS = {"window": 12, "context": 8192, "first_layer": 0, "num_splits": 32,
               "expert_format": "mxfp4"}
@@ -66,12 +62,6 @@ def resolve(sweep, points: list[int] | None = None, device: str = "cpu") -> list
         configs = base
         for key, value in spec.items():
             field, _, attr = key.partition(".")
-            if field in PLAIN_FIELDS and not attr:
-                try:
-                    configs = dataclasses.replace(configs, **{field: value})
-                except (TypeError, ValueError) as exc:
-                    raise ValueError(f"{where}: {key}={value!r}: {exc}") from exc
-                continue
             if field not in CONFIG_CLASSES or not attr:
                 raise SweepError(f"{where}: {key!r} names no config field; expected "
                                  f"'<field>.<name>' with <field> one of {sorted(CONFIG_CLASSES)}")

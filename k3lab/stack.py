@@ -263,9 +263,7 @@ class Configs:
     gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits),
     attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode), mla an
     ``MLAConfig`` (mla_decode), moe a ``MoEConfig`` (moe_experts, moe_stage1, moe_stage2), tail
-    a ``GemvConfig`` for the latent MoE tail's dense GEMV alone (None: gemv's). gemv_prefetch
-    (compiled, gemv None): the projections keep their default tilings but launch by PDL asking
-    L2 for this many weight steps before the wait (None: each tiling's own count)."""
+    a ``GemvConfig`` for the latent MoE tail's dense GEMV alone (None: gemv's)."""
 
     gemv: object = None
     route: object = None
@@ -274,12 +272,6 @@ class Configs:
     mla: object = None
     moe: object = None
     tail: object = None
-    gemv_prefetch: int | None = None
-
-    def __post_init__(self):
-        n = self.gemv_prefetch
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 8):
-            raise ValueError(f"gemv_prefetch: expected None or an int in 0..8, got {n!r}")
 
 
 @dataclass(frozen=True)
@@ -302,26 +294,8 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
     (bf16 F.linear, the norm, activation or residual as separate ops)."""
     if run.stack.owned_by(op, "dense-gemv"):
         from k3lab.kernels.dense import dense_gemv
-        return dense_gemv(x, w, config=_gemv_config(run, x, w, kw), **kw)
+        return dense_gemv(x, w, config=run.configs.gemv, **kw)
     return dense_engine(x, w, **kw)
-
-
-def _gemv_config(run: _Run, x: torch.Tensor, w: torch.Tensor, kw: dict,
-                 compiled: bool | None = None):
-    """The GemvConfig of one projection (dense_gemv's keywords ``kw``): Configs.gemv, else,
-    ``compiled`` (default: not interpreted), the launcher's default tiling with
-    Configs.gemv_prefetch's L2 prefetch, else None (the launcher's default)."""
-    n, config = run.configs.gemv_prefetch, run.configs.gemv
-    compiled = not _kernels().INTERPRETED if compiled is None else compiled
-    if config is not None or n is None or not compiled:
-        return config
-    from k3lab.kernels.dense import default_config
-    act, splits = kw.get("activation"), kw.get("splits")
-    rows = (splits[0] + splits[1] // 2 if splits is not None else w.shape[0] // 2) if act else \
-        w.shape[0]
-    return replace(default_config(x.shape[0], rows, w.shape[1], gated=bool(act),
-                                  e4m3=kw.get("weight_scale") is not None),
-                   pdl=True, prefetch_steps=n)
 
 
 def _act(cfg: Preset) -> dict:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .runtime import INTERPRETED, check_device, check_number, zeroed_words
+from .runtime import INTERPRETED, check_device, check_number
 
 __all__ = ["attn_res_norm", "AttnResConfig", "MAX_SEALED"]
 
@@ -38,10 +38,6 @@ __all__ = ["attn_res_norm", "AttnResConfig", "MAX_SEALED"]
 # 16 leaves room for deeper presets while padded rows cost registers, never bandwidth.
 MAX_SEALED = 16
 WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
-# A waiting program of the one-launch split gives up after this many polls (a wrong result in the
-# tests instead of a hung GPU, should scheduling ever break the ticket argument).
-MAX_SPIN = tl.constexpr(1 << 24)
-_SYNC: dict = {}  # device -> the one-launch split's three zeroed int32 words
 
 
 @dataclass(frozen=True)
@@ -63,11 +59,6 @@ class AttnResConfig:
         program streams the few rows faster than two launches meet).
     split_pdl: the split launches use programmatic dependent launch (compiled only): the mix
         launch loads its norm weight while the sums launch finishes.
-    split_one_launch: the split schedule's two steps in one launch of twice the programs: each
-        program takes a ticket as it starts; the first tickets store a chunk's sums, the
-        later ones wait (spinning on a counter) until every chunk's sums are stored, then mix
-        and normalize a chunk. Tickets follow the order programs start, so every program a
-        waiting one counts on is already running (no deadlock). split_pdl applies to it.
     split_warps: warps of a split program.
     max_split_programs: the split grid's largest size per SM (more tokens: one program each;
         at K3, 14 programs a token: up to 9 tokens).
@@ -94,7 +85,6 @@ class AttnResConfig:
     split_h: int = 512
     split_min_candidates: int = 6
     split_pdl: bool = True
-    split_one_launch: bool = False
     split_warps: int = 4
     max_split_programs: int = 1
     one_chunk_elems: int = 32768
@@ -107,7 +97,7 @@ class AttnResConfig:
             v = getattr(self, f.name)
             if f.name in ("split_h", "one_chunk_elems") and v == 0 and not isinstance(v, bool):
                 continue
-            if f.name in ("split_pdl", "split_one_launch", "pdl", "bank_before_wait"):
+            if f.name in ("split_pdl", "pdl", "bank_before_wait"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{f.name}: expected a bool, got {v!r}")
                 continue
@@ -389,70 +379,6 @@ def _attn_res_mix_kernel(
                o_h, m_h, STORE_H)
 
 
-@triton.jit
-def _attn_res_split_kernel(
-    p_bank, p_live, p_res_norm_w, p_res_proj_w, p_norm_w, p_h, p_hn, p_g, p_d, p_sync,
-    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m, N, H, eps, P, M,
-    PDL: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_P: tl.constexpr, STORE_H: tl.constexpr, BANK_EARLY: tl.constexpr,
-):
-    """The split schedule in one launch of 2 M P programs. A program's ticket (p_sync[0], in
-    the order programs start) picks its role: tickets [0, M P) store chunk (i_p, token i_m)'s
-    sums, as _attn_res_sums_kernel, and count themselves in p_sync[1] (release); later tickets
-    load their chunk's norm weight, poll p_sync[1] until it reaches M P (acquire), then mix and
-    normalize a chunk, as _attn_res_mix_kernel. The last of them (p_sync[2]) zeroes the three
-    words for the next launch. PDL: every program lets the next launch start as it starts
-    (so that launch starts once all of this one's programs run: none of them waits for a slot
-    a waiting program of the next launch holds) and waits for the previous grid before it
-    reads live (BANK_EARLY: the bank rows and the score weight before the wait)."""
-    i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
-    if PDL:
-        gdc_launch_dependents()
-    n_chunks = M * P
-    if i_t < n_chunks:
-        i_m = (i_t // P).to(tl.int64)
-        o_h = (i_t % P) * BLOCK_H + tl.arange(0, BLOCK_H)
-        m_h = o_h < H
-        if BANK_EARLY:
-            b_vb = _split_bank(p_bank, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m, BLOCK_NB)
-            b_w = _score_weight(p_res_norm_w, p_res_proj_w, o_h, m_h)
-        if PDL:
-            gdc_wait()
-        if BANK_EARLY:
-            b_v = _with_live(b_vb, p_live, i_m, o_h, m_h, N, stride_live_m, BLOCK_NB)
-        else:
-            b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
-                              stride_live_m, BLOCK_NB)
-            b_w = _score_weight(p_res_norm_w, p_res_proj_w, o_h, m_h)
-        _chunk_sums(b_v, b_w, p_g, p_d, i_t, DOT_FP32, BLOCK_NB)
-        tl.debug_barrier()  # every thread's stores issued before the release below
-        tl.atomic_add(p_sync + 1, 1, sem="release")
-    else:
-        i_c = i_t - n_chunks
-        i_m = (i_c // P).to(tl.int64)
-        o_h = (i_c % P) * BLOCK_H + tl.arange(0, BLOCK_H)
-        m_h = o_h < H
-        b_nw = tl.load(p_norm_w + o_h, mask=m_h, other=0.0).to(tl.float32)
-        if PDL:
-            gdc_wait()
-        # poll with plain volatile loads, then one acquire RMW (a max with 0: Triton 3.6 drops
-        # an acquire add of 0 whose value is unused, as stages.py notes)
-        n_spin = i_t * 0
-        while (tl.load(p_sync + 1, volatile=True) < n_chunks) & (n_spin < MAX_SPIN):
-            n_spin += 1
-        tl.atomic_max(p_sync + 1, 0, sem="acquire")
-        tl.debug_barrier()
-        b_p, b_rstd = _token_weights(p_g, p_d, i_m * P, P, N, H, eps, BLOCK_NB, BLOCK_P)
-        b_v = _split_rows(p_bank, p_live, i_m, o_h, m_h, N, stride_bank_n, stride_bank_m,
-                          stride_live_m, BLOCK_NB)
-        _mix_store(b_v, b_p, b_rstd, b_nw, p_h + i_m * stride_out_m, p_hn + i_m * stride_out_m,
-                   o_h, m_h, STORE_H)
-        if tl.atomic_add(p_sync + 2, 1, sem="acq_rel") == n_chunks - 1:  # every ticket taken
-            tl.atomic_xchg(p_sync, 0, sem="relaxed")
-            tl.atomic_xchg(p_sync + 1, 0, sem="relaxed")
-            tl.atomic_xchg(p_sync + 2, 0, sem="relaxed")
-
-
 def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
     if not isinstance(w, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(w).__name__}")
@@ -542,17 +468,6 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
         blocks = dict(BLOCK_NB=nb, BLOCK_H=cfg.split_h, num_warps=cfg.split_warps)
         pdl = cfg.split_pdl and not INTERPRETED
         launch = {"launch_pdl": True} if pdl else {}
-        if cfg.split_one_launch:
-            sync = zeroed_words(_SYNC, device, 3, error=(
-                f"live: attn_res_norm's one-launch split counters on {device} do not exist "
-                "yet and cannot be created inside a CUDA-graph capture; call it once on this "
-                "device before capturing"))
-            _attn_res_split_kernel[(2 * slots,)](
-                bank_arg, live, res_norm_weight, res_proj_weight, norm_weight, h, h_normed,
-                part_g, part_d, sync, *strides, N, H, float(eps), n_split, M, PDL=pdl,
-                DOT_FP32=INTERPRETED, BLOCK_P=triton.next_power_of_2(n_split),
-                STORE_H=return_h, BANK_EARLY=pdl and cfg.bank_before_wait, **blocks, **launch)
-            return (h if return_h else None), h_normed
         _attn_res_sums_kernel[(n_split, M)](
             bank_arg, live, res_norm_weight, res_proj_weight, part_g, part_d, *strides[:3], N,
             H, n_split, PDL=pdl, DOT_FP32=INTERPRETED, BANK_EARLY=pdl and cfg.bank_before_wait,

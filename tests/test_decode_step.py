@@ -260,39 +260,6 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
         assert study.launch_choices(tok, device, full, configs=base, num_splits=4).empty
 
 
-@pytest.mark.parametrize("bad", [-1, 9, True, 2.0])
-def test_gemv_prefetch_checked(bad):
-    with pytest.raises(ValueError, match="^gemv_prefetch: expected None or an int"):
-        stack.Configs(gemv_prefetch=bad)
-
-
-def test_gemv_prefetch_keeps_each_default_tiling():
-    """Configs.gemv_prefetch (compiled): a projection takes the launcher's default tiling for
-    its shape (rows per gate/up half, the merged front's plain and gated rows, e4m3 weights)
-    with PDL and that prefetch; Configs.gemv wins; None and the interpreter leave it to the
-    launcher."""
-    from k3lab.kernels import GemvConfig
-    from k3lab.kernels.dense import default_config
-
-    x = torch.zeros(1, 7168, dtype=torch.bfloat16)
-    none = stack.compose(())
-    run = stack._Run(none, configs=stack.Configs(gemv_prefetch=3))
-    cases = [(torch.zeros(6284, 7168), {}, (6284, False, False)),
-             (torch.zeros(1536, 7168), {"activation": "situ"}, (768, True, False)),
-             (torch.zeros(5120, 7168), {"activation": "situ", "splits": (3584, 1536)},
-              (4352, True, False)),
-             (torch.zeros(7168, 7168), {"weight_scale": torch.ones(7168)}, (7168, False, True))]
-    for w, kw, (rows, gated, e4m3) in cases:
-        got = stack._gemv_config(run, x, w, kw, compiled=True)
-        want = default_config(1, rows, 7168, gated, e4m3=e4m3)
-        assert got == dataclasses.replace(want, pdl=True, prefetch_steps=3), (rows, got)
-        assert stack._gemv_config(run, x, w, kw, compiled=False) is None
-    own = GemvConfig(block_n=32)
-    both = stack._Run(none, configs=stack.Configs(gemv=own, gemv_prefetch=3))
-    assert stack._gemv_config(both, x, cases[0][0], {}, compiled=True) is own
-    assert stack._gemv_config(stack._Run(none), x, cases[0][0], {}, compiled=True) is None
-
-
 def test_moe_launch_choices_meet_the_truth(device):
     """Every MoE launch choice of the table (overlaps, the shared gate/up beside stage 1, the
     expert pair plain) runs the full stack's token within the truth's tolerance."""

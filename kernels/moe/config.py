@@ -91,15 +91,6 @@ class MoEConfig:
             the shared experts' gate/up runs as its own launch between stage 1 and stage 2
             (``moe_experts(shared_x=...)``), overlapping stage 1 (compiled, pdl): one launch
             more, the shared rows' bytes off the front's critical path.
-        stage2_prefetch_steps: stage 2 launched by PDL (atomic tensor-core tiles) asks L2 for
-            the first this many K steps of each program's expert weight tile before its wait
-            (it knows its expert from the plan already), so that the weights stream while stage
-            1 runs; 0: none.
-        stage2_trigger_early: stage 2 launched by PDL lets the next launch start before its
-            wait instead of after it, so that launch (the tail) may start, and prefetch its
-            weights, while stage 1 runs. Only for a next launch that reads nothing before its
-            own wait (stage 1 or any launch still running may not have written it yet): the
-            block's tail GEMV reads y and the shared product after its wait.
         deterministic_stage2: stage 2's default mode where the launcher is not told
             (``deterministic=None`` of moe_stage2 / moe_block): one program per (token, D tile)
             summing its top_k slots in slot order and storing (bitwise reproducible), instead of
@@ -131,14 +122,12 @@ class MoEConfig:
     front_overlaps_route: bool = True
     front_triggers_last: bool = True
     shared_beside_stage1: bool = False
-    stage2_prefetch_steps: int = 0
-    stage2_trigger_early: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
                      "dense_projections", "front_overlaps_route", "front_triggers_last",
-                     "shared_beside_stage1", "stage2_trigger_early"):
+                     "shared_beside_stage1"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)
@@ -148,7 +137,6 @@ class MoEConfig:
         _check_int("klane_rows", self.klane_rows, 4, 512, pow2=True)
         _check_int("target_programs", self.target_programs, 1)
         _check_int("front_target_programs", self.front_target_programs, 1)
-        _check_int("stage2_prefetch_steps", self.stage2_prefetch_steps, 0, 16)
 
     def mma_tile(self, stage: int) -> tuple[int, int, int] | None:
         """The fixed tensor-core tile of stage 1 or 2 (None: picked by the launch)."""

@@ -385,7 +385,7 @@ def _stage2_tail_kwargs(config, stage2, tail, sync=None):
         kw["p_sync"] = sync
     kw.setdefault("p_sync", kw["p_y"])
     kw.update(STAGE2=stage2 is not None, TAIL=tail is not None, TOKEN_LOOP=token_loop(config),
-              PDL=False, EARLY_PF=0, TRIGGER_EARLY=False)
+              PDL=False)
     return kw, n
 
 
@@ -397,9 +397,6 @@ def _launch_stage2_tail(config, stage2, tail, sync=None, pdl=False):
     if pdl and _pdl_on(config) and (stage2 is None or (
             tail is None and not kw["DETERMINISTIC"] and kw["USE_MMA"])):
         kw.update(PDL=True, launch_pdl=True)
-        if stage2 is not None:  # stage 2 alone: its weights and its trigger before the wait
-            kw.update(EARLY_PF=config.stage2_prefetch_steps,
-                      TRIGGER_EARLY=config.stage2_trigger_early)
     if kw["USE_MMA"]:
         _check_mma_layout(_moe_stage2_tail_kernel, (n,), (), kw)
     _moe_stage2_tail_kernel[(n,)](**kw)

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..runtime import INTERPRETED  # noqa: F401  (sets the interpreter up before any jit)
 
-__all__ = ["fp4_mma_gemv", "fp4_mma_prefetch", "mma_prepare_x", "store_prepared_x", "prefetch_l2",
+__all__ = ["fp4_mma_gemv", "mma_prepare_x", "store_prepared_x", "prefetch_l2",
            "mma_layout_problem", "tiled_word_offset", "MMA_WARPS", "MMA_OPERAND_LAYOUT"]
 
 MMA_WARPS = 4  # the tile's index math assumes 4 warps (launch the kernel with num_warps=4)
@@ -244,45 +244,6 @@ def _x_operand(p_x, o_w, o_u, m_x, ASM: tl.constexpr, X_PREPARED: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(row0, ROW_R, row_lim, LIM_R, R: tl.constexpr, WARPS_K: tl.constexpr):
-    """([128, RP] rows, mask) a tile's L2 prefetch covers: lane l of a warp takes row l % 16 of
-    row tiles 2 j + l // 16 (one 128-byte line of a row a K step)."""
-    o_q = tl.arange(0, 128)
-    RP: tl.constexpr = (R + 1) // 2
-    o_j = tl.arange(0, RP)
-    pf_r = 2 * o_j[None, :] + (o_q % 32 // 16)[:, None]  # [128, RP]
-    pf_row = row0 + pf_r * ROW_R + (o_q // 32 // WARPS_K * 16 + o_q % 16)[:, None]
-    return pf_row, (pf_r < R) & (pf_row < row_lim + pf_r * LIM_R)
-
-
-@triton.jit
-def _prefetch_step(p_w, pf_row, m_pf, pf_step, n_steps, K_WORDS, W_TILED: tl.constexpr):
-    """prefetch.global.L2 of the rows' lines of K step pf_step [128] (tiled: lane l takes line
-    l % 16 of the tile's 2 KB block)."""
-    if W_TILED:
-        p_pf = p_w + ((pf_row // 16) * (K_WORDS // 32) + pf_step[:, None]) * 512 \
-            + pf_row % 16 * 32
-    else:
-        p_pf = p_w + pf_row * K_WORDS + (pf_step * 32)[:, None]
-    prefetch_l2(p_pf, m_pf & (pf_step < n_steps)[:, None])
-
-
-@triton.jit
-def fp4_mma_prefetch(p_w, row0, ROW_R, row_lim, LIM_R, N_GROUPS, R: tl.constexpr,
-                     WARPS_K: tl.constexpr, STEPS: tl.constexpr, W_TILED: tl.constexpr):
-    """Ask L2 for the codes of the first STEPS K steps of the tile ``fp4_mma_gemv`` with the same
-    arguments reads (all of them when the row is that short), holding no registers: for a
-    program that knows its tile before it may read its activations (compiled only: inline
-    PTX)."""
-    K_WORDS = N_GROUPS * 4
-    n_steps = tl.cdiv(K_WORDS, 32)
-    pf_row, m_pf = _prefetch_rows(row0, ROW_R, row_lim, LIM_R, R, WARPS_K)
-    q_wk = tl.arange(0, 128) // 32 % WARPS_K
-    for it in tl.static_range((STEPS + WARPS_K - 1) // WARPS_K):
-        _prefetch_step(p_w, pf_row, m_pf, it * WARPS_K + q_wk, n_steps, K_WORDS, W_TILED)
-
-
-@triton.jit
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, ASM: tl.constexpr,
                  PREFETCH: tl.constexpr = 0, X_PREPARED: tl.constexpr = False, factor=1.0,
@@ -325,8 +286,12 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         :, None, None] + 8 * o_c[None, None, :]
     q_wk = o_q // 32 % WARPS_K
     m_q = q_row < row_lim + o_r[None, :, None] * LIM_R
-    if PREFETCH > 0 and ASM:
-        pf_row, m_pf = _prefetch_rows(row0, ROW_R, row_lim, LIM_R, R, WARPS_K)
+    if PREFETCH > 0 and ASM:  # lane l of a warp: row l % 16 of row tiles 2 j + l // 16
+        RP: tl.constexpr = (R + 1) // 2
+        o_j = tl.arange(0, RP)
+        pf_r = 2 * o_j[None, :] + (o_q % 32 // 16)[:, None]  # [128, RP]
+        pf_row = row0 + pf_r * ROW_R + (o_q // 32 // WARPS_K * 16 + o_q % 16)[:, None]
+        m_pf = (pf_r < R) & (pf_row < row_lim + pf_r * LIM_R)
     t_lo0, t_hi0, t_lo1, t_hi1 = 0, 0, 0, 0
     if W_TILED:  # the thread's word offsets at step 0
         t_lo0 = tiled_word_offset(row0_i, 4 * grp, K_WORDS)
@@ -336,8 +301,13 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     acc = tl.zeros([128, R, 4], dtype=tl.float32)
     for it in tl.range(0, tl.cdiv(n_steps, WARPS_K)):
         if PREFETCH > 0 and ASM:
-            _prefetch_step(p_w, pf_row, m_pf, (it + PREFETCH) * WARPS_K + q_wk, n_steps,
-                           K_WORDS, W_TILED)
+            pf_step = (it + PREFETCH) * WARPS_K + q_wk  # [128]
+            if W_TILED:  # lane l: line l % 16 of the tile's 2 KB block
+                p_pf = p_w + ((pf_row // 16) * (K_WORDS // 32) + pf_step[:, None]) * 512 \
+                    + pf_row % 16 * 32
+            else:
+                p_pf = p_w + pf_row * K_WORDS + (pf_step * 32)[:, None]
+            prefetch_l2(p_pf, m_pf & (pf_step < n_steps)[:, None])
         step = it * WARPS_K + wk
         o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
         m_w = (step < n_steps) & (o_w < K_WORDS)

@@ -17,7 +17,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..runtime import INTERPRETED  # noqa: F401  (sets the interpreter up before any jit)
 from .gemv import act, bf16_gemv, expert_gemv, gate_up_act, to_bf16
-from .mma import fp4_mma_gemv, fp4_mma_prefetch, store_prepared_x
+from .mma import fp4_mma_gemv, store_prepared_x
 
 # A tail program waiting for stage 2 gives up after this many polls: a scheduling bug then shows
 # as a wrong result in the tests instead of a hung GPU.
@@ -188,15 +188,12 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
                  EVICT_FIRST: tl.constexpr, ASM: tl.constexpr, KLANE_STAGES: tl.constexpr,
                  DETERMINISTIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr, PDL: tl.constexpr,
-                 TILED: tl.constexpr, EARLY_PF: tl.constexpr, TRIGGER_EARLY: tl.constexpr):
+                 TILED: tl.constexpr):
     """Stage-2 program pid = (row i_b, D tile i_n). Atomic: i_b is a plan tile; adds
     w * (a[entries] @ w2[e]^T) into y. Deterministic: i_b is a token; sums its top_k slots in
     slot order and stores. TILED: MXFP4 codes in the tiled layout. ZERO_Y (atomic, launched
     alone): the launch zeroes y itself, one D tile at a time: the first program of a D tile to
-    start zeroes it (_zero_y_ticket) and the others' adds wait for that (after their GEMV).
-    PDL (atomic): EARLY_PF > 0 asks L2 for the first EARLY_PF K steps of the program's weight
-    tile (tensor-core tiles) before the wait; TRIGGER_EARLY lets the next launch start before
-    the wait instead of after it."""
+    start zeroes it (_zero_y_ticket) and the others' adds wait for that (after their GEMV)."""
     i_b, i_n = pid // n_d_tiles, pid % n_d_tiles
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < D
@@ -221,15 +218,8 @@ def _stage2_tile(pid, p_a, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert, p_nu
         p_se = p_ws + i_e * (D * (I_PAIRS // 16)) if FP4 else p_ws
         p_we = p_w + i_e * (D * (I_PAIRS // 4 if FP4 else I_PAIRS))
         if PDL:
-            if USE_MMA and EARLY_PF > 0:  # noqa: SIM102 - constexpr, then a runtime branch
-                if runs:
-                    fp4_mma_prefetch(p_we, i_n * BLOCK_N, BLOCK_N // R, D, 0, I_PAIRS // 16, R,
-                                     WARPS_K, EARLY_PF, TILED)
-            if TRIGGER_EARLY:
-                gdc_launch_dependents()
             gdc_wait()
-            if not TRIGGER_EARLY:
-                gdc_launch_dependents()
+            gdc_launch_dependents()
         if ZERO_Y:  # the first program of this D range to start zeroes it
             _zero_y_ticket(p_y, p_sync + 3 * i_n, o_n, m_n, n_zero, D, ZERO_BLOCK, BLOCK_N)
         if runs:
@@ -318,8 +308,7 @@ def _moe_stage2_tail_kernel(
         BLOCK_N2: tl.constexpr, BLOCK_KP2: tl.constexpr, LATENT: tl.constexpr,
         SHARED: tl.constexpr, BLOCK_MT: tl.constexpr, BLOCK_NT: tl.constexpr,
         BLOCK_KPT: tl.constexpr, BLOCK_SS: tl.constexpr, TOKEN_LOOP: tl.constexpr,
-        PDL: tl.constexpr, TILED: tl.constexpr, EARLY_PF: tl.constexpr,
-        TRIGGER_EARLY: tl.constexpr):
+        PDL: tl.constexpr, TILED: tl.constexpr):
     """Stage 2, the tail, or both in one launch (TILED: stage 2's MXFP4 codes in the tiled
     layout). Both: each program takes a ticket (atomic counter p_sync[0]); tickets
     [0, n_stage2) run stage-2 tiles and then count themselves done in p_sync[1] (release);
@@ -328,7 +317,7 @@ def _moe_stage2_tail_kernel(
     running: no deadlock whatever the scheduling. PDL: stage 2 alone or the tail alone.
     ZERO_Y: the atomic stage 2 alone zeroes y[0:n_zero rows] itself, ordered by the counters
     p_sync [3 per D tile] (zero between launches); the same ticket argument rules out a
-    deadlock. EARLY_PF, TRIGGER_EARLY: stage 2 alone by PDL (_stage2_tile)."""
+    deadlock."""
     if STAGE2 and TAIL:
         i_t = tl.atomic_add(p_sync, 1, sem="relaxed")
         if i_t < n_stage2:
@@ -337,7 +326,7 @@ def _moe_stage2_tail_kernel(
                          n_d_tiles, p_sync, n_zero, False, ZERO_BLOCK, FP4, USE_MMA, R, WARPS_K,
                          L2_PREFETCH, X_PREPARED,
                          EVICT_FIRST, ASM, KLANE_STAGES, DETERMINISTIC, BLOCK_M2, BLOCK_N2,
-                         BLOCK_KP2, TOKEN_LOOP, False, TILED, 0, False)
+                         BLOCK_KP2, TOKEN_LOOP, False, TILED)
             tl.debug_barrier()  # every thread's adds issued before the release below
             tl.atomic_add(p_sync + 1, 1, sem="release")
         else:
@@ -350,7 +339,7 @@ def _moe_stage2_tail_kernel(
                      I_PAIRS, n_d_tiles, p_sync, n_zero, ZERO_Y, ZERO_BLOCK, FP4, USE_MMA, R,
                      WARPS_K, L2_PREFETCH, X_PREPARED,
                      EVICT_FIRST, ASM, KLANE_STAGES, DETERMINISTIC, BLOCK_M2, BLOCK_N2,
-                     BLOCK_KP2, TOKEN_LOOP, PDL, TILED, EARLY_PF, TRIGGER_EARLY)
+                     BLOCK_KP2, TOKEN_LOOP, PDL, TILED)
     else:
         _tail_tile(tl.program_id(0), p_y, p_nw, p_up, p_sa, p_sw2, p_shared, p_o, p_sync,
                    n_stage2, M, D, H, S_PAIRS, eps, LATENT, SHARED, False, BLOCK_MT, BLOCK_NT,

@@ -95,14 +95,12 @@ CONFIGS = [AttnResConfig(tile_elems=1024, split_h=0),
            AttnResConfig(split_h=128, split_warps=2, split_min_candidates=1),
            AttnResConfig(split_h=64, split_min_candidates=6),
            AttnResConfig(split_h=0, one_chunk_elems=0),
-           AttnResConfig(split_h=0, one_chunk_elems=1 << 20, one_chunk_min_candidates=1),
-           AttnResConfig(split_h=16, split_min_candidates=1, split_one_launch=True)]
+           AttnResConfig(split_h=0, one_chunk_elems=1 << 20, one_chunk_min_candidates=1)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["tile1k", "h256-w4", "tile4k-h1k-w2",
                                                  "split16", "split128-w2", "split64-from6",
-                                                 "no-one-chunk", "one-chunk-wide",
-                                                 "split16-one-launch"])
+                                                 "no-one-chunk", "one-chunk-wide"])
 @pytest.mark.parametrize("n,hidden", [(0, 37), (5, None), (9, 1000)], ids=["N0", "N5", "N9"])
 def test_configs_match_reference(device, config, n, hidden):
     _check(_inputs(TINY, n, 2, device, wdtype="fp32" if n == 5 else "bf16", hidden=hidden),
@@ -124,22 +122,6 @@ def test_split_matches_one_program(device, n):
     assert torch.equal(again[0], h_s) and torch.equal(again[1], hn_s)
     names = count_launches(lambda a: attn_res_norm(*a, config=split), args).kernels
     assert len(names) == 2 and "sums" in names[0] and "mix" in names[1], names
-
-
-@pytest.mark.parametrize("m", [1, 3])
-def test_split_in_one_launch(device, m):
-    """AttnResConfig.split_one_launch: the split's sums and mix in one launch (tickets) give the
-    two launches' outputs bit for bit (the same sums added in the same order), call after call
-    (its counters left zero), at one and several tokens."""
-    args = _inputs(K3, 8, m, device, seed=7)
-    two = AttnResConfig(split_h=1024, split_min_candidates=1)
-    one = AttnResConfig(split_h=1024, split_min_candidates=1, split_one_launch=True)
-    h_2, hn_2 = attn_res_norm(*args, config=two)
-    for _ in range(2):
-        h_1, hn_1 = _check(args, config=one)
-        assert torch.equal(h_1, h_2) and torch.equal(hn_1, hn_2)
-    names = count_launches(lambda a: attn_res_norm(*a, config=one), args).kernels
-    assert len(names) == 1 and "split" in names[0], names
 
 
 @pytest.mark.parametrize("config", [AttnResConfig(split_h=0),
@@ -258,7 +240,7 @@ def test_bad_input(device, param, change):
                                          ("split_min_candidates", True), ("pdl", 1),
                                          ("one_chunk_elems", 100), ("one_chunk_elems", True),
                                          ("one_chunk_min_candidates", 0),
-                                         ("bank_before_wait", 1), ("split_one_launch", 0)])
+                                         ("bank_before_wait", 1)])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         AttnResConfig(**{field: value})
@@ -400,10 +382,7 @@ GPU_CONFIGS = {"default": AttnResConfig(), "one": AttnResConfig(split_h=0),
                                                bank_before_wait=True),
                "bank-early-split": AttnResConfig(split_min_candidates=1, bank_before_wait=True),
                "one-pass-deep": AttnResConfig(one_chunk_elems=32768, split_min_candidates=6,
-                                              num_warps=16, bank_before_wait=True),
-               "split-one-launch": AttnResConfig(split_one_launch=True, bank_before_wait=True),
-               "split-one-launch-all": AttnResConfig(split_min_candidates=1,
-                                                     split_one_launch=True)}
+                                              num_warps=16, bank_before_wait=True)}
 
 
 @pytest.mark.gpu
@@ -427,8 +406,7 @@ def test_gpu_no_host_sync():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["default", "one", "split-all", "bank-early",
-                                    "split-one-launch"])
+@pytest.mark.parametrize("config", ["default", "one", "split-all", "bank-early"])
 def test_gpu_graph_of_a_token(config):
     """A whole K3 token's 186 reads captured in one CUDA graph (every depth 1..9 candidates):
     replays equal eager calls, and follow the residual buffer when it changes in place."""

@@ -24,9 +24,7 @@ CONFIGS = {"default": None,
            "narrow": AttnResConfig(max_block_h=32, tile_elems=128, split_h=0),
            "mid": AttnResConfig(max_block_h=128, tile_elems=1024, split_h=0),
            "split": AttnResConfig(split_h=16, split_min_candidates=1),
-           "split-by-depth": AttnResConfig(split_h=32),
-           "split-one-launch": AttnResConfig(split_h=16, split_min_candidates=1,
-                                             split_one_launch=True)}
+           "split-by-depth": AttnResConfig(split_h=32)}
 SETTINGS = settings(max_examples=15, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow,
                                            HealthCheck.function_scoped_fixture])

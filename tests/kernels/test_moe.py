@@ -177,9 +177,7 @@ def test_reference_matches_dense(changes, fmt):
     ("stage1_klane_stages", -1), ("stage2_klane_stages", 8), ("klane_words", 48),
     ("klane_words", 2), ("klane_rows", 0), ("target_programs", 0),
     ("front_target_programs", 2.5), ("stage2_evict_first", "no"), ("tiled_weights", None),
-    ("front_overlaps_route", 1), ("front_triggers_last", "on"), ("shared_beside_stage1", 0),
-    ("stage2_prefetch_steps", -1), ("stage2_prefetch_steps", 17), ("stage2_prefetch_steps", True),
-    ("stage2_trigger_early", 1)])
+    ("front_overlaps_route", 1), ("front_triggers_last", "on"), ("shared_beside_stage1", 0)])
 def test_bad_config(field, value):
     """A bad MoEConfig field is a ValueError naming it, before anything runs."""
     with pytest.raises(ValueError, match=f"^{field}: expected"):
@@ -1147,18 +1145,15 @@ def test_gpu_cuda_graph(fmt, fuse_tail, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [True, False, "early"], ids=["pdl", "no-pdl", "stage2-early"])
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
 def test_gpu_pdl_back_to_back(pdl):
     """Programmatic dependent launch (MoEConfig.pdl): launches that start during the previous
     one's last wave and read the plan before their wait. Two blocks of different tokens captured
     back to back in one graph and replayed (stage 1 after the front with PDL, stage 2 and the
     tail apart with PDL), and two stage-1 (without PDL: it lets the next launch start early) and
     stage-2 (pdl=True) calls back to back, each against the reference: a missed wait would read
-    the other call's activations or accumulator. stage2-early: stage 2 also prefetches its
-    tiles and lets the tail start before its wait (MoEConfig.stage2_prefetch_steps,
-    stage2_trigger_early)."""
-    config = (MoEConfig(stage2_prefetch_steps=2, stage2_trigger_early=True) if pdl == "early"
-              else MoEConfig(pdl=pdl))
+    the other call's activations or accumulator."""
+    config = MoEConfig(pdl=pdl)
     cfg, w, _ = _gpu_k3("mxfp4", 1)
     xs = [hidden_states(cfg, 1, make_generator(seed, "cuda")) for seed in (1, 2)]
     stream = torch.cuda.Stream()

@@ -190,33 +190,3 @@ def test_self_zeroing_stage2_ptx_orders_memory():
     assert re.search(r"atom\.global\.gpu\.acquire\.max", ptx), "no acquire after the poll"
     assert re.search(r"atom\.global\.gpu\.acq_rel\.add", ptx), "no acq_rel done count"
     assert "ld.volatile.global" in ptx  # the poll
-
-
-@pytest.mark.parametrize("steps,early", [(2, False), (0, True), (4, True)],
-                         ids=["prefetch", "trigger-early", "both"])
-def test_stage2_before_its_wait(steps, early):
-    """``stage2_prefetch_steps`` / ``stage2_trigger_early`` (stage 2 by PDL, compiled, sm_90):
-    the L2 prefetches of the expert weights (parameter p_w) come before griddepcontrol.wait,
-    with no load or atomic of what the previous launch writes (a, y); the next launch is let go
-    before the wait when early, after it otherwise. Off (the defaults): no prefetch before it."""
-    config = f"MoEConfig(stage2_prefetch_steps={steps}, stage2_trigger_early={early})"
-    script = _IMPORTS + _stage2_b1(config) + r"""
-kw["PDL"] = True  # as launched with pdl=True
-kw.update(EARLY_PF=config.stage2_prefetch_steps, TRIGGER_EARLY=config.stage2_trigger_early)
-""" + _COMPILE
-    lines = _ptx_of(script).splitlines()
-    kernel = "_moe_stage2_tail_kernel"
-    wait = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
-    go = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
-    # (the compiler may copy the wait, and the trigger beside it, into both sides of a branch)
-    assert wait and len(go) == len(wait), (wait, go)
-    assert all((g < w) if early else (g > w) for g, w in zip(go, wait, strict=True)), (wait, go)
-    before = lines[:min(wait)]
-    from_w = _derived_registers(lines, kernel, (1,)) - _derived_registers(lines, kernel, (0,))
-    prefetched = [ln for ln in before if "prefetch.global.L2" in ln
-                  and (m := re.search(r"\[\s*(%\w+)", ln)) and m.group(1) in from_w]
-    assert bool(prefetched) == (steps > 0), prefetched
-    written = _derived_registers(lines, kernel, (0, 9))
-    assert not [ln for ln in before if ("atom." in ln or "red." in ln)
-                or ("ld.global" in ln and (m := re.search(r"\[\s*(%\w+)", ln))
-                    and m.group(1) in written)]
