@@ -47,9 +47,10 @@ def _act(g, u, beta, linear_beta, ACT: tl.constexpr):
 
 @triton.jit
 def _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 STEPS: tl.constexpr, LINE: tl.constexpr = 64):
-    """prefetch.global.L2 of the first STEPS weight steps of the tile, one 128-byte line (LINE
-    elements) at a time (inline PTX: compiled only)."""
+                 STEPS: tl.constexpr):
+    """prefetch.global.L2 of the first STEPS weight steps of the tile, one 128-byte line at a
+    time (inline PTX: compiled only)."""
+    LINE: tl.constexpr = 1024 // p_w.dtype.element_ty.primitive_bitwidth  # elements a line
     STRIDE: tl.constexpr = LINE if BLOCK_K >= LINE else BLOCK_K
     for i in tl.static_range(STEPS):
         o_k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K // STRIDE) * STRIDE
@@ -242,8 +243,7 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     if PDL:
         if PREFETCH > 0:
-            _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH,
-                         128 if SCALED else 64)
+            _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
             if ACT != 0:
                 _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
             if DUAL:  # the second product's weight (bf16) too
