@@ -218,6 +218,13 @@ def _tail(block_n, block_k, prefetch_steps=0, num_stages=3) -> dict:
             "tail.pdl": True, "tail.prefetch_steps": prefetch_steps}
 
 
+def _front(block_n, block_k, num_stages) -> dict:
+    """A token sweep's point: the MoE front GEMV's tiling (stack.Configs.front; the stack
+    launches it by PDL, waiting for the route last)."""
+    return {"front.block_n": block_n, "front.block_k": block_k, "front.num_stages": num_stages,
+            "front.prefetch_steps": 0}
+
+
 # the one-token tilings the tune sweep tries on every shape; kernels/dense/tuned.py picks from
 # these (GemvConfig fields; literal, so the sweep also runs against a base commit's tree)
 GEMV_CANDIDATES = (
@@ -332,7 +339,9 @@ _SWEEPS = [
 
     # config fields (docs/decisions.md has what each default rests on); {} is the defaults
     Sweep("gemv", "route", ({}, {"gemv_row_splits": 1}, {"gemv_row_chunk": 1024},
-                            {"gemv_row_programs": 264}, {"gemv_row_programs": 0}),
+                            {"gemv_row_programs": 264}, {"gemv_row_programs": 0},
+                            {"gemv_row_splits": 4},
+                            {"gemv_row_programs": 66, "gemv_row_splits": 4}),
           "B1 gate GEMV: row programs (splits, chunk, count) against split-K tiles (0)"),
     Sweep("select", "route", ({}, {"scalar_keys": False}, {"cand_cache": ".cg"},
                               {"candidates_per_slot": 4}),
@@ -520,6 +529,21 @@ _SWEEPS = [
           "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
           "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
+    Sweep("route", "token", ({}, {"route.gemv_row_splits": 4},
+                             {"route.gemv_row_splits": 4, "route.gemv_row_chunk": 1024},
+                             {"route.gemv_row_programs": 264},
+                             {"route.gemv_row_programs": 66, "route.gemv_row_splits": 4}),
+          "the route's B1 gate GEMV in the full stack's token, where it shares the SMs with "
+          "the MoE front that overlaps it: the default row programs (161 registers at K3 in an "
+          "offline sm_90 build, 3 programs an SM) against shorter K shares (4 splits: 80 "
+          "registers) and other row counts (264 programs: 100; 66 programs over 4 splits: 88)",
+          variants=("full stack",), tp=8),
+    Sweep("front", "token", ({}, _front(8, 512, 3), _front(4, 1024, 4), _front(8, 1024, 3),
+                             _front(16, 512, 3), _front(8, 512, 4), _front(16, 256, 4)),
+          "the MoE front's merged GEMV (latent down and shared gate/up, overlapping the route) "
+          "in the full stack's token: its rule's 8 x 512 over 3 stages (the default, here "
+          "also set as a point) against the tilings the per-shape table gives other K = 7168 "
+          "shapes", variants=("full stack",), tp=8),
 ]
 
 

@@ -22,7 +22,8 @@ __all__ = ["TOKEN", "CONFIG_CLASSES", "GPU_PARAMS", "CPU_PARAMS", "resolve", "ru
 
 TOKEN = "token"  # the boundary name token sweeps go by
 # stack.Configs field -> the config class of its launcher (k3lab.kernels)
-CONFIG_CLASSES = {"gemv": "GemvConfig", "tail": "GemvConfig", "route": "RouteConfig",
+CONFIG_CLASSES = {"gemv": "GemvConfig", "tail": "GemvConfig", "front": "GemvConfig",
+                  "route": "RouteConfig",
                   "attn_res": "AttnResConfig", "kda": "KDAConfig", "mla": "MLAConfig",
                   "moe": "MoEConfig"}
 # the token measured: the reference reports' setup on a GPU, a short one under the interpreter

@@ -263,7 +263,9 @@ class Configs:
     gemv a ``GemvConfig`` (dense_gemv), route a ``RouteConfig`` (route_sort, gate_logits),
     attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode), mla an
     ``MLAConfig`` (mla_decode), moe a ``MoEConfig`` (moe_experts, moe_stage1, moe_stage2), tail
-    a ``GemvConfig`` for the latent MoE tail's dense GEMV alone (None: gemv's)."""
+    a ``GemvConfig`` for the latent MoE tail's dense GEMV alone (None: gemv's), front one for the
+    MoE front's merged GEMV alone (latent down and shared gate/up; None: gemv's, else the
+    front's own tiling; PDL and the waits it needs to overlap the route are set on it)."""
 
     gemv: object = None
     route: object = None
@@ -272,6 +274,7 @@ class Configs:
     mla: object = None
     moe: object = None
     tail: object = None
+    front: object = None
 
 
 @dataclass(frozen=True)
@@ -463,7 +466,7 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
         # (the latent rows alone when the shared gate/up goes beside stage 1)
         from k3lab.kernels.dense import dense_gemv
         from k3lab.kernels.moe.launch import front_config
-        gc = run.configs.gemv
+        gc = run.configs.front or run.configs.gemv
         d, s2 = w["front_splits"]
         if overlap:  # it waits for the route only before its programs exit
             gc = (replace(gc, pdl=True, wait_last=True,
