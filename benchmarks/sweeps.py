@@ -532,11 +532,13 @@ _SWEEPS = [
     Sweep("route", "token", ({}, {"route.gemv_row_splits": 4},
                              {"route.gemv_row_splits": 4, "route.gemv_row_chunk": 1024},
                              {"route.gemv_row_programs": 264},
-                             {"route.gemv_row_programs": 66, "route.gemv_row_splits": 4}),
+                             {"route.gemv_row_programs": 66, "route.gemv_row_splits": 4},
+                             {"route.gemv_row_splits": 1}),
           "the route's B1 gate GEMV in the full stack's token, where it shares the SMs with "
           "the MoE front that overlaps it: the default row programs (161 registers at K3 in an "
           "offline sm_90 build, 3 programs an SM) against shorter K shares (4 splits: 80 "
-          "registers) and other row counts (264 programs: 100; 66 programs over 4 splits: 88)",
+          "registers) and other row counts (264 programs: 100; 66 programs over 4 splits: 88; one "
+          "program an SM, K unsplit: 167)",
           variants=("full stack",), tp=8),
     Sweep("front", "token", ({}, _front(8, 512, 3), _front(4, 1024, 4), _front(8, 1024, 3),
                              _front(16, 512, 3), _front(8, 512, 4), _front(16, 256, 4)),
