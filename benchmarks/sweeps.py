@@ -322,6 +322,15 @@ _SWEEPS = [
           "the shared experts' gate/up in the front launch against a launch of its own "
           "between the expert stages, overlapping stage 1 (fused+dense, with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
+    Sweep("front_routes", "moe",
+          grid(({"M": 1}, {"M": 4}),
+               ({}, {"front_routes": True},
+                {"front_routes": True, "front_route_registers": 96})),
+          "route_sort's programs and the dense front's in one launch (front_route: 4 launches "
+          "with routing), at the compiler's register count and capped at 96 (the front's own: "
+          "5 programs an SM), against the front overlapping route_sort (fused+dense, with "
+          "routing)",
+          variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("pdl", "route", grid(({"M": 1}, {"M": 4}), ({}, {"pdl": True})),
           "the route launched by PDL (its launch overlapping the previous grid's end; it waits "
           "for it before any read) against a plain launch"),
@@ -539,6 +548,17 @@ _SWEEPS = [
           "offline sm_90 build, 3 programs an SM) against shorter K shares (4 splits: 80 "
           "registers) and other row counts (264 programs: 100; 66 programs over 4 splits: 88; one "
           "program an SM, K unsplit: 167)",
+          variants=("full stack",), tp=8),
+    Sweep("front_routes", "token",
+          ({}, {"moe.front_routes": True},
+           {"moe.front_routes": True, "moe.front_route_registers": 96},
+           {"moe.front_routes": True, "route.gemv_row_splits": 2},
+           {"moe.front_routes": True, "moe.front_route_registers": 96,
+            **_front(4, 1024, 4)}),
+          "route_sort's programs and the MoE front's in one launch (MoEConfig.front_routes) in "
+          "the full stack's token: the router's rows over 4 K splits (front_route's default), "
+          "at the compiler's register count (117 at K3 offline), capped at 96, over 2 K splits "
+          "(route_sort's default: 164 registers), and capped with 4-row front tiles",
           variants=("full stack",), tp=8),
     Sweep("front", "token", ({}, _front(8, 512, 3), _front(4, 1024, 4), _front(8, 1024, 3),
                              _front(16, 512, 3), _front(8, 512, 4), _front(16, 256, 4)),

@@ -451,17 +451,32 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
     overlap = (merged and run.stack.owned_by("moe.route_select", "route-sort")
                and not k.INTERPRETED and isinstance(moe_cfg, k.MoEConfig)
                and moe_cfg.pdl and moe_cfg.front_overlaps_route)
-    tag("routing")
-    plan = _route(run, x, w, cfg, early=overlap)
-    if run.record is not None:
-        run.record.append(plan.topk_ids.clone())
     pair = run.fused("moe.stage1") and run.fused("moe.stage2")
     # the shared gate/up between the expert stages (moe_experts(shared_x=...); MoEConfig.
     # shared_beside_stage1), counted with the MoE experts' launches
     beside = (merged and pair and isinstance(moe_cfg, k.MoEConfig)
               and moe_cfg.shared_beside_stage1)
+    # route_sort's programs and the merged front's in one launch (MoEConfig.front_routes),
+    # counted with the dense projections
+    fused_front = (merged and not beside and isinstance(moe_cfg, k.MoEConfig)
+                   and moe_cfg.front_routes
+                   and run.stack.owned_by("moe.route_select", "route-sort"))
+    if fused_front:
+        tag("dense projections")
+        plan, (z, shared_a) = k.front_route(
+            x, w["gate_weight"], w["correction_bias"], w["front"], splits=w["front_splits"],
+            **act, top_k=cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
+            renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
+            out_dim=cfg.moe_in, route_config=run.configs.route,
+            gemv_config=run.configs.front or run.configs.gemv, pdl=moe_cfg.pdl,
+            max_registers=moe_cfg.front_route_registers)
+    else:
+        tag("routing")
+        plan = _route(run, x, w, cfg, early=overlap)
+    if run.record is not None:
+        run.record.append(plan.topk_ids.clone())
     tag("dense projections")
-    if merged:
+    if merged and not fused_front:
         # latent down and the shared gate/up read the same x: one launch over the merged rows
         # (the latent rows alone when the shared gate/up goes beside stage 1)
         from k3lab.kernels.dense import dense_gemv
@@ -477,7 +492,7 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
             z, shared_a = dense_gemv(x, w["latent_down"], config=gc), None
         else:
             z, shared_a = dense_gemv(x, w["front"], splits=w["front_splits"], config=gc, **act)
-    else:
+    elif not merged:
         z = _linear(run, "moe.latent_down", x, w["latent_down"]) if cfg.latent else x
         shared_a = (_linear(run, "moe.shared", x, w["shared_w13"], **act)
                     if cfg.shared_intermediate else None)
@@ -496,7 +511,8 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
         # (after an overlapping front only if it lets stage 1 start after its wait for the
         # route: stage 1 reads the plan before its PDL wait)
         y = k.moe_experts(z, plan, experts["w13"], experts["w2"], **act,
-                          pdl=handoff and (not overlap or moe_cfg.front_triggers_last),
+                          pdl=(handoff and not fused_front
+                               and (not overlap or moe_cfg.front_triggers_last)),
                           config=run.configs.moe,
                           **(dict(shared_x=x, shared_w13=w["shared_w13"]) if beside else {}))
         if beside:

@@ -14,6 +14,7 @@ from .mla import MLAConfig, mla_decode  # noqa: F401, E402
 from .mla_absorb import mla_absorb_out, mla_absorb_q  # noqa: F401, E402
 from .moe import (  # noqa: F401, E402
     MoEConfig,
+    front_route,
     latent_down,
     latent_moe_tail,
     moe_block,

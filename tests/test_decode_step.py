@@ -262,7 +262,8 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
 
 def test_moe_launch_choices_meet_the_truth(device):
     """Every MoE launch choice of the table (overlaps, the shared gate/up beside stage 1, the
-    expert pair plain) runs the full stack's token within the truth's tolerance."""
+    expert pair plain, the router in the front's launch) runs the full stack's token within the
+    truth's tolerance."""
     from k3lab import kernels
 
     cfg = preset("tiny")
@@ -271,7 +272,7 @@ def test_moe_launch_choices_meet_the_truth(device):
     base = study.configs_for(device)
     choices = {label: dataclasses.replace(base, moe=kernels.MoEConfig(**changes))
                for label, field, _, changes in study.CONFIG_CHOICES if field == "moe"}
-    assert len(choices) == 3
+    assert len(choices) == 4
     check = study.check_token(tok, dict.fromkeys(choices, full), choices, 4)
     assert check["ok"].all(), check
 

@@ -20,7 +20,7 @@ from k3lab.stack import (
     runnable,
     steps,
 )
-from k3lab.studies.decode_step import configs_for
+from k3lab.studies.decode_step import check_token, configs_for
 
 # the integration stack's changes that keep the model's weights (fp8-latent-tail quantizes the
 # latent up-projection: tests/test_decode_step.py checks it against the truth of its e4m3 rows)
@@ -192,6 +192,31 @@ def test_token_under_a_stack_matches_the_fp32_token_with_its_routing(names, devi
     err = float((got.float() - truth).abs().max())
     assert err <= 0.1 * float(truth.abs().max()), err
     assert int(b["rows"][1].abs().sum()) != 0  # the block sum of layers 0..3 was sealed
+
+
+def test_router_in_the_front_launch_in_the_token(device):
+    """MoEConfig.front_routes in the full stack's token: the logits meet the fp32 truth of the
+    experts it chose, with one launch fewer per MoE layer than the route and front apart."""
+    from dataclasses import replace
+
+    from k3lab.kernels import MoEConfig
+    from k3lab.profile import count_launches
+    from k3lab.stack import runnable, steps
+
+    cfg = preset("tiny")
+    full, _ = runnable(compose(steps(STACKS["integration"])[-1][1]))
+    base = configs_for(device)
+    fused = replace(base, moe=MoEConfig(front_routes=True))
+    token = make_token(cfg, device, window=3, seed=4, context=24, expert_format="mxfp4")
+    checks = check_token(token, {"apart": full, "fused": full}, {"apart": base, "fused": fused},
+                         num_splits=3)
+    assert checks["ok"].all(), checks
+    kernels = {k: count_launches(lambda t, c=c: run_token(full, t, num_splits=3, configs=c),
+                                 token).kernels for k, c in (("apart", base), ("fused", fused))}
+    routes = sum("_route_sort_kernel" in n for n in kernels["apart"])
+    assert routes >= 1 and not any("_route_sort_kernel" in n for n in kernels["fused"])
+    assert sum("_front_route_kernel" in n for n in kernels["fused"]) == routes
+    assert len(kernels["apart"]) - len(kernels["fused"]) == routes
 
 
 def test_window_layers_from_a_layer_or_centred():

@@ -269,6 +269,8 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                    {"shared_beside_stage1": True}),
                   ("MoE expert pair plain after the front", "moe", "MoEConfig",
                    {"front_triggers_last": False}),
+                  ("MoE router in the front's launch", "moe", "MoEConfig",
+                   {"front_routes": True}),
                   # K3's bf16 tail tiling (kernels/dense/tuned.py) against the e4m3 tail's own
                   # (TUNED_M1_E4M3: wider tiles, more bytes a step)
                   ("MoE tail at 16 x 256 steps", "tail", "GemvConfig",

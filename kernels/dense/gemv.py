@@ -300,27 +300,16 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
 
 
 @triton.jit
-def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3, b4,
-                      b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, T0, NG, eps,
-                      beta, linear_beta, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
-                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
-                      DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
-                      PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
-                      WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-                      UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr):
-    """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
-    [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
-    DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
-    first (after its RMSNorm) before the epilogue.
-    MIXED: tiles [0, T0) are N plain rows (output [M, N]); tiles from T0 are the activation's NG
-    outputs (weight rows N.. gate, N + NG.. up; output [M, NG] after the first).
-    UNROLL: K steps of a share, unrolled (0: a pipelined loop).
-    TRIGGER_LAST (with WAIT_LAST): programs let the next launch start after their final wait.
-    SCALED (plain rows only): the weight is e4m3 with one fp32 scale per row at p_sc."""
-    i_n = tl.program_id(0)
-    i_k = tl.program_id(1)
+def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3,
+                  b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, T0, NG, eps, beta, linear_beta,
+                  SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
+                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
+                  DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
+                  PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
+                  WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
+                  UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr):
+    """Program (i_n, i_k) of :func:`dense_gemv_kernel`'s grid."""
     if MIXED:
         if i_n >= T0:
             _tile(i_n - T0, i_n, i_k, p_x, p_w + N * K, p_y + M * N, p_res, p_g,
@@ -340,3 +329,30 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
               b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, SCALED,
               BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
               PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST)
+
+
+@triton.jit
+def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3, b4,
+                      b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, T0, NG, eps,
+                      beta, linear_beta, SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, ACT: tl.constexpr,
+                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr,
+                      DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
+                      PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
+                      WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
+                      UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr):
+    """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
+    [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
+    DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
+    first (after its RMSNorm) before the epilogue.
+    MIXED: tiles [0, T0) are N plain rows (output [M, N]); tiles from T0 are the activation's NG
+    outputs (weight rows N.. gate, N + NG.. up; output [M, NG] after the first).
+    UNROLL: K steps of a share, unrolled (0: a pipelined loop).
+    TRIGGER_LAST (with WAIT_LAST): programs let the next launch start after their final wait.
+    SCALED (plain rows only): the weight is e4m3 with one fp32 scale per row at p_sc."""
+    _gemv_program(tl.program_id(0), tl.program_id(1), p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt,
+                  p_x2, p_w2, p_sc, b1, b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT,
+                  T0, NG, eps, beta, linear_beta, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                  ACT, NORM, RESIDUAL, N_SEG, DUAL, MIXED, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
+                  WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -12,8 +12,8 @@ from .config import GemvConfig
 from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
 from .tuned import TUNED_M1, TUNED_M1_E4M3
 
-__all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "dense_gemv", "default_config", "heuristic_config",
-           "interpreter_config"]
+__all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "GemvLaunch", "dense_gemv", "prepare_gemv",
+           "default_config", "heuristic_config", "interpreter_config"]
 
 MAX_TOKENS = 16  # decode batches; beyond, a GEMM tile wins
 MAX_SEGMENTS = 8
@@ -92,6 +92,19 @@ def _ticket_buffer(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
+@dataclass(frozen=True)
+class GemvLaunch:
+    """A validated dense GEMV launch: dense_gemv_kernel's positional arguments and named
+    constexprs, its grid (row tiles, K shares), warps and whether it goes by PDL (a fused
+    launch, kernels/moe/front_route.py, runs the same programs inside its own grid)."""
+
+    args: tuple
+    constexprs: dict
+    grid: tuple[int, int]
+    num_warps: int
+    pdl: bool
+
+
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation=None,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                x2: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
@@ -116,6 +129,25 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         [M, K2], weight2 bf16 [N, K2]; not normalized; single output, no activation).
     out_dtype: bf16 or fp32. config: GemvConfig (None: ``default_config``; under the
     interpreter ``interpreter_config``).
+    """
+    launch, outputs = prepare_gemv(
+        x, weight, splits=splits, activation=activation, residual=residual,
+        norm_weight=norm_weight, x2=x2, weight2=weight2, weight_scale=weight_scale, eps=eps,
+        situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, out_dtype=out_dtype,
+        config=config)
+    dense_gemv_kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps,
+                                   **({"launch_pdl": True} if launch.pdl else {}))
+    return outputs()
+
+
+def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation=None,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 x2: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
+                 weight_scale: torch.Tensor | None = None, eps: float = 1e-5,
+                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                 out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None):
+    """Validate and lay out :func:`dense_gemv`'s launch (same arguments); returns
+    (:class:`GemvLaunch`, a function giving dense_gemv's result once the launch has run).
     """
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float32), dim=2)
     dev = x.device
@@ -225,21 +257,26 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         bounds = [0]
     starts = bounds[1:] + [n] * (MAX_SEGMENTS - len(bounds))  # scalars: nothing to copy
     pdl = config.pdl and not INTERPRETED
-    dense_gemv_kernel[(tiles, split)](
-        x, weight, y, residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x, ws, cnt,
-        x2 if x2 is not None else x, weight2 if weight2 is not None else weight,
-        weight_scale if weight_scale is not None else y, *starts,
-        m, n, k, k_split, k2, k2_split, t0, ng, eps, beta, linear_beta,
-        SCALED=weight_scale is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, SPLIT_K=split,
-        ACT=act, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-        N_SEG=len(bounds), DUAL=x2 is not None, MIXED=mixed, DOT_FP32=INTERPRETED, PDL=pdl,
-        PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,
-        WAIT_LAST=pdl and config.wait_last, GATE_UP_TOGETHER=config.gate_up_together,
-        UNROLL=unroll, TRIGGER_LAST=pdl and config.wait_last and config.trigger_last,
-        num_warps=config.num_warps,
-        **({"launch_pdl": True} if pdl else {}))
+    launch = GemvLaunch(
+        args=(x, weight, y, residual if residual is not None else x,
+              norm_weight if norm_weight is not None else x, ws, cnt,
+              x2 if x2 is not None else x, weight2 if weight2 is not None else weight,
+              weight_scale if weight_scale is not None else y, *starts,
+              m, n, k, k_split, k2, k2_split, t0, ng, eps, beta, linear_beta),
+        constexprs=dict(
+            SCALED=weight_scale is not None, BLOCK_M=block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, SPLIT_K=split,
+            ACT=act, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+            N_SEG=len(bounds), DUAL=x2 is not None, MIXED=mixed, DOT_FP32=INTERPRETED, PDL=pdl,
+            PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,
+            WAIT_LAST=pdl and config.wait_last, GATE_UP_TOGETHER=config.gate_up_together,
+            UNROLL=unroll, TRIGGER_LAST=pdl and config.wait_last and config.trigger_last),
+        grid=(tiles, split), num_warps=config.num_warps, pdl=pdl)
+    return launch, lambda: _outputs(y, m, n, ng, mixed, splits)
+
+
+def _outputs(y, m, n, ng, mixed, splits):
+    """dense_gemv's return value over its output buffer."""
     if mixed:
         return y[:m * n].view(m, n), y[m * n:].view(m, ng)
     if splits is None:

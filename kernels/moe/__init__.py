@@ -9,10 +9,11 @@ tail  : out = rsqrt(mean(y^2) + eps) * ((y * g_norm) @ W_up^T) + a_s @ Ws2^T   (
 act = SiTU(g, u) = beta*tanh(g/beta)*sigmoid(g)*(lb*tanh(u/lb)) or SiLU(g)*u, in fp32, with
 tanh(x) = 2*sigmoid(2x) - 1.
 
-Modules: ``config`` (MoEConfig: every tuning choice, passed to the launchers), ``tiles`` (tile
-choice on the host), ``gemv`` (bf16 and MXFP4 K-lane GEMV helpers), ``mma`` (the tensor-core
-MXFP4 tile for plan tiles of one token), ``stages`` (the jit kernels), ``checks`` (input
-validation), ``launch`` and ``block`` (the launchers).
+Modules: ``config`` (MoEConfig: every tuning choice, passed to the launchers), ``front_route``
+(route_sort and the dense front in one launch), ``tiles`` (tile choice on the host), ``gemv``
+(bf16 and MXFP4 K-lane GEMV helpers), ``mma`` (the tensor-core MXFP4 tile for plan tiles of one
+token), ``stages`` (the jit kernels), ``checks`` (input validation), ``launch`` and ``block``
+(the launchers).
 
 Stages 1 and 2 consume the route plan as is (no second top-k or sort). Stage 1 also zeroes
 ``plan.out`` (stage 2's accumulator) for moe_block's stage 2; ``moe_stage2`` launched alone
@@ -38,8 +39,9 @@ CUDA-graph replay starts from zero. ``fuse_tail=False`` launches stage 2 and the
 from .block import latent_moe_tail, moe_block
 from .checks import MAX_TOKENS
 from .config import MoEConfig
+from .front_route import front_route
 from .launch import latent_down, moe_experts, moe_kernel_weights, moe_stage1, moe_stage2
 from .mma import mma_prepare_x
 
-__all__ = ["MAX_TOKENS", "MoEConfig", "latent_down", "latent_moe_tail", "moe_block",
+__all__ = ["MAX_TOKENS", "MoEConfig", "front_route", "latent_down", "latent_moe_tail", "moe_block",
            "moe_experts", "moe_kernel_weights", "moe_stage1", "moe_stage2", "mma_prepare_x"]

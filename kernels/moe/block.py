@@ -21,6 +21,7 @@ from .checks import (
     pairs,
 )
 from .config import MoEConfig
+from .front_route import front_route
 from .launch import (
     _launch_stage1,
     _launch_stage2_tail,
@@ -187,7 +188,21 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     # the dense front reads x alone: it may overlap the route it follows (compiled, PDL)
     overlap = (plan is None and dense and config.pdl and config.front_overlaps_route
                and not INTERPRETED)
-    if plan is None:
+    # route_sort's programs and the merged front's in one launch (MoEConfig.front_routes)
+    fused_front = (plan is None and dense and config.front_routes and "front" in weights
+                   and bool(cfg.shared_intermediate) and not config.shared_beside_stage1)
+    front = None
+    if fused_front:
+        s = cfg.shared_intermediate
+        _check_front(weights["front"], x, d, s)
+        plan, front = front_route(
+            x, weights["gate_weight"], weights["correction_bias"], weights["front"],
+            splits=(d, 2 * s), activation=cfg.activation, situ_beta=betas[0],
+            situ_linear_beta=betas[1], top_k=cfg.top_k, n_group=cfg.n_group,
+            topk_group=cfg.topk_group, renormalize=cfg.renormalize,
+            routed_scaling_factor=cfg.routed_scaling, block_m=block_m, out_dim=d,
+            pdl=config.pdl, max_registers=config.front_route_registers)
+    elif plan is None:
         plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
                           n_group=cfg.n_group, topk_group=cfg.topk_group,
                           renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
@@ -199,7 +214,7 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
                          "(route_sort(..., out_dim=D))")
     if dense:
         return _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic,
-                            config, overlap)
+                            config, overlap, front)
     # prepared activations for the tensor-core tiles: the front kernel writes z's copy, stage 1
     # a's (latent presets; K2-style stage 1 reads x itself)
     prep1 = (config.x_prepared and cfg.latent and d % 8 == 0
@@ -239,29 +254,36 @@ def _front_config(m: int, rows: int, k: int, gated: bool, overlap: bool,
     return front_config(m, rows, k, gated, config) if overlap else None
 
 
+def _check_front(front, x, d, s) -> None:
+    check_tensor("front", front, dtypes=(torch.bfloat16,), dim=2, device=x.device)
+    if tuple(front.shape) != (d + 2 * s, x.shape[1]):
+        raise ValueError(f"front: expected [D + 2S, H] = [{d + 2 * s}, {x.shape[1]}] (latent "
+                         f"down rows, then shared gate and up rows), got {list(front.shape)}")
+
+
 def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, deterministic, config,
-                 overlap=False):
+                 overlap=False, front=None):
     """moe_block with ``config.dense_projections``: one dense GEMV launch for the GEMVs of x
     (latent down and, merged, the shared gate/up: ``weights["front"]``, else two launches),
     stage 1, stage 2 alone, then RMSNorm(y) @ W_up^T + a_s @ W_s2^T as one dense GEMV (the norm
     in its prologue, the shared down-projection its second product): 4 launches given a plan
     (5 with ``config.shared_beside_stage1``: the shared gate/up between the stages).
     overlap: the front follows a route_sort launched with early dependents (MoEConfig.
-    front_overlaps_route) and waits for it only at its end."""
+    front_overlaps_route) and waits for it only at its end. front: (z, a_s), already computed
+    in the route's launch (front_route, MoEConfig.front_routes): stage 1 then launches
+    plainly (that launch lets its dependents start before its last program has sorted)."""
     m, d = x.shape[0], cfg.moe_in
     h, s = x.shape[1], cfg.shared_intermediate
     a_s = None
     beside = bool(s) and config.shared_beside_stage1
-    if not s or beside:
+    if front is not None:
+        z, a_s = front
+    elif not s or beside:
         z = dense_gemv(x, weights["latent_down"],
                        config=_front_config(m, d, h, False, overlap, config))
     elif "front" in weights:
-        front = weights["front"]
-        check_tensor("front", front, dtypes=(torch.bfloat16,), dim=2, device=x.device)
-        if tuple(front.shape) != (d + 2 * s, x.shape[1]):
-            raise ValueError(f"front: expected [D + 2S, H] = [{d + 2 * s}, {x.shape[1]}] (latent "
-                             f"down rows, then shared gate and up rows), got {list(front.shape)}")
-        z, a_s = dense_gemv(x, front, splits=(d, 2 * s), activation=cfg.activation,
+        _check_front(weights["front"], x, d, s)
+        z, a_s = dense_gemv(x, weights["front"], splits=(d, 2 * s), activation=cfg.activation,
                             situ_beta=betas[0], situ_linear_beta=betas[1],
                             config=_front_config(m, d + s, h, True, overlap, config))
     else:
@@ -275,7 +297,7 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     # with front_triggers_last.
     y = moe_experts(z, plan, w13, w2, activation=cfg.activation, situ_beta=betas[0],
                     situ_linear_beta=betas[1], deterministic=deterministic,
-                    pdl=not overlap or config.front_triggers_last,
+                    pdl=front is None and (not overlap or config.front_triggers_last),
                     config=config, **(dict(shared_x=x, shared_w13=weights["shared_w13"])
                                       if beside else {}))
     if beside:

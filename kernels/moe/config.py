@@ -97,6 +97,15 @@ class MoEConfig:
             fp32 atomics per plan tile. Same one launch; its programs read a token's experts'
             weights each (no sharing of a weight tile between tokens of one expert), so it
             costs more the more tokens share experts (about the same at B1).
+        front_routes: with dense_projections, a merged front (latent down and shared gate/up
+            in one weight) and no plan given, route_sort's programs and the front's run as one
+            launch (``front_route``): the router's rows stream first, the last route program
+            selects and sorts while the front's tiles stream, and stage 1 launches plainly
+            after it (front_overlaps_route and front_triggers_last then have no effect).
+        front_route_registers: registers a thread the fused launch is capped at (Triton's
+            ``maxnreg``; 0: the compiler's choice). Its route and front programs share one
+            register count, the larger of the two, which sets how many front programs an SM
+            holds.
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
@@ -122,12 +131,14 @@ class MoEConfig:
     front_overlaps_route: bool = True
     front_triggers_last: bool = True
     shared_beside_stage1: bool = False
+    front_routes: bool = False
+    front_route_registers: int = 0
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
                      "dense_projections", "front_overlaps_route", "front_triggers_last",
-                     "shared_beside_stage1"):
+                     "shared_beside_stage1", "front_routes"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)
@@ -137,6 +148,8 @@ class MoEConfig:
         _check_int("klane_rows", self.klane_rows, 4, 512, pow2=True)
         _check_int("target_programs", self.target_programs, 1)
         _check_int("front_target_programs", self.front_target_programs, 1)
+        if self.front_route_registers:
+            _check_int("front_route_registers", self.front_route_registers, 24, 255)
 
     def mma_tile(self, stage: int) -> tuple[int, int, int] | None:
         """The fixed tensor-core tile of stage 1 or 2 (None: picked by the launch)."""

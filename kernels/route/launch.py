@@ -3,6 +3,9 @@ completion counter."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -12,7 +15,7 @@ from .config import MAX_TOKENS, RouteConfig
 from .gemv import _gate_gemv_kernel
 from .sort import _route_select_kernel, _route_sort_kernel
 
-__all__ = ["route_sort", "gate_logits"]
+__all__ = ["route_sort", "gate_logits", "prepare_route", "launch_select", "RouteLaunch"]
 
 GEMV_BLOCK_E = 32  # GPU split-K tile experts (config None)
 GEMV_BLOCK_K = (1024, 512, 256, 128)  # GPU K tiles tried, widest first (config None)
@@ -249,6 +252,41 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
         [cap], sorted_weights fp32 [cap], block_expert_ids int32 [cap // block_m], num_valid
         int32 [1], out fp32 [M, out_dim] or None; cap = M * top_k + E * (block_m - 1).
     """
+    launch, plan = prepare_route(
+        hidden, gate_weight, correction_bias, top_k=top_k, n_group=n_group,
+        topk_group=topk_group, renormalize=renormalize,
+        routed_scaling_factor=routed_scaling_factor, block_m=block_m, out_dim=out_dim,
+        config=config)
+    _route_sort_kernel[launch.grid](*launch.args, **launch.constexprs,
+                                    num_warps=launch.num_warps,
+                                    **({"launch_pdl": True} if launch.pdl else {}))
+    launch_select(launch)
+    return plan
+
+
+@dataclass(frozen=True)
+class RouteLaunch:
+    """A validated route_sort launch: _route_sort_kernel's positional arguments and named
+    constexprs, its grid (E tiles, K splits), warps, PDL, and the spread selection's launch
+    (grid, arguments, constexprs) or None (a fused launch, kernels/moe/front_route.py, runs the
+    same programs inside its own grid)."""
+
+    args: tuple
+    constexprs: dict
+    grid: tuple[int, int]
+    num_warps: int
+    pdl: bool
+    select: tuple | None
+
+
+def prepare_route(hidden: torch.Tensor, gate_weight: torch.Tensor,
+                  correction_bias: torch.Tensor, *, top_k: int, n_group: int = 1,
+                  topk_group: int = 1, renormalize: bool = True,
+                  routed_scaling_factor: float = 1.0, block_m: int = 1,
+                  out_dim: int | None = None, config: RouteConfig | None = None
+                  ) -> tuple[RouteLaunch, RoutePlan]:
+    """Validate and lay out :func:`route_sort`'s launch (same arguments); returns the
+    :class:`RouteLaunch` and the plan it fills once launched."""
     M, H, E = _check_gate_inputs(hidden, gate_weight, correction_bias)
     dev = hidden.device
     _check_routing(E, top_k, n_group, topk_group, block_m, out_dim, routed_scaling_factor)
@@ -288,23 +326,31 @@ def route_sort(hidden: torch.Tensor, gate_weight: torch.Tensor, correction_bias:
                    GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
                    BLOCK_G=triton.next_power_of_2(n_group), CAND_CACHE=cfg.cand_cache,
                    SCALAR_E=cfg.scalar_keys)
-    _route_sort_kernel[(e_tiles, split_k)](
-        hidden, gate_weight, correction_bias, partial, cand, rank, counter, topk_ids,
-        topk_weights, sorted_ids, sorted_weights, block_expert_ids, num_valid,
-        partial if out is None else out, M, H, cap, cap // block_m,
-        0 if out is None else out.numel(), float(routed_scaling_factor), **routing,
-        GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK, **tiles,
-        GEMV_ROWS=rows, GEMV_CHUNKS=chunks,
-        EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED, PDL=pdl, SELECT=not spread,
-        **dot,
-        num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
+    launch = RouteLaunch(
+        args=(hidden, gate_weight, correction_bias, partial, cand, rank, counter, topk_ids,
+              topk_weights, sorted_ids, sorted_weights, block_expert_ids, num_valid,
+              partial if out is None else out, M, H, cap, cap // block_m,
+              0 if out is None else out.numel(), float(routed_scaling_factor)),
+        constexprs=dict(**routing, GEMV_E=block_e, GEMV_K=block_k, FILL=FILL_BLOCK, **tiles,
+                        GEMV_ROWS=rows, GEMV_CHUNKS=chunks,
+                        EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED, PDL=pdl,
+                        SELECT=not spread, **dot),
+        grid=(e_tiles, split_k), num_warps=cfg.num_warps, pdl=pdl, select=None)
     if spread:
         sel = {k: v for k, v in tiles.items() if k != "IN_REGS"}
-        _route_select_kernel[(triton.cdiv(M, tiles["BLOCK_T"]),)](
-            partial, correction_bias, cand, rank, counter, topk_ids, topk_weights, sorted_ids,
-            sorted_weights, block_expert_ids, num_valid, M, float(routed_scaling_factor),
-            **routing, **sel, num_warps=cfg.num_warps)
-
-    return RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
+        launch = dataclasses.replace(launch, select=(
+            (triton.cdiv(M, tiles["BLOCK_T"]),),
+            (partial, correction_bias, cand, rank, counter, topk_ids, topk_weights, sorted_ids,
+             sorted_weights, block_expert_ids, num_valid, M, float(routed_scaling_factor)),
+            {**routing, **sel}))
+    plan = RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,
                      num_valid=num_valid, out=out, block_m=block_m)
+    return launch, plan
+
+
+def launch_select(launch: RouteLaunch) -> None:
+    """The spread selection's own launch, where ``launch`` has one (after its GEMV launch)."""
+    if launch.select is not None:
+        grid, args, constexprs = launch.select
+        _route_select_kernel[grid](*args, **constexprs, num_warps=launch.num_warps)

@@ -155,9 +155,10 @@ def _sort_entries(p_ids, p_w, p_rank, p_sorted_ids, p_sorted_w, p_block_ids, p_n
 
 
 @triton.jit
-def _route_sort_kernel(
-        p_x, p_w, p_bias, p_part, p_cand, p_rank, p_count, p_ids, p_topk_w, p_sorted_ids,
-        p_sorted_w, p_block_ids, p_num_valid, p_out, M, H, n_sorted, n_blocks, n_out, scaling,
+def _route_program(
+        i_e, i_k, n_e, n_prog, p_x, p_w, p_bias, p_part, p_cand, p_rank, p_count, p_ids,
+        p_topk_w, p_sorted_ids, p_sorted_w, p_block_ids, p_num_valid, p_out, M, H, n_sorted,
+        n_blocks, n_out, scaling,
         E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
         TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
         BM: tl.constexpr, GEMV_E: tl.constexpr, GEMV_K: tl.constexpr, FILL: tl.constexpr,
@@ -168,9 +169,9 @@ def _route_sort_kernel(
         SCALAR_E: tl.constexpr, SORT_N: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
         PDL: tl.constexpr, SELECT: tl.constexpr, DOT_M: tl.constexpr, DOT_K: tl.constexpr,
         DOT_FP32: tl.constexpr):
-    """The GEMV partials and the plan's padding; with SELECT the last program to finish then
-    selects and sorts (else _route_select_kernel, the next launch, does)."""
-    i_e, i_k = tl.program_id(0), tl.program_id(1)
+    """GEMV tile (i_e, i_k) of ``n_prog`` route programs (``n_e`` E tiles): the GEMV partials
+    and its share of the plan's padding; with SELECT the last program to finish then selects
+    and sorts (else _route_select_kernel, the next launch, does)."""
     if EARLY_DEPENDENTS or PDL:
         gdc_launch_dependents()
     if PDL:  # x, the plan and the counter all wait for the previous grid
@@ -180,8 +181,7 @@ def _route_sort_kernel(
 
     # side job: the plan's padding and the zeroed stage-2 buffer (before the counter below, so
     # the selection's scatter lands after every fill)
-    pid = i_k * tl.num_programs(0) + i_e
-    n_prog = tl.num_programs(0) * tl.num_programs(1)
+    pid = i_k * n_e + i_e
     _fill(p_sorted_ids, n_sorted, tl.zeros([FILL], tl.int32) + M * TOP_K, pid, n_prog, FILL)
     _fill(p_sorted_w, n_sorted, tl.zeros([FILL], tl.float32), pid, n_prog, FILL)
     _fill(p_block_ids, n_blocks, tl.zeros([FILL], tl.int32) - 1, pid, n_prog, FILL)
@@ -202,6 +202,31 @@ def _route_sort_kernel(
             # this one got here) and the next launch starts after this one ends, so the reset needs
             # no ordering: relaxed (no release fence waiting for the tail's stores)
             tl.atomic_xchg(p_count, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _route_sort_kernel(
+        p_x, p_w, p_bias, p_part, p_cand, p_rank, p_count, p_ids, p_topk_w, p_sorted_ids,
+        p_sorted_w, p_block_ids, p_num_valid, p_out, M, H, n_sorted, n_blocks, n_out, scaling,
+        E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        BM: tl.constexpr, GEMV_E: tl.constexpr, GEMV_K: tl.constexpr, FILL: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
+        IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+        GEMV_ROWS: tl.constexpr, GEMV_CHUNKS: tl.constexpr, CAND_CACHE: tl.constexpr,
+        SCALAR_E: tl.constexpr, SORT_N: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
+        PDL: tl.constexpr, SELECT: tl.constexpr, DOT_M: tl.constexpr, DOT_K: tl.constexpr,
+        DOT_FP32: tl.constexpr):
+    """Grid (E tiles, K splits) of :func:`_route_program`."""
+    i_e, i_k = tl.program_id(0), tl.program_id(1)
+    _route_program(i_e, i_k, tl.num_programs(0), tl.num_programs(0) * tl.num_programs(1), p_x,
+                   p_w, p_bias, p_part, p_cand, p_rank, p_count, p_ids, p_topk_w, p_sorted_ids,
+                   p_sorted_w, p_block_ids, p_num_valid, p_out, M, H, n_sorted, n_blocks, n_out,
+                   scaling, E, SPLIT_K, TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BM,
+                   GEMV_E, GEMV_K, FILL, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S, BUCKETS, CAP,
+                   IN_REGS, BLOCK_R, BLOCK_C, GEMV_ROWS, GEMV_CHUNKS, CAND_CACHE, SCALAR_E,
+                   SORT_N, EARLY_DEPENDENTS, PDL, SELECT, DOT_M, DOT_K, DOT_FP32)
 
 
 @triton.jit

@@ -14,6 +14,7 @@ tensors) take their CPU values here; those keyed on ``INTERPRETED`` take the GPU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -134,6 +135,7 @@ def main() -> dict:
     from k3lab.kernels import (
         AttnResConfig,
         KDAConfig,
+        MoEConfig,
         RouteConfig,
         attn_res_norm,
         gate_logits,
@@ -203,6 +205,12 @@ def main() -> dict:
     for name in ("persistent", "fused+dense"):  # routing themselves: the overlapping launches
         fn = moe.variant(name).fn
         attempt(f"moe/{name} with routing", lambda fn=fn: fn(boundaries.clone_inputs(mi)))
+    fr = moe.make_inputs(k3, cpu, 0, route=True)
+    fr_conf = MoEConfig(dense_projections=True, front_routes=True)
+    for regs in (0, 96):  # the router's programs and the front's in one launch, K3 widths
+        attempt(f"moe/fused+dense front_routes registers {regs}", lambda regs=regs: moe.variant(
+            "fused+dense").fn({**boundaries.clone_inputs(fr), "config": dataclasses.replace(
+                fr_conf, front_route_registers=regs)}))
     attempt("dense gate/up together", lambda: dense_gemv(
         torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(1536, 7168, dtype=torch.bfloat16),
         activation="situ", config=GemvConfig(block_n=8, split_k=2, pdl=True,

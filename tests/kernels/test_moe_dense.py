@@ -73,6 +73,30 @@ def test_shared_gate_up_beside_stage1(fmt, m, det, device):
     assert len(names) == 5, names
 
 
+@pytest.mark.parametrize("fmt,m,det", [("bf16", 1, True), ("mxfp4", 3, False),
+                                       ("mxfp4", 1, False)])
+def test_router_in_the_front_launch(fmt, m, det, device):
+    """MoEConfig.front_routes: route_sort's programs and the merged front's in one launch
+    (4 with routing instead of 5); the output meets the reference with the block's routing,
+    and repeated calls give the same bits."""
+    cfg = preset("tiny", 1)
+    conf = MoEConfig(dense_projections=True, front_routes=True)
+    inp = {**_inputs(cfg, device, m, fmt), "route": True, "config": conf}
+    w = inp["weights"].for_kernels(conf)
+    assert "front" in w
+
+    def run(x):
+        return moe_block(x, w, cfg=cfg, deterministic=det, config=conf)
+
+    out = run(inp["x"])
+    B.check(out, None, inp)
+    assert torch.equal(run(inp["x"]), out) or not det
+    names = count_launches(run, inp["x"]).kernels
+    if device.type == "cpu":
+        names = [n for n in names if n.startswith("triton::")]
+    assert len(names) == 4 and "front_route" in names[0], names
+
+
 def test_moe_experts_shared_inputs_are_checked(device):
     from k3lab.kernels import moe_experts
 
@@ -117,6 +141,39 @@ def test_dense_projections_k3_tp8_graph(fmt):
         graph.replay()
         torch.cuda.synchronize()
         B.check(out, None, inp)
+
+
+@pytest.mark.gpu
+def test_router_in_the_front_launch_k3_graph():
+    """K3 tp 8, MXFP4, deterministic stage 2, front_routes (also capped at 96 registers): the
+    reference met, the experts of the two-launch front's routing chosen, and the same bits
+    eager and over 20 replays of a CUDA graph of 16 calls on distinct x."""
+    cfg = preset("kimi-k3", 8)
+    dev = torch.device("cuda")
+    inp = _inputs(cfg, dev, 1, "mxfp4")
+    xs = [_inputs(cfg, dev, 1, "mxfp4", seed=s)["x"] for s in range(16)]
+    for regs in (0, 96):
+        conf = MoEConfig(dense_projections=True, front_routes=True, front_route_registers=regs)
+        w = inp["weights"].for_kernels(conf)
+
+        def run(x, conf=conf, w=w):
+            return moe_block(x, w, cfg=cfg, deterministic=True, config=conf)
+
+        B.check(run(inp["x"]), None, {**inp, "route": True, "config": conf})
+        want = [run(x).clone() for x in xs]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run(xs[0])
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [run(x) for x in xs]
+        for _ in range(20):
+            graph.replay()
+            torch.cuda.synchronize()
+            for out, ref in zip(outs, want, strict=True):
+                assert torch.equal(out, ref)
 
 
 @pytest.mark.gpu

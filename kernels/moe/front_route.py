@@ -1,0 +1,139 @@
+"""The MoE front with the router in one launch: route_sort's programs, then the dense GEMV's.
+
+Both read x alone. Programs [0, R) are route_sort's (``kernels/route/sort.py``: the gate GEMV
+partials and the plan's padding; the last of them to finish selects and sorts), programs from R
+are the front's merged GEMV tiles (``kernels/dense/gemv.py``: latent down and the shared
+gate/up). Blocks start in index order, so the router's rows stream first and the selection runs
+while the front's tiles still stream; no launch waits for another inside the block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dense.config import GemvConfig
+from ..dense.gemv import _gemv_program
+from ..dense.launch import prepare_gemv
+from ..route.config import RouteConfig
+from ..route.launch import launch_select, prepare_route
+from ..route.sort import _route_program
+from ..runtime import INTERPRETED
+
+__all__ = ["front_route", "FRONT_ROUTE_CONFIG"]
+
+# The router GEMV's shape in the fused launch: row programs over 4 K splits. Its programs and
+# the front's share one register count; at K3 (offline sm_90 build, Triton 3.6) route_sort's
+# default 2 splits take 164 registers, which the whole launch would take, 4 splits 80 (the
+# front's tiles alone 96; fused 117).
+FRONT_ROUTE_CONFIG = RouteConfig(gemv_row_splits=4)
+
+
+@triton.jit
+def _front_route_kernel(
+        # route_sort's (kernels/route/sort.py)
+        p_x, p_w, p_bias, p_part, p_cand, p_rank, p_count, p_ids, p_topk_w, p_sorted_ids,
+        p_sorted_w, p_block_ids, p_num_valid, p_out, M, H, n_sorted, n_blocks, n_out, scaling,
+        # dense_gemv_kernel's (kernels/dense/gemv.py)
+        f_x, f_w, f_y, f_res, f_g, f_ws, f_cnt, f_x2, f_w2, f_sc, b1, b2, b3, b4, b5, b6, b7,
+        f_M, f_N, f_K, f_K_SPLIT, f_K2, f_K2_SPLIT, f_T0, f_NG, f_eps, f_beta, f_linear_beta,
+        E_TILES, ROUTE_PROGRAMS, F_TILES,
+        E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
+        TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
+        BM: tl.constexpr, GEMV_E: tl.constexpr, GEMV_K: tl.constexpr, FILL: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_S: tl.constexpr, BUCKETS: tl.constexpr, CAP: tl.constexpr,
+        IN_REGS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+        GEMV_ROWS: tl.constexpr, GEMV_CHUNKS: tl.constexpr, CAND_CACHE: tl.constexpr,
+        SCALAR_E: tl.constexpr, SORT_N: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
+        PDL: tl.constexpr, SELECT: tl.constexpr, DOT_M: tl.constexpr, DOT_K: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+        F_SCALED: tl.constexpr, F_BLOCK_M: tl.constexpr, F_BLOCK_N: tl.constexpr,
+        F_BLOCK_K: tl.constexpr, F_SPLIT_K: tl.constexpr, F_ACT: tl.constexpr,
+        F_NORM: tl.constexpr, F_RESIDUAL: tl.constexpr, F_N_SEG: tl.constexpr,
+        F_DUAL: tl.constexpr, F_MIXED: tl.constexpr, F_DOT_FP32: tl.constexpr,
+        F_PDL: tl.constexpr, F_PREFETCH: tl.constexpr, F_NUM_STAGES: tl.constexpr,
+        F_WAIT_LAST: tl.constexpr, F_GATE_UP_TOGETHER: tl.constexpr, F_UNROLL: tl.constexpr,
+        F_TRIGGER_LAST: tl.constexpr):
+    """1-D grid: ROUTE_PROGRAMS route programs (E_TILES x K splits, E tile fastest), then
+    F_TILES x front K shares GEMV programs (row tile fastest)."""
+    pid = tl.program_id(0)
+    if pid < ROUTE_PROGRAMS:
+        _route_program(pid % E_TILES, pid // E_TILES, E_TILES, ROUTE_PROGRAMS, p_x, p_w, p_bias,
+                       p_part, p_cand, p_rank, p_count, p_ids, p_topk_w, p_sorted_ids,
+                       p_sorted_w, p_block_ids, p_num_valid, p_out, M, H, n_sorted, n_blocks,
+                       n_out, scaling, E, SPLIT_K, TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE,
+                       RENORMALIZE, BM, GEMV_E, GEMV_K, FILL, BLOCK_T, BLOCK_E, BLOCK_G,
+                       BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, GEMV_ROWS, GEMV_CHUNKS,
+                       CAND_CACHE, SCALAR_E, SORT_N, EARLY_DEPENDENTS, PDL, SELECT, DOT_M,
+                       DOT_K, DOT_FP32)
+    else:
+        j = pid - ROUTE_PROGRAMS
+        _gemv_program(j % F_TILES, j // F_TILES, f_x, f_w, f_y, f_res, f_g, f_ws, f_cnt, f_x2,
+                      f_w2, f_sc, b1, b2, b3, b4, b5, b6, b7, f_M, f_N, f_K, f_K_SPLIT, f_K2,
+                      f_K2_SPLIT, f_T0, f_NG, f_eps, f_beta, f_linear_beta, F_SCALED, F_BLOCK_M,
+                      F_BLOCK_N, F_BLOCK_K, F_SPLIT_K, F_ACT, F_NORM, F_RESIDUAL, F_N_SEG,
+                      F_DUAL, F_MIXED, F_DOT_FP32, F_PDL, F_PREFETCH, F_NUM_STAGES,
+                      F_WAIT_LAST, F_GATE_UP_TOGETHER, F_UNROLL, F_TRIGGER_LAST)
+
+
+def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,
+                front_weight: torch.Tensor, *, splits=None, activation=None, situ_beta=4.0,
+                situ_linear_beta=25.0, top_k: int, n_group: int = 1, topk_group: int = 1,
+                renormalize: bool = True, routed_scaling_factor: float = 1.0, block_m: int = 1,
+                out_dim: int | None = None, route_config: RouteConfig | None = None,
+                gemv_config: GemvConfig | None = None, pdl: bool = False,
+                max_registers: int = 0):
+    """``route_sort(x, gate_weight, correction_bias, ...)`` and ``dense_gemv(x, front_weight,
+    splits=..., activation=...)`` in one launch (two where the route's selection is spread
+    over a launch of its own: ``RouteConfig.select_programs_min_tokens``). Returns (plan, the
+    GEMV's result); both bitwise those of the two calls with the same configs.
+
+    ``route_config``: the router GEMV's shape (None: :data:`FRONT_ROUTE_CONFIG`);
+    ``gemv_config``: the front's tiling (None: dense_gemv's default for the front's shape);
+    its ``wait_last`` and ``trigger_last`` are ignored, as are the route config's ``pdl`` and
+    ``early_dependents``. ``pdl`` (compiled only): the launch goes by programmatic dependent
+    launch, every program waiting for the previous grid before it reads x (where the tiling
+    has ``pdl`` and ``prefetch_steps``, the front's tiles first ask L2 for their first weight
+    steps). Its programs let a dependent launch start once they have waited: a launch after it
+    must read the plan only after its own PDL wait, or be launched plainly.
+    ``max_registers`` (compiled only): the launch's registers a thread at most (Triton's
+    ``maxnreg``; 0: the compiler's choice).
+    """
+    pdl = bool(pdl) and not INTERPRETED
+    rc = route_config if route_config is not None else FRONT_ROUTE_CONFIG
+    if not isinstance(rc, RouteConfig):
+        raise ValueError(f"route_config: expected a RouteConfig or None, got "
+                         f"{type(rc).__name__}")
+    if gemv_config is not None and not isinstance(gemv_config, GemvConfig):
+        raise ValueError(f"gemv_config: expected a GemvConfig or None, got "
+                         f"{type(gemv_config).__name__}")
+    if isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
+            max_registers == 0 or 24 <= max_registers <= 255):
+        raise ValueError(f"max_registers: expected 0 or an int in [24, 255], got "
+                         f"{max_registers!r}")
+    max_registers = 0 if INTERPRETED else max_registers
+    route, plan = prepare_route(
+        x, gate_weight, correction_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
+        renormalize=renormalize, routed_scaling_factor=routed_scaling_factor, block_m=block_m,
+        out_dim=out_dim, config=dataclasses.replace(rc, pdl=False, early_dependents=False))
+    gemv, outputs = prepare_gemv(x, front_weight, splits=splits, activation=activation,
+                                 situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
+                                 config=gemv_config)
+    # every program waits for the previous grid first, when launched by PDL
+    fconst = {**gemv.constexprs, "PDL": pdl, "WAIT_LAST": False, "TRIGGER_LAST": False}
+    fconst["PREFETCH"] = fconst["PREFETCH"] if pdl else 0
+    e_tiles, splits_k = route.grid
+    f_tiles, f_shares = gemv.grid
+    n_route = e_tiles * splits_k
+    rconst = {**route.constexprs, "PDL": pdl}
+    fconst = {f"F_{k}": v for k, v in fconst.items()}
+    _front_route_kernel[(n_route + f_tiles * f_shares,)](
+        *route.args, *gemv.args, e_tiles, n_route, f_tiles, **rconst, **fconst,
+        num_warps=max(route.num_warps, gemv.num_warps), **({"launch_pdl": True} if pdl else {}),
+        **({"maxnreg": max_registers} if max_registers else {}))
+    launch_select(route)
+    return plan, outputs()
