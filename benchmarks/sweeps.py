@@ -310,26 +310,27 @@ _SWEEPS = [
           variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
           config=("moe.persistent_config", "PersistentMoEConfig")),
     Sweep("front_overlap", "moe",
-          ({"front_overlaps_route": False},
-           {"front_overlaps_route": True, "front_triggers_last": False},
-           {"front_overlaps_route": True, "front_triggers_last": True}),
-          "the dense front launched after route_sort against while it runs, and then letting "
-          "the expert pair start (by PDL) only after its wait for the route (fused+dense, with "
-          "routing)",
+          ({"front_routes": False, "front_overlaps_route": False},
+           {"front_routes": False, "front_overlaps_route": True, "front_triggers_last": False},
+           {"front_routes": False, "front_overlaps_route": True, "front_triggers_last": True}),
+          "with route_sort and the dense front as two launches: the front launched after "
+          "route_sort against while it runs, and then letting the expert pair start (by PDL) "
+          "only after its wait for the route (fused+dense, with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("shared_beside", "moe",
           grid(({"M": 1}, {"M": 4}), ({}, {"shared_beside_stage1": True})),
-          "the shared experts' gate/up in the front launch against a launch of its own "
-          "between the expert stages, overlapping stage 1 (fused+dense, with routing)",
+          "the shared experts' gate/up in the front launch (with the router's, by default) "
+          "against a launch of its own between the expert stages, overlapping stage 1 (the "
+          "front then the latent down alone, overlapping route_sort; fused+dense, with "
+          "routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("front_routes", "moe",
           grid(({"M": 1}, {"M": 4}),
-               ({}, {"front_routes": True},
-                {"front_routes": True, "front_route_registers": 96})),
+               ({"front_routes": False}, {"front_route_registers": 0}, {})),
           "route_sort's programs and the dense front's in one launch (front_route: 4 launches "
-          "with routing), at the compiler's register count and capped at 96 (the front's own: "
-          "5 programs an SM), against the front overlapping route_sort (fused+dense, with "
-          "routing)",
+          "with routing; the default, its registers capped at 96) against the front "
+          "overlapping route_sort in a launch of its own, and the one launch uncapped "
+          "(fused+dense, with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("pdl", "route", grid(({"M": 1}, {"M": 4}), ({}, {"pdl": True})),
           "the route launched by PDL (its launch overlapping the previous grid's end; it waits "
@@ -538,34 +539,17 @@ _SWEEPS = [
           "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
           "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
-    Sweep("route", "token", ({}, {"route.gemv_row_splits": 4},
-                             {"route.gemv_row_splits": 4, "route.gemv_row_chunk": 1024},
-                             {"route.gemv_row_programs": 264},
-                             {"route.gemv_row_programs": 66, "route.gemv_row_splits": 4},
-                             {"route.gemv_row_splits": 1}),
-          "the route's B1 gate GEMV in the full stack's token, where it shares the SMs with "
-          "the MoE front that overlaps it: the default row programs (161 registers at K3 in an "
-          "offline sm_90 build, 3 programs an SM) against shorter K shares (4 splits: 80 "
-          "registers) and other row counts (264 programs: 100; 66 programs over 4 splits: 88; one "
-          "program an SM, K unsplit: 167)",
-          variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
-          ({}, {"moe.front_routes": True},
-           {"moe.front_routes": True, "moe.front_route_registers": 96},
-           {"moe.front_routes": True, "route.gemv_row_splits": 2},
-           {"moe.front_routes": True, "moe.front_route_registers": 96,
-            **_front(4, 1024, 4)}),
-          "route_sort's programs and the MoE front's in one launch (MoEConfig.front_routes) in "
-          "the full stack's token: the router's rows over 4 K splits (front_route's default), "
-          "at the compiler's register count (117 at K3 offline), capped at 96, over 2 K splits "
-          "(route_sort's default: 164 registers), and capped with 4-row front tiles",
-          variants=("full stack",), tp=8),
-    Sweep("front", "token", ({}, _front(8, 512, 3), _front(4, 1024, 4), _front(8, 1024, 3),
-                             _front(16, 512, 3), _front(8, 512, 4), _front(16, 256, 4)),
-          "the MoE front's merged GEMV (latent down and shared gate/up, overlapping the route) "
-          "in the full stack's token: its rule's 8 x 512 over 3 stages (the default, here "
-          "also set as a point) against the tilings the per-shape table gives other K = 7168 "
-          "shapes", variants=("full stack",), tp=8),
+          ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(4, 1024, 4)},
+           {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},
+           _front(4, 512, 4), {**_front(4, 512, 4), "moe.front_route_registers": 80},
+           _front(8, 512, 3), _front(4, 1024, 3)),
+          "route_sort's programs and the MoE front's in one launch (MoEConfig.front_routes, "
+          "the default: 4-row front tiles over 1024-column steps, 4 stages, 96 registers) in "
+          "the full stack's token, against the two launches (the front at its rule's 8 x 512 "
+          "tiles, and at the fused launch's), other register caps (none: 128 at K3 in an "
+          "offline sm_90 build; 80: 68 bytes of spills) and other front tiles (4 x 512: 88 "
+          "registers uncapped)", variants=("full stack",), tp=8),
 ]
 
 

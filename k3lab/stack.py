@@ -264,8 +264,8 @@ class Configs:
     attn_res an ``AttnResConfig`` (attn_res_norm), kda a ``KDAConfig`` (kda_decode), mla an
     ``MLAConfig`` (mla_decode), moe a ``MoEConfig`` (moe_experts, moe_stage1, moe_stage2), tail
     a ``GemvConfig`` for the latent MoE tail's dense GEMV alone (None: gemv's), front one for the
-    MoE front's merged GEMV alone (latent down and shared gate/up; None: gemv's, else the
-    front's own tiling; PDL and the waits it needs to overlap the route are set on it)."""
+    MoE front's merged GEMV alone (latent down and shared gate/up, in the router's launch or
+    its own; None: gemv's, else the front's own tiling; the launch sets PDL and its waits)."""
 
     gemv: object = None
     route: object = None

@@ -261,9 +261,9 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
 
 
 def test_moe_launch_choices_meet_the_truth(device):
-    """Every MoE launch choice of the table (overlaps, the shared gate/up beside stage 1, the
-    expert pair plain, the router in the front's launch) runs the full stack's token within the
-    truth's tolerance."""
+    """Every MoE launch choice of the table (the router apart from the front, the front after
+    it, the shared gate/up beside stage 1) runs the full stack's token within the truth's
+    tolerance."""
     from k3lab import kernels
 
     cfg = preset("tiny")
@@ -272,7 +272,7 @@ def test_moe_launch_choices_meet_the_truth(device):
     base = study.configs_for(device)
     choices = {label: dataclasses.replace(base, moe=kernels.MoEConfig(**changes))
                for label, field, _, changes in study.CONFIG_CHOICES if field == "moe"}
-    assert len(choices) == 4
+    assert len(choices) == 3
     check = study.check_token(tok, dict.fromkeys(choices, full), choices, 4)
     assert check["ok"].all(), check
 
@@ -375,10 +375,12 @@ def test_launch_choices_on_the_gpu(device):
 
 @pytest.mark.gpu
 def test_gpu_moe_front_overlapping_the_route_gives_the_sequential_logits(device):
-    """The full stack's merged MoE front overlaps route_sort (MoEConfig.front_overlaps_route,
-    the default): the token's logits equal, bit for bit, those of the front launched after the
-    route, and those with the expert pair launched plainly after the front
-    (front_triggers_last off), eager and over replays of one captured token."""
+    """With the route and the merged MoE front as two launches (MoEConfig.front_routes off),
+    the front overlapping route_sort (front_overlaps_route) gives, bit for bit, the token's
+    logits of the front launched after the route, and those with the expert pair launched
+    plainly after the front (front_triggers_last off), eager and over replays of one captured
+    token; and the router in the front's launch (front_routes, the default) gives its own bits
+    again over the replays."""
     from k3lab.kernels import MoEConfig
 
     cfg = preset("tiny")
@@ -387,8 +389,10 @@ def test_gpu_moe_front_overlapping_the_route_gives_the_sequential_logits(device)
     base = study.configs_for(device)
     snap = study._snapshot(tok)
     logits = {}
-    orders = {"after": MoEConfig(front_overlaps_route=False), "overlap": MoEConfig(),
-              "overlap, pair plain": MoEConfig(front_triggers_last=False)}
+    apart = MoEConfig(front_routes=False)
+    orders = {"after": dataclasses.replace(apart, front_overlaps_route=False), "overlap": apart,
+              "overlap, pair plain": dataclasses.replace(apart, front_triggers_last=False),
+              "one launch": MoEConfig()}
     for overlap, moe_config in orders.items():
         configs = dataclasses.replace(base, moe=moe_config)
         study._restore(tok, snap)

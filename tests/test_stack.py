@@ -195,8 +195,9 @@ def test_token_under_a_stack_matches_the_fp32_token_with_its_routing(names, devi
 
 
 def test_router_in_the_front_launch_in_the_token(device):
-    """MoEConfig.front_routes in the full stack's token: the logits meet the fp32 truth of the
-    experts it chose, with one launch fewer per MoE layer than the route and front apart."""
+    """MoEConfig.front_routes (the default) in the full stack's token: the logits meet the fp32
+    truth of the experts it chose, with one launch fewer per MoE layer than the route and the
+    front apart."""
     from dataclasses import replace
 
     from k3lab.kernels import MoEConfig
@@ -205,8 +206,8 @@ def test_router_in_the_front_launch_in_the_token(device):
 
     cfg = preset("tiny")
     full, _ = runnable(compose(steps(STACKS["integration"])[-1][1]))
-    base = configs_for(device)
-    fused = replace(base, moe=MoEConfig(front_routes=True))
+    fused = configs_for(device)
+    base = replace(fused, moe=MoEConfig(front_routes=False))
     token = make_token(cfg, device, window=3, seed=4, context=24, expert_format="mxfp4")
     checks = check_token(token, {"apart": full, "fused": full}, {"apart": base, "fused": fused},
                          num_splits=3)

@@ -227,7 +227,7 @@ def _fused_dense(inputs: dict) -> torch.Tensor:
 # the persistent single-owner block
 
 # Launches of the fused variants: (given the plan, with routing).
-LAUNCHES = {"fused": (3, 4), "fused+dense": (4, 5), "persistent": (1, 2),
+LAUNCHES = {"fused": (3, 4), "fused+dense": (4, 4), "persistent": (1, 2),
             "persistent_a8w4": (1, 2), "persistent_fp8_tail": (1, 2)}
 PERSISTENT_VARIANTS = ("persistent", "persistent_a8w4", "persistent_fp8_tail")
 # Output vs the fp32 truth for quantized numerics, which the persistent variants mark their

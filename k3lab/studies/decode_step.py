@@ -263,14 +263,12 @@ INTERLEAVED_ROUNDS = 7
 CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
                    {"bank_before_wait": False}),
                   ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}),
+                  ("MoE router apart from the front", "moe", "MoEConfig",
+                   {"front_routes": False}),
                   ("MoE front after the route", "moe", "MoEConfig",
-                   {"front_overlaps_route": False}),
+                   {"front_routes": False, "front_overlaps_route": False}),
                   ("MoE shared gate/up beside stage 1", "moe", "MoEConfig",
                    {"shared_beside_stage1": True}),
-                  ("MoE expert pair plain after the front", "moe", "MoEConfig",
-                   {"front_triggers_last": False}),
-                  ("MoE router in the front's launch", "moe", "MoEConfig",
-                   {"front_routes": True}),
                   # K3's bf16 tail tiling (kernels/dense/tuned.py) against the e4m3 tail's own
                   # (TUNED_M1_E4M3: wider tiles, more bytes a step)
                   ("MoE tail at 16 x 256 steps", "tail", "GemvConfig",

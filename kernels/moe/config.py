@@ -78,7 +78,8 @@ class MoEConfig:
             launches (latent presets): latent down and shared gate/up as one launch before stage
             1, stage 2 alone, then the tail's RMSNorm + up-projection + shared down as one
             launch (4 launches given a plan instead of 3: each GEMV at its own tiling).
-        front_overlaps_route: with dense_projections, pdl and no plan given, route_sort lets
+        front_overlaps_route: with dense_projections, pdl, no plan given and the route apart
+            from the front (front_routes off, or no merged front), route_sort lets
             the dense front launch start at once and the front waits for the route only before
             its programs exit: the two read x alone, so the front streams its weights while
             the route's GEMV and selection run (stage 1 still waits for both).
@@ -103,9 +104,9 @@ class MoEConfig:
             selects and sorts while the front's tiles stream, and stage 1 launches plainly
             after it (front_overlaps_route and front_triggers_last then have no effect).
         front_route_registers: registers a thread the fused launch is capped at (Triton's
-            ``maxnreg``; 0: the compiler's choice). Its route and front programs share one
-            register count, the larger of the two, which sets how many front programs an SM
-            holds.
+            ``maxnreg``; 0: the compiler's choice, 128 at K3 tp 8 with its default tiles). Its
+            route and front programs share one register count, the larger of the two, which
+            sets how many front programs an SM holds (96: 5).
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
@@ -131,8 +132,8 @@ class MoEConfig:
     front_overlaps_route: bool = True
     front_triggers_last: bool = True
     shared_beside_stage1: bool = False
-    front_routes: bool = False
-    front_route_registers: int = 0
+    front_routes: bool = True
+    front_route_registers: int = 96
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",

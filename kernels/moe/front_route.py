@@ -17,19 +17,32 @@ import triton.language as tl
 
 from ..dense.config import GemvConfig
 from ..dense.gemv import _gemv_program
-from ..dense.launch import prepare_gemv
+from ..dense.launch import default_config, interpreter_config, prepare_gemv
 from ..route.config import RouteConfig
 from ..route.launch import launch_select, prepare_route
 from ..route.sort import _route_program
 from ..runtime import INTERPRETED
 
-__all__ = ["front_route", "FRONT_ROUTE_CONFIG"]
+__all__ = ["front_route", "front_tiling", "FRONT_ROUTE_CONFIG", "FRONT_TILING_M1"]
 
 # The router GEMV's shape in the fused launch: row programs over 4 K splits. Its programs and
 # the front's share one register count; at K3 (offline sm_90 build, Triton 3.6) route_sort's
 # default 2 splits take 164 registers, which the whole launch would take, 4 splits 80 (the
 # front's tiles alone 96; fused 117).
 FRONT_ROUTE_CONFIG = RouteConfig(gemv_row_splits=4)
+# The front's tiles in the fused launch at one token: 4 rows over 1024-column steps, 4 stages
+# (``token --sweep front_routes``; with MoEConfig.front_route_registers at 96 an offline sm_90
+# build at K3 has no spills, and 5 programs an SM fit).
+FRONT_TILING_M1 = GemvConfig(block_n=4, block_k=1024, num_stages=4, pdl=True, prefetch_steps=0)
+
+
+def front_tiling(m: int, rows: int, k: int, gated: bool) -> GemvConfig:
+    """The front's tiling in the fused launch when none is given, for ``rows`` output rows (per
+    gate/up half when ``gated``) over K at M tokens: :data:`FRONT_TILING_M1` at one token, else
+    dense_gemv's default; under the interpreter dense_gemv's interpreter tiling."""
+    if INTERPRETED:
+        return interpreter_config(m, rows, k)
+    return FRONT_TILING_M1 if m == 1 else default_config(m, rows, k, gated)
 
 
 @triton.jit
@@ -93,7 +106,7 @@ def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: tor
     GEMV's result); both bitwise those of the two calls with the same configs.
 
     ``route_config``: the router GEMV's shape (None: :data:`FRONT_ROUTE_CONFIG`);
-    ``gemv_config``: the front's tiling (None: dense_gemv's default for the front's shape);
+    ``gemv_config``: the front's tiling (None: :func:`front_tiling`);
     its ``wait_last`` and ``trigger_last`` are ignored, as are the route config's ``pdl`` and
     ``early_dependents``. ``pdl`` (compiled only): the launch goes by programmatic dependent
     launch, every program waiting for the previous grid before it reads x (where the tiling
@@ -120,6 +133,14 @@ def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: tor
         x, gate_weight, correction_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
         renormalize=renormalize, routed_scaling_factor=routed_scaling_factor, block_m=block_m,
         out_dim=out_dim, config=dataclasses.replace(rc, pdl=False, early_dependents=False))
+    if gemv_config is None and isinstance(x, torch.Tensor) and isinstance(
+            front_weight, torch.Tensor) and x.dim() == 2 and front_weight.dim() == 2:
+        rows = front_weight.shape[0]
+        if activation is not None and splits is not None and len(splits) == 2:
+            rows = splits[0] + splits[1] // 2
+        elif activation is not None:
+            rows //= 2
+        gemv_config = front_tiling(x.shape[0], rows, x.shape[1], activation is not None)
     gemv, outputs = prepare_gemv(x, front_weight, splits=splits, activation=activation,
                                  situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                                  config=gemv_config)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3lab.kernels import GemvConfig, RouteConfig, dense_gemv, front_route, route_sort
-from k3lab.kernels.moe.front_route import FRONT_ROUTE_CONFIG
+from k3lab.kernels.moe.front_route import FRONT_ROUTE_CONFIG, front_tiling
 from k3lab.profile import count_launches
 
 PLAN_FIELDS = ("topk_ids", "topk_weights", "sorted_ids", "sorted_weights", "block_expert_ids",
@@ -53,7 +53,8 @@ def test_one_launch_equals_the_two(case, crowded, device):
         kw["splits"] = None
     plan, out = front_route(x, gate, bias, front, **route, **kw, gemv_config=tiling)
     ref_plan = route_sort(x, gate, bias, **route, config=FRONT_ROUTE_CONFIG)
-    ref_out = dense_gemv(x, front, **kw, config=tiling)
+    rows = splits[0] + splits[1] // 2 if act and len(splits) == 2 else sum(splits)
+    ref_out = dense_gemv(x, front, **kw, config=tiling or front_tiling(m, rows, h, bool(act)))
     _same_plan(plan, ref_plan)
     outs = out if isinstance(out, tuple) else (out,)
     refs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
@@ -90,7 +91,7 @@ def test_route_config_shapes(device):
                RouteConfig(gemv_row_programs=16)):
         plan, out = front_route(x, gate, bias, front, top_k=8, route_config=rc)
         _same_plan(plan, route_sort(x, gate, bias, top_k=8, config=rc))
-        assert torch.equal(out, dense_gemv(x, front))
+        assert torch.equal(out, dense_gemv(x, front, config=front_tiling(1, 40, 256, False)))
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -76,11 +76,11 @@ def test_shared_gate_up_beside_stage1(fmt, m, det, device):
 @pytest.mark.parametrize("fmt,m,det", [("bf16", 1, True), ("mxfp4", 3, False),
                                        ("mxfp4", 1, False)])
 def test_router_in_the_front_launch(fmt, m, det, device):
-    """MoEConfig.front_routes: route_sort's programs and the merged front's in one launch
-    (4 with routing instead of 5); the output meets the reference with the block's routing,
+    """MoEConfig.front_routes (the default): route_sort's programs and the merged front's in one
+    launch (4 with routing, 5 with it off); the output meets the reference with the block's routing,
     and repeated calls give the same bits."""
     cfg = preset("tiny", 1)
-    conf = MoEConfig(dense_projections=True, front_routes=True)
+    conf = MoEConfig(dense_projections=True)  # front_routes: the default
     inp = {**_inputs(cfg, device, m, fmt), "route": True, "config": conf}
     w = inp["weights"].for_kernels(conf)
     assert "front" in w
@@ -116,13 +116,13 @@ def test_moe_experts_shared_inputs_are_checked(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_dense_projections_k3_tp8_graph(fmt):
-    """K3 tp 8 with routing: 5 launches, no host synchronization, captured once and replayed on
-    new x, right each time."""
+    """K3 tp 8 with routing: 4 launches (the router in the front's), no host synchronization,
+    captured once and replayed on new x, right each time."""
     cfg = preset("kimi-k3", 8)
     inp = {**_inputs(cfg, torch.device("cuda"), 1, fmt), "route": True}
     fn = B.variant("fused+dense").fn
     B.check(fn(inp), None, inp)
-    assert count_launches(fn, inp).count == 5  # route_sort + 4
+    assert count_launches(fn, inp).count == 4  # front_route, stage 1, stage 2, tail
     torch.cuda.set_sync_debug_mode("error")
     try:
         fn(inp)
@@ -180,16 +180,18 @@ def test_router_in_the_front_launch_k3_graph():
 @pytest.mark.parametrize("field", ["front_overlaps_route", "shared_beside_stage1",
                                    "front_triggers_last"])
 def test_overlapping_launches_change_nothing(field):
-    """K3 tp 8, MXFP4, routing in the block, deterministic stage 2: the front launched while the
-    route runs (MoEConfig.front_overlaps_route), the shared gate/up launched beside stage 1
-    (shared_beside_stage1; the same tiles' sums) and the expert pair launched by PDL after an
-    overlapping front (front_triggers_last) each give the bitwise output of the field off,
-    eager and in a CUDA graph of 16 calls on distinct x replayed 20 times."""
+    """K3 tp 8, MXFP4, routing in the block as its own launch (front_routes off), deterministic
+    stage 2: the front launched while the route runs (MoEConfig.front_overlaps_route), the
+    shared gate/up launched beside stage 1 (shared_beside_stage1; the same tiles' sums) and
+    the expert pair launched by PDL after an overlapping front (front_triggers_last) each give
+    the bitwise output of the field off, eager and in a CUDA graph of 16 calls on distinct x
+    replayed 20 times."""
     cfg = preset("kimi-k3", 8)
     dev = torch.device("cuda")
     inp = _inputs(cfg, dev, 1, "mxfp4")
     xs = [_inputs(cfg, dev, 1, "mxfp4", seed=s)["x"] for s in range(16)]
-    configs = {o: MoEConfig(dense_projections=True, **{field: o}) for o in (False, True)}
+    configs = {o: MoEConfig(dense_projections=True, front_routes=False, **{field: o})
+               for o in (False, True)}
     w = inp["weights"].for_kernels(configs[True])
 
     def run(x, overlap):
