@@ -625,7 +625,9 @@ BOUNDARY = Boundary(
                 "the fused block with MoEConfig(dense_projections=True): latent down + shared "
                 "gate/up as one dense GEMV launch (weights concatenated once), stage 1, stage 2 "
                 "alone, then RMSNorm + up-projection + shared down as one dense GEMV (4 launches "
-                "given a plan; presets without a latent run the plain fused block)"),
+                "given a plan; with routing route_sort's programs run in the front's launch, "
+                "MoEConfig.front_routes: 4 too; presets without a latent run the plain fused "
+                "block)"),
         Variant("persistent", "fused", _persistent("bf16"),
                 "one persistent Triton launch (plus route_sort's with routing): latent down, "
                 "shared gate/up, stage 1, stage 2 and the tail as ticket-ordered work items, "
