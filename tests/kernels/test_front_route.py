@@ -99,6 +99,7 @@ def test_route_config_shapes(device):
     (dict(gemv_config=RouteConfig()), "gemv_config"),
     (dict(top_k=0), "top_k"),
     (dict(splits=(10, 10)), "splits"),
+    (dict(splits=("a", 14), activation="silu"), "splits"),
     (dict(activation="gelu"), "activation"),
     (dict(max_registers=8), "max_registers"),
     (dict(max_registers=True), "max_registers"),
