@@ -38,6 +38,8 @@ CASES = [  # (M, H, E, top_k, n_group, topk_group, block_m, splits, activation, 
     (1, 256, 32, 4, 1, 1, 1, (72,), None, GemvConfig(block_n=16, block_k=64, split_k=2)),
     (3, 192, 40, 5, 1, 1, 4, (48, 16), "silu", GemvConfig(block_n=16, block_k=64)),
     (5, 128, 24, 3, 2, 1, 2, (33, 7), None, None),
+    # 6 tokens over 600 experts span two selection blocks: the selection is a launch of its own
+    (6, 64, 600, 8, 1, 1, 2, (24, 16), "silu", None),
 ]
 
 
@@ -81,6 +83,14 @@ def test_one_launch(device):
         (x, gate, bias, front))
     assert launches.count == 1, launches
     assert "_front_route_kernel" in launches.kernels[0], launches
+
+
+def test_spread_selection_is_a_second_launch(device):
+    x, gate, bias, front = _inputs(device, 6, 64, 600, 40)
+    launches = count_launches(
+        lambda inp: front_route(*inp, top_k=8, splits=(24, 16), activation="silu"),
+        (x, gate, bias, front))
+    assert launches.count == 2 and "_route_select_kernel" in launches.kernels[1], launches
 
 
 def test_route_config_shapes(device):
