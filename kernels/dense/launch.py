@@ -145,9 +145,12 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
                  x2: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
                  weight_scale: torch.Tensor | None = None, eps: float = 1e-5,
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                 out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None):
+                 out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None,
+                 default_tiling=None):
     """Validate and lay out :func:`dense_gemv`'s launch (same arguments); returns
     (:class:`GemvLaunch`, a function giving dense_gemv's result once the launch has run).
+    ``default_tiling(m, rows, k, gated)``: the compiled launch's tiling when ``config`` is None
+    (rows: output rows, per gate/up half when gated), instead of :func:`default_config`.
     """
     check_tensor("x", x, dtypes=(torch.bfloat16, torch.float32), dim=2)
     dev = x.device
@@ -206,6 +209,7 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
     if config is None:
         config = (interpreter_config(m, n + ng, k) if INTERPRETED
+                  else default_tiling(m, n + ng, k, bool(act)) if default_tiling is not None
                   else default_config(m, n + ng, k, gated=bool(act),
                                       e4m3=weight_scale is not None))
     elif not isinstance(config, GemvConfig):

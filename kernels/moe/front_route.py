@@ -93,20 +93,6 @@ def _front_route_kernel(
                       F_WAIT_LAST, F_GATE_UP_TOGETHER, F_UNROLL, F_TRIGGER_LAST)
 
 
-def _default_tiling(x, weight, splits, activation) -> GemvConfig | None:
-    """:func:`front_tiling` for the front's output rows (plain, plus the gate/up pairs); None
-    where the inputs are not 2-D tensors (prepare_gemv then says what is wrong)."""
-    if not (isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
-            and x.dim() == 2 and weight.dim() == 2):
-        return None
-    rows = weight.shape[0]
-    if activation is not None:
-        two = (isinstance(splits, (list, tuple)) and len(splits) == 2
-               and all(isinstance(v, int) for v in splits))
-        rows = splits[0] + splits[1] // 2 if two else rows // 2
-    return front_tiling(x.shape[0], rows, x.shape[1], activation is not None)
-
-
 def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,
                 front_weight: torch.Tensor, *, splits=None, activation=None, situ_beta=4.0,
                 situ_linear_beta=25.0, top_k: int, n_group: int = 1, topk_group: int = 1,
@@ -147,21 +133,18 @@ def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: tor
         x, gate_weight, correction_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,
         renormalize=renormalize, routed_scaling_factor=routed_scaling_factor, block_m=block_m,
         out_dim=out_dim, config=dataclasses.replace(rc, pdl=False, early_dependents=False))
-    if gemv_config is None:
-        gemv_config = _default_tiling(x, front_weight, splits, activation)
     gemv, outputs = prepare_gemv(x, front_weight, splits=splits, activation=activation,
                                  situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
-                                 config=gemv_config)
+                                 config=gemv_config, default_tiling=front_tiling)
     # every program waits for the previous grid first, when launched by PDL
-    fconst = {**gemv.constexprs, "PDL": pdl, "WAIT_LAST": False, "TRIGGER_LAST": False}
-    fconst["PREFETCH"] = fconst["PREFETCH"] if pdl else 0
+    fconst = {**gemv.constexprs, "PDL": pdl, "WAIT_LAST": False, "TRIGGER_LAST": False,
+              "PREFETCH": gemv.constexprs["PREFETCH"] if pdl else 0}
     e_tiles, splits_k = route.grid
     f_tiles, f_shares = gemv.grid
     n_route = e_tiles * splits_k
-    rconst = {**route.constexprs, "PDL": pdl}
-    fconst = {f"F_{k}": v for k, v in fconst.items()}
     _front_route_kernel[(n_route + f_tiles * f_shares,)](
-        *route.args, *gemv.args, e_tiles, n_route, f_tiles, **rconst, **fconst,
+        *route.args, *gemv.args, e_tiles, n_route, f_tiles, **{**route.constexprs, "PDL": pdl},
+        **{f"F_{k}": v for k, v in fconst.items()},
         num_warps=max(route.num_warps, gemv.num_warps), **({"launch_pdl": True} if pdl else {}),
         **({"maxnreg": max_registers} if max_registers else {}))
     launch_select(route)
