@@ -77,8 +77,8 @@ def test_shared_gate_up_beside_stage1(fmt, m, det, device):
                                        ("mxfp4", 1, False)])
 def test_router_in_the_front_launch(fmt, m, det, device):
     """MoEConfig.front_routes (the default): route_sort's programs and the merged front's in one
-    launch (4 with routing, 5 with it off); the output meets the reference with the block's routing,
-    and repeated calls give the same bits."""
+    launch (4 with routing, 5 with it off); the output meets the reference with the block's
+    routing, and repeated calls give the same bits where stage 2 is deterministic."""
     cfg = preset("tiny", 1)
     conf = MoEConfig(dense_projections=True)  # front_routes: the default
     inp = {**_inputs(cfg, device, m, fmt), "route": True, "config": conf}
@@ -90,7 +90,8 @@ def test_router_in_the_front_launch(fmt, m, det, device):
 
     out = run(inp["x"])
     B.check(out, None, inp)
-    assert torch.equal(run(inp["x"]), out) or not det
+    if det:  # fp32 atomics may round differently from call to call
+        assert torch.equal(run(inp["x"]), out)
     names = count_launches(run, inp["x"]).kernels
     if device.type == "cpu":
         names = [n for n in names if n.startswith("triton::")]
