@@ -540,14 +540,14 @@ _SWEEPS = [
           "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
-          ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(4, 1024, 4)},
+          ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},
            _front(4, 512, 4), {**_front(4, 512, 4), "moe.front_route_registers": 80},
            _front(8, 512, 3), _front(4, 1024, 3)),
           "route_sort's programs and the MoE front's in one launch (MoEConfig.front_routes, "
           "the default: 4-row front tiles over 1024-column steps, 4 stages, 96 registers) in "
-          "the full stack's token, against the two launches (the front at its rule's 8 x 512 "
-          "tiles, and at the fused launch's), other register caps (none: 128 at K3 in an "
+          "the full stack's token, against the two launches (the front at the fused launch's "
+          "tiles, its default, and at the dense rule's 8 x 512), other register caps (none: 128 at K3 in an "
           "offline sm_90 build; 80: 68 bytes of spills) and other front tiles (4 x 512: 88 "
           "registers uncapped)", variants=("full stack",), tp=8),
 ]

@@ -480,14 +480,16 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
         # latent down and the shared gate/up read the same x: one launch over the merged rows
         # (the latent rows alone when the shared gate/up goes beside stage 1)
         from k3lab.kernels.dense import dense_gemv
+        from k3lab.kernels.moe import front_tiling
         from k3lab.kernels.moe.launch import front_config
         gc = run.configs.front or run.configs.gemv
         d, s2 = w["front_splits"]
+        if gc is None and not beside:  # the merged front's tiling, as in front_route's launch
+            gc = front_tiling(x.shape[0], d + s2 // 2, x.shape[1], True)
         if overlap:  # it waits for the route only before its programs exit
             gc = (replace(gc, pdl=True, wait_last=True,
                           trigger_last=moe_cfg.front_triggers_last) if gc is not None else
-                  front_config(x.shape[0], d, x.shape[1], False, moe_cfg) if beside else
-                  front_config(x.shape[0], d + s2 // 2, x.shape[1], True, moe_cfg))
+                  front_config(x.shape[0], d, x.shape[1], False, moe_cfg))
         if beside:
             z, shared_a = dense_gemv(x, w["latent_down"], config=gc), None
         else:

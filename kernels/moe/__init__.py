@@ -39,9 +39,10 @@ CUDA-graph replay starts from zero. ``fuse_tail=False`` launches stage 2 and the
 from .block import latent_moe_tail, moe_block
 from .checks import MAX_TOKENS
 from .config import MoEConfig
-from .front_route import front_route
+from .front_route import front_route, front_tiling
 from .launch import latent_down, moe_experts, moe_kernel_weights, moe_stage1, moe_stage2
 from .mma import mma_prepare_x
 
-__all__ = ["MAX_TOKENS", "MoEConfig", "front_route", "latent_down", "latent_moe_tail", "moe_block",
-           "moe_experts", "moe_kernel_weights", "moe_stage1", "moe_stage2", "mma_prepare_x"]
+__all__ = ["MAX_TOKENS", "MoEConfig", "front_route", "front_tiling", "latent_down",
+           "latent_moe_tail", "moe_block", "moe_experts",
+           "moe_kernel_weights", "moe_stage1", "moe_stage2", "mma_prepare_x"]

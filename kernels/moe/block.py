@@ -21,7 +21,7 @@ from .checks import (
     pairs,
 )
 from .config import MoEConfig
-from .front_route import front_route
+from .front_route import front_route, front_tiling
 from .launch import (
     _launch_stage1,
     _launch_stage2_tail,
@@ -247,11 +247,11 @@ def moe_block(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | None = N
     return tail[2]
 
 
-def _front_config(m: int, rows: int, k: int, gated: bool, overlap: bool,
-                  config: MoEConfig) -> GemvConfig | None:
-    """A front GEMV's tiling: the dense defaults; after an early-dependents route,
-    :func:`front_config`."""
-    return front_config(m, rows, k, gated, config) if overlap else None
+def _front_config(m: int, rows: int, k: int, gated: bool, overlap: bool, config: MoEConfig,
+                  tiling: GemvConfig | None = None) -> GemvConfig | None:
+    """A front GEMV's tiling: ``tiling`` (None: the dense defaults); after an early-dependents
+    route, :func:`front_config` of it."""
+    return front_config(m, rows, k, gated, config, tiling) if overlap else tiling
 
 
 def _check_front(front, x, d, s) -> None:
@@ -285,7 +285,8 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
         _check_front(weights["front"], x, d, s)
         z, a_s = dense_gemv(x, weights["front"], splits=(d, 2 * s), activation=cfg.activation,
                             situ_beta=betas[0], situ_linear_beta=betas[1],
-                            config=_front_config(m, d + s, h, True, overlap, config))
+                            config=_front_config(m, d + s, h, True, overlap, config,
+                                                 front_tiling(m, d + s, h, True)))
     else:
         z = dense_gemv(x, weights["latent_down"],
                        config=_front_config(m, d, h, False, overlap, config))

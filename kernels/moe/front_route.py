@@ -30,15 +30,17 @@ __all__ = ["front_route", "front_tiling", "FRONT_ROUTE_CONFIG", "FRONT_TILING_M1
 # default 2 splits take 164 registers, which the whole launch would take, 4 splits 80 (the
 # front's tiles alone 96; fused 117).
 FRONT_ROUTE_CONFIG = RouteConfig(gemv_row_splits=4)
-# The front's tiles in the fused launch at one token: 4 rows over 1024-column steps, 4 stages
-# (``token --sweep front_routes``; with MoEConfig.front_route_registers at 96 an offline sm_90
-# build at K3 has no spills, and 5 programs an SM fit).
+# The merged front's tiles at one token, in the fused launch and in a launch of its own: 4 rows
+# over 1024-column steps, 4 stages (``token --sweep front_routes``; with
+# MoEConfig.front_route_registers at 96 an offline sm_90 build at K3 has no spills, and 5
+# programs an SM fit).
 FRONT_TILING_M1 = GemvConfig(block_n=4, block_k=1024, num_stages=4, pdl=True, prefetch_steps=0)
 
 
 def front_tiling(m: int, rows: int, k: int, gated: bool) -> GemvConfig:
-    """The front's tiling in the fused launch when none is given, for ``rows`` output rows (per
-    gate/up half when ``gated``) over K at M tokens: :data:`FRONT_TILING_M1` at one token, else
+    """The merged front's tiling when none is given (the fused launch's, and a front launched
+    apart from the route), for ``rows`` output rows (per gate/up half when ``gated``) over K at
+    M tokens: :data:`FRONT_TILING_M1` at one token, else
     dense_gemv's default; under the interpreter dense_gemv's interpreter tiling."""
     if INTERPRETED:
         return interpreter_config(m, rows, k)

@@ -57,11 +57,14 @@ def wait_last_config(m: int, rows: int, k: int, gated: bool = False) -> GemvConf
     return dataclasses.replace(default_config(m, rows, k, gated=gated), pdl=True, wait_last=True)
 
 
-def front_config(m: int, rows: int, k: int, gated: bool, config: MoEConfig) -> GemvConfig:
+def front_config(m: int, rows: int, k: int, gated: bool, config: MoEConfig,
+                 tiling: GemvConfig | None = None) -> GemvConfig:
     """The tiling of an MoE front that overlaps route_sort (``config.front_overlaps_route``):
-    :func:`wait_last_config`, letting the next launch start only after its wait for the route
-    where ``config.front_triggers_last``."""
-    return dataclasses.replace(wait_last_config(m, rows, k, gated),
+    ``tiling`` (None: dense_gemv's default) launched by PDL, waiting for the route only before
+    its programs exit and letting the next launch start only after that wait where
+    ``config.front_triggers_last``."""
+    base = tiling if tiling is not None else default_config(m, rows, k, gated=gated)
+    return dataclasses.replace(base, pdl=True, wait_last=True,
                                trigger_last=config.front_triggers_last)
 
 
