@@ -212,10 +212,10 @@ def _gemv(block_n, block_k, split_k, num_stages, prefetch_steps) -> dict:
                 num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps)
 
 
-def _tail(block_n, block_k, prefetch_steps=0, num_stages=3) -> dict:
+def _tail(block_n, block_k, prefetch_steps=0, num_stages=3, split_k=1) -> dict:
     """A token sweep's point: the MoE tail GEMV's tiling (stack.Configs.tail)."""
     return {"tail.block_n": block_n, "tail.block_k": block_k, "tail.num_stages": num_stages,
-            "tail.pdl": True, "tail.prefetch_steps": prefetch_steps}
+            "tail.pdl": True, "tail.prefetch_steps": prefetch_steps, "tail.split_k": split_k}
 
 
 def _front(block_n, block_k, num_stages) -> dict:
@@ -476,6 +476,13 @@ _SWEEPS = [
           "its columns) against the bf16 tilings of the three shapes (16 x 256, 8 x 512 "
           "unrolled, 8 x 512: half the bytes a step) and other wide steps; picks the e4m3 "
           "table of kernels/dense/tuned.py"),
+    Sweep("fp8_split", "dense", grid(
+        ({"shape": "moe.latent_up", "weight_format": "e4m3"},),
+        ({}, _gemv(32, 512, 2, 3, 0), _gemv(16, 512, 2, 4, 0), _gemv(32, 256, 2, 4, 0),
+         _gemv(32, 512, 4, 3, 0), _gemv(64, 256, 1, 3, 0), _gemv(64, 256, 2, 3, 0))),
+          "the e4m3 latent up (the FP8 tail's [7168, 3584]): its table's 32 x 512 tiles make "
+          "224 programs, 2 on 92 of the H200's 132 SMs and 1 on the rest; split K (448 to 896 "
+          "programs) and 64-row tiles (112) against it"),
     Sweep("fusions", "kda", ({}, {"block_v": 16}, {"block_v": 64}, {"block_v": 128}),
           "the whole decode (conv, core, out gate) in one launch: v-tiles meeting through "
           "tickets (the default and 16 / 64 wide) against a whole head a program (128)",
@@ -539,6 +546,11 @@ _SWEEPS = [
           "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
           "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
+    Sweep("tail_split", "token", ({}, _tail(32, 512, split_k=2), _tail(16, 512, 0, 4, 2),
+                                  _tail(64, 256)),
+          "the e4m3 MoE tail's GEMV in the full stack's token: its table's 32 x 512 tiles (224 "
+          "programs) against split K (448, 896) and 64-row tiles (112)",
+          variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},
@@ -547,9 +559,9 @@ _SWEEPS = [
           "route_sort's programs and the MoE front's in one launch (MoEConfig.front_routes, "
           "the default: 4-row front tiles over 1024-column steps, 4 stages, 96 registers) in "
           "the full stack's token, against the two launches (the front at the fused launch's "
-          "tiles, its default, and at the dense rule's 8 x 512), other register caps (none: 128 at K3 in an "
-          "offline sm_90 build; 80: 68 bytes of spills) and other front tiles (4 x 512: 88 "
-          "registers uncapped)", variants=("full stack",), tp=8),
+          "tiles, its default, and at the dense rule's 8 x 512), other register caps (none: "
+          "128 at K3 in an offline sm_90 build; 80: 68 bytes of spills) and other front "
+          "tiles (4 x 512: 88 registers uncapped)", variants=("full stack",), tp=8),
 ]
 
 
