@@ -28,6 +28,7 @@ from .checks import (
     pairs,
 )
 from .config import MoEConfig
+from .front_route import front_tiling
 from .mma import MMA_WARPS, mma_layout_problem
 from .stages import _moe_front_kernel, _moe_stage1_kernel, _moe_stage2_tail_kernel
 from .tiles import (
@@ -48,13 +49,6 @@ ZERO_MIN_BLOCK = 16  # stage 1 zeroes stage 2's accumulator in slices of at leas
 # int32 counters (ticket, zeroed flag, done) per D tile, per device, of the self-zeroing atomic
 # stage 2
 _ZERO_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def wait_last_config(m: int, rows: int, k: int, gated: bool = False) -> GemvConfig:
-    """A dense GEMV's default tiling for ``rows`` output rows over K at M tokens, launched by
-    PDL and waiting for the previous grid only before its programs exit
-    (``GemvConfig.wait_last``): for a launch that reads nothing the previous grid writes."""
-    return dataclasses.replace(default_config(m, rows, k, gated=gated), pdl=True, wait_last=True)
 
 
 def front_config(m: int, rows: int, k: int, gated: bool, config: MoEConfig,
@@ -453,8 +447,10 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
                        a_mma_out=a_mma, pdl=pdl)
     a_s = None
     if shared_x is not None:
-        tiling = (wait_last_config(m, shared_w13.shape[0] // 2, shared_x.shape[1], gated=True)
-                  if _pdl_on(config) else None)
+        # the merged front's tiles: beside stage 1 the shared rows keep the front's sums
+        tiling = front_tiling(m, shared_w13.shape[0] // 2, shared_x.shape[1], True)
+        if _pdl_on(config):
+            tiling = dataclasses.replace(tiling, pdl=True, wait_last=True)
         a_s = dense_gemv(shared_x, shared_w13, activation=activation, situ_beta=situ_beta,
                          situ_linear_beta=situ_linear_beta, config=tiling)
     stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
