@@ -481,15 +481,13 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
         # (the latent rows alone when the shared gate/up goes beside stage 1)
         from k3lab.kernels.dense import dense_gemv
         from k3lab.kernels.moe import front_tiling
-        from k3lab.kernels.moe.launch import front_config
         gc = run.configs.front or run.configs.gemv
         d, s2 = w["front_splits"]
-        if gc is None and not beside:  # the merged front's tiling, as in front_route's launch
-            gc = front_tiling(x.shape[0], d + s2 // 2, x.shape[1], True)
+        if gc is None:  # the merged front's tiles, as in front_route's launch (beside: z's)
+            gc = (front_tiling(x.shape[0], d, x.shape[1], False) if beside else
+                  front_tiling(x.shape[0], d + s2 // 2, x.shape[1], True))
         if overlap:  # it waits for the route only before its programs exit
-            gc = (replace(gc, pdl=True, wait_last=True,
-                          trigger_last=moe_cfg.front_triggers_last) if gc is not None else
-                  front_config(x.shape[0], d, x.shape[1], False, moe_cfg))
+            gc = replace(gc, pdl=True, wait_last=True, trigger_last=moe_cfg.front_triggers_last)
         if beside:
             z, shared_a = dense_gemv(x, w["latent_down"], config=gc), None
         else:

@@ -278,9 +278,10 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     beside = bool(s) and config.shared_beside_stage1
     if front is not None:
         z, a_s = front
-    elif not s or beside:
+    elif not s or beside:  # beside: the merged front's tiles, so z keeps its sums
         z = dense_gemv(x, weights["latent_down"],
-                       config=_front_config(m, d, h, False, overlap, config))
+                       config=_front_config(m, d, h, False, overlap, config,
+                                            front_tiling(m, d, h, False) if beside else None))
     elif "front" in weights:
         _check_front(weights["front"], x, d, s)
         z, a_s = dense_gemv(x, weights["front"], splits=(d, 2 * s), activation=cfg.activation,

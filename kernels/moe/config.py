@@ -91,7 +91,8 @@ class MoEConfig:
         shared_beside_stage1: with dense_projections, the front is the latent down alone and
             the shared experts' gate/up runs as its own launch between stage 1 and stage 2
             (``moe_experts(shared_x=...)``), overlapping stage 1 (compiled, pdl): one launch
-            more, the shared rows' bytes off the front's critical path.
+            more, the shared rows' bytes off the front's critical path. Both launches take
+            the merged front's tiles (``front_tiling``), so each output keeps its sums.
         deterministic_stage2: stage 2's default mode where the launcher is not told
             (``deterministic=None`` of moe_stage2 / moe_block): one program per (token, D tile)
             summing its top_k slots in slot order and storing (bitwise reproducible), instead of
