@@ -212,10 +212,15 @@ def _gemv(block_n, block_k, split_k, num_stages, prefetch_steps) -> dict:
                 num_stages=num_stages, pdl=True, prefetch_steps=prefetch_steps)
 
 
-def _tail(block_n, block_k, prefetch_steps=0, num_stages=3, split_k=1) -> dict:
-    """A token sweep's point: the MoE tail GEMV's tiling (stack.Configs.tail)."""
+def _tail(block_n, block_k, prefetch_steps=0, num_stages=3, split_k=1, num_warps=4,
+          max_registers=0) -> dict:
+    """A token sweep's point: the MoE tail GEMV's tiling (stack.Configs.tail); fields at
+    GemvConfig's defaults (split_k, num_warps, max_registers) are left out of the point."""
     return {"tail.block_n": block_n, "tail.block_k": block_k, "tail.num_stages": num_stages,
-            "tail.pdl": True, "tail.prefetch_steps": prefetch_steps, "tail.split_k": split_k}
+            "tail.pdl": True, "tail.prefetch_steps": prefetch_steps,
+            **({"tail.split_k": split_k} if split_k != 1 else {}),
+            **({"tail.num_warps": num_warps} if num_warps != 4 else {}),
+            **({"tail.max_registers": max_registers} if max_registers else {})}
 
 
 def _front(block_n, block_k, num_stages) -> dict:
@@ -483,6 +488,17 @@ _SWEEPS = [
           "the e4m3 latent up (the FP8 tail's [7168, 3584]): its table's 32 x 512 tiles make "
           "224 programs, 2 on 92 of the H200's 132 SMs and 1 on the rest; split K (448 to 896 "
           "programs) and 64-row tiles (112) against it"),
+    Sweep("fp8_warps", "dense", grid(
+        ({"shape": "moe.latent_up", "weight_format": "e4m3"},),
+        ({}, {**_gemv(32, 512, 1, 3, 0), "num_warps": 8},
+         {**_gemv(32, 512, 1, 3, 0), "num_warps": 8, "max_registers": 128},
+         {**_gemv(16, 512, 1, 3, 0), "max_registers": 128}, _gemv(16, 512, 1, 3, 0),
+         {**_gemv(32, 256, 1, 3, 0), "max_registers": 128})),
+          "the e4m3 latent up with more warps an SM: its table's 32 x 512 tiles take 255 "
+          "registers (two programs an SM, 8 warps); at 8 warps 160 (one an SM) or capped at "
+          "128 (two, 16 warps; 8 bytes of spills); 16 x 512 capped at 128 (four an SM: 448 "
+          "programs in one wave; 135 uncapped); 32 x 256 capped at 128 (offline sm_90 "
+          "registers)"),
     Sweep("fusions", "kda", ({}, {"block_v": 16}, {"block_v": 64}, {"block_v": 128}),
           "the whole decode (conv, core, out gate) in one launch: v-tiles meeting through "
           "tickets (the default and 16 / 64 wide) against a whole head a program (128)",
@@ -551,6 +567,12 @@ _SWEEPS = [
           "the e4m3 MoE tail's GEMV in the full stack's token: its table's 32 x 512 tiles (224 "
           "programs) against split K (448, 896) and 64-row tiles (112)",
           variants=("full stack",), tp=8),
+    Sweep("tail_warps", "token", ({}, _tail(32, 512, num_warps=8, max_registers=128),
+                                  _tail(16, 512, max_registers=128)),
+          "the e4m3 MoE tail's GEMV in the full stack's token with more warps an SM: 32 x 512 "
+          "at 8 warps capped at 128 registers, 16 x 512 capped at 128 (dense --sweep "
+          "fp8_warps), against its table's 32 x 512 at 4 warps", variants=("full stack",),
+          tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},

@@ -36,6 +36,9 @@ class GemvConfig:
     unroll_k: a K share's steps are unrolled, every step's loads independent and issued at
         once into registers (no shared-memory pipeline; num_stages unused), at most
         ``MAX_UNROLL`` steps (launcher checks); for the short-K shapes.
+    max_registers: (compiled only) registers a thread at most (Triton's ``maxnreg``; 0: the
+        compiler's choice), so that more programs fit an SM; a fused ``front_route`` launch
+        takes its own cap instead.
     block_n 4 and 8 serve one token only (the tensor-core path of 2..16 tokens needs 16).
     """
 
@@ -50,6 +53,7 @@ class GemvConfig:
     trigger_last: bool = False
     gate_up_together: bool = False
     unroll_k: bool = False
+    max_registers: int = 0
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -69,6 +73,10 @@ class GemvConfig:
         if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
+        r = self.max_registers
+        if isinstance(r, bool) or not isinstance(r, int) or not (r == 0 or 24 <= r <= 255):
+            raise ValueError(f"GemvConfig.max_registers: expected 0 or an int in [24, 255], "
+                             f"got {r!r}")
         for name in ("pdl", "wait_last", "trigger_last", "gate_up_together", "unroll_k"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name}: expected a bool, got "

@@ -95,14 +95,16 @@ def _ticket_buffer(device: torch.device, tiles: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class GemvLaunch:
     """A validated dense GEMV launch: dense_gemv_kernel's positional arguments and named
-    constexprs, its grid (row tiles, K shares), warps and whether it goes by PDL (a fused
-    launch, kernels/moe/front_route.py, runs the same programs inside its own grid)."""
+    constexprs, its grid (row tiles, K shares), warps, whether it goes by PDL and its register
+    cap (0: none; a fused launch, kernels/moe/front_route.py, runs the same programs inside its
+    own grid)."""
 
     args: tuple
     constexprs: dict
     grid: tuple[int, int]
     num_warps: int
     pdl: bool
+    max_registers: int = 0
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation=None,
@@ -136,7 +138,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, out_dtype=out_dtype,
         config=config)
     dense_gemv_kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps,
-                                   **({"launch_pdl": True} if launch.pdl else {}))
+                                   **({"launch_pdl": True} if launch.pdl else {}),
+                                   **({"maxnreg": launch.max_registers}
+                                      if launch.max_registers else {}))
     return outputs()
 
 
@@ -275,7 +279,8 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
             PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,
             WAIT_LAST=pdl and config.wait_last, GATE_UP_TOGETHER=config.gate_up_together,
             UNROLL=unroll, TRIGGER_LAST=pdl and config.wait_last and config.trigger_last),
-        grid=(tiles, split), num_warps=config.num_warps, pdl=pdl)
+        grid=(tiles, split), num_warps=config.num_warps, pdl=pdl,
+        max_registers=0 if INTERPRETED else config.max_registers)
     return launch, lambda: _outputs(y, m, n, ng, mixed, splits)
 
 

@@ -72,6 +72,9 @@ CASES = [  # (id, M, N, K, config)
     ("M1-N37-K600-unroll-split3", 1, 37, 600,
      GemvConfig(block_n=16, block_k=64, split_k=3, unroll_k=True)),
     ("M3-N38-K200-unroll", 3, 38, 200, GemvConfig(block_n=16, block_k=32, unroll_k=True)),
+    # a register cap (compiled only) at 8 warps
+    ("M1-N70-K600-warps8-cap128", 1, 70, 600,
+     GemvConfig(block_n=32, block_k=128, num_warps=8, max_registers=128)),
 ]
 
 
@@ -433,7 +436,8 @@ def test_bad_input_is_a_clear_error(kw, msg, device):
     (dict(num_warps=3), "num_warps"), (dict(pdl=1), "pdl"), (dict(wait_last=None), "wait_last"),
     (dict(gate_up_together=1), "gate_up_together"), (dict(unroll_k="yes"), "unroll_k"),
     (dict(pdl=True, wait_last=True, trigger_last=1), "trigger_last"),
-    (dict(pdl=True, trigger_last=True), "trigger_last: expected only with wait_last")])
+    (dict(pdl=True, trigger_last=True), "trigger_last: expected only with wait_last"),
+    (dict(max_registers=16), "max_registers"), (dict(max_registers=True), "max_registers")])
 def test_bad_config(kw, msg):
     with pytest.raises(ValueError, match=f"GemvConfig.{msg}"):
         GemvConfig(**kw)
