@@ -44,5 +44,5 @@ from .launch import latent_down, moe_experts, moe_kernel_weights, moe_stage1, mo
 from .mma import mma_prepare_x
 
 __all__ = ["MAX_TOKENS", "MoEConfig", "front_route", "front_tiling", "latent_down",
-           "latent_moe_tail", "moe_block", "moe_experts",
-           "moe_kernel_weights", "moe_stage1", "moe_stage2", "mma_prepare_x"]
+           "latent_moe_tail", "moe_block", "moe_experts", "moe_kernel_weights", "moe_stage1",
+           "moe_stage2", "mma_prepare_x"]

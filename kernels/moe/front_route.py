@@ -40,8 +40,8 @@ FRONT_TILING_M1 = GemvConfig(block_n=4, block_k=1024, num_stages=4, pdl=True, pr
 def front_tiling(m: int, rows: int, k: int, gated: bool) -> GemvConfig:
     """The merged front's tiling when none is given (the fused launch's, and a front launched
     apart from the route), for ``rows`` output rows (per gate/up half when ``gated``) over K at
-    M tokens: :data:`FRONT_TILING_M1` at one token, else
-    dense_gemv's default; under the interpreter dense_gemv's interpreter tiling."""
+    M tokens: :data:`FRONT_TILING_M1` at one token, else dense_gemv's default; under the
+    interpreter dense_gemv's interpreter tiling."""
     if INTERPRETED:
         return interpreter_config(m, rows, k)
     return FRONT_TILING_M1 if m == 1 else default_config(m, rows, k, gated)

@@ -408,8 +408,9 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
     [M, D], the routed experts' weighted sum).
 
     shared_x, shared_w13: the shared experts' gate/up (bf16 [M, H] and [2S, H]) as one dense
-    GEMV launch between the stages, act(x @ gate^T, x @ up^T): it reads nothing stage 1
-    writes, so (compiled, ``config.pdl``) it starts while stage 1 runs and waits for it only
+    GEMV launch between the stages, act(x @ gate^T, x @ up^T), at the merged front's tiles
+    (``front_tiling``: the sums the front would have made): it reads nothing stage 1 writes,
+    so (compiled, ``config.pdl``) it starts while stage 1 runs and waits for it only
     before its programs exit (``GemvConfig.wait_last``), and stage 2's wait still covers stage
     1. Returns (plan.out, a_s [M, S]) when given: 3 launches.
 
