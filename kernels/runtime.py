@@ -190,6 +190,14 @@ def check_number(name: str, value, *, positive: bool = False) -> float:
     return float(value)
 
 
+def check_max_registers(name: str, value) -> int:
+    """A register cap a thread (Triton's ``maxnreg``): 0 (none) or an int in [24, 255]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not (
+            value == 0 or 24 <= value <= 255):
+        raise ValueError(f"{name}: expected 0 or an int in [24, 255], got {value!r}")
+    return value
+
+
 # How much a launcher checks on entry: "cheap" (shapes, dtypes, devices, scalars: no host sync,
 # so CUDA-graph capture works) or "full" (also values in device tensors: a host sync per call).
 VALIDATE_MODES = ("cheap", "full")

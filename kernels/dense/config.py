@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..runtime import check_max_registers
+
 __all__ = ["GemvConfig"]
 
 _POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -73,10 +75,7 @@ class GemvConfig:
         if isinstance(self.prefetch_steps, bool) or self.prefetch_steps not in range(0, 9):
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
-        r = self.max_registers
-        if isinstance(r, bool) or not isinstance(r, int) or not (r == 0 or 24 <= r <= 255):
-            raise ValueError(f"GemvConfig.max_registers: expected 0 or an int in [24, 255], "
-                             f"got {r!r}")
+        check_max_registers("GemvConfig.max_registers", self.max_registers)
         for name in ("pdl", "wait_last", "trigger_last", "gate_up_together", "unroll_k"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name}: expected a bool, got "

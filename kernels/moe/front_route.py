@@ -21,7 +21,7 @@ from ..dense.launch import default_config, interpreter_config, prepare_gemv
 from ..route.config import RouteConfig
 from ..route.launch import launch_select, prepare_route
 from ..route.sort import _route_program
-from ..runtime import INTERPRETED
+from ..runtime import INTERPRETED, check_max_registers
 
 __all__ = ["front_route", "front_tiling", "FRONT_ROUTE_CONFIG", "FRONT_TILING_M1"]
 
@@ -126,10 +126,7 @@ def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: tor
     if gemv_config is not None and not isinstance(gemv_config, GemvConfig):
         raise ValueError(f"gemv_config: expected a GemvConfig or None, got "
                          f"{type(gemv_config).__name__}")
-    if isinstance(max_registers, bool) or not isinstance(max_registers, int) or not (
-            max_registers == 0 or 24 <= max_registers <= 255):
-        raise ValueError(f"max_registers: expected 0 or an int in [24, 255], got "
-                         f"{max_registers!r}")
+    check_max_registers("max_registers", max_registers)
     max_registers = 0 if INTERPRETED else max_registers
     route, plan = prepare_route(
         x, gate_weight, correction_bias, top_k=top_k, n_group=n_group, topk_group=topk_group,

@@ -3,7 +3,6 @@ completion counter."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -326,6 +325,14 @@ def prepare_route(hidden: torch.Tensor, gate_weight: torch.Tensor,
                    GROUP_SIZE=E // n_group, RENORMALIZE=bool(renormalize), BM=block_m,
                    BLOCK_G=triton.next_power_of_2(n_group), CAND_CACHE=cfg.cand_cache,
                    SCALAR_E=cfg.scalar_keys)
+    select = None
+    if spread:
+        sel = {k: v for k, v in tiles.items() if k != "IN_REGS"}
+        select = ((triton.cdiv(M, tiles["BLOCK_T"]),),
+                  (partial, correction_bias, cand, rank, counter, topk_ids, topk_weights,
+                   sorted_ids, sorted_weights, block_expert_ids, num_valid, M,
+                   float(routed_scaling_factor)),
+                  {**routing, **sel})
     launch = RouteLaunch(
         args=(hidden, gate_weight, correction_bias, partial, cand, rank, counter, topk_ids,
               topk_weights, sorted_ids, sorted_weights, block_expert_ids, num_valid,
@@ -335,14 +342,7 @@ def prepare_route(hidden: torch.Tensor, gate_weight: torch.Tensor,
                         GEMV_ROWS=rows, GEMV_CHUNKS=chunks,
                         EARLY_DEPENDENTS=cfg.early_dependents and not INTERPRETED, PDL=pdl,
                         SELECT=not spread, **dot),
-        grid=(e_tiles, split_k), num_warps=cfg.num_warps, pdl=pdl, select=None)
-    if spread:
-        sel = {k: v for k, v in tiles.items() if k != "IN_REGS"}
-        launch = dataclasses.replace(launch, select=(
-            (triton.cdiv(M, tiles["BLOCK_T"]),),
-            (partial, correction_bias, cand, rank, counter, topk_ids, topk_weights, sorted_ids,
-             sorted_weights, block_expert_ids, num_valid, M, float(routed_scaling_factor)),
-            {**routing, **sel}))
+        grid=(e_tiles, split_k), num_warps=cfg.num_warps, pdl=pdl, select=select)
     plan = RoutePlan(topk_ids=topk_ids, topk_weights=topk_weights, sorted_ids=sorted_ids,
                      sorted_weights=sorted_weights, block_expert_ids=block_expert_ids,
                      num_valid=num_valid, out=out, block_m=block_m)
