@@ -337,6 +337,12 @@ _SWEEPS = [
           "overlapping route_sort in a launch of its own, and the one launch uncapped "
           "(fused+dense, with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
+    Sweep("tail_first", "moe",
+          grid(({"M": 1}, {"M": 4}), ({}, {"tail_second_first": True})),
+          "the tail's shared down-projection before its PDL wait, overlapping stage 2's end "
+          "(MoEConfig.tail_second_first) against after its latent up (fused+dense, with "
+          "routing: the front in the route's launch)",
+          variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("pdl", "route", grid(({"M": 1}, {"M": 4}), ({}, {"pdl": True})),
           "the route launched by PDL (its launch overlapping the previous grid's end; it waits "
           "for it before any read) against a plain launch"),
@@ -573,6 +579,10 @@ _SWEEPS = [
           "at 8 warps capped at 128 registers, 16 x 512 capped at 128 (dense --sweep "
           "fp8_warps), against its table's 32 x 512 at 4 warps", variants=("full stack",),
           tp=8),
+    Sweep("tail_first", "token", ({}, {"moe.tail_second_first": True}),
+          "the MoE tail's shared down-projection and residual before its PDL wait "
+          "(MoEConfig.tail_second_first) in the full stack's token, against after its latent "
+          "up", variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},

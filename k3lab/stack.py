@@ -537,10 +537,17 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
             from k3lab.boundaries.moe import fp8_tail_rows
             from k3lab.kernels.dense import dense_gemv
             q = fp8_tail_rows(up) if fp8_tail else None
+            tc = run.configs.tail or run.configs.gemv
+            if fused_front and moe_cfg.tail_second_first:
+                # the shared activation is the route's launch's, which stage 1 waited for
+                # whole (a plain launch), and the residual older: both before the tail's wait
+                from k3lab.kernels.dense import call_config
+                tc = replace(call_config(tc, x.shape[0], up.shape[0], up.shape[1],
+                                         e4m3=fp8_tail), second_first=True)
             return dense_gemv(y, q.values if fp8_tail else up, norm_weight=norm,
                               eps=cfg.rms_eps, x2=shared_a, weight2=shared["w2"],
                               residual=residual, weight_scale=q.scales if fp8_tail else None,
-                              config=run.configs.tail or run.configs.gemv), True
+                              config=tc), True
         if fp8_tail:
             raise ValueError("stack: fp8-latent-tail runs in the persistent MoE launch or the "
                              "fused tail's dense GEMV, which needs shared experts; this preset "

@@ -262,8 +262,8 @@ def test_token_passes_its_configs_to_the_small_launchers(device):
 
 def test_moe_launch_choices_meet_the_truth(device):
     """Every MoE launch choice of the table (the router apart from the front, the front after
-    it, the shared gate/up beside stage 1) runs the full stack's token within the truth's
-    tolerance."""
+    it, the shared gate/up beside stage 1, the tail's second product before its wait) runs the
+    full stack's token within the truth's tolerance."""
     from k3lab import kernels
 
     cfg = preset("tiny")
@@ -272,8 +272,31 @@ def test_moe_launch_choices_meet_the_truth(device):
     base = study.configs_for(device)
     choices = {label: dataclasses.replace(base, moe=kernels.MoEConfig(**changes))
                for label, field, _, changes in study.CONFIG_CHOICES if field == "moe"}
-    assert len(choices) == 3
+    assert len(choices) == 4
     check = study.check_token(tok, dict.fromkeys(choices, full), choices, 4)
+    assert check["ok"].all(), check
+
+
+def test_tail_second_first_keeps_the_tokens_bits(device):
+    """MoEConfig.tail_second_first in the full stack's token (the tail's shared down and
+    residual before its wait): the logits of the default order (bitwise under the interpreter,
+    whose fp32 atomics add in one order; within the truth's tolerance on the GPU)."""
+    from k3lab import kernels
+
+    cfg = preset("tiny")
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    base = study.configs_for(device)
+    first = dataclasses.replace(base, moe=dataclasses.replace(base.moe or kernels.MoEConfig(),
+                                                              tail_second_first=True))
+
+    def token():  # a token's run advances its caches: each run gets a fresh one
+        return study.build(cfg, device, window=2, context=24, expert_format="mxfp4")
+
+    want = stack.run_token(full, token(), num_splits=4, configs=base)
+    got = stack.run_token(full, token(), num_splits=4, configs=first)
+    if kernels.INTERPRETED:
+        assert torch.equal(got, want)
+    check = study.check_token(token(), {"first": full}, first, 4)
     assert check["ok"].all(), check
 
 

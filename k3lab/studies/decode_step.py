@@ -269,6 +269,8 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                    {"front_routes": False, "front_overlaps_route": False}),
                   ("MoE shared gate/up beside stage 1", "moe", "MoEConfig",
                    {"shared_beside_stage1": True}),
+                  ("MoE tail's shared down and residual before its PDL wait", "moe",
+                   "MoEConfig", {"tail_second_first": True}),
                   # K3's bf16 tail tiling (kernels/dense/tuned.py) against the e4m3 tail's own
                   # (TUNED_M1_E4M3: wider tiles, more bytes a step)
                   ("MoE tail at 16 x 256 steps", "tail", "GemvConfig",

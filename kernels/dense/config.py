@@ -41,6 +41,13 @@ class GemvConfig:
     max_registers: (compiled only) registers a thread at most (Triton's ``maxnreg``; 0: the
         compiler's choice), so that more programs fit an SM; a fused ``front_route`` launch
         takes its own cap instead.
+    second_first: a program runs the second product (``x2 @ weight2^T``) and loads the
+        residual before the first product, and, launched by PDL, before its wait for the
+        previous grid: that launch's end then overlaps them. The caller guarantees that no
+        launch that may still run when this one starts writes x2 or the residual (the MoE
+        tail: the shared experts' activation and the layer's live sum, written before the
+        expert stages, which launch plainly after the front that writes the activation).
+        The sums are those of the default order. Needs a second product or a residual.
     block_n 4 and 8 serve one token only (the tensor-core path of 2..16 tokens needs 16).
     """
 
@@ -56,6 +63,7 @@ class GemvConfig:
     gate_up_together: bool = False
     unroll_k: bool = False
     max_registers: int = 0
+    second_first: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -76,7 +84,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
         check_max_registers("GemvConfig.max_registers", self.max_registers)
-        for name in ("pdl", "wait_last", "trigger_last", "gate_up_together", "unroll_k"):
+        for name in ("pdl", "wait_last", "trigger_last", "gate_up_together", "unroll_k",
+                     "second_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GemvConfig.{name}: expected a bool, got "
                                  f"{getattr(self, name)!r}")

@@ -231,31 +231,39 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
           NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
           DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
           NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-          UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr):
+          UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr, SECOND_FIRST: tl.constexpr):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns.
     GATE_UP_TOGETHER: with ACT, the gate and up rows stream in one K loop (else one loop
-    each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales)."""
+    each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales).
+    SECOND_FIRST: the second product and the residual's load come first, before the PDL wait."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < M
     k_lo = i_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    k2_lo = i_k * K2_SPLIT
+    k2_hi = tl.minimum(k2_lo + K2_SPLIT, K2)
+    if PDL and PREFETCH > 0:
+        _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
+        if ACT != 0:
+            _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
+        if DUAL and not SECOND_FIRST:  # the second product's weight (bf16) too
+            _prefetch_l2(p_w2, o_n, m_n, K2, k2_lo, k2_hi, BLOCK_N, BLOCK_K, PREFETCH)
+    b_res = 0.0  # the residual, loaded before the K loop so its latency hides behind it
+    if SECOND_FIRST:  # neither input is the previous grid's: both before the wait
+        if RESIDUAL and SPLIT_K == 1:
+            b_res = _residual(p_res, o_m, m_m, o_n, m_n, N)
+        if DUAL:
+            acc_2, _, _ = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo, k2_hi, 0,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_FP32, NUM_STAGES, False,
+                                  0)
     if PDL:
-        if PREFETCH > 0:
-            _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
-            if ACT != 0:
-                _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
-            if DUAL:  # the second product's weight (bf16) too
-                _prefetch_l2(p_w2, o_n, m_n, K2, i_k * K2_SPLIT,
-                             tl.minimum(i_k * K2_SPLIT + K2_SPLIT, K2), BLOCK_N, BLOCK_K,
-                             PREFETCH)
         if not WAIT_LAST:
             gdc_wait()
         if not TRIGGER_LAST:
             gdc_launch_dependents()
-    b_res = 0.0  # the residual, loaded before the K loop so its latency hides behind it
-    if RESIDUAL and SPLIT_K == 1:
+    if RESIDUAL and SPLIT_K == 1 and not SECOND_FIRST:
         b_res = _residual(p_res, o_m, m_m, o_n, m_n, N)
     b_sc = 1.0
     if SCALED:  # loaded before the K loop, as the residual
@@ -270,10 +278,12 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
                               BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, False,
                               UNROLL)
     if DUAL:
-        k2_lo = i_k * K2_SPLIT
-        acc_u, _, _ = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo,
-                              tl.minimum(k2_lo + K2_SPLIT, K2), 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                              False, DOT_FP32, NUM_STAGES, False, 0)
+        if SECOND_FIRST:
+            acc_u = acc_2
+        else:
+            acc_u, _, _ = _k_loop(p_x2, p_w2, p_g, o_m, m_m, o_n, m_n, K2, k2_lo, k2_hi, 0,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_FP32, NUM_STAGES, False,
+                                  0)
     if N_SEG > 1:  # segment s is its own contiguous [M, n_s] block of the output
         start, length = _segment(o_n, N, b1, b2, b3, b4, b5, b6, b7)
         o_y = M * start[None, :] + o_m[:, None] * length[None, :] + (o_n - start)[None, :]
@@ -308,7 +318,8 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
                   DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
                   PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                   WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-                  UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr):
+                  UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr,
+                  SECOND_FIRST: tl.constexpr):
     """Program (i_n, i_k) of :func:`dense_gemv_kernel`'s grid."""
     if MIXED:
         if i_n >= T0:
@@ -317,18 +328,19 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
                   M, NG, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, False, BLOCK_M,
                   BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL,
                   PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL,
-                  TRIGGER_LAST)
+                  TRIGGER_LAST, False)
         else:
             _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1,
                   b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta,
                   linear_beta, False, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1,
                   False, DOT_FP32, PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER,
-                  UNROLL, TRIGGER_LAST)
+                  UNROLL, TRIGGER_LAST, False)
     else:
         _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3,
               b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, SCALED,
               BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
-              PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST)
+              PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST,
+              SECOND_FIRST)
 
 
 @triton.jit
@@ -341,7 +353,8 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
                       DUAL: tl.constexpr, MIXED: tl.constexpr, DOT_FP32: tl.constexpr,
                       PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                       WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-                      UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr):
+                      UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr,
+                      SECOND_FIRST: tl.constexpr):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
@@ -350,9 +363,10 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
     outputs (weight rows N.. gate, N + NG.. up; output [M, NG] after the first).
     UNROLL: K steps of a share, unrolled (0: a pipelined loop).
     TRIGGER_LAST (with WAIT_LAST): programs let the next launch start after their final wait.
-    SCALED (plain rows only): the weight is e4m3 with one fp32 scale per row at p_sc."""
+    SCALED (plain rows only): the weight is e4m3 with one fp32 scale per row at p_sc.
+    SECOND_FIRST: the second product and the residual before the first (and the PDL wait)."""
     _gemv_program(tl.program_id(0), tl.program_id(1), p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt,
                   p_x2, p_w2, p_sc, b1, b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT,
                   T0, NG, eps, beta, linear_beta, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
                   ACT, NORM, RESIDUAL, N_SEG, DUAL, MIXED, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
-                  WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST)
+                  WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST, SECOND_FIRST)

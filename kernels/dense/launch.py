@@ -13,7 +13,7 @@ from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
 from .tuned import TUNED_M1, TUNED_M1_E4M3
 
 __all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "GemvLaunch", "dense_gemv", "prepare_gemv",
-           "default_config", "heuristic_config", "interpreter_config"]
+           "default_config", "heuristic_config", "interpreter_config", "call_config"]
 
 MAX_TOKENS = 16  # decode batches; beyond, a GEMM tile wins
 MAX_SEGMENTS = 8
@@ -73,6 +73,19 @@ def interpreter_config(m: int, rows: int, k: int) -> GemvConfig:
     return GemvConfig(block_n=min(128, max(8, triton.next_power_of_2(rows))),
                       block_k=max(16, min(256, triton.next_power_of_2(k))), split_k=1,
                       num_stages=1, pdl=False, prefetch_steps=0)
+
+
+def call_config(config: GemvConfig | None, m: int, rows: int, k: int, gated: bool = False, *,
+                e4m3: bool = False) -> GemvConfig:
+    """The tiling :func:`dense_gemv` runs given ``config`` for ``rows`` output rows (per
+    gate/up half when gated) over K at M tokens: ``config`` itself, else under the interpreter
+    :func:`interpreter_config`, else :func:`default_config`; for a caller that changes one
+    field of whatever the call would take."""
+    if config is not None:
+        return config
+    if INTERPRETED:
+        return interpreter_config(m, rows, k)
+    return default_config(m, rows, k, gated=gated, e4m3=e4m3)
 
 
 def _number(name, v, *, positive=False):
@@ -211,11 +224,10 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
     eps = _number("eps", eps, positive=True)
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
-    if config is None:
-        config = (interpreter_config(m, n + ng, k) if INTERPRETED
-                  else default_tiling(m, n + ng, k, bool(act)) if default_tiling is not None
-                  else default_config(m, n + ng, k, gated=bool(act),
-                                      e4m3=weight_scale is not None))
+    if config is None and default_tiling is not None and not INTERPRETED:
+        config = default_tiling(m, n + ng, k, bool(act))
+    elif config is None:
+        config = call_config(None, m, n + ng, k, bool(act), e4m3=weight_scale is not None)
     elif not isinstance(config, GemvConfig):
         raise ValueError(f"config: expected a GemvConfig or None, got {type(config).__name__}")
     if residual is not None:
@@ -241,6 +253,9 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
         if x2.shape[0] != m or tuple(weight2.shape) != (n, k2):
             raise ValueError(f"weight2: expected x2 [M={m}, K2] and weight2 [N={n}, K2], got "
                              f"x2 {list(x2.shape)}, weight2 {list(weight2.shape)}")
+    if config.second_first and x2 is None and residual is None:
+        raise ValueError("config: second_first moves the second product (x2, weight2) and the "
+                         "residual before the first product; this call has neither")
     block_m = 1 if m == 1 else 16
     if block_m > 1 and config.block_n < 16:
         raise ValueError(f"config: block_n={config.block_n} serves one token only; M={m} takes "
@@ -278,7 +293,8 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
             N_SEG=len(bounds), DUAL=x2 is not None, MIXED=mixed, DOT_FP32=INTERPRETED, PDL=pdl,
             PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,
             WAIT_LAST=pdl and config.wait_last, GATE_UP_TOGETHER=config.gate_up_together,
-            UNROLL=unroll, TRIGGER_LAST=pdl and config.wait_last and config.trigger_last),
+            UNROLL=unroll, TRIGGER_LAST=pdl and config.wait_last and config.trigger_last,
+            SECOND_FIRST=config.second_first),
         grid=(tiles, split), num_warps=config.num_warps, pdl=pdl,
         max_registers=0 if INTERPRETED else config.max_registers)
     return launch, lambda: _outputs(y, m, n, ng, mixed, splits)

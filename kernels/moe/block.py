@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..dense import GemvConfig, dense_gemv
+from ..dense import GemvConfig, call_config, dense_gemv
 from ..plan import RoutePlan
 from ..route import RouteConfig, route_sort
 from ..runtime import INTERPRETED, check_number
@@ -305,5 +307,9 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     if beside:
         y, a_s = y
     shared = {} if a_s is None else {"x2": a_s, "weight2": weights["shared_w2"]}
+    tail = None
+    if front is not None and a_s is not None and config.tail_second_first:
+        # a_s is the route's launch's, which stage 1 waited for whole (a plain launch)
+        tail = dataclasses.replace(call_config(None, m, h, d), second_first=True)
     return dense_gemv(y, weights["latent_up"], norm_weight=weights["latent_norm"],
-                      eps=cfg.rms_eps, **shared)
+                      eps=cfg.rms_eps, config=tail, **shared)

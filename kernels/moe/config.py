@@ -108,6 +108,11 @@ class MoEConfig:
             ``maxnreg``; 0: the compiler's choice, 128 at K3 tp 8 with its default tiles). Its
             route and front programs share one register count, the larger of the two, which
             sets how many front programs an SM holds (96: 5).
+        tail_second_first: with dense_projections and the front in the route's launch
+            (front_routes), the tail's launch runs its shared down-projection and loads its
+            residual before its PDL wait (``GemvConfig.second_first``), so they overlap stage
+            2's end: the shared activation was written by the front, which stage 1 waits for
+            whole (it launches plainly after it).
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
@@ -135,12 +140,13 @@ class MoEConfig:
     shared_beside_stage1: bool = False
     front_routes: bool = True
     front_route_registers: int = 96
+    tail_second_first: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
                      "dense_projections", "front_overlaps_route", "front_triggers_last",
-                     "shared_beside_stage1", "front_routes"):
+                     "shared_beside_stage1", "front_routes", "tail_second_first"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)

@@ -211,6 +211,9 @@ def main() -> dict:
         attempt(f"moe/fused+dense front_routes registers {regs}", lambda regs=regs: moe.variant(
             "fused+dense").fn({**boundaries.clone_inputs(fr), "config": dataclasses.replace(
                 fr_conf, front_route_registers=regs)}))
+    attempt("moe/fused+dense tail_second_first", lambda: moe.variant("fused+dense").fn(
+        {**boundaries.clone_inputs(fr), "config": dataclasses.replace(
+            fr_conf, tail_second_first=True)}))
     attempt("dense gate/up together", lambda: dense_gemv(
         torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(1536, 7168, dtype=torch.bfloat16),
         activation="situ", config=GemvConfig(block_n=8, split_k=2, pdl=True,

@@ -19,6 +19,8 @@ from k3lab.kernels.dense import (
     dense_gemv,
     heuristic_config,
 )
+from k3lab.kernels.dense.launch import interpreter_config
+from k3lab.kernels.runtime import INTERPRETED
 from k3lab.reference.dense import dense_engine, dense_reference, rms_norm
 
 # Tolerance, derived: the output is one bf16 rounding of an fp32 sum (relative 2^-8 rounding to
@@ -285,6 +287,50 @@ def test_e4m3_tail_at_k3_shapes_and_default_tiling(m, device):
     _check_e4m3_tail(y, x2, w, w2, g, torch.randn(m, 7168, generator=gen).bfloat16(), device)
 
 
+SECOND_FIRST_CASES = [(1, None), (1, GemvConfig(block_n=8, block_k=64, split_k=3)),
+                      (1, GemvConfig(block_n=16, block_k=64, unroll_k=True)),
+                      (1, GemvConfig(block_n=8, block_k=64, pdl=True, prefetch_steps=2)),
+                      (4, None)]
+
+
+@pytest.mark.parametrize("e4m3", [False, True], ids=["bf16", "e4m3"])
+@pytest.mark.parametrize("m,cfg", SECOND_FIRST_CASES,
+                         ids=["M1", "M1-split3", "M1-unroll", "M1-pdl", "M4"])
+def test_second_first_keeps_the_sums(m, cfg, e4m3, device):
+    """The second product and the residual before the first (GemvConfig.second_first): the
+    same bits as the default order, and within the tail's bound of the fp32 reference."""
+    y, x2, w, w2, g = _tail_data(m, 17 + m)
+    res = torch.randn(m, 45, generator=torch.Generator().manual_seed(3 + m)).bfloat16()
+    q, scale = _e4m3_rows(w) if e4m3 else (w, None)
+    # dense_gemv's own choice without a config (the interpreter's tiling under it)
+    base = cfg or (interpreter_config(m, 45, 192) if INTERPRETED
+                   else default_config(m, 45, 192, e4m3=e4m3))
+    kw = dict(norm_weight=g.to(device), eps=1e-5, x2=x2.to(device), weight2=w2.to(device),
+              residual=res.to(device),
+              weight_scale=scale.to(device) if scale is not None else None)
+    want = dense_gemv(y.to(device), q.to(device), config=base, **kw)
+    got = dense_gemv(y.to(device), q.to(device),
+                     config=dataclasses.replace(base, second_first=True), **kw)
+    assert torch.equal(got, want)
+    ref = dense_reference(y, q, weight_scale=scale, norm_weight=g, eps=1e-5, x2=x2,
+                          weight2=w2, residual=res)
+    wq = q.float() * (scale[:, None] if scale is not None else 1.0)
+    terms = (rms_norm(y, g, 1e-5).abs() @ wq.abs().T + x2.float().abs() @ w2.float().abs().T
+             + res.float().abs())
+    _close(got.cpu(), ref, terms, rounded_inputs=m > 1)
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_second_first_with_a_residual_alone(split, device):
+    x, w = _data(1, 40, 256, 5, scale=2.0)
+    res = torch.randn(1, 40, generator=torch.Generator().manual_seed(5)).bfloat16()
+    cfg = GemvConfig(block_n=8, block_k=64, split_k=split)
+    want = dense_gemv(x.to(device), w.to(device), residual=res.to(device), config=cfg)
+    got = dense_gemv(x.to(device), w.to(device), residual=res.to(device),
+                     config=dataclasses.replace(cfg, second_first=True))
+    assert torch.equal(got, want)
+
+
 def test_engine_baseline_matches_reference():
     x, w = _data(2, 48, 256, 8)
     g = torch.rand(256) + 0.5
@@ -418,6 +464,7 @@ BAD = [
     (dict(w=torch.zeros(32, 64).to(torch.float8_e4m3fn), weight_scale=torch.ones(32),
           activation="situ"), "weight_scale: an e4m3 weight"),
     (dict(w=torch.zeros(32, 64).half()), "weight: expected dtype"),
+    (dict(config=GemvConfig(block_n=16, second_first=True)), "second_first"),
 ]
 
 
@@ -437,7 +484,8 @@ def test_bad_input_is_a_clear_error(kw, msg, device):
     (dict(gate_up_together=1), "gate_up_together"), (dict(unroll_k="yes"), "unroll_k"),
     (dict(pdl=True, wait_last=True, trigger_last=1), "trigger_last"),
     (dict(pdl=True, trigger_last=True), "trigger_last: expected only with wait_last"),
-    (dict(max_registers=16), "max_registers"), (dict(max_registers=True), "max_registers")])
+    (dict(max_registers=16), "max_registers"), (dict(max_registers=True), "max_registers"),
+    (dict(second_first=1), "second_first")])
 def test_bad_config(kw, msg):
     with pytest.raises(ValueError, match=f"GemvConfig.{msg}"):
         GemvConfig(**kw)
@@ -458,6 +506,34 @@ def test_gpu_graph_replay_split(pdl):
     torch.cuda.synchronize()
     assert torch.equal(y, want)
     _close(y.cpu(), dense_reference(x, w).cpu(), _terms(x, w).cpu())
+
+
+@pytest.mark.gpu
+def test_gpu_second_first_by_pdl_in_graph():
+    """The K3 tail (e4m3 latent up, shared down, residual) by PDL after a launch that writes
+    its y, with the second product before the wait: the default order's bits on every replay."""
+    gen = torch.Generator().manual_seed(11)
+    y0 = (torch.randn(1, 3584, generator=gen) * 2.0).cuda()
+    x2 = torch.randn(1, 768, generator=gen).bfloat16().cuda()
+    q, scale = _e4m3_rows((torch.randn(7168, 3584, generator=gen) / 3584 ** 0.5).bfloat16())
+    q, scale = q.cuda(), scale.cuda()
+    w2 = (torch.randn(7168, 768, generator=gen) / 768 ** 0.5).bfloat16().cuda()
+    g = (torch.rand(3584, generator=gen) + 0.5).cuda()
+    res = torch.randn(1, 7168, generator=gen).bfloat16().cuda()
+    base = default_config(1, 7168, 3584, e4m3=True)
+    outs = {}
+    for first in (False, True):
+        cfg = dataclasses.replace(base, pdl=True, second_first=first)
+        y = torch.empty_like(y0)
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            y.copy_(y0 * 1.5)  # the launch the tail waits for
+            outs[first] = dense_gemv(y, q, weight_scale=scale, norm_weight=g, eps=1e-5, x2=x2,
+                                     weight2=w2, residual=res, config=cfg)
+        for _ in range(3):
+            gr.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(outs[True], outs[False])
 
 
 @pytest.mark.parametrize("shape", ["kda.in_proj", "mla.q_b_proj", "moe.shared_gate_up",

@@ -177,7 +177,8 @@ def test_reference_matches_dense(changes, fmt):
     ("stage1_klane_stages", -1), ("stage2_klane_stages", 8), ("klane_words", 48),
     ("klane_words", 2), ("klane_rows", 0), ("target_programs", 0),
     ("front_target_programs", 2.5), ("stage2_evict_first", "no"), ("tiled_weights", None),
-    ("front_overlaps_route", 1), ("front_triggers_last", "on"), ("shared_beside_stage1", 0)])
+    ("front_overlaps_route", 1), ("front_triggers_last", "on"), ("shared_beside_stage1", 0),
+    ("tail_second_first", 1)])
 def test_bad_config(field, value):
     """A bad MoEConfig field is a ValueError naming it, before anything runs."""
     with pytest.raises(ValueError, match=f"^{field}: expected"):

@@ -98,6 +98,28 @@ def test_router_in_the_front_launch(fmt, m, det, device):
     assert len(names) == 4 and "front_route" in names[0], names
 
 
+@pytest.mark.parametrize("fmt,m", [("bf16", 1), ("mxfp4", 3)])
+def test_tail_second_first_keeps_the_bits(fmt, m, device):
+    """MoEConfig.tail_second_first with the router in the front's launch: the tail runs its
+    shared down-projection before its latent up (before its PDL wait, compiled), with the
+    default order's bits (deterministic stage 2), in the same 4 launches."""
+    cfg = preset("tiny", 1)
+    first = MoEConfig(dense_projections=True, tail_second_first=True)
+    inp = {**_inputs(cfg, device, m, fmt), "route": True, "config": first}
+    w = inp["weights"].for_kernels(first)
+
+    def run(x, conf):
+        return moe_block(x, w, cfg=cfg, deterministic=True, config=conf)
+
+    out = run(inp["x"], first)
+    B.check(out, None, inp)
+    assert torch.equal(out, run(inp["x"], DENSE))
+    names = count_launches(lambda x: run(x, first), inp["x"]).kernels
+    if device.type == "cpu":
+        names = [n for n in names if n.startswith("triton::")]
+    assert len(names) == 4 and "front_route" in names[0], names
+
+
 def test_moe_experts_shared_inputs_are_checked(device):
     from k3lab.kernels import moe_experts
 
@@ -179,19 +201,22 @@ def test_router_in_the_front_launch_k3_graph():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("field", ["front_overlaps_route", "shared_beside_stage1",
-                                   "front_triggers_last"])
+                                   "front_triggers_last", "tail_second_first"])
 def test_overlapping_launches_change_nothing(field):
     """K3 tp 8, MXFP4, routing in the block as its own launch (front_routes off), deterministic
     stage 2: the front launched while the route runs (MoEConfig.front_overlaps_route), the
     shared gate/up launched beside stage 1 (shared_beside_stage1; the same tiles' sums) and
-    the expert pair launched by PDL after an overlapping front (front_triggers_last) each give
-    the bitwise output of the field off, eager and in a CUDA graph of 16 calls on distinct x
-    replayed 20 times."""
+    the expert pair launched by PDL after an overlapping front (front_triggers_last), and (with
+    the router in the front's launch) the tail's shared down before its wait
+    (tail_second_first) each give the bitwise output of the field off, eager and in a CUDA
+    graph of 16 calls on distinct x replayed 20 times."""
     cfg = preset("kimi-k3", 8)
     dev = torch.device("cuda")
     inp = _inputs(cfg, dev, 1, "mxfp4")
     xs = [_inputs(cfg, dev, 1, "mxfp4", seed=s)["x"] for s in range(16)]
-    configs = {o: MoEConfig(dense_projections=True, front_routes=False, **{field: o})
+    # the tail's second product moves before its wait only after the route's launch
+    routes = field == "tail_second_first"
+    configs = {o: MoEConfig(dense_projections=True, front_routes=routes, **{field: o})
                for o in (False, True)}
     w = inp["weights"].for_kernels(configs[True])
 
