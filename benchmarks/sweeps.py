@@ -213,14 +213,15 @@ def _gemv(block_n, block_k, split_k, num_stages, prefetch_steps) -> dict:
 
 
 def _tail(block_n, block_k, prefetch_steps=0, num_stages=3, split_k=1, num_warps=4,
-          max_registers=0) -> dict:
+          max_registers=0, tile_rows=0) -> dict:
     """A token sweep's point: the MoE tail GEMV's tiling (stack.Configs.tail); fields at
-    GemvConfig's defaults (split_k, num_warps, max_registers) are left out of the point."""
+    GemvConfig's defaults (split_k, num_warps, max_registers, tile_rows) are left out."""
     return {"tail.block_n": block_n, "tail.block_k": block_k, "tail.num_stages": num_stages,
             "tail.pdl": True, "tail.prefetch_steps": prefetch_steps,
             **({"tail.split_k": split_k} if split_k != 1 else {}),
             **({"tail.num_warps": num_warps} if num_warps != 4 else {}),
-            **({"tail.max_registers": max_registers} if max_registers else {})}
+            **({"tail.max_registers": max_registers} if max_registers else {}),
+            **({"tail.tile_rows": tile_rows} if tile_rows else {})}
 
 
 def _front(block_n, block_k, num_stages) -> dict:
@@ -494,6 +495,13 @@ _SWEEPS = [
           "the e4m3 latent up (the FP8 tail's [7168, 3584]): its table's 32 x 512 tiles make "
           "224 programs, 2 on 92 of the H200's 132 SMs and 1 on the rest; split K (448 to 896 "
           "programs) and 64-row tiles (112) against it"),
+    Sweep("fp8_rows", "dense", grid(
+        ({"shape": "moe.latent_up", "weight_format": "e4m3"},),
+        ({}, {**_gemv(32, 512, 1, 3, 0), "tile_rows": 28}, _gemv(64, 256, 1, 3, 0),
+         {**_gemv(64, 256, 1, 3, 0), "tile_rows": 55})),
+          "the e4m3 latent up in tiles owning fewer rows than they hold (tile_rows): 32 x 512 "
+          "(two an SM) at 28 rows, 256 programs for the H200's 264 slots instead of 224; 64 x "
+          "256 (one an SM) at 55 rows, 131 programs instead of 112"),
     Sweep("fp8_warps", "dense", grid(
         ({"shape": "moe.latent_up", "weight_format": "e4m3"},),
         ({}, {**_gemv(32, 512, 1, 3, 0), "num_warps": 8},
@@ -579,6 +587,11 @@ _SWEEPS = [
           "at 8 warps capped at 128 registers, 16 x 512 capped at 128 (dense --sweep "
           "fp8_warps), against its table's 32 x 512 at 4 warps", variants=("full stack",),
           tp=8),
+    Sweep("tail_rows", "token", ({}, _tail(32, 512, tile_rows=28), _tail(64, 256, tile_rows=55),
+                                 {**_tail(32, 512, tile_rows=28), "moe.tail_second_first": True}),
+          "the e4m3 MoE tail's GEMV in the full stack's token in tiles owning fewer rows than "
+          "they hold (dense --sweep fp8_rows), and with its shared down before its PDL wait",
+          variants=("full stack",), tp=8),
     Sweep("tail_first", "token", ({}, {"moe.tail_second_first": True}),
           "the MoE tail's shared down-projection and residual before its PDL wait "
           "(MoEConfig.tail_second_first) in the full stack's token, against after its latent "
