@@ -327,6 +327,16 @@ def test_second_first_keeps_the_sums(m, cfg, e4m3, device):
     _close(got.cpu(), ref, terms, rounded_inputs=m > 1)
 
 
+def test_call_config_is_what_the_call_takes():
+    from k3lab.kernels.dense import call_config
+
+    mine = GemvConfig(block_n=8, block_k=64)
+    assert call_config(mine, 1, 7168, 3584) is mine
+    want = (interpreter_config(1, 7168, 3584) if INTERPRETED
+            else default_config(1, 7168, 3584, e4m3=True))
+    assert call_config(None, 1, 7168, 3584, e4m3=True) == want
+
+
 @pytest.mark.parametrize("split", [1, 2])
 def test_second_first_with_a_residual_alone(split, device):
     x, w = _data(1, 40, 256, 5, scale=2.0)
