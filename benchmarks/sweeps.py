@@ -592,6 +592,13 @@ _SWEEPS = [
           "the e4m3 MoE tail's GEMV in the full stack's token in tiles owning fewer rows than "
           "they hold (dense --sweep fp8_rows), and with its shared down before its PDL wait",
           variants=("full stack",), tp=8),
+    Sweep("tail_cap", "token", ({}, _tail(16, 512, max_registers=128),
+                                {**_tail(16, 512, max_registers=128),
+                                 "moe.tail_second_first": True},
+                                {"moe.tail_second_first": True}),
+          "the e4m3 MoE tail at 16 x 512 capped at 128 registers (four programs an SM), with "
+          "and without its shared down before its PDL wait, against its table's 32 x 512",
+          variants=("full stack",), tp=8),
     Sweep("tail_first", "token", ({}, {"moe.tail_second_first": True}),
           "the MoE tail's shared down-projection and residual before its PDL wait "
           "(MoEConfig.tail_second_first) in the full stack's token, against after its latent "
