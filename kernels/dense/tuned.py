@@ -11,6 +11,8 @@ entry's comment names the H100).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .config import GemvConfig
 
 __all__ = ["TUNED_M1", "TUNED_M1_E4M3"]
@@ -57,7 +59,9 @@ TUNED_M1: dict[tuple[int, int, bool], GemvConfig] = {
 # e4m3 weights with row scales (the seed's FP8 latent tail, #18; ``dense --sweep fp8_tiles``,
 # H200): shapes not listed take the bf16 entry at twice its columns a step
 TUNED_M1_E4M3: dict[tuple[int, int, bool], GemvConfig] = {
-    (7168, 3584, False): _c(32, 512, 1, 3, 0),  # latent up (the MoE tail)
+    # latent up (the MoE tail): 16 x 512 capped at 128 registers, four programs an SM
+    # (dense --sweep fp8_warps, token --sweep tail_cap; H100)
+    (7168, 3584, False): replace(_c(16, 512, 1, 3, 0), max_registers=128),
     (3584, 7168, False): _c(16, 512, 1, 4, 0),  # latent down
     (7168, 1536, False): _c(8, 512, 1, 3, 0),  # o_proj, tp 8
 }

@@ -414,12 +414,13 @@ def test_tuned_table_lists_k3_shapes_only():
 
 def test_tuned_table_picks_from_the_sweep():
     assert {GemvConfig(**c) for c in GEMV_CANDIDATES} >= set(TUNED_M1.values())
-    # the e4m3 entries: K3 shapes that take an e4m3 weight, tilings of the fp8_tiles sweep
+    # the e4m3 entries: K3 shapes that take an e4m3 weight, tilings of the fp8_tiles and
+    # fp8_warps sweeps
     from benchmarks.sweeps import get
     from k3lab.boundaries.dense import shapes
     fields = {f.name for f in dataclasses.fields(GemvConfig)}
     swept = {GemvConfig(**{k: v for k, v in p.items() if k in fields})
-             for p in get("dense", "fp8_tiles").points}
+             for name in ("fp8_tiles", "fp8_warps") for p in get("dense", name).points}
     assert swept >= set(TUNED_M1_E4M3.values())
     e4m3 = {(s["rows"], s["K"], False) for n, s in shapes(preset("kimi-k3", tp=8)).items()
             if n in ("moe.latent_up", "moe.latent_down", "kda.o_proj")}
