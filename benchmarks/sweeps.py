@@ -213,15 +213,14 @@ def _gemv(block_n, block_k, split_k, num_stages, prefetch_steps) -> dict:
 
 
 def _tail(block_n, block_k, prefetch_steps=0, num_stages=3, split_k=1, num_warps=4,
-          max_registers=0, tile_rows=0) -> dict:
+          max_registers=0) -> dict:
     """A token sweep's point: the MoE tail GEMV's tiling (stack.Configs.tail); fields at
-    GemvConfig's defaults (split_k, num_warps, max_registers, tile_rows) are left out."""
+    GemvConfig's defaults (split_k, num_warps, max_registers) are left out of the point."""
     return {"tail.block_n": block_n, "tail.block_k": block_k, "tail.num_stages": num_stages,
             "tail.pdl": True, "tail.prefetch_steps": prefetch_steps,
             **({"tail.split_k": split_k} if split_k != 1 else {}),
             **({"tail.num_warps": num_warps} if num_warps != 4 else {}),
-            **({"tail.max_registers": max_registers} if max_registers else {}),
-            **({"tail.tile_rows": tile_rows} if tile_rows else {})}
+            **({"tail.max_registers": max_registers} if max_registers else {})}
 
 
 def _front(block_n, block_k, num_stages) -> dict:
@@ -490,29 +489,24 @@ _SWEEPS = [
           "table of kernels/dense/tuned.py"),
     Sweep("fp8_split", "dense", grid(
         ({"shape": "moe.latent_up", "weight_format": "e4m3"},),
-        ({}, _gemv(32, 512, 2, 3, 0), _gemv(16, 512, 2, 4, 0), _gemv(32, 256, 2, 4, 0),
-         _gemv(32, 512, 4, 3, 0), _gemv(64, 256, 1, 3, 0), _gemv(64, 256, 2, 3, 0))),
-          "the e4m3 latent up (the FP8 tail's [7168, 3584]): its table's 32 x 512 tiles make "
-          "224 programs, 2 on 92 of the H200's 132 SMs and 1 on the rest; split K (448 to 896 "
-          "programs) and 64-row tiles (112) against it"),
-    Sweep("fp8_rows", "dense", grid(
-        ({"shape": "moe.latent_up", "weight_format": "e4m3"},),
-        ({}, {**_gemv(32, 512, 1, 3, 0), "tile_rows": 28}, _gemv(64, 256, 1, 3, 0),
-         {**_gemv(64, 256, 1, 3, 0), "tile_rows": 55})),
-          "the e4m3 latent up in tiles owning fewer rows than they hold (tile_rows): 32 x 512 "
-          "(two an SM) at 28 rows, 256 programs for the H200's 264 slots instead of 224; 64 x "
-          "256 (one an SM) at 55 rows, 131 programs instead of 112"),
+        ({}, _gemv(32, 512, 1, 3, 0), _gemv(32, 512, 2, 3, 0), _gemv(16, 512, 2, 4, 0),
+         _gemv(32, 256, 2, 4, 0), _gemv(32, 512, 4, 3, 0), _gemv(64, 256, 1, 3, 0),
+         _gemv(64, 256, 2, 3, 0))),
+          "the e4m3 latent up (the FP8 tail's [7168, 3584]): 32 x 512 tiles (its table's "
+          "tiling then) make 224 programs, 2 on 92 of the H200's 132 SMs and 1 on the rest; "
+          "split K (448 to 896 programs) and 64-row tiles (112) against them, and the table's "
+          "tiling now ({})"),
     Sweep("fp8_warps", "dense", grid(
         ({"shape": "moe.latent_up", "weight_format": "e4m3"},),
-        ({}, {**_gemv(32, 512, 1, 3, 0), "num_warps": 8},
+        ({}, _gemv(32, 512, 1, 3, 0), {**_gemv(32, 512, 1, 3, 0), "num_warps": 8},
          {**_gemv(32, 512, 1, 3, 0), "num_warps": 8, "max_registers": 128},
          {**_gemv(16, 512, 1, 3, 0), "max_registers": 128}, _gemv(16, 512, 1, 3, 0),
          {**_gemv(32, 256, 1, 3, 0), "max_registers": 128})),
-          "the e4m3 latent up with more warps an SM: its table's 32 x 512 tiles take 255 "
-          "registers (two programs an SM, 8 warps); at 8 warps 160 (one an SM) or capped at "
-          "128 (two, 16 warps; 8 bytes of spills); 16 x 512 capped at 128 (four an SM: 448 "
-          "programs in one wave; 135 uncapped); 32 x 256 capped at 128 (offline sm_90 "
-          "registers)"),
+          "the e4m3 latent up with more warps an SM: 32 x 512 tiles take 255 registers (two "
+          "programs an SM, 8 warps); at 8 warps 160 (one an SM) or capped at 128 (two, 16 "
+          "warps; 8 bytes of spills); 16 x 512 capped at 128 (four an SM: 448 programs in one "
+          "wave; 135 uncapped; the table's tiling since this sweep, {}); 32 x 256 capped at "
+          "128 (offline sm_90 registers)"),
     Sweep("fusions", "kda", ({}, {"block_v": 16}, {"block_v": 64}, {"block_v": 128}),
           "the whole decode (conv, core, out gate) in one launch: v-tiles meeting through "
           "tickets (the default and 16 / 64 wide) against a whole head a program (128)",
@@ -576,28 +570,23 @@ _SWEEPS = [
           "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
           "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
-    Sweep("tail_split", "token", ({}, _tail(32, 512, split_k=2), _tail(16, 512, 0, 4, 2),
-                                  _tail(64, 256)),
-          "the e4m3 MoE tail's GEMV in the full stack's token: its table's 32 x 512 tiles (224 "
-          "programs) against split K (448, 896) and 64-row tiles (112)",
+    Sweep("tail_split", "token", ({}, _tail(32, 512), _tail(32, 512, split_k=2),
+                                  _tail(16, 512, 0, 4, 2), _tail(64, 256)),
+          "the e4m3 MoE tail's GEMV in the full stack's token: 32 x 512 tiles (224 programs) "
+          "against split K (448, 896) and 64-row tiles (112), and its table's tiling ({})",
           variants=("full stack",), tp=8),
-    Sweep("tail_warps", "token", ({}, _tail(32, 512, num_warps=8, max_registers=128),
+    Sweep("tail_warps", "token", ({}, _tail(32, 512),
+                                  _tail(32, 512, num_warps=8, max_registers=128),
                                   _tail(16, 512, max_registers=128)),
           "the e4m3 MoE tail's GEMV in the full stack's token with more warps an SM: 32 x 512 "
           "at 8 warps capped at 128 registers, 16 x 512 capped at 128 (dense --sweep "
-          "fp8_warps), against its table's 32 x 512 at 4 warps", variants=("full stack",),
-          tp=8),
-    Sweep("tail_rows", "token", ({}, _tail(32, 512, tile_rows=28), _tail(64, 256, tile_rows=55),
-                                 {**_tail(32, 512, tile_rows=28), "moe.tail_second_first": True}),
-          "the e4m3 MoE tail's GEMV in the full stack's token in tiles owning fewer rows than "
-          "they hold (dense --sweep fp8_rows), and with its shared down before its PDL wait",
+          "fp8_warps; its table's tiling, {}, since), against 32 x 512 at 4 warps",
           variants=("full stack",), tp=8),
-    Sweep("tail_cap", "token", ({}, _tail(16, 512, max_registers=128),
-                                {**_tail(16, 512, max_registers=128),
-                                 "moe.tail_second_first": True},
-                                {"moe.tail_second_first": True}),
-          "the e4m3 MoE tail at 16 x 512 capped at 128 registers (four programs an SM), with "
-          "and without its shared down before its PDL wait, against its table's 32 x 512",
+    Sweep("tail_cap", "token", ({}, {"moe.tail_second_first": True}, _tail(32, 512),
+                                {**_tail(32, 512), "moe.tail_second_first": True}),
+          "the e4m3 MoE tail at its table's 16 x 512 capped at 128 registers (four programs an "
+          "SM; {}) and at 32 x 512 (two an SM), each with and without its shared down before "
+          "its PDL wait (which spills 24 bytes at 128 registers)",
           variants=("full stack",), tp=8),
     Sweep("tail_first", "token", ({}, {"moe.tail_second_first": True}),
           "the MoE tail's shared down-projection and residual before its PDL wait "

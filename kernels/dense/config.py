@@ -15,8 +15,7 @@ _POW2 = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 class GemvConfig:
     """How one GEMV launch is tiled.
 
-    block_n: rows of a program's weight tile (gate/up epilogues: of each half); it owns
-        ``tile_rows`` of them.
+    block_n: weight rows a program owns (gate/up epilogues: rows of each half).
     block_k: input columns a K step loads (block_n x block_k bf16 a step and program).
     split_k: programs sharing one row tile's K range; their fp32 partial sums meet in a
         workspace and the last program to finish a tile reduces them and runs the epilogue
@@ -49,10 +48,6 @@ class GemvConfig:
         tail: the shared experts' activation and the layer's live sum, written before the
         expert stages, which launch plainly after the front that writes the activation).
         The sums are those of the default order. Needs a second product or a residual.
-    tile_rows: output rows a program owns (0: block_n), at most block_n, the tile's other
-        lanes masked: a grid of about as many programs as the SMs hold at once, for row
-        counts that block_n tiles would cut into a last, partly filled wave (K3's 7168 rows
-        at two 32-row programs an SM: 224 programs on 132 SMs, against 256 of 28 rows).
     block_n 4 and 8 serve one token only (the tensor-core path of 2..16 tokens needs 16).
     """
 
@@ -69,7 +64,6 @@ class GemvConfig:
     unroll_k: bool = False
     max_registers: int = 0
     second_first: bool = False
-    tile_rows: int = 0
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -90,10 +84,6 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.prefetch_steps: expected 0..8, got "
                              f"{self.prefetch_steps!r}")
         check_max_registers("GemvConfig.max_registers", self.max_registers)
-        if (isinstance(self.tile_rows, bool) or not isinstance(self.tile_rows, int)
-                or not 0 <= self.tile_rows <= self.block_n):
-            raise ValueError(f"GemvConfig.tile_rows: expected an int in 0..block_n "
-                             f"({self.block_n}), got {self.tile_rows!r}")
         for name in ("pdl", "wait_last", "trigger_last", "gate_up_together", "unroll_k",
                      "second_first"):
             if not isinstance(getattr(self, name), bool):

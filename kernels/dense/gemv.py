@@ -231,18 +231,13 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
           NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
           DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
           NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-          UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr, SECOND_FIRST: tl.constexpr,
-          TILE_ROWS: tl.constexpr):
+          UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr, SECOND_FIRST: tl.constexpr):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns.
     GATE_UP_TOGETHER: with ACT, the gate and up rows stream in one K loop (else one loop
     each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales).
-    SECOND_FIRST: the second product and the residual's load come first, before the PDL wait.
-    TILE_ROWS: rows a tile owns (<= BLOCK_N; the lanes past it are masked)."""
-    o_r = tl.arange(0, BLOCK_N)
-    o_n = i_n * TILE_ROWS + o_r
+    SECOND_FIRST: the second product and the residual's load come first, before the PDL wait."""
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
-    if TILE_ROWS < BLOCK_N:
-        m_n = m_n & (o_r < TILE_ROWS)
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < M
     k_lo = i_k * K_SPLIT
@@ -324,7 +319,7 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
                   PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                   WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
                   UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr,
-                  SECOND_FIRST: tl.constexpr, TILE_ROWS: tl.constexpr):
+                  SECOND_FIRST: tl.constexpr):
     """Program (i_n, i_k) of :func:`dense_gemv_kernel`'s grid."""
     if MIXED:
         if i_n >= T0:
@@ -333,19 +328,19 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
                   M, NG, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, False, BLOCK_M,
                   BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL,
                   PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL,
-                  TRIGGER_LAST, False, TILE_ROWS)
+                  TRIGGER_LAST, False)
         else:
             _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1,
                   b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta,
                   linear_beta, False, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1,
                   False, DOT_FP32, PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER,
-                  UNROLL, TRIGGER_LAST, False, TILE_ROWS)
+                  UNROLL, TRIGGER_LAST, False)
     else:
         _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3,
               b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, SCALED,
               BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
               PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST,
-              SECOND_FIRST, TILE_ROWS)
+              SECOND_FIRST)
 
 
 @triton.jit
@@ -359,7 +354,7 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
                       PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                       WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
                       UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr,
-                      SECOND_FIRST: tl.constexpr, TILE_ROWS: tl.constexpr):
+                      SECOND_FIRST: tl.constexpr):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
@@ -369,10 +364,9 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
     UNROLL: K steps of a share, unrolled (0: a pipelined loop).
     TRIGGER_LAST (with WAIT_LAST): programs let the next launch start after their final wait.
     SCALED (plain rows only): the weight is e4m3 with one fp32 scale per row at p_sc.
-    SECOND_FIRST: the second product and the residual before the first (and the PDL wait).
-    TILE_ROWS: output rows a row tile owns, at most BLOCK_N (the tile's lanes past it idle)."""
+    SECOND_FIRST: the second product and the residual before the first (and the PDL wait)."""
     _gemv_program(tl.program_id(0), tl.program_id(1), p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt,
                   p_x2, p_w2, p_sc, b1, b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT,
                   T0, NG, eps, beta, linear_beta, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
                   ACT, NORM, RESIDUAL, N_SEG, DUAL, MIXED, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
-                  WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST, SECOND_FIRST, TILE_ROWS)
+                  WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST, SECOND_FIRST)

@@ -260,9 +260,8 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
     if block_m > 1 and config.block_n < 16:
         raise ValueError(f"config: block_n={config.block_n} serves one token only; M={m} takes "
                          f"the tensor-core path, which needs block_n >= 16")
-    rows_a_tile = config.tile_rows or config.block_n
-    t0 = triton.cdiv(n, rows_a_tile)
-    tiles = t0 + triton.cdiv(ng, rows_a_tile)
+    t0 = triton.cdiv(n, config.block_n)
+    tiles = t0 + triton.cdiv(ng, config.block_n)
     steps = triton.cdiv(k, config.block_k)
     split = min(config.split_k, steps)
     k_split = triton.cdiv(steps, split) * config.block_k
@@ -295,7 +294,7 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
             PREFETCH=config.prefetch_steps if pdl else 0, NUM_STAGES=config.num_stages,
             WAIT_LAST=pdl and config.wait_last, GATE_UP_TOGETHER=config.gate_up_together,
             UNROLL=unroll, TRIGGER_LAST=pdl and config.wait_last and config.trigger_last,
-            SECOND_FIRST=config.second_first, TILE_ROWS=rows_a_tile),
+            SECOND_FIRST=config.second_first),
         grid=(tiles, split), num_warps=config.num_warps, pdl=pdl,
         max_registers=0 if INTERPRETED else config.max_registers)
     return launch, lambda: _outputs(y, m, n, ng, mixed, splits)

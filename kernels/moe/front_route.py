@@ -72,7 +72,7 @@ def _front_route_kernel(
         F_DUAL: tl.constexpr, F_MIXED: tl.constexpr, F_DOT_FP32: tl.constexpr,
         F_PDL: tl.constexpr, F_PREFETCH: tl.constexpr, F_NUM_STAGES: tl.constexpr,
         F_WAIT_LAST: tl.constexpr, F_GATE_UP_TOGETHER: tl.constexpr, F_UNROLL: tl.constexpr,
-        F_TRIGGER_LAST: tl.constexpr, F_SECOND_FIRST: tl.constexpr, F_TILE_ROWS: tl.constexpr):
+        F_TRIGGER_LAST: tl.constexpr, F_SECOND_FIRST: tl.constexpr):
     """1-D grid: ROUTE_PROGRAMS route programs (E_TILES x K splits, E tile fastest), then
     F_TILES x front K shares GEMV programs (row tile fastest)."""
     pid = tl.program_id(0)
@@ -93,7 +93,7 @@ def _front_route_kernel(
                       F_BLOCK_N, F_BLOCK_K, F_SPLIT_K, F_ACT, F_NORM, F_RESIDUAL, F_N_SEG,
                       F_DUAL, F_MIXED, F_DOT_FP32, F_PDL, F_PREFETCH, F_NUM_STAGES,
                       F_WAIT_LAST, F_GATE_UP_TOGETHER, F_UNROLL, F_TRIGGER_LAST,
-                      F_SECOND_FIRST, F_TILE_ROWS)
+                      F_SECOND_FIRST)
 
 
 def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,

@@ -218,10 +218,10 @@ def main() -> dict:
         torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(1536, 7168, dtype=torch.bfloat16),
         activation="situ", config=GemvConfig(block_n=8, split_k=2, pdl=True,
                                              gate_up_together=True)))
-    attempt("dense tile_rows, second_first", lambda: dense_gemv(
+    attempt("dense second_first", lambda: dense_gemv(
         torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16),
         residual=torch.zeros(1, 64, dtype=torch.bfloat16),
-        config=GemvConfig(block_n=16, tile_rows=13, pdl=True, second_first=True)))
+        config=GemvConfig(block_n=16, pdl=True, second_first=True)))
     attempt("dense wait_last", lambda: dense_gemv(
         torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16),
         config=GemvConfig(block_n=8, pdl=True, wait_last=True)))

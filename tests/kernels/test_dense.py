@@ -77,11 +77,6 @@ CASES = [  # (id, M, N, K, config)
     # a register cap (compiled only) at 8 warps
     ("M1-N70-K600-warps8-cap128", 1, 70, 600,
      GemvConfig(block_n=32, block_k=128, num_warps=8, max_registers=128)),
-    # tiles owning fewer rows than they hold (tile_rows): a row tail, a split, several tokens
-    ("M1-N70-K300-rows7", 1, 70, 300, GemvConfig(block_n=8, block_k=64, tile_rows=7)),
-    ("M1-N45-K600-rows13-split3", 1, 45, 600,
-     GemvConfig(block_n=16, block_k=128, split_k=3, tile_rows=13)),
-    ("M3-N38-K200-rows11", 3, 38, 200, GemvConfig(block_n=16, block_k=64, tile_rows=11)),
 ]
 
 
@@ -128,13 +123,12 @@ def test_norm_prologue_and_residual(case, device):
            rstd=rstd.cpu())
 
 
-@pytest.mark.parametrize("rows", [0, 9])
 @pytest.mark.parametrize("m", [1, 4])
-def test_merged_outputs(m, rows, device):
+def test_merged_outputs(m, device):
     splits = (24, 1, 7, 16, 3)
     x, w = _data(m, sum(splits), 200, 5)
     x, w = x.to(device), w.to(device)
-    cfg = GemvConfig(block_n=16, block_k=64, split_k=2, tile_rows=rows)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=2)
     outs = dense_gemv(x, w, splits=splits, config=cfg)
     wants = dense_reference(x, w, splits=splits)
     terms = _terms(x, w).split(list(splits), dim=-1)
@@ -188,8 +182,7 @@ def test_fp32_input_with_norm_and_fp32_residual(m, device):
                                    (1, GemvConfig(block_n=8, block_k=32, unroll_k=True,
                                                   gate_up_together=True)),
                                    (1, GemvConfig(block_n=8, block_k=64, split_k=2,
-                                                  unroll_k=True)),
-                                   (1, GemvConfig(block_n=8, block_k=64, tile_rows=5))])
+                                                  unroll_k=True))])
 def test_mixed_plain_and_gated_rows(m, cfg, device):
     """splits (plain rows, 2S gate/up rows) with an activation: the plain rows as they are, the
     activation of the gate/up rows; the plain count not a multiple of the tile."""
@@ -295,7 +288,7 @@ def test_e4m3_tail_at_k3_shapes_and_default_tiling(m, device):
 
 
 SECOND_FIRST_CASES = [(1, None), (1, GemvConfig(block_n=8, block_k=64, split_k=3)),
-                      (1, GemvConfig(block_n=16, block_k=64, unroll_k=True, tile_rows=14)),
+                      (1, GemvConfig(block_n=16, block_k=64, unroll_k=True)),
                       (1, GemvConfig(block_n=8, block_k=64, pdl=True, prefetch_steps=2)),
                       (4, None)]
 
@@ -503,8 +496,7 @@ def test_bad_input_is_a_clear_error(kw, msg, device):
     (dict(pdl=True, wait_last=True, trigger_last=1), "trigger_last"),
     (dict(pdl=True, trigger_last=True), "trigger_last: expected only with wait_last"),
     (dict(max_registers=16), "max_registers"), (dict(max_registers=True), "max_registers"),
-    (dict(second_first=1), "second_first"), (dict(block_n=8, tile_rows=9), "tile_rows"),
-    (dict(tile_rows=-1), "tile_rows"), (dict(tile_rows=True), "tile_rows")])
+    (dict(second_first=1), "second_first")])
 def test_bad_config(kw, msg):
     with pytest.raises(ValueError, match=f"GemvConfig.{msg}"):
         GemvConfig(**kw)
