@@ -565,10 +565,10 @@ _SWEEPS = [
 
     # the whole decode token (benchmarks/token.py): "<stack.Configs field>.<config field>"
     # keys, the first point {} (the decode step's own configs)
-    Sweep("tail", "token", ({}, _tail(16, 256), _tail(16, 512), _tail(8, 512),
+    Sweep("tail", "token", ({}, _tail(16, 256), _tail(16, 512), _tail(8, 512), _tail(32, 512),
                             _tail(32, 512, 2), _tail(32, 512, 4), _tail(32, 512, 7)),
           "the MoE tail's GEMV tiling in the full stack's token (the e4m3 tail: its own "
-          "table's 32 x 512 by default; 16 x 256 is the bf16 tail's), and its weights' first "
+          "table's by default, {}; 16 x 256 is the bf16 tail's), and its weights' first "
           "steps asked of L2 before its PDL wait", variants=("full stack",), tp=8),
     Sweep("tail_split", "token", ({}, _tail(32, 512), _tail(32, 512, split_k=2),
                                   _tail(16, 512, 0, 4, 2), _tail(64, 256)),
