@@ -4,7 +4,9 @@ A token sweep's points set fields of the launchers' configs inside the full stac
 (``k3lab.stack.Configs``): a key ``"tail.block_k"`` is field ``block_k`` of the config the MoE
 tail's GEMV gets, ``"moe.front_overlaps_route"`` a field of the ``MoEConfig``. A field is
 replaced on the config the decode step itself passes (``decode_step.configs_for``), else on the
-launcher's default config class. The first point is ``{}``: the decode step's own configs, the
+launcher's default config class. The key ``"num_splits"`` sets the point's fixed MLA split
+count (the sweep's own, from its params, otherwise; 0 there: ``decode_step.split_override``,
+as the reference reports take it). The first point is ``{}``: the decode step's own configs, the
 base of every ratio. Every point's token is checked against the fp32 truth first (a point off
 it gets a ``check`` row of 0 and is not timed), then measured as the decode-step notebook's
 launch-choice table measures its choices (``decode_step.compare``): tok/s, launches, and on a
@@ -18,7 +20,8 @@ import dataclasses
 
 import pandas as pd
 
-__all__ = ["TOKEN", "CONFIG_CLASSES", "GPU_PARAMS", "CPU_PARAMS", "resolve", "run_token_sweep"]
+__all__ = ["TOKEN", "CONFIG_CLASSES", "SPLITS", "GPU_PARAMS", "CPU_PARAMS", "resolve",
+           "run_token_sweep"]
 
 TOKEN = "token"  # the boundary name token sweeps go by
 # stack.Configs field -> the config class of its launcher (k3lab.kernels)
@@ -26,8 +29,9 @@ CONFIG_CLASSES = {"gemv": "GemvConfig", "tail": "GemvConfig", "front": "GemvConf
                   "route": "RouteConfig",
                   "attn_res": "AttnResConfig", "kda": "KDAConfig", "mla": "MLAConfig",
                   "moe": "MoEConfig"}
+SPLITS = "num_splits"  # a point's key for its token's fixed MLA split count
 # the token measured: the reference reports' setup on a GPU, a short one under the interpreter
-GPU_PARAMS = {"window": 12, "context": 8192, "first_layer": 0, "num_splits": 32,
+GPU_PARAMS = {"window": 12, "context": 8192, "first_layer": 0, "num_splits": 0,
               "expert_format": "mxfp4"}
 CPU_PARAMS = {"window": 3, "context": 24, "first_layer": 1, "num_splits": 4,
               "expert_format": "mxfp4"}
@@ -62,10 +66,16 @@ def resolve(sweep, points: list[int] | None = None, device: str = "cpu") -> list
         where = f"sweep {TOKEN}/{sweep.name}, point {i} {point_json(spec)}"
         configs = base
         for key, value in spec.items():
+            if key == SPLITS:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{where}: {SPLITS}={value!r}: expected an MLA split "
+                                     f"count of at least 1")
+                continue
             field, _, attr = key.partition(".")
             if field not in CONFIG_CLASSES or not attr:
                 raise SweepError(f"{where}: {key!r} names no config field; expected "
-                                 f"'<field>.<name>' with <field> one of {sorted(CONFIG_CLASSES)}")
+                                 f"'<field>.<name>' with <field> one of "
+                                 f"{sorted(CONFIG_CLASSES)}, or {SPLITS!r}")
             current = getattr(configs, field) or getattr(kernels, CONFIG_CLASSES[field])()
             try:
                 changed = _replace(current, attr, value, where)
@@ -88,16 +98,19 @@ def run_token_sweep(sweep, *, device: str = "cpu", preset: str = "tiny", tp: int
     resolved = resolve(sweep, points, device)
     cfg = make_preset(preset, tp)
     params = {**(GPU_PARAMS if device.startswith("cuda") else CPU_PARAMS), **sweep.params}
-    num_splits = params.pop("num_splits")
-    log(f"{TOKEN}/{sweep.name}: building the token ({cfg.describe()}, {params})")
+    num_splits = params.pop("num_splits") or decode_step.split_override(cfg, device,
+                                                                        [params["context"]])
+    log(f"{TOKEN}/{sweep.name}: building the token ({cfg.describe()}, {params}, "
+        f"MLA splits {num_splits})")
     token = decode_step.build(cfg, device, **params)
     full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
     choices = {point_json(spec): configs for spec, configs in resolved}
+    splits = {point_json(spec): spec.get(SPLITS, num_splits) for spec, _ in resolved}
     stacks = dict.fromkeys(choices, full)
     base = {**(meta or {}), "device": device, "boundary": TOKEN, "variant": "full stack",
             "sweep": sweep.name, "preset": preset, "tp": tp, "M": 1}
     rows: list[dict] = []
-    checks = decode_step.check_token(token, stacks, choices, num_splits)
+    checks = decode_step.check_token(token, stacks, choices, splits)
     for label, ok, err, tol in zip(checks["stack"], checks["ok"], checks["max abs error"],
                                    checks["tolerance"], strict=True):
         note = "" if ok else f"logits off the fp32 truth by {err:.4g} (tolerance {tol:.4g})"
@@ -111,7 +124,7 @@ def run_token_sweep(sweep, *, device: str = "cpu", preset: str = "tiny", tp: int
                 return pd.DataFrame(rows, columns=list(columns) or None)
             del choices[label], stacks[label]
     log(f"{TOKEN}/{sweep.name}: timing {len(choices)} points")
-    t = decode_step.compare(token, device, choices, stacks, num_splits=num_splits,
+    t = decode_step.compare(token, device, choices, stacks, num_splits=splits,
                             repeats=repeats)
     for r in t.to_dict("records"):
         got = {"tok_per_s": r["tok/s"], "token_us": r["token us"],

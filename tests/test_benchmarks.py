@@ -225,6 +225,35 @@ def test_token_sweep_rows_and_checks(tmp_path, capsys, monkeypatch):
     assert "tok_per_s" in set(df[df["point"] == "{}"]["metric"])
 
 
+def test_token_sweep_points_take_their_own_mla_split_count(monkeypatch):
+    """A point's "num_splits" is its token's split count, checked and timed with it; the
+    other points keep the sweep's (0 on a GPU: the decode step's split override)."""
+    from benchmarks import token as token_sweeps
+    from k3lab.studies import decode_step
+
+    seen = {}
+
+    def check(token, stacks, configs, num_splits):
+        seen["check"] = num_splits
+        return pd.DataFrame({"stack": list(stacks), "ok": True, "max abs error": 0.0,
+                             "tolerance": 1.0})
+
+    def compare(token, device, choices, stacks, *, num_splits, repeats):
+        seen["compare"] = num_splits
+        return pd.DataFrame({"choice": list(choices), "tok/s": 1.0, "token us": 1.0,
+                             "launches per token": 1})
+
+    monkeypatch.setattr(decode_step, "check_token", check)
+    monkeypatch.setattr(decode_step, "compare", compare)
+    sweep = sweeps.get("token", "mla_splits")
+    df = token_sweeps.run_token_sweep(sweep, device="cpu", log=lambda *_: None)
+    own = token_sweeps.CPU_PARAMS["num_splits"]
+    want = {sweeps.point_json(p): p.get("num_splits", own) for p in sweep.points}
+    assert seen == {"check": want, "compare": want} and len(set(want.values())) == 3
+    assert set(df["point"]) == set(want)
+    assert token_sweeps.GPU_PARAMS["num_splits"] == 0  # the reports' split override
+
+
 def test_token_sweep_refuses_bad_points_before_running():
     tail = sweeps.get("token", "tail")
     for points, match in ((({"tail.block_k": 256},), "first point must be"),
@@ -235,6 +264,9 @@ def test_token_sweep_refuses_bad_points_before_running():
             sweeps.resolve(dataclasses.replace(tail, points=points))
     with pytest.raises(ValueError, match="tail.block_k=3"):
         sweeps.resolve(dataclasses.replace(tail, points=({}, {"tail.block_k": 3})))
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"num_splits={bad!r}: expected an MLA split"):
+            sweeps.resolve(dataclasses.replace(tail, points=({}, {"num_splits": bad})))
     with pytest.raises(sweeps.SweepError, match="no point 9"):
         sweeps.resolve(tail, [9])
     assert run.main(["token", "--sweep", "tail", "--variants", "fused", "--device", "cpu",

@@ -345,6 +345,34 @@ def test_waterfalls_measure_each_distinct_stack_once(monkeypatch):
     assert len(measured) == 3 and b[-1][1] is a[1][1]  # shared with the first waterfall
 
 
+def test_split_override_is_the_kernels_count_at_the_longest_context_served(monkeypatch):
+    """The graph's fixed MLA split count: the kernel's own count at GRAPH_CONTEXT, or at a
+    longer context the run measures; compare and check_token run each label at its own."""
+    from k3lab.kernels.mla import default_num_splits
+
+    cfg = preset("kimi-k3", 8)
+    at = default_num_splits(1, cfg.mla_heads, study.GRAPH_CONTEXT, "cpu")
+    assert study.split_override(cfg, "cpu") == at
+    assert study.split_override(cfg, "cpu", [4096, 8192]) == at
+    longer = default_num_splits(1, cfg.mla_heads, 64 * study.GRAPH_CONTEXT, "cpu")
+    assert study.split_override(cfg, "cpu", [64 * study.GRAPH_CONTEXT]) == longer
+    with pytest.raises(ValueError, match="contexts"):
+        study.split_override(cfg, "cpu", [0])
+
+    seen = {}
+
+    def fake(st, token, device, *, label, num_splits, **kw):
+        seen[label] = num_splits
+        return _figs(label, 1000.0, 10)
+
+    monkeypatch.setattr(study, "measure_token", fake)
+    out = study.compare({}, "cpu", {"a": None, "b": None}, {"a": None, "b": None},
+                        num_splits={"a": 3, "b": 7})
+    assert seen == {"a": 3, "b": 7} and out["choice"].tolist() == ["a", "b"]
+    study.compare({}, "cpu", {"a": None}, {"a": None}, num_splits=5)
+    assert seen["a"] == 5
+
+
 def test_interleaved_ratios_per_round():
     """The base's time over each label's, per round: median, min and max over the rounds."""
     t = pd.DataFrame({"round": [0, 0, 1, 1, 2, 2], "label": ["d", "x"] * 3,

@@ -23,7 +23,7 @@ from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 
 __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
            "launch_choices", "compare", "PDL_CHOICES", "CONFIG_CHOICES", "STACK_CHOICES",
-           "set_context", "check_token",
+           "set_context", "check_token", "split_override", "GRAPH_CONTEXT",
            "LOGITS_RTOL", "waterfall", "waterfall_table",
            "waterfall_plot", "floor", "floors", "latent_up_format", "rates", "rates_plot",
            "breakdown", "FLOOR_LABEL",
@@ -42,6 +42,8 @@ ALLREDUCE = {"us": 10.0, "source": "sgl-project/sglang PR #2904 (H100, tp 8, wit
              "decode-sized messages, 9.3 us at 4 KiB and 11.8 us at 32 KiB; K3's 14 KiB "
              "(7168 bf16) taken as 10 us. NCCL's ring / tree all-reduce is not latency-optimal "
              "at this size (vLLM PR #2192's design note), so NCCL itself would cost more"}
+# the longest MLA context a captured decode graph serves (the split override's length)
+GRAPH_CONTEXT = 131072
 MODELS = (
     "Modeled: one tp rank's decode token at batch 1: the embedding row, layer 0 (KDA attention "
     "and the dense MLP), a window of consecutive layers with distinct, cold weights and "
@@ -122,7 +124,24 @@ def _restore(token: dict, snap: list) -> None:
             s["cache"][k].copy_(v)
 
 
-def check_token(token: dict, stacks: dict, configs, num_splits: int) -> pd.DataFrame:
+def _per_label(num_splits, label: str) -> int:
+    return num_splits[label] if isinstance(num_splits, dict) else num_splits
+
+
+def split_override(cfg, device, contexts=()) -> int:
+    """The MLA split count a graph-capturing engine fixes: the kernel's own count
+    (``kernels.mla.default_num_splits``) at the longest context the graph serves,
+    :data:`GRAPH_CONTEXT` or the longest of ``contexts`` if longer. The kernel reads the
+    lengths on the device, so one graph with it serves every shorter context."""
+    from k3lab.kernels.mla import default_num_splits
+
+    contexts = [int(c) for c in contexts]
+    if contexts and min(contexts) < 1:
+        raise ValueError(f"contexts: expected context lengths of at least 1, got {contexts}")
+    return default_num_splits(1, cfg.mla_heads, max([GRAPH_CONTEXT, *contexts]), device)
+
+
+def check_token(token: dict, stacks: dict, configs, num_splits) -> pd.DataFrame:
     """Each stack's logits against the fp32 truth (``reference.layer.run_token``) from the same
     caches, the truth's MoE layers using the experts the stack chose (a router near-tie flips
     an expert on a rounding difference; a column says in how many layers the stack chose the
@@ -130,8 +149,8 @@ def check_token(token: dict, stacks: dict, configs, num_splits: int) -> pd.DataF
     |logit|), pass. A stack with ``fp8-latent-tail`` is checked against the truth of its own
     weights: the latent up-projection as the e4m3 rows it runs, dequantized (column "truth
     latent up"); the quantization itself is a change of the model's numbers, not an error of
-    the kernels. ``configs``: one ``stack.Configs`` for every stack, or one per label; stacks
-    that chose the same experts and weights share one truth."""
+    the kernels. ``configs`` and ``num_splits`` (the MLA split count): one for every stack, or
+    one per label; stacks that chose the same experts and weights share one truth."""
     snap = _snapshot(token)
     own: list = []
     truths: list[tuple[list, bool, torch.Tensor]] = []  # (experts chosen, fp8 tail, truth)
@@ -141,7 +160,7 @@ def check_token(token: dict, stacks: dict, configs, num_splits: int) -> pd.DataF
         fp8 = "fp8-latent-tail" in st.names and bool(token["cfg"].latent)
         _restore(token, snap)
         chosen: list = []
-        got = stack.run_token(st, token, num_splits=num_splits, configs=cfgs,
+        got = stack.run_token(st, token, num_splits=_per_label(num_splits, label), configs=cfgs,
                               record=chosen).float()
         truth = next((t for c, f, t in truths if f == fp8 and _same_experts(c, chosen)), None)
         if truth is None:
@@ -367,10 +386,11 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
     return out
 
 
-def compare(token: dict, device, choices: dict, stacks: dict, *, num_splits: int,
+def compare(token: dict, device, choices: dict, stacks: dict, *, num_splits,
             repeats: int | None = None) -> pd.DataFrame:
-    """Each labelled token (``stacks[label]`` run with ``choices[label]``, a ``stack.Configs``;
-    the first label is the base, "defaults") measured back to back: tok/s, token us, launches,
+    """Each labelled token (``stacks[label]`` run with ``choices[label]``, a ``stack.Configs``,
+    and ``num_splits``, one MLA split count or one per label; the first label is the base,
+    "defaults") measured back to back: tok/s, token us, launches,
     its tok/s over the base's; on a GPU, then the window's graphs of every label replayed in
     turn over :data:`INTERLEAVED_ROUNDS` rounds (``profile.time_interleaved``): the base's
     window time over each label's, its median, min and max over the rounds (left out, with the
@@ -378,15 +398,16 @@ def compare(token: dict, device, choices: dict, stacks: dict, *, num_splits: int
     rows = []
     for label, cfgs in choices.items():
         f = measure_token(stacks[label], token, device, label=label, configs=cfgs,
-                          num_splits=num_splits, repeats=repeats)
+                          num_splits=_per_label(num_splits, label), repeats=repeats)
         rows.append({"choice": label, "token us": f.token_us, "tok/s": f.tok_per_s,
                      "launches per token": round(f.launches)})
     out = pd.DataFrame(rows)
     out["vs defaults"] = out["tok/s"] / out["tok/s"].iloc[0]
     if torch.device(device).type != "cuda":  # CUDA graphs only
         return out
-    runs = {label: (lambda tk, c=cfgs, st=stacks[label]: stack.run_token(
-                st, tk, num_splits=num_splits, configs=c))
+    splits = {label: _per_label(num_splits, label) for label in choices}
+    runs = {label: (lambda tk, c=cfgs, st=stacks[label], n=splits[label]: stack.run_token(
+                st, tk, num_splits=n, configs=c))
             for label, cfgs in choices.items()}
     try:
         r = profile.interleaved_ratios(profile.time_interleaved(runs, token,
