@@ -370,7 +370,8 @@ def _mla(run: _Run, x, state: dict, residual) -> torch.Tensor:
     prep = dict(qk_nope=nope, v_head=v, eps=cfg.rms_eps, rope=cfg.mla_rope)
     if run.fused("mla.q_absorb"):  # mla-absorb-fusion: the neighbours on both sides
         q_lat, q_rope = _kernels().mla_absorb_q(q, kv.contiguous(), w["kv_a_norm"], w["kv_b"],
-                                                state["position"], kv_cache, seq_lens, **prep)
+                                                state["position"], kv_cache, seq_lens, **prep,
+                                                config=run.configs.mla)
     else:
         q_lat, q_rope = ref_mla.mla_absorb_q_reference(q, kv, w["kv_a_norm"], w["kv_b"],
                                                        state["position"], kv_cache, seq_lens,
@@ -385,7 +386,7 @@ def _mla(run: _Run, x, state: dict, residual) -> torch.Tensor:
                                              sm_scale=sm_scale)
     if run.fused("mla.v_absorb"):
         o = _kernels().mla_absorb_out(o_lat, w["kv_b"], g.contiguous(), qk_nope=nope, v_head=v,
-                                      out_dtype=x.dtype)
+                                      out_dtype=x.dtype, config=run.configs.mla)
     else:
         o = ref_mla.mla_absorb_out_reference(o_lat.float(), w["kv_b"], g, qk_nope=nope,
                                              v_head=v).to(x.dtype)

@@ -74,6 +74,10 @@ class MLAConfig:
     split_pdl: launch the split kernel with programmatic dependent launch too (it waits for the
         preceding grid at its start; the call's last kernel lets the next grid launch at its
         start): saves the call's first launch behind whatever ran before (CUDA only).
+    absorb_pdl: launch ``mla_absorb_q`` and ``mla_absorb_out`` (kernels/mla_absorb.py) with
+        programmatic dependent launch: each loads its kv_b tile before its wait for the
+        previous grid; the combine (or a single split) then lets the v absorb launch at its
+        start (CUDA only).
     """
 
     block_n: int = 64
@@ -85,6 +89,7 @@ class MLAConfig:
     min_rows_per_split: int = 128
     combine_pdl: bool = True
     split_pdl: bool = False
+    absorb_pdl: bool = False
 
     def __post_init__(self):
         for f in fields(self):
@@ -469,6 +474,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
     lse = torch.empty((m, h), device=dev, dtype=torch.float32)
     final = num_splits == 1
     pdl, split_pdl = _pdl(cfg, on_gpu, final)
+    absorb = cfg.absorb_pdl and on_gpu  # the v absorb after this call waits by PDL
     if final:
         o_dst, lse_dst = out, lse
         so = (out.stride(0), out.stride(1), 0)
@@ -485,7 +491,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
         kv_cache.stride(0), kv_cache.stride(1), *so, *sl,
         C=c, R=r, BLOCK_H=BLOCK_H, BLOCK_N=cfg.block_n, CHUNKS=_score_chunks(c, cfg),
         DEFER_SUM=cfg.defer_row_sum, DOT_FP32=dot_fp32, FINAL=final,
-        PDL_WAIT=split_pdl, PDL_TRIGGER=pdl or split_pdl,
+        PDL_WAIT=split_pdl, PDL_TRIGGER=pdl or split_pdl or (final and absorb),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"launch_pdl": True} if split_pdl else {}),
     )
@@ -497,7 +503,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
             lse_dst.stride(0), lse_dst.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            C=c, BLOCK_C=block_c, BLOCK_S=block_s, PDL_WAIT=pdl, PDL_TRIGGER=split_pdl,
+            C=c, BLOCK_C=block_c, BLOCK_S=block_s, PDL_WAIT=pdl, PDL_TRIGGER=split_pdl or absorb,
             **({"launch_pdl": True} if pdl else {}),
         )
     return (out, lse) if return_lse else out

@@ -14,6 +14,10 @@ W_uk and W_uv are read in place from kv_b [H*(nope+V), C] (per head: nope rows o
 rows of W_uv). rope is the reference's rotate-half at integer positions, applied only when the
 preset rotates (K3 does not). Sums are fp32 over bf16 loads (a broadcast multiply and tl.sum:
 one token's rows are too few for tensor cores, and the interpreter's bf16 tl.dot is wrong).
+
+With ``MLAConfig.absorb_pdl`` both launch by programmatic dependent launch: a program loads its
+kv_b tile (and the q side its norm gain), which no launch writes, then waits for the previous
+grid and lets the next one launch, and only then reads the activations.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .mla import MLAConfig, _config
 from .runtime import check_number, check_tensor, check_validate
 
 __all__ = ["mla_absorb_q", "mla_absorb_out", "ABSORB_BLOCK_C", "ABSORB_BLOCK_V"]
@@ -56,13 +62,11 @@ def _mla_absorb_q_kernel(q_ptr, kv_ptr, norm_ptr, kvb_ptr, pos_ptr, cache_ptr, l
                          H: tl.constexpr, NOPE: tl.constexpr, R: tl.constexpr,
                          V: tl.constexpr, C: tl.constexpr, NOPE_P: tl.constexpr,
                          C_P: tl.constexpr, HALF_P: tl.constexpr, R_DIV: tl.constexpr,
-                         BLOCK_C: tl.constexpr, ROPE: tl.constexpr):
+                         BLOCK_C: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     m = tl.program_id(0)
     pid = tl.program_id(1)
     NCB: tl.constexpr = (C + BLOCK_C - 1) // BLOCK_C
     HALF: tl.constexpr = R // 2
-    pos = tl.load(pos_ptr + m).to(tl.int64)
-    pos_f = pos.to(tl.float32)
     j = tl.arange(0, HALF_P)
     if pid < H * NCB:
         h = pid // NCB
@@ -70,9 +74,13 @@ def _mla_absorb_q_kernel(q_ptr, kv_ptr, norm_ptr, kvb_ptr, pos_ptr, cache_ptr, l
         q_row = q_ptr + (m * H + h) * (NOPE + R)
         n = tl.arange(0, NOPE_P)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        q_nope = tl.load(q_row + n, mask=n < NOPE, other=0.0).to(tl.float32)
         w = tl.load(kvb_ptr + (h * (NOPE + V) + n[:, None]).to(tl.int64) * C + c[None, :],
                     mask=(n[:, None] < NOPE) & (c[None, :] < C), other=0.0).to(tl.float32)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        pos_f = tl.load(pos_ptr + m).to(tl.float32)
+        q_nope = tl.load(q_row + n, mask=n < NOPE, other=0.0).to(tl.float32)
         q_lat = tl.sum(q_nope[:, None] * w, axis=0)
         tl.store(qlat_ptr + (m * H + h) * C + c, q_lat.to(qlat_ptr.dtype.element_ty),
                  mask=c < C)
@@ -85,8 +93,13 @@ def _mla_absorb_q_kernel(q_ptr, kv_ptr, norm_ptr, kvb_ptr, pos_ptr, cache_ptr, l
     else:  # the cache row: RMSNorm of the latent, the rope columns, the new length
         kv_row = kv_ptr + m * (C + R)
         cols = tl.arange(0, C_P)
-        xc = tl.load(kv_row + cols, mask=cols < C, other=0.0).to(tl.float32)
         gain = tl.load(norm_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        pos = tl.load(pos_ptr + m).to(tl.int64)
+        pos_f = pos.to(tl.float32)
+        xc = tl.load(kv_row + cols, mask=cols < C, other=0.0).to(tl.float32)
         latent = xc * tl.rsqrt(tl.sum(xc * xc, axis=0) / C + eps) * gain
         k1, k2 = _rope_half(kv_row + C, j, pos_f, log2_theta, HALF, R_DIV, ROPE)
         inside = (pos >= 0) & (pos < l_max)  # else nothing is written; the length says so
@@ -103,16 +116,20 @@ def _mla_absorb_q_kernel(q_ptr, kv_ptr, norm_ptr, kvb_ptr, pos_ptr, cache_ptr, l
 @triton.jit
 def _mla_absorb_out_kernel(olat_ptr, kvb_ptr, g_ptr, out_ptr,
                            H: tl.constexpr, NOPE: tl.constexpr, V: tl.constexpr,
-                           C: tl.constexpr, C_P: tl.constexpr, BLOCK_V: tl.constexpr):
+                           C: tl.constexpr, C_P: tl.constexpr, BLOCK_V: tl.constexpr,
+                           PDL: tl.constexpr):
     m = tl.program_id(0)
     pid = tl.program_id(1)
     NVB: tl.constexpr = (V + BLOCK_V - 1) // BLOCK_V
     h = pid // NVB
     v = (pid % NVB) * BLOCK_V + tl.arange(0, BLOCK_V)
     c = tl.arange(0, C_P)
-    o_lat = tl.load(olat_ptr + (m * H + h) * C + c, mask=c < C, other=0.0).to(tl.float32)
     w = tl.load(kvb_ptr + (h * (NOPE + V) + NOPE + v[:, None]).to(tl.int64) * C + c[None, :],
                 mask=(v[:, None] < V) & (c[None, :] < C), other=0.0).to(tl.float32)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    o_lat = tl.load(olat_ptr + (m * H + h) * C + c, mask=c < C, other=0.0).to(tl.float32)
     o = tl.sum(w * o_lat[None, :], axis=1)
     col = m * (H * V) + h * V + v
     gate = tl.load(g_ptr + col, mask=v < V, other=0.0).to(tl.float32)
@@ -121,6 +138,13 @@ def _mla_absorb_out_kernel(olat_ptr, kvb_ptr, g_ptr, out_ptr,
 
 
 _HALF_TYPES = (torch.bfloat16, torch.float16)
+
+
+def _pdl(cfg: MLAConfig, dev: torch.device) -> dict:
+    """The PDL constexpr and launch option: ``absorb_pdl`` on CUDA (the interpreter runs plain
+    launches)."""
+    pdl = cfg.absorb_pdl and dev.type == "cuda"
+    return {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
 
 
 def _kv_b(kv_b, heads, qk_nope, v_head, c, dev):
@@ -139,7 +163,8 @@ def _dim(name, v):
 def mla_absorb_q(q: torch.Tensor, kv: torch.Tensor, kv_a_norm: torch.Tensor,
                  kv_b: torch.Tensor, position: torch.Tensor, kv_cache: torch.Tensor,
                  seq_lens: torch.Tensor, *, qk_nope: int, v_head: int, eps: float,
-                 rope: bool = False, rope_theta: float = 50000.0, validate: str = "cheap"):
+                 rope: bool = False, rope_theta: float = 50000.0, validate: str = "cheap",
+                 config: MLAConfig | None = None):
     """The attention's inputs from the projections, one launch.
 
     q: [M, H, qk_nope + R] (the q_b projection's output); kv: [M, C + R] (kv_a's); kv_a_norm:
@@ -148,10 +173,12 @@ def mla_absorb_q(q: torch.Tensor, kv: torch.Tensor, kv_a_norm: torch.Tensor,
     (set to position + 1). A position outside [0, L_max) writes no row and sets the length to
     -1 (a ValueError on CPU tensors or with ``validate="full"``; on the GPU without a sync the
     attention of that token then gives NaN, as ``mla_decode`` does for a bad length). rope:
-    rotate the rope columns (rotate-half at ``rope_theta``).
+    rotate the rope columns (rotate-half at ``rope_theta``). config: an ``MLAConfig`` (its
+    ``absorb_pdl``) or None.
     Returns (q_lat [M, H, C], q_rope [M, H, R]) in kv_cache's dtype.
     """
     validate = check_validate(validate)
+    cfg = _config(config)
     check_tensor("q", q, dtypes=_HALF_TYPES, dim=3)
     dev = q.device
     m, heads, qk = q.shape
@@ -193,19 +220,22 @@ def mla_absorb_q(q: torch.Tensor, kv: torch.Tensor, kv_a_norm: torch.Tensor,
         math.log2(theta), H=heads, NOPE=qk_nope, R=r, V=v_head, C=c,
         NOPE_P=triton.next_power_of_2(qk_nope), C_P=triton.next_power_of_2(c),
         HALF_P=triton.next_power_of_2(max(r // 2, 1)), R_DIV=max(r, 1), BLOCK_C=ABSORB_BLOCK_C,
-        ROPE=bool(rope),
+        ROPE=bool(rope), **_pdl(cfg, dev),
         num_warps=4)
     return q_lat, q_rope
 
 
 def mla_absorb_out(o_lat: torch.Tensor, kv_b: torch.Tensor, g: torch.Tensor, *, qk_nope: int,
-                   v_head: int, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                   v_head: int, out_dtype: torch.dtype = torch.bfloat16,
+                   config: MLAConfig | None = None) -> torch.Tensor:
     """The attention's output into the o_proj input, one launch.
 
     o_lat: [M, H, C] (``mla_decode``'s output, any float dtype); kv_b: [H*(qk_nope+v_head), C];
-    g: [M, H*v_head] (the output gate's logits). Returns [M, H*v_head] in ``out_dtype`` (bf16 or
-    fp32): per head o_lat @ W_uv^T times sigmoid(g).
+    g: [M, H*v_head] (the output gate's logits); config: an ``MLAConfig`` (its
+    ``absorb_pdl``) or None. Returns [M, H*v_head] in ``out_dtype`` (bf16 or fp32): per head
+    o_lat @ W_uv^T times sigmoid(g).
     """
+    cfg = _config(config)
     check_tensor("o_lat", o_lat, dtypes=(torch.float32, *_HALF_TYPES), dim=3)
     dev = o_lat.device
     m, heads, c = o_lat.shape
@@ -221,5 +251,5 @@ def mla_absorb_out(o_lat: torch.Tensor, kv_b: torch.Tensor, g: torch.Tensor, *, 
     nvb = triton.cdiv(v_head, ABSORB_BLOCK_V)
     _mla_absorb_out_kernel[(m, heads * nvb)](
         o_lat, kv_b, g, out, H=heads, NOPE=qk_nope, V=v_head, C=c,
-        C_P=triton.next_power_of_2(c), BLOCK_V=ABSORB_BLOCK_V, num_warps=4)
+        C_P=triton.next_power_of_2(c), BLOCK_V=ABSORB_BLOCK_V, **_pdl(cfg, dev), num_warps=4)
     return out

@@ -245,7 +245,7 @@ def test_token_sweep_points_take_their_own_mla_split_count(monkeypatch):
 
     monkeypatch.setattr(decode_step, "check_token", check)
     monkeypatch.setattr(decode_step, "compare", compare)
-    sweep = sweeps.get("token", "mla_splits")
+    sweep = sweeps.get("token", "mla")
     df = token_sweeps.run_token_sweep(sweep, device="cpu", log=lambda *_: None)
     own = token_sweeps.CPU_PARAMS["num_splits"]
     want = {sweeps.point_json(p): p.get("num_splits", own) for p in sweep.points}

@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3lab.kernels import mla_absorb_out, mla_absorb_q
+from k3lab.kernels import MLAConfig, mla_absorb_out, mla_absorb_q, mla_decode
 from k3lab.reference.mla import (
     mla_absorb_out_reference,
     mla_absorb_q_reference,
@@ -216,3 +216,70 @@ def test_gpu_in_graph_and_bad_position():
     pos.fill_(l_max)
     graph.replay()
     assert torch.equal(cache, before) and int(lens[0]) == -1
+
+
+def test_absorb_config(device):
+    """``MLAConfig.absorb_pdl`` changes how the two launch, not what they compute (the
+    interpreter runs them plainly); anything but an MLAConfig is refused by name."""
+    m, heads, nope, r, v, c, l_max = 1, 3, 16, 8, 16, 32, 6
+    q, kv, norm, kv_b, pos, cache = _inputs(m, heads, nope, r, v, c, l_max, 5, device)
+    g = torch.randn(m, heads * v).bfloat16().to(device)
+    kw = dict(qk_nope=nope, v_head=v, eps=1e-6)
+    outs = []
+    for config in (None, MLAConfig(absorb_pdl=True)):
+        cache_c, lens = cache.clone(), torch.zeros(m, dtype=torch.int32, device=device)
+        q_lat, q_rope = mla_absorb_q(q, kv, norm, kv_b, pos, cache_c, lens, **kw, config=config)
+        o = mla_absorb_out(q_lat, kv_b, g, qk_nope=nope, v_head=v, config=config)
+        outs.append((q_lat, q_rope, cache_c, lens, o))
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="config: expected an MLAConfig"):
+        mla_absorb_q(q, kv, norm, kv_b, pos, cache, lens, **kw, config={"absorb_pdl": True})
+    with pytest.raises(ValueError, match="config: expected an MLAConfig"):
+        mla_absorb_out(q_lat, kv_b, g, qk_nope=nope, v_head=v, config=MLAConfig)
+    with pytest.raises(ValueError, match="absorb_pdl: expected a bool"):
+        MLAConfig(absorb_pdl=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_gpu_absorb_pdl_chain_keeps_the_bits(num_splits):
+    """q absorb, attention and v absorb by PDL (each absorb's kv_b tile loaded before its
+    wait), captured after a kernel that writes q, kv and g, replayed over fresh inputs: the
+    same bits as the plain launches, one split (its kernel lets the v absorb launch) or a
+    combine."""
+    dev = torch.device("cuda")
+    m, heads, nope, r, v, c, l_max = 1, 12, 128, 64, 128, 512, 512
+    q, kv, norm, kv_b, pos, cache = _inputs(m, heads, nope, r, v, c, l_max, 6, dev)
+    pos.fill_(l_max - 1)
+    g = torch.randn(m, heads * v, device=dev).bfloat16()
+    src = [t.clone() for t in (q, kv, g)]
+    kw = dict(qk_nope=nope, v_head=v, eps=1e-6)
+    outs = {}
+    for pdl in (False, True):
+        config = MLAConfig(absorb_pdl=pdl, split_pdl=pdl)
+        cache_c, lens = cache.clone(), torch.zeros(m, dtype=torch.int32, device=dev)
+
+        def step(cache_c=cache_c, lens=lens, config=config):
+            for t, s in zip((q, kv, g), src, strict=True):  # the previous grid writes them
+                t.copy_(s * 1.5)
+            q_lat, q_rope = mla_absorb_q(q, kv, norm, kv_b, pos, cache_c, lens, **kw,
+                                         config=config)
+            o_lat = mla_decode(q_lat, q_rope, cache_c, lens, sm_scale=0.07,
+                               num_splits=num_splits, config=config)
+            return mla_absorb_out(o_lat, kv_b, g, qk_nope=nope, v_head=v, config=config)
+
+        step()
+        for t in (q, kv, g):
+            t.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o = step()
+        for t in (q, kv, g):
+            t.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[pdl] = (o.clone(), cache_c.clone(), lens.clone())
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert torch.equal(a, b)
+    assert outs[True][0].abs().sum() > 0
