@@ -561,15 +561,24 @@ def test_gpu_grid_beyond_residency():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
 def test_gpu_k3_tp8_launches_and_determinism(fmt):
-    """At most 2 launches with routing; deterministic bitwise call after call; atomic within a
-    bf16 rounding of it."""
+    """With routing, one launch besides the route's: at one token 2 in all; at 16 the route
+    takes its own selection launch too (``RouteConfig.select_programs_min_tokens``).
+    Deterministic bitwise call after call; atomic within a bf16 rounding of it."""
     cfg, w, x = _k3(8, 16, fmt)
     det_cfg = PersistentMoEConfig(deterministic=True)
 
     def run(inp):
         return moe_persistent(inp["x"], w, cfg=cfg, config=inp["config"])
 
-    assert count_launches(run, {"x": x, "config": det_cfg}).count <= 2
+    def route(inp):
+        return route_sort(inp["x"], w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
+                          n_group=cfg.n_group, topk_group=cfg.topk_group,
+                          renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling)
+
+    one = x[:1].contiguous()
+    assert count_launches(run, {"x": one, "config": det_cfg}).count == 2
+    assert (count_launches(run, {"x": x, "config": det_cfg}).count
+            == count_launches(route, {"x": x}).count + 1)
     det = run({"x": x, "config": det_cfg})
     for _ in range(5):
         assert torch.equal(run({"x": x, "config": det_cfg}), det)
