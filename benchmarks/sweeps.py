@@ -593,13 +593,12 @@ _SWEEPS = [
           "(MoEConfig.tail_second_first) in the full stack's token, against after its latent "
           "up", variants=("full stack",), tp=8),
     Sweep("mla", "token", ({}, {"num_splits": 32}, {"num_splits": 64},
-                           {"mla.absorb_pdl": True},
-                           {"mla.absorb_pdl": True, "mla.split_pdl": True}),
+                           {"mla.absorb_pdl": False}, {"mla.split_pdl": True}),
           "the MLA layer's launches in the full stack's token at 8k context: the graph's fixed "
           "split count (the kernel's own at the longest context served, "
           "decode_step.split_override: one split an SM; {}) against 32 and 64 (the kernel's "
-          "own at 8k); the two absorb kernels by PDL (MLAConfig.absorb_pdl), alone and with "
-          "the split kernel by PDL", variants=("full stack",), tp=8),
+          "own at 8k); the two absorb kernels plain (MLAConfig.absorb_pdl, on by default) and "
+          "the split kernel by PDL too", variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},

@@ -89,7 +89,7 @@ class MLAConfig:
     min_rows_per_split: int = 128
     combine_pdl: bool = True
     split_pdl: bool = False
-    absorb_pdl: bool = False
+    absorb_pdl: bool = True
 
     def __post_init__(self):
         for f in fields(self):

@@ -282,7 +282,7 @@ INTERLEAVED_ROUNDS = 7
 CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
                    {"bank_before_wait": False}),
                   ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}),
-                  ("MLA absorb kernels by PDL", "mla", "MLAConfig", {"absorb_pdl": True}),
+                  ("MLA absorb kernels plain", "mla", "MLAConfig", {"absorb_pdl": False}),
                   ("MoE router apart from the front", "moe", "MoEConfig",
                    {"front_routes": False}),
                   ("MoE front after the route", "moe", "MoEConfig",

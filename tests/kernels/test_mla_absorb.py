@@ -226,7 +226,7 @@ def test_absorb_config(device):
     g = torch.randn(m, heads * v).bfloat16().to(device)
     kw = dict(qk_nope=nope, v_head=v, eps=1e-6)
     outs = []
-    for config in (None, MLAConfig(absorb_pdl=True)):
+    for config in (MLAConfig(absorb_pdl=False), None):
         cache_c, lens = cache.clone(), torch.zeros(m, dtype=torch.int32, device=device)
         q_lat, q_rope = mla_absorb_q(q, kv, norm, kv_b, pos, cache_c, lens, **kw, config=config)
         o = mla_absorb_out(q_lat, kv_b, g, qk_nope=nope, v_head=v, config=config)
