@@ -599,6 +599,14 @@ _SWEEPS = [
           "decode_step.split_override: one split an SM; {}) against 32 and 64 (the kernel's "
           "own at 8k); the two absorb kernels plain (MLAConfig.absorb_pdl, on by default) and "
           "the split kernel by PDL too", variants=("full stack",), tp=8),
+    Sweep("reads", "token", ({}, {"attn_res.split_min_candidates": 5},
+                             {"attn_res.split_min_candidates": 4},
+                             {"attn_res.split_min_candidates": 4, "attn_res.split_h": 1024}),
+          "the AttnRes reads of the full stack's token (the centred window's read 4 to 6 "
+          "candidates): the one program a token up to 5 candidates ({}: its rows in one "
+          "SM's registers, so it starts only where a whole SM is free) against the split "
+          "schedule's small programs from 5 or 4 candidates, 512 or 1024 columns each",
+          variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},
