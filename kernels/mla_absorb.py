@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .mla import MLAConfig, _config
-from .runtime import check_number, check_tensor, check_validate
+from .runtime import INTERPRETED, check_number, check_tensor, check_validate
 
 __all__ = ["mla_absorb_q", "mla_absorb_out", "ABSORB_BLOCK_C", "ABSORB_BLOCK_V"]
 
@@ -140,10 +140,10 @@ def _mla_absorb_out_kernel(olat_ptr, kvb_ptr, g_ptr, out_ptr,
 _HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
-def _pdl(cfg: MLAConfig, dev: torch.device) -> dict:
-    """The PDL constexpr and launch option: ``absorb_pdl`` on CUDA (the interpreter runs plain
-    launches)."""
-    pdl = cfg.absorb_pdl and dev.type == "cuda"
+def _pdl(cfg: MLAConfig) -> dict:
+    """The PDL constexpr and launch option: ``absorb_pdl``, compiled only (the interpreter runs
+    plain launches)."""
+    pdl = cfg.absorb_pdl and not INTERPRETED
     return {"PDL": pdl, **({"launch_pdl": True} if pdl else {})}
 
 
@@ -220,7 +220,7 @@ def mla_absorb_q(q: torch.Tensor, kv: torch.Tensor, kv_a_norm: torch.Tensor,
         math.log2(theta), H=heads, NOPE=qk_nope, R=r, V=v_head, C=c,
         NOPE_P=triton.next_power_of_2(qk_nope), C_P=triton.next_power_of_2(c),
         HALF_P=triton.next_power_of_2(max(r // 2, 1)), R_DIV=max(r, 1), BLOCK_C=ABSORB_BLOCK_C,
-        ROPE=bool(rope), **_pdl(cfg, dev),
+        ROPE=bool(rope), **_pdl(cfg),
         num_warps=4)
     return q_lat, q_rope
 
@@ -251,5 +251,5 @@ def mla_absorb_out(o_lat: torch.Tensor, kv_b: torch.Tensor, g: torch.Tensor, *, 
     nvb = triton.cdiv(v_head, ABSORB_BLOCK_V)
     _mla_absorb_out_kernel[(m, heads * nvb)](
         o_lat, kv_b, g, out, H=heads, NOPE=qk_nope, V=v_head, C=c,
-        C_P=triton.next_power_of_2(c), BLOCK_V=ABSORB_BLOCK_V, **_pdl(cfg, dev), num_warps=4)
+        C_P=triton.next_power_of_2(c), BLOCK_V=ABSORB_BLOCK_V, **_pdl(cfg), num_warps=4)
     return out
