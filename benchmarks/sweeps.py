@@ -607,6 +607,11 @@ _SWEEPS = [
           "SM's registers, so it starts only where a whole SM is free) against the split "
           "schedule's small programs from 5 or 4 candidates, 512 or 1024 columns each",
           variants=("full stack",), tp=8),
+    Sweep("kda", "token", ({}, {"kda.early_dependents": True}, {"kda.pdl": True}),
+          "the KDA decode in the full stack's token: a plain launch ({}), one that lets the "
+          "output projection after it start at once (KDAConfig.early_dependents: its weight "
+          "prefetch overlaps the decode), and one by PDL (which also waits for the input "
+          "projection at its start)", variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},

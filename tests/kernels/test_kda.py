@@ -383,7 +383,8 @@ def test_bad_conv_and_out_gate_inputs(device):
 
 @pytest.mark.parametrize("field,value", [
     ("block_v", 3), ("block_v", 0), ("min_programs", 0), ("max_block_v", 48),
-    ("min_block_v", True), ("block_r", 24), ("tile_per_warp", 1.0), ("max_warps", 6)])
+    ("min_block_v", True), ("block_r", 24), ("tile_per_warp", 1.0), ("max_warps", 6),
+    ("early_dependents", 1)])
 def test_bad_config(field, value):
     with pytest.raises(ValueError, match=field):
         KDAConfig(**{field: value})
@@ -478,6 +479,45 @@ def test_gpu_cuda_graph_capture(variant):
     torch.cuda.synchronize()
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [KDAConfig(early_dependents=True), KDAConfig(pdl=True)],
+                         ids=["early_dependents", "pdl"])
+def test_gpu_next_projection_by_pdl_keeps_the_bits(config):
+    """K3 tp 8: the decode letting a next launch start early (alone, or by PDL itself), then
+    the output projection by PDL reading its o, captured in a graph over fresh inputs and
+    replayed: the bits of the plain decode and plain projection."""
+    from k3lab.kernels import GemvConfig, dense_gemv
+
+    kda_decode, _, _ = _kernels()
+    b = kda_boundary.BOUNDARY
+    inp = b.make_inputs(preset("kimi-k3", 8), "cuda", seed=5, M=1)
+    hl, d = inp["q"].shape[1], inp["q"].shape[2]
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    w_o = (torch.randn(7168, hl * d, device="cuda", generator=gen) * 0.02).bfloat16()
+    out = {}
+    for label, kda_cfg, gemv_cfg in (("plain", KDAConfig(), GemvConfig()),
+                                     ("early", config, GemvConfig(pdl=True))):
+        run = clone_inputs(inp)
+        src = run["q"].clone()
+
+        def step(run=run, src=src, kda_cfg=kda_cfg, gemv_cfg=gemv_cfg):
+            run["q"].copy_(src * 1.5)  # the launch before the decode writes one of its inputs
+            o = kda_decode(*_args(run), config=kda_cfg)
+            return dense_gemv(o.reshape(1, hl * d), w_o, config=gemv_cfg)
+
+        step()
+        run["q"].zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        out[label] = (y.clone(), run["state"].clone())
+    for a, c in zip(out["plain"], out["early"], strict=True):
+        assert torch.equal(a, c)
+    assert out["early"][0].abs().sum() > 0
 
 
 @pytest.mark.gpu
