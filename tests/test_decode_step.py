@@ -353,11 +353,12 @@ def test_split_override_is_the_kernels_count_at_the_longest_context_served(monke
     cfg = preset("kimi-k3", 8)
     at = default_num_splits(1, cfg.mla_heads, study.GRAPH_CONTEXT, "cpu")
     assert study.split_override(cfg, "cpu") == at
-    assert study.split_override(cfg, "cpu", [4096, 8192]) == at
-    longer = default_num_splits(1, cfg.mla_heads, 64 * study.GRAPH_CONTEXT, "cpu")
-    assert study.split_override(cfg, "cpu", [64 * study.GRAPH_CONTEXT]) == longer
-    with pytest.raises(ValueError, match="contexts"):
-        study.split_override(cfg, "cpu", [0])
+    assert study.split_override(cfg, "cpu", [4096]) == at
+    assert study.split_context() == study.split_context([4096, 8192]) == study.GRAPH_CONTEXT
+    assert study.split_context([4 * study.GRAPH_CONTEXT, 8192]) == 4 * study.GRAPH_CONTEXT
+    for bad in ([0], [4096, -1]):
+        with pytest.raises(ValueError, match="contexts"):
+            study.split_override(cfg, "cpu", bad)
 
     seen = {}
 

@@ -23,7 +23,7 @@ from k3lab.studies.decode_token import TokenFigures, allreduces, measure_token
 
 __all__ = ["catalogue", "SEED_ANCHOR", "ALLREDUCE", "MODELS", "configs_for", "build",
            "launch_choices", "compare", "PDL_CHOICES", "CONFIG_CHOICES", "STACK_CHOICES",
-           "set_context", "check_token", "split_override", "GRAPH_CONTEXT",
+           "set_context", "check_token", "split_override", "split_context", "GRAPH_CONTEXT",
            "LOGITS_RTOL", "waterfall", "waterfall_table",
            "waterfall_plot", "floor", "floors", "latent_up_format", "rates", "rates_plot",
            "breakdown", "FLOOR_LABEL",
@@ -128,17 +128,22 @@ def _per_label(num_splits, label: str) -> int:
     return num_splits[label] if isinstance(num_splits, dict) else num_splits
 
 
-def split_override(cfg, device, contexts=()) -> int:
-    """The MLA split count a graph-capturing engine fixes: the kernel's own count
-    (``kernels.mla.default_num_splits``) at the longest context the graph serves,
-    :data:`GRAPH_CONTEXT` or the longest of ``contexts`` if longer. The kernel reads the
-    lengths on the device, so one graph with it serves every shorter context."""
-    from k3lab.kernels.mla import default_num_splits
-
+def split_context(contexts=()) -> int:
+    """The longest MLA context a captured graph serves: :data:`GRAPH_CONTEXT`, or the longest
+    of ``contexts`` if longer."""
     contexts = [int(c) for c in contexts]
     if contexts and min(contexts) < 1:
         raise ValueError(f"contexts: expected context lengths of at least 1, got {contexts}")
-    return default_num_splits(1, cfg.mla_heads, max([GRAPH_CONTEXT, *contexts]), device)
+    return max([GRAPH_CONTEXT, *contexts])
+
+
+def split_override(cfg, device, contexts=()) -> int:
+    """The MLA split count a graph-capturing engine fixes: the kernel's own count
+    (``kernels.mla.default_num_splits``) at :func:`split_context`. The kernel reads the
+    lengths on the device, so one graph with it serves every shorter context."""
+    from k3lab.kernels.mla import default_num_splits
+
+    return default_num_splits(1, cfg.mla_heads, split_context(contexts), device)
 
 
 def check_token(token: dict, stacks: dict, configs, num_splits) -> pd.DataFrame:
