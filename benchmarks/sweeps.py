@@ -588,10 +588,6 @@ _SWEEPS = [
           "SM; {}) and at 32 x 512 (two an SM), each with and without its shared down before "
           "its PDL wait (which spills 24 bytes at 128 registers)",
           variants=("full stack",), tp=8),
-    Sweep("tail_first", "token", ({}, {"moe.tail_second_first": True}),
-          "the MoE tail's shared down-projection and residual before its PDL wait "
-          "(MoEConfig.tail_second_first) in the full stack's token, against after its latent "
-          "up", variants=("full stack",), tp=8),
     Sweep("mla", "token", ({}, {"num_splits": 32}, {"num_splits": 64},
                            {"mla.absorb_pdl": False}, {"mla.split_pdl": True}),
           "the MLA layer's launches in the full stack's token at 8k context: the graph's fixed "
