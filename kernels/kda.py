@@ -55,10 +55,6 @@ class KDAConfig:
     pdl: (compiled only) launched with programmatic dependent launch: a program lets the next
         such launch start and waits for the previous grid before it reads anything, so its
         launch overlaps the end of the previous grid.
-    early_dependents: (compiled only) a program first lets a next launch made with
-        programmatic dependent launch start, without waiting itself (a plain launch; pdl does
-        both): the projection after the decode starts its weight prefetch while the decode
-        runs. That launch still waits for this grid before it reads what this one writes.
     """
 
     block_v: int | None = None
@@ -69,16 +65,15 @@ class KDAConfig:
     tile_per_warp: int = 512
     max_warps: int = 8
     pdl: bool = False
-    early_dependents: bool = False
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None and f.name == "block_v":
                 continue
-            if f.name in ("pdl", "early_dependents"):
+            if f.name == "pdl":
                 if not isinstance(v, bool):
-                    raise ValueError(f"{f.name}: expected a bool, got {v!r}")
+                    raise ValueError(f"pdl: expected a bool, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
@@ -132,16 +127,15 @@ def _kda_decode_kernel(
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
-    PDL: tl.constexpr, TRIGGER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     NV: tl.constexpr = D // BV  # v-tiles (programs) of a head
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_mh = (i_m * H + i_h).to(tl.int64)
     o_k = tl.arange(0, D)
     o_v = i_v * BV + tl.arange(0, BV)
-    if TRIGGER:
-        gdc_launch_dependents()
     if PDL:
+        gdc_launch_dependents()
         gdc_wait()
 
     # the state slice first: its load is the one that matters, let it fly during the GEMV
@@ -365,7 +359,6 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
 
     o = torch.empty((m, hl, d), dtype=v.dtype, device=dev)
     pdl = cfg.pdl and not INTERPRETED
-    trigger = (cfg.pdl or cfg.early_dependents) and not INTERPRETED
     grid = (d // block_v, hl, m)
     num_warps = max(1, min(cfg.max_warps, d * block_v // cfg.tile_per_warp))
     _kda_decode_kernel[grid](
@@ -375,7 +368,7 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         H=hl, D=d, R=r, BR=min(cfg.block_r, triton.next_power_of_2(r)), BV=block_v,
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
-        PDL=pdl, TRIGGER=trigger, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
     )
     return o
 
