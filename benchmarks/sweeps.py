@@ -596,18 +596,16 @@ _SWEEPS = [
           "own at 8k); the two absorb kernels plain (MLAConfig.absorb_pdl, on by default) and "
           "the split kernel by PDL too", variants=("full stack",), tp=8),
     Sweep("reads", "token", ({}, {"attn_res.split_min_candidates": 5},
-                             {"attn_res.split_min_candidates": 4},
-                             {"attn_res.split_min_candidates": 4, "attn_res.split_h": 1024}),
+                             {"read_sums": True},
+                             {"read_sums": True, "read_sums_registers": 0},
+                             {"read_sums": True, "attn_res.split_h": 1024},
+                             {"read_sums": True, "attn_res.split_h": 256}),
           "the AttnRes reads of the full stack's token (the centred window's read 4 to 6 "
-          "candidates): the one program a token up to 5 candidates ({}: its rows in one "
-          "SM's registers, so it starts only where a whole SM is free) against the split "
-          "schedule's small programs from 5 or 4 candidates, 512 or 1024 columns each",
+          "candidates): the one program a token up to 5 candidates ({}) against the split "
+          "schedule from 5, and the FFN reads from the sums the output projection left "
+          "(stack.Configs.read_sums; the projection capped at 72 registers or not), their "
+          "mix in programs of 512, 1024 or 256 columns",
           variants=("full stack",), tp=8),
-    Sweep("kda", "token", ({}, {"kda.early_dependents": True}, {"kda.pdl": True}),
-          "the KDA decode in the full stack's token: a plain launch ({}), one that lets the "
-          "output projection after it start at once (KDAConfig.early_dependents: its weight "
-          "prefetch overlaps the decode), and one by PDL (which also waits for the input "
-          "projection at its start)", variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},

@@ -30,6 +30,7 @@ CONFIG_CLASSES = {"gemv": "GemvConfig", "tail": "GemvConfig", "front": "GemvConf
                   "attn_res": "AttnResConfig", "kda": "KDAConfig", "mla": "MLAConfig",
                   "moe": "MoEConfig"}
 SPLITS = "num_splits"  # a point's key for its token's fixed MLA split count
+SWITCHES = ("read_sums", "read_sums_registers")  # stack.Configs' own fields a point may set
 # the token measured: the reference reports' setup on a GPU, a short one under the interpreter
 GPU_PARAMS = {"window": 12, "context": 8192, "first_layer": 0, "num_splits": 0,
               "expert_format": "mxfp4"}
@@ -71,11 +72,18 @@ def resolve(sweep, points: list[int] | None = None, device: str = "cpu") -> list
                     raise ValueError(f"{where}: {SPLITS}={value!r}: expected an MLA split "
                                      f"count of at least 1")
                 continue
+            if key in SWITCHES:
+                kind = type(getattr(configs, key))
+                if type(value) is not kind:
+                    raise ValueError(f"{where}: {key}={value!r}: expected a {kind.__name__}")
+                configs = dataclasses.replace(configs, **{key: value})
+                continue
             field, _, attr = key.partition(".")
             if field not in CONFIG_CLASSES or not attr:
                 raise SweepError(f"{where}: {key!r} names no config field; expected "
                                  f"'<field>.<name>' with <field> one of "
-                                 f"{sorted(CONFIG_CLASSES)}, or {SPLITS!r}")
+                                 f"{sorted(CONFIG_CLASSES)}, or one of "
+                                 f"{[SPLITS, *SWITCHES]}")
             current = getattr(configs, field) or getattr(kernels, CONFIG_CLASSES[field])()
             try:
                 changed = _replace(current, attr, value, where)

@@ -265,7 +265,13 @@ class Configs:
     ``MLAConfig`` (mla_decode), moe a ``MoEConfig`` (moe_experts, moe_stage1, moe_stage2), tail
     a ``GemvConfig`` for the latent MoE tail's dense GEMV alone (None: gemv's), front one for the
     MoE front's merged GEMV alone (latent down and shared gate/up, in the router's launch or
-    its own; None: gemv's, else the front's own tiling; the launch sets PDL and its waits)."""
+    its own; None: gemv's, else the front's own tiling; the launch sets PDL and its waits).
+    read_sums: the attention's output projection (the dense GEMV) leaves the FFN read's sums
+    in its epilogue, and that read only mixes (``kernels/attn_res_sums.py``; where the read,
+    and the projection by the dense GEMV, are fused); read_sums_registers: that projection's
+    register cap (GemvConfig.max_registers; 0: its tiling's own). The sums cost K3's output
+    projection 8-14 registers a thread above its 70 (offline sm_90 build), 6 programs an SM
+    where 7 fit its one-wave grid; capped at 72 it does not spill."""
 
     gemv: object = None
     route: object = None
@@ -275,6 +281,8 @@ class Configs:
     moe: object = None
     tail: object = None
     front: object = None
+    read_sums: bool = False
+    read_sums_registers: int = 72
 
 
 @dataclass(frozen=True)
@@ -297,7 +305,7 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
     (bf16 F.linear, the norm, activation or residual as separate ops)."""
     if run.stack.owned_by(op, "dense-gemv"):
         from k3lab.kernels.dense import dense_gemv
-        return dense_gemv(x, w, config=run.configs.gemv, **kw)
+        return dense_gemv(x, w, **{"config": run.configs.gemv, **kw})
     return dense_engine(x, w, **kw)
 
 
@@ -306,8 +314,13 @@ def _act(cfg: Preset) -> dict:
                 situ_linear_beta=cfg.situ_linear_beta)
 
 
-def _read(run: _Run, state: dict, bank, live, site: str) -> torch.Tensor:
+def _read(run: _Run, state: dict, bank, live, site: str, sums=None, clear=None
+          ) -> torch.Tensor:
     w, cfg = state[f"res_{site}"], state["cfg"]
+    if sums is not None:  # the projection that wrote live left the sums
+        return _kernels().attn_res_norm_from_sums(sums, live, w["norm_weight"],
+                                                  eps=cfg.rms_eps, clear=clear,
+                                                  config=run.configs.attn_res)[1]
     args = (bank, live, w["res_norm_weight"], w["res_proj_weight"], w["norm_weight"])
     if run.fused(f"attn_res.read@{site}"):
         return _kernels().attn_res_norm(*args, eps=cfg.rms_eps, return_h=False,
@@ -315,7 +328,49 @@ def _read(run: _Run, state: dict, bank, live, site: str) -> torch.Tensor:
     return ref_attn_res.attn_res_norm_reference(*args, eps=cfg.rms_eps)[1]
 
 
-def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual) -> torch.Tensor:
+def _ffn_sums(run: _Run, state: dict, bank, buffers):
+    """The FFN read's ReadSums for the attention's output projection to fill (None where
+    ``Configs.read_sums`` is off or the read or the projection is not fused), and the buffer
+    its read clears. buffers: (this read's zeroed sums, the next read's or None); None: a
+    zeroed one is allocated."""
+    o_proj = f"{state['kind']}.o_proj"
+    if not (run.configs.read_sums and run.fused("attn_res.read@ffn")
+            and run.stack.owned_by(o_proj, "dense-gemv")):
+        return None, None
+    from k3lab.kernels.attn_res_sums import read_sums
+    w = state["res_ffn"]
+    buf, clear = buffers if buffers is not None else (None, None)
+    return read_sums(bank, w["res_norm_weight"], w["res_proj_weight"], buffer=buf), clear
+
+
+def _sums_kw(run: _Run, sums, weight: torch.Tensor, m: int) -> dict:
+    """The output projection's extra arguments when it leaves the FFN read's sums: them, and
+    its tiling with ``Configs.read_sums_registers``."""
+    if sums is None:
+        return {}
+    from k3lab.kernels.dense import call_config
+    tiling = call_config(run.configs.gemv, m, weight.shape[0], weight.shape[1])
+    cap = run.configs.read_sums_registers
+    return {"read_sums": sums, "config": replace(tiling, max_registers=cap) if cap else tiling}
+
+
+def sums_buffers(token: dict, m: int, device) -> list[torch.Tensor]:
+    """One zeroed sums buffer per layer of ``token`` for ``Configs.read_sums`` (kept in the
+    token, so a CUDA graph captured after a first call reuses them): layer i's FFN read clears
+    layer i + 1's, the last one layer 0's, so every replay finds them zero."""
+    from k3lab.kernels.attn_res_sums import sums_numel
+    cfg = token["cfg"]
+    most = max(n for n, _ in token["schedule"].values())
+    need = sums_numel(m, cfg.hidden, most, 512)
+    bufs = token.get("read_sums")
+    if bufs is None or bufs[0].numel() < need or bufs[0].device != torch.device(device):
+        bufs = [torch.zeros(need, dtype=torch.float32, device=device)
+                for _ in token["layer_ids"]]
+        token["read_sums"] = bufs
+    return bufs
+
+
+def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual, sums=None) -> torch.Tensor:
     tag = run.tag
     m, hl, d = x.shape[0], cfg.kda_heads, cfg.kda_head_dim
     tag("dense projections")
@@ -353,10 +408,10 @@ def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual) -> torch.Ten
         o = ref_kda.out_norm_gate(o, g.reshape(m, hl, d), w["o_norm"], cfg.rms_eps)
     tag("dense projections")
     return _linear(run, "kda.o_proj", o.reshape(m, hl * d).to(x.dtype), w["o_proj"],
-                   residual=residual)
+                   residual=residual, **_sums_kw(run, sums, w["o_proj"], m))
 
 
-def _mla(run: _Run, x, state: dict, residual) -> torch.Tensor:
+def _mla(run: _Run, x, state: dict, residual, sums=None) -> torch.Tensor:
     tag, num_splits = run.tag, run.num_splits
     cfg, w, cache = state["cfg"], state["attn"], state["cache"]
     m = x.shape[0]
@@ -391,7 +446,8 @@ def _mla(run: _Run, x, state: dict, residual) -> torch.Tensor:
         o = ref_mla.mla_absorb_out_reference(o_lat.float(), w["kv_b"], g, qk_nope=nope,
                                              v_head=v).to(x.dtype)
     tag("dense projections")
-    return _linear(run, "mla.o_proj", o, w["o_proj"], residual=residual)
+    return _linear(run, "mla.o_proj", o, w["o_proj"], residual=residual,
+                   **_sums_kw(run, sums, w["o_proj"], m))
 
 
 def _route(run: _Run, x, w: dict, cfg: Preset, early: bool = False):
@@ -568,8 +624,8 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
 
 def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live=None,
               start: bool = False, ffn_bank=None, configs: Configs | None = None,
-              tag: Callable[[str], None] | None = None, record: list | None = None
-              ) -> torch.Tensor:
+              tag: Callable[[str], None] | None = None, record: list | None = None,
+              sums_buffers: tuple | None = None) -> torch.Tensor:
     """One decode layer of ``state`` (``k3lab.reference.layer.make_layer``) under ``stack``;
     returns the new live sum [M, H] bf16.
 
@@ -580,6 +636,8 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
     override (graph-safe). configs: the launchers' :class:`Configs` (None: their defaults).
     tag: called with a category before each group of launches. record: a list the layer
     appends its MoE's chosen experts to (None for layer 0's dense MLP), for checks.
+    sums_buffers: with ``Configs.read_sums``, (this layer's zeroed sums buffer, the one its
+    FFN read clears or None) as :func:`sums_buffers` lays them out (None: a zeroed one).
     """
     tag = tag or _noop
     run = _Run(stack, num_splits, configs or Configs(), tag, record)
@@ -591,13 +649,14 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
     if start:
         bank = torch.cat([bank, live.unsqueeze(0)]) if ffn_bank is None else ffn_bank
     residual = None if start else live
+    sums, clear = _ffn_sums(run, state, bank, sums_buffers)
     if state["kind"] == "kda":
-        live = _kda(run, x, state["attn"], state["cache"], cfg, residual)
+        live = _kda(run, x, state["attn"], state["cache"], cfg, residual, sums)
     else:
-        live = _mla(run, x, state, residual)
+        live = _mla(run, x, state, residual, sums)
     live = live.to(torch.bfloat16)
     tag("AttnRes")
-    x = _read(run, state, bank, live, "ffn")
+    x = _read(run, state, bank, live, "ffn", sums, clear)
     if "mlp" in state:  # layer 0's dense MLP, its residual add in the down projection
         tag("dense projections")
         mlp = state["mlp"]
@@ -633,7 +692,8 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
     tag("dense projections")
     torch.index_select(token["embed"], 0, token["ids"], out=rows[0])
     live = rows[0]
-    for layer, state in zip(token["layer_ids"], token["layers"], strict=True):
+    bufs = sums_buffers(token, live.shape[0], live.device) if configs.read_sums else None
+    for i, (layer, state) in enumerate(zip(token["layer_ids"], token["layers"], strict=True)):
         n_sealed, start = token["schedule"][layer]
         if start and layer:  # seal the block sum of the layers before
             tag("AttnRes")
@@ -641,9 +701,13 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
         tag(f"segment layer {layer}")
         bank, cand = (rows[:n_sealed - 1], rows[n_sealed - 1]) if start else (
             rows[:n_sealed], live)
+        pair = None
+        if bufs is not None:  # a single layer's buffer is zeroed by a launch of its own
+            pair = (bufs[i], bufs[(i + 1) % len(bufs)]) if len(bufs) > 1 else (
+                bufs[0].zero_(), None)
         live = run_layer(stack, state, num_splits=num_splits, bank=bank, live=cand,
                          start=start, ffn_bank=rows[:n_sealed], configs=configs,
-                         tag=tag, record=record)
+                         tag=tag, record=record, sums_buffers=pair)
     tag("segment head")
     tag("AttnRes")
     last = token["schedule"][token["layer_ids"][-1]][0]

@@ -299,16 +299,20 @@ def _chunk_sums(b_v, b_w, p_g, p_d, slot, DOT_FP32: tl.constexpr, BLOCK_NB: tl.c
 def _token_weights(p_g, p_d, slot0, P, N, H, eps, BLOCK_NB: tl.constexpr,
                    BLOCK_P: tl.constexpr):
     """Softmax weights [BLOCK_NB] (padded rows 0) and rstd of h from slots slot0..slot0+P-1,
-    loaded at once (from L2) and added in a fixed order: every program gets the same."""
-    o_p = tl.arange(0, BLOCK_P)
-    m_p = o_p < P
+    loaded BLOCK_P at a time (from L2) and added in a fixed order: every program gets the
+    same."""
     o_n = tl.arange(0, BLOCK_NB)
     o_q = tl.arange(0, BLOCK_NB * BLOCK_NB)
-    b_g = tl.reshape(tl.sum(tl.load(p_g + (slot0 + o_p)[:, None] * BLOCK_NB * BLOCK_NB
-                                    + o_q[None, :], mask=m_p[:, None], other=0.0,
-                                    cache_modifier=".cg"), axis=0), [BLOCK_NB, BLOCK_NB])
-    b_d = tl.sum(tl.load(p_d + (slot0 + o_p)[:, None] * BLOCK_NB + o_n[None, :],
-                         mask=m_p[:, None], other=0.0, cache_modifier=".cg"), axis=0)
+    b_g = tl.zeros([BLOCK_NB * BLOCK_NB], tl.float32)
+    b_d = tl.zeros([BLOCK_NB], tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        o_p = p0 + tl.arange(0, BLOCK_P)
+        m_p = o_p < P
+        b_g += tl.sum(tl.load(p_g + (slot0 + o_p)[:, None] * BLOCK_NB * BLOCK_NB + o_q[None, :],
+                              mask=m_p[:, None], other=0.0, cache_modifier=".cg"), axis=0)
+        b_d += tl.sum(tl.load(p_d + (slot0 + o_p)[:, None] * BLOCK_NB + o_n[None, :],
+                              mask=m_p[:, None], other=0.0, cache_modifier=".cg"), axis=0)
+    b_g = tl.reshape(b_g, [BLOCK_NB, BLOCK_NB])
     b_sq = tl.sum(tl.where(o_n[:, None] == o_n[None, :], b_g, 0.0), axis=1)
     b_s = tl.where(o_n <= N, b_d * tl.rsqrt(b_sq / H + eps), float("-inf"))
     b_e = tl.exp(b_s - tl.max(b_s, axis=0))
@@ -355,13 +359,15 @@ def _attn_res_sums_kernel(
 
 @triton.jit
 def _attn_res_mix_kernel(
-    p_bank, p_live, p_norm_w, p_h, p_hn, p_g, p_d,
-    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m, N, H, eps, P,
+    p_bank, p_live, p_norm_w, p_h, p_hn, p_g, p_d, p_clear,
+    stride_bank_n, stride_bank_m, stride_live_m, stride_out_m, N, H, eps, P, n_clear,
     PDL: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
-    STORE_H: tl.constexpr,
+    STORE_H: tl.constexpr, CLEAR: tl.constexpr,
 ):
-    """Two launches, the second: program (i_p, token i_m) mixes and normalizes its chunk. Its
-    norm weight is loaded before the wait for the first launch's sums."""
+    """Two launches, the second (or the read after a producer that left the sums): program
+    (i_p, token i_m) mixes and normalizes its chunk from the token's P slots of sums. Its norm
+    weight is loaded before the wait for the launch that stored the sums. CLEAR: the grid
+    zeroes p_clear's n_clear words as well (the next read's sums, before its producer adds)."""
     i_p = tl.program_id(0)
     i_m = tl.program_id(1).to(tl.int64)
     o_h = i_p * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -377,6 +383,13 @@ def _attn_res_mix_kernel(
                       stride_live_m, BLOCK_NB)
     _mix_store(b_v, b_p, b_rstd, b_nw, p_h + i_m * stride_out_m, p_hn + i_m * stride_out_m,
                o_h, m_h, STORE_H)
+    if CLEAR:  # program q of the grid's Q zeroes words [q * share, (q + 1) * share)
+        q = i_m * tl.num_programs(0) + i_p
+        share = tl.cdiv(n_clear, tl.num_programs(0) * tl.num_programs(1))
+        for c0 in range(q * share, tl.minimum((q + 1) * share, n_clear), BLOCK_H):
+            o_c = c0 + tl.arange(0, BLOCK_H)
+            tl.store(p_clear + o_c, tl.zeros([BLOCK_H], tl.float32),
+                     mask=o_c < tl.minimum((q + 1) * share, n_clear))
 
 
 def _check_weight(name: str, w, hidden: int, device: torch.device) -> None:
@@ -473,9 +486,9 @@ def attn_res_norm(bank: torch.Tensor, live: torch.Tensor, res_norm_weight: torch
             H, n_split, PDL=pdl, DOT_FP32=INTERPRETED, BANK_EARLY=pdl and cfg.bank_before_wait,
             **blocks, **launch)
         _attn_res_mix_kernel[(n_split, M)](
-            bank_arg, live, norm_weight, h, h_normed, part_g, part_d, *strides, N, H,
-            float(eps), n_split, PDL=pdl, BLOCK_P=triton.next_power_of_2(n_split),
-            STORE_H=return_h, **blocks, **launch)
+            bank_arg, live, norm_weight, h, h_normed, part_g, part_d, part_d, *strides, N, H,
+            float(eps), n_split, 0, PDL=pdl, BLOCK_P=triton.next_power_of_2(n_split),
+            STORE_H=return_h, CLEAR=False, **blocks, **launch)
         return (h if return_h else None), h_normed
     BLOCK_HN = min(triton.next_power_of_2(H), cfg.max_block_h)
     BLOCK_H = min(BLOCK_HN, cfg.tile_elems // BLOCK_NB)

@@ -248,3 +248,33 @@ def test_centred_token_reads_the_blocks_before_it_and_matches_the_truth(device):
     truth = reference_token(a, topk_ids=chosen)
     err = float((got.float() - truth).abs().max())
     assert err <= 0.1 * float(truth.abs().max()), err
+
+
+def test_read_sums_in_the_token(device):
+    """Configs.read_sums: the attention's output projections leave the FFN reads' sums and the
+    reads only mix. The token meets the fp32 truth twice in a row with as many launches as the
+    plain reads: each read clears the next layer's buffer before that layer's projection adds
+    into it, the last read the first layer's (the others hold the token's sums until then)."""
+    from dataclasses import replace
+
+    from k3lab.profile import count_launches
+    from k3lab.stack import runnable, steps
+
+    cfg = preset("tiny")
+    full, _ = runnable(compose(steps(STACKS["integration"])[-1][1]))
+    plain = configs_for(device)
+    sums = replace(plain, read_sums=True)
+    token = make_token(cfg, device, window=3, seed=4, context=24, expert_format="mxfp4")
+    for _ in range(2):
+        checks = check_token(token, {"plain": full, "sums": full},
+                             {"plain": plain, "sums": sums}, num_splits=3)
+        assert checks["ok"].all(), checks
+        assert len(token["read_sums"]) == len(token["layer_ids"])
+        first, *rest = token["read_sums"]
+        assert int(first.count_nonzero()) == 0 and all(int(b.count_nonzero()) for b in rest)
+    kernels = {k: count_launches(lambda t, c=c: run_token(full, t, num_splits=3, configs=c),
+                                 token).kernels for k, c in (("plain", plain), ("sums", sums))}
+    assert len(kernels["plain"]) == len(kernels["sums"])
+    mixes = sum("_attn_res_mix_kernel" in n for n in kernels["sums"])
+    assert mixes - sum("_attn_res_mix_kernel" in n for n in kernels["plain"]) == len(
+        token["layer_ids"])

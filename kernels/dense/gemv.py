@@ -166,11 +166,65 @@ def _segment(o_n, N, b1, b2, b3, b4, b5, b6, b7):
 
 
 @triton.jit
+def _sums_add(p, v, mask, SUMS: tl.constexpr):
+    if SUMS == 1:
+        tl.atomic_add(p, v, mask=mask, sem="relaxed")
+    else:
+        tl.store(p, v, mask=mask)
+
+
+@triton.jit
+def _prefetch_line(ptrs, mask):
+    """prefetch.global.L2 of each masked-in pointer's line (inline PTX: compiled only)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _sums_prefetch(p_sb, p_srn, p_srp, s_n, s_sbn, s_sbm, o_n, M, S_BLOCK_C: tl.constexpr):
+    """prefetch.global.L2 of the lines the epilogue's sums read: the score weights' and every
+    token's sealed rows' on the tile's columns (inline PTX: compiled only)."""
+    o_c = tl.arange(0, S_BLOCK_C)
+    o_0 = tl.min(o_n, axis=0)  # the tile's columns share a line (at most 64 bf16 from o_0)
+    for m in range(0, M):
+        _prefetch_line(p_sb + o_c.to(tl.int64) * s_sbn + m * s_sbm + o_0, o_c < s_n)
+    _prefetch_line(p_srn + o_0 + o_c, o_c == 0)
+    _prefetch_line(p_srp + o_0 + o_c, o_c == 0)
+
+
+@triton.jit
+def _sums(y, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, i_n, o_m, o_n, m_n,
+          M, BLOCK_N: tl.constexpr, SUMS: tl.constexpr, S_NB: tl.constexpr,
+          S_BLOCK_C: tl.constexpr):
+    """The AttnRes read's sums over the tile's columns (kernels/attn_res_sums.py), per token:
+    the Gram entries of V = (sealed rows, y as live: candidate s_n) and their dots with the
+    score weight, added into (SUMS 1) or stored as (2) the tile's slot. y: the stored output,
+    fp32. In the epilogue: held across the K loop, its operands cost the loop registers."""
+    o_c = tl.arange(0, S_BLOCK_C)
+    m_c = o_c <= s_n
+    slot = (i_n * BLOCK_N) // s_cols
+    p_dots = p_sums + M * s_p * S_NB * S_NB
+    b_sw = (tl.load(p_srn + o_n, mask=m_n, other=0.0).to(tl.float32)
+            * tl.load(p_srp + o_n, mask=m_n, other=0.0).to(tl.float32))
+    for m in range(0, M):
+        b_l = tl.sum(tl.where((o_m == m)[:, None] & m_n[None, :], y, 0.0), axis=0)
+        b_v = tl.load(p_sb + o_c[:, None].to(tl.int64) * s_sbn + m * s_sbm + o_n[None, :],
+                      mask=(o_c < s_n)[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+        b_v = tl.where((o_c == s_n)[:, None], b_l[None, :], b_v)
+        s = m * s_p + slot
+        _sums_add(p_sums + s * S_NB * S_NB + o_c[:, None] * S_NB + o_c[None, :],
+                  tl.sum(b_v[:, None, :] * b_v[None, :, :], axis=2),
+                  m_c[:, None] & m_c[None, :], SUMS)
+        _sums_add(p_dots + s * S_NB + o_c, tl.sum(b_v * b_sw[None, :], axis=1), m_c, SUMS)
+
+
+@triton.jit
 def _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, b_res, o_m, m_m, o_n, m_n, N, beta,
               linear_beta, ACT: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
               DUAL: tl.constexpr, RES_LOADED: tl.constexpr):
     """The output tile: norm, second product, activation, residual (RES_LOADED: already in
-    b_res), cast and store."""
+    b_res), cast and store. Returns the stored values in fp32."""
     y = acc
     if NORM:
         y = y * rstd[:, None]
@@ -187,7 +241,9 @@ def _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, b_res, o_m, m_m, o_n, m_n, N, b
             y += b_res
         else:
             y += _residual(p_res, o_m, m_m, o_n, m_n, N)
-    tl.store(p_y + o_y, y.to(p_y.dtype.element_ty), mask=mask)
+    y = y.to(p_y.dtype.element_ty)
+    tl.store(p_y + o_y, y, mask=mask)
+    return y.to(tl.float32)
 
 
 @triton.jit
@@ -231,11 +287,14 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
           NORM: tl.constexpr, RESIDUAL: tl.constexpr, N_SEG: tl.constexpr, DUAL: tl.constexpr,
           DOT_FP32: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
           NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
-          UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr, SECOND_FIRST: tl.constexpr):
+          UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr, SECOND_FIRST: tl.constexpr,
+          p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, SUMS: tl.constexpr,
+          S_NB: tl.constexpr, S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns.
     GATE_UP_TOGETHER: with ACT, the gate and up rows stream in one K loop (else one loop
     each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales).
-    SECOND_FIRST: the second product and the residual's load come first, before the PDL wait."""
+    SECOND_FIRST: the second product and the residual's load come first, before the PDL wait.
+    SUMS (1 atomic, 2 stored; 0 off): the epilogue leaves the AttnRes read's sums (p_sb...)."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_m = tl.arange(0, BLOCK_M)
@@ -250,6 +309,9 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
             _prefetch_l2(p_w + N * K, o_n, m_n, K, k_lo, k_hi, BLOCK_N, BLOCK_K, PREFETCH)
         if DUAL and not SECOND_FIRST:  # the second product's weight (bf16) too
             _prefetch_l2(p_w2, o_n, m_n, K2, k2_lo, k2_hi, BLOCK_N, BLOCK_K, PREFETCH)
+    if SUMS != 0 and S_PREFETCH:  # what the read's sums take: in L2 by the epilogue (a
+        # hint: nothing the previous grid writes)
+        _sums_prefetch(p_sb, p_srn, p_srp, s_n, s_sbn, s_sbm, o_n, M, S_BLOCK_C)
     b_res = 0.0  # the residual, loaded before the K loop so its latency hides behind it
     if SECOND_FIRST:  # neither input is the previous grid's: both before the wait
         if RESIDUAL and SPLIT_K == 1:
@@ -296,13 +358,19 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
         if last:
             if NORM:
                 rstd = _rstd(p_x, o_m, m_m, K, eps, BLOCK_M, BLOCK_K)
-            _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, b_res, o_m, m_m, o_n, m_n, N, beta,
-                      linear_beta, ACT, NORM, RESIDUAL, DUAL, False)
+            y = _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, b_res, o_m, m_m, o_n, m_n, N,
+                          beta, linear_beta, ACT, NORM, RESIDUAL, DUAL, False)
+            if SUMS != 0:
+                _sums(y, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, i_n, o_m,
+                      o_n, m_n, M, BLOCK_N, SUMS, S_NB, S_BLOCK_C)
     else:
         if NORM:  # the program saw all of x's K columns
             rstd = tl.rsqrt(ss / K + eps)
-        _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, b_res, o_m, m_m, o_n, m_n, N, beta,
-                  linear_beta, ACT, NORM, RESIDUAL, DUAL, True)
+        y = _epilogue(acc, acc_u, rstd, p_y, o_y, p_res, b_res, o_m, m_m, o_n, m_n, N, beta,
+                      linear_beta, ACT, NORM, RESIDUAL, DUAL, True)
+        if SUMS != 0:
+            _sums(y, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, i_n, o_m, o_n,
+                  m_n, M, BLOCK_N, SUMS, S_NB, S_BLOCK_C)
     if PDL and WAIT_LAST:
         gdc_wait()
         if TRIGGER_LAST:  # the next launch starts once every program has seen the previous end
@@ -319,7 +387,9 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
                   PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                   WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
                   UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr,
-                  SECOND_FIRST: tl.constexpr):
+                  SECOND_FIRST: tl.constexpr, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm,
+                  s_p, s_cols, SUMS: tl.constexpr, S_NB: tl.constexpr,
+                  S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr):
     """Program (i_n, i_k) of :func:`dense_gemv_kernel`'s grid."""
     if MIXED:
         if i_n >= T0:
@@ -328,19 +398,22 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
                   M, NG, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, False, BLOCK_M,
                   BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL,
                   PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL,
-                  TRIGGER_LAST, False)
+                  TRIGGER_LAST, False, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p,
+                  s_cols, 0, S_NB, S_BLOCK_C, False)
         else:
             _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1,
                   b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta,
                   linear_beta, False, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, 0, NORM, False, 1,
                   False, DOT_FP32, PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER,
-                  UNROLL, TRIGGER_LAST, False)
+                  UNROLL, TRIGGER_LAST, False, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm,
+                  s_p, s_cols, 0, S_NB, S_BLOCK_C, False)
     else:
         _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1, b2, b3,
               b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta, linear_beta, SCALED,
               BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
               PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST,
-              SECOND_FIRST)
+              SECOND_FIRST, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, SUMS,
+              S_NB, S_BLOCK_C, S_PREFETCH)
 
 
 @triton.jit
@@ -354,7 +427,9 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
                       PDL: tl.constexpr, PREFETCH: tl.constexpr, NUM_STAGES: tl.constexpr,
                       WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
                       UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr,
-                      SECOND_FIRST: tl.constexpr):
+                      SECOND_FIRST: tl.constexpr, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn,
+                      s_sbm, s_p, s_cols, SUMS: tl.constexpr, S_NB: tl.constexpr,
+                      S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
@@ -364,9 +439,15 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
     UNROLL: K steps of a share, unrolled (0: a pipelined loop).
     TRIGGER_LAST (with WAIT_LAST): programs let the next launch start after their final wait.
     SCALED (plain rows only): the weight is e4m3 with one fp32 scale per row at p_sc.
-    SECOND_FIRST: the second product and the residual before the first (and the PDL wait)."""
+    SECOND_FIRST: the second product and the residual before the first (and the PDL wait).
+    SUMS: the AttnRes read's sums from the output (1: added into a slot of s_cols columns, 2:
+    stored; kernels/attn_res_sums.py): sealed rows p_sb [s_n, M, N] (strides s_sbn, s_sbm),
+    score weights p_srn * p_srp, s_p slots a token; S_NB their blocks' side, S_BLOCK_C
+    candidates padded."""
     _gemv_program(tl.program_id(0), tl.program_id(1), p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt,
                   p_x2, p_w2, p_sc, b1, b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT,
                   T0, NG, eps, beta, linear_beta, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
                   ACT, NORM, RESIDUAL, N_SEG, DUAL, MIXED, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
-                  WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST, SECOND_FIRST)
+                  WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST, SECOND_FIRST, p_sb, p_srn,
+                  p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, SUMS, S_NB, S_BLOCK_C,
+                  S_PREFETCH)

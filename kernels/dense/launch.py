@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import triton
 
+from ..attn_res_sums import ReadSums
 from ..runtime import INTERPRETED, check_number, check_tensor
 from .config import GemvConfig
 from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
@@ -27,6 +28,7 @@ MIN_PROGRAMS = 160
 MAX_UNROLL = 16  # K steps a share unrolls at most (GemvConfig.unroll_k)
 MAX_SPLIT = 4
 PREFETCH_BELOW = 16 << 20
+SUMS_ARGS = ("p_sb", "p_srn", "p_srp", "p_sums", "s_n", "s_sbn", "s_sbm", "s_p", "s_cols")
 _tickets: dict = {}
 
 
@@ -118,6 +120,12 @@ class GemvLaunch:
     num_warps: int
     pdl: bool
     max_registers: int = 0
+    # the AttnRes read's sums (kernels/attn_res_sums.py): off unless read_sums is given
+    sums_args: dict = field(default_factory=lambda: dict(zip(SUMS_ARGS, (0,) * 8 + (1,),
+                                                              strict=True)))
+    sums_constexprs: dict = field(default_factory=lambda: {"SUMS": 0, "S_NB": 16,
+                                                           "S_BLOCK_C": 16,
+                                                           "S_PREFETCH": False})
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation=None,
@@ -125,7 +133,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
                x2: torch.Tensor | None = None, weight2: torch.Tensor | None = None,
                weight_scale: torch.Tensor | None = None, eps: float = 1e-5,
                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-               out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None):
+               out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None,
+               read_sums: ReadSums | None = None):
     """y = x @ weight^T for a decode batch, one launch.
 
     x: bf16 or fp32 [M, K], 1 <= M <= MAX_TOKENS (fp32 x meets the weights in fp32 at one
@@ -144,13 +153,17 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         [M, K2], weight2 bf16 [N, K2]; not normalized; single output, no activation).
     out_dtype: bf16 or fp32. config: GemvConfig (None: ``default_config``; under the
     interpreter ``interpreter_config``).
+    read_sums: a :class:`~kernels.attn_res_sums.ReadSums` for the AttnRes read of the output
+        as its live sum (bf16 [M, N] output, N its hidden size, no activation or splits): the
+        epilogue leaves that read's sums (``attn_res_norm_from_sums``).
     """
     launch, outputs = prepare_gemv(
         x, weight, splits=splits, activation=activation, residual=residual,
         norm_weight=norm_weight, x2=x2, weight2=weight2, weight_scale=weight_scale, eps=eps,
         situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, out_dtype=out_dtype,
-        config=config)
-    dense_gemv_kernel[launch.grid](*launch.args, **launch.constexprs, num_warps=launch.num_warps,
+        config=config, read_sums=read_sums)
+    dense_gemv_kernel[launch.grid](*launch.args, **launch.sums_args, **launch.constexprs,
+                                   **launch.sums_constexprs, num_warps=launch.num_warps,
                                    **({"launch_pdl": True} if launch.pdl else {}),
                                    **({"maxnreg": launch.max_registers}
                                       if launch.max_registers else {}))
@@ -163,7 +176,7 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
                  weight_scale: torch.Tensor | None = None, eps: float = 1e-5,
                  situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                  out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None,
-                 default_tiling=None):
+                 default_tiling=None, read_sums: ReadSums | None = None):
     """Validate and lay out :func:`dense_gemv`'s launch (same arguments); returns
     (:class:`GemvLaunch`, a function giving dense_gemv's result once the launch has run).
     ``default_tiling(m, rows, k, gated)``: the compiled launch's tiling when ``config`` is None
@@ -297,7 +310,36 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
             SECOND_FIRST=config.second_first),
         grid=(tiles, split), num_warps=config.num_warps, pdl=pdl,
         max_registers=0 if INTERPRETED else config.max_registers)
+    if read_sums is not None:
+        launch = replace(launch, **_sums_launch(read_sums, m, n, act, splits, out_dtype, dev,
+                                                config.block_n))
     return launch, lambda: _outputs(y, m, n, ng, mixed, splits)
+
+
+def _sums_launch(sums, m, n, act, splits, out_dtype, dev, block_n) -> dict:
+    """GemvLaunch's sums fields for ``read_sums``, validated against the call."""
+    if not isinstance(sums, ReadSums):
+        raise ValueError(f"read_sums: expected a ReadSums (read_sums()), got "
+                         f"{type(sums).__name__}")
+    if act or splits is not None or out_dtype != torch.bfloat16:
+        raise ValueError("read_sums: the output must be one bf16 [M, N] live sum (no "
+                         "activation, no splits, out_dtype bfloat16)")
+    if (sums.tokens, sums.hidden) != (m, n) or sums.bank.device != dev:
+        raise ValueError(f"read_sums: expected a bank of [N, M={m}, H={n}] on {dev}, got "
+                         f"{list(sums.bank.shape)} on {sums.bank.device}")
+    if sums.slot_cols % block_n or (not sums.atomic and sums.slot_cols != block_n):
+        raise ValueError(f"read_sums: slot_cols={sums.slot_cols} must be a multiple of the "
+                         f"tiling's block_n={block_n} (equal to it without atomic)")
+    bank = sums.bank if sums.n_sealed else sums.buffer
+    return dict(
+        sums_args=dict(zip(SUMS_ARGS, (
+            bank, sums.res_norm_weight, sums.res_proj_weight, sums.buffer, sums.n_sealed,
+            sums.bank.stride(0) if sums.n_sealed else 0,
+            sums.bank.stride(1) if sums.n_sealed else 0, sums.slots, sums.slot_cols),
+            strict=True)),
+        sums_constexprs={"SUMS": 1 if sums.atomic else 2, "S_NB": sums.nb,
+                         "S_BLOCK_C": triton.next_power_of_2(sums.n_sealed + 1),
+                         "S_PREFETCH": not INTERPRETED})
 
 
 def _outputs(y, m, n, ng, mixed, splits):

@@ -93,7 +93,7 @@ def _front_route_kernel(
                       F_BLOCK_N, F_BLOCK_K, F_SPLIT_K, F_ACT, F_NORM, F_RESIDUAL, F_N_SEG,
                       F_DUAL, F_MIXED, F_DOT_FP32, F_PDL, F_PREFETCH, F_NUM_STAGES,
                       F_WAIT_LAST, F_GATE_UP_TOGETHER, F_UNROLL, F_TRIGGER_LAST,
-                      F_SECOND_FIRST)
+                      F_SECOND_FIRST, f_x, f_x, f_x, f_x, 0, 0, 0, 0, 1, 0, 16, 16, False)
 
 
 def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,

@@ -111,6 +111,20 @@ def _absorb(cfg) -> None:
                    v_head=v)
 
 
+def _read_sums(m: int, n: int, atomic: bool) -> None:
+    """K3 tp 8's output projection leaving the sums of a read of n sealed rows, and the read."""
+    from k3lab.kernels import attn_res_norm_from_sums, dense_gemv, read_sums
+    from k3lab.kernels.dense import GemvConfig
+
+    z = torch.zeros
+    bank, w = z(n, m, 7168, dtype=torch.bfloat16), z(7168, dtype=torch.bfloat16)
+    config = None if atomic else GemvConfig(block_n=16, pdl=True)
+    sums = read_sums(bank, w, w, slot_cols=512 if atomic else 16, atomic=atomic)
+    live = dense_gemv(z(m, 1536, dtype=torch.bfloat16), z(7168, 1536, dtype=torch.bfloat16),
+                      residual=z(m, 7168, dtype=torch.bfloat16), read_sums=sums, config=config)
+    attn_res_norm_from_sums(sums, live, w, clear=z(64))
+
+
 def main() -> dict:
     triton.runtime.driver.set_active(_H200Stub())
     compiled: dict[str, int] = {}
@@ -228,6 +242,11 @@ def main() -> dict:
     attempt("dense wait_last, trigger_last", lambda: dense_gemv(
         torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(64, 512, dtype=torch.bfloat16),
         config=GemvConfig(block_n=8, split_k=2, pdl=True, wait_last=True, trigger_last=True)))
+    for m, n, atomic in ((1, 8, True), (4, 4, False)):  # an AttnRes read's sums, K3 o_proj
+        attempt(f"dense read_sums M {m} N {n}", lambda m=m, n=n, atomic=atomic: _read_sums(
+            m, n, atomic))
+    attempt("integration stack token, read_sums", lambda: stack.run_token(
+        st, token, num_splits=4, configs=stack.Configs(read_sums=True)))
     kd = boundaries.get("kda")
     ki = kd.make_inputs(k3, cpu, 0)
     for name in ("fused", "fused+conv+out_gate"):
