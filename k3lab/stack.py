@@ -270,8 +270,9 @@ class Configs:
     in its epilogue, and that read only mixes (``kernels/attn_res_sums.py``; where the read,
     and the projection by the dense GEMV, are fused); read_sums_registers: that projection's
     register cap (GemvConfig.max_registers; 0: its tiling's own). The sums cost K3's output
-    projection 8-14 registers a thread above its 70 (offline sm_90 build), 6 programs an SM
-    where 7 fit its one-wave grid; capped at 72 it does not spill."""
+    projection 9-20 registers a thread above its 70 (offline sm_90 build): 5-6 programs an
+    SM where 7 fit its one-wave grid; capped at 72 it spills 24-40 bytes. Off: slower in
+    the token than the one-pass read (docs/decisions.md, AttnRes)."""
 
     gemv: object = None
     route: object = None
