@@ -359,10 +359,10 @@ def sums_buffers(token: dict, m: int, device) -> list[torch.Tensor]:
     """One zeroed sums buffer per layer of ``token`` for ``Configs.read_sums`` (kept in the
     token, so a CUDA graph captured after a first call reuses them): layer i's FFN read clears
     layer i + 1's, the last one layer 0's, so every replay finds them zero."""
-    from k3lab.kernels.attn_res_sums import sums_numel
+    from k3lab.kernels.attn_res_sums import SLOT_COLS, sums_numel
     cfg = token["cfg"]
     most = max(n for n, _ in token["schedule"].values())
-    need = sums_numel(m, cfg.hidden, most, 512)
+    need = sums_numel(m, cfg.hidden, most, SLOT_COLS)
     bufs = token.get("read_sums")
     if bufs is None or bufs[0].numel() < need or bufs[0].device != torch.device(device):
         bufs = [torch.zeros(need, dtype=torch.float32, device=device)

@@ -26,9 +26,10 @@ import triton
 from .attn_res import MAX_SEALED, AttnResConfig, _attn_res_mix_kernel, _check_weight
 from .runtime import INTERPRETED, check_device, check_number
 
-__all__ = ["ReadSums", "read_sums", "sums_numel", "attn_res_norm_from_sums"]
+__all__ = ["ReadSums", "read_sums", "sums_numel", "attn_res_norm_from_sums", "SLOT_COLS"]
 
 BLOCK_P = 16  # slots the read loads at once
+SLOT_COLS = 512  # columns a slot covers by default
 
 
 def _nb(n_sealed: int) -> int:
@@ -87,7 +88,7 @@ class ReadSums:
 
 def read_sums(bank: torch.Tensor, res_norm_weight: torch.Tensor,
               res_proj_weight: torch.Tensor, *, buffer: torch.Tensor | None = None,
-              slot_cols: int = 512, atomic: bool = True) -> ReadSums:
+              slot_cols: int = SLOT_COLS, atomic: bool = True) -> ReadSums:
     """Validated :class:`ReadSums` for a read of ``bank`` [N, M, H] bf16 (0 <= N <=
     MAX_SEALED sealed rows, hidden dimension contiguous) and the live sum its producer writes.
     res_norm_weight, res_proj_weight: [H] bf16 or fp32, the read's score weights.

@@ -46,6 +46,14 @@ def _act(g, u, beta, linear_beta, ACT: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_line(ptrs, mask):
+    """prefetch.global.L2 of each masked-in pointer's line (inline PTX: compiled only)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  STEPS: tl.constexpr):
     """prefetch.global.L2 of the first STEPS weight steps of the tile, one 128-byte line at a
@@ -55,10 +63,7 @@ def _prefetch_l2(p_w, o_n, m_n, K, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: t
     for i in tl.static_range(STEPS):
         o_k = k_lo + i * BLOCK_K + tl.arange(0, BLOCK_K // STRIDE) * STRIDE
         mask = m_n[:, None] & (o_k < k_hi)[None, :]
-        ptrs = p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :]
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-            "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        _prefetch_line(p_w + o_n[:, None].to(tl.int64) * K + o_k[None, :], mask)
 
 
 @triton.jit
@@ -174,19 +179,11 @@ def _sums_add(p, v, mask, SUMS: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_line(ptrs, mask):
-    """prefetch.global.L2 of each masked-in pointer's line (inline PTX: compiled only)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _sums_prefetch(p_sb, p_srn, p_srp, s_n, s_sbn, s_sbm, o_n, M, S_BLOCK_C: tl.constexpr):
+def _sums_prefetch(p_sb, p_srn, p_srp, s_n, s_sbn, s_sbm, o_0, M, S_BLOCK_C: tl.constexpr):
     """prefetch.global.L2 of the lines the epilogue's sums read: the score weights' and every
-    token's sealed rows' on the tile's columns (inline PTX: compiled only)."""
+    token's sealed rows' on the tile's columns from o_0 (a tile's few bf16 columns, aligned to
+    their count, lie in one line; inline PTX: compiled only)."""
     o_c = tl.arange(0, S_BLOCK_C)
-    o_0 = tl.min(o_n, axis=0)  # the tile's columns share a line (at most 64 bf16 from o_0)
     for m in range(0, M):
         _prefetch_line(p_sb + o_c.to(tl.int64) * s_sbn + m * s_sbm + o_0, o_c < s_n)
     _prefetch_line(p_srn + o_0 + o_c, o_c == 0)
@@ -200,7 +197,8 @@ def _sums(y, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, i_n, o_
     """The AttnRes read's sums over the tile's columns (kernels/attn_res_sums.py), per token:
     the Gram entries of V = (sealed rows, y as live: candidate s_n) and their dots with the
     score weight, added into (SUMS 1) or stored as (2) the tile's slot. y: the stored output,
-    fp32. In the epilogue: held across the K loop, its operands cost the loop registers."""
+    fp32. Its loads come after the K loop, not before it: held across the loop, they cost the
+    loop registers."""
     o_c = tl.arange(0, S_BLOCK_C)
     m_c = o_c <= s_n
     slot = (i_n * BLOCK_N) // s_cols
@@ -311,7 +309,7 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
             _prefetch_l2(p_w2, o_n, m_n, K2, k2_lo, k2_hi, BLOCK_N, BLOCK_K, PREFETCH)
     if SUMS != 0 and S_PREFETCH:  # what the read's sums take: in L2 by the epilogue (a
         # hint: nothing the previous grid writes)
-        _sums_prefetch(p_sb, p_srn, p_srp, s_n, s_sbn, s_sbm, o_n, M, S_BLOCK_C)
+        _sums_prefetch(p_sb, p_srn, p_srp, s_n, s_sbn, s_sbm, i_n * BLOCK_N, M, S_BLOCK_C)
     b_res = 0.0  # the residual, loaded before the K loop so its latency hides behind it
     if SECOND_FIRST:  # neither input is the previous grid's: both before the wait
         if RESIDUAL and SPLIT_K == 1:

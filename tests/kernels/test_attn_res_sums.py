@@ -8,6 +8,7 @@ import torch
 from k3lab.kernels import GemvConfig, attn_res_norm_from_sums, dense_gemv, read_sums
 from k3lab.kernels.attn_res import MAX_SEALED
 from k3lab.kernels.attn_res_sums import sums_numel
+from k3lab.kernels.dense import default_config
 from k3lab.reference.attn_res import attn_res_norm_reference
 
 # As tests/kernels/test_attn_res.py: h within one bf16 ulp of the fp32 mixture (the sums added
@@ -153,9 +154,8 @@ def test_gpu_k3_output_projection(n):
     n sealed rows: atomic slots within the tolerance of the fp32 reference, stored slots
     bitwise the same twice, both in a CUDA graph with the read clearing the next buffer."""
     c = _case(n, 1, 7168, 1536, "cuda", seed=4)
+    block_n = default_config(1, 7168, 1536).block_n
     for atomic in (True, False):
-        from k3lab.kernels.dense import default_config
-        block_n = default_config(1, 7168, 1536).block_n
         slot_cols = 512 if atomic else block_n
         bufs = [torch.zeros(sums_numel(1, 7168, n, slot_cols), device="cuda") for _ in range(2)]
         sums = read_sums(c["bank"], c["rn"], c["rp"], slot_cols=slot_cols, atomic=atomic,
