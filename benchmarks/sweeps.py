@@ -400,18 +400,6 @@ _SWEEPS = [
           "tensor-core tiles (R, WARPS_K, L2 prefetch distance) of MXFP4 stages 1 and 2 at a "
           "tp 8 shard, where an expert's rows are few: the block given the plan",
           params={"expert_format": "mxfp4"}, tp=8),
-    Sweep("stage1_split", "moe",
-          grid(({"M": 1}, {"M": 4}),
-               ({}, {"stage1_k_split": 2}, {"stage1_k_split": 2, "stage1_registers": 96},
-                {"stage1_k_split": 2, "stage1_registers": 80},
-                {"stage1_k_split": 4, "stage1_mma_tile": (2, 2, 1)},
-                {"stage1_k_split": 4, "stage1_mma_tile": (2, 2, 1), "stage1_registers": 80},
-                {"stage1_k_split": 2, "stage1_mma_tile": (2, 4, 0)})),
-          "stage 1's tensor-core tiles over 2 or 4 K shares (the tile's last program sums "
-          "them), so that more warps stream its weights, with and without a register cap "
-          "(124 registers uncapped: 4 programs an SM; 96: 5; 80: 6) against one share (the "
-          "fused+dense block with routing, MXFP4)",
-          variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("pdl", "moe", ({"pdl": True}, {"pdl": False}),
           "programmatic dependent launch on and off, MXFP4", params=_MXFP4_TP1, tp=1),
     Sweep("evict", "moe", ({}, {"stage2_evict_first": False}, {"stage1_evict_first": True}),
@@ -617,15 +605,6 @@ _SWEEPS = [
           "schedule from 5, and the FFN reads from the sums the output projection left "
           "(stack.Configs.read_sums; the projection capped at 72 registers or not), their "
           "mix in programs of 512, 1024 or 256 columns",
-          variants=("full stack",), tp=8),
-    Sweep("stage1_split", "token",
-          ({}, {"moe.stage1_k_split": 2}, {"moe.stage1_k_split": 2, "moe.stage1_registers": 96},
-           {"moe.stage1_k_split": 2, "moe.stage1_registers": 80},
-           {"moe.stage1_k_split": 4, "moe.stage1_mma_tile": (2, 2, 1)},
-           {"moe.stage1_k_split": 4, "moe.stage1_mma_tile": (2, 2, 1),
-            "moe.stage1_registers": 80}),
-          "MoE stage 1 over 2 or 4 K shares in the full stack's token, with and without a "
-          "register cap (moe --sweep stage1_split), against one share ({})",
           variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},

@@ -113,12 +113,6 @@ class MoEConfig:
             residual before its PDL wait (``GemvConfig.second_first``), so they overlap stage
             2's end: the shared activation was written by the front, which stage 1 waits for
             whole (it launches plainly after it).
-        stage1_k_split: K shares of stage 1's tensor-core tiles (1, 2 or 4): each tile's
-            programs times this many, each over a share of K's 256-element steps; the tile's
-            last program (a ticket per tile) sums the fp32 shares in share order and applies the
-            activation. More warps in flight where the tiles alone leave SMs short of them.
-        stage1_registers: registers a thread stage 1 is capped at (Triton's ``maxnreg``; 0: the
-            compiler's choice), so that more of its programs fit an SM.
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
@@ -147,8 +141,6 @@ class MoEConfig:
     front_routes: bool = True
     front_route_registers: int = 96
     tail_second_first: bool = False
-    stage1_k_split: int = 1
-    stage1_registers: int = 0
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
@@ -164,11 +156,8 @@ class MoEConfig:
         _check_int("klane_rows", self.klane_rows, 4, 512, pow2=True)
         _check_int("target_programs", self.target_programs, 1)
         _check_int("front_target_programs", self.front_target_programs, 1)
-        for name in ("front_route_registers", "stage1_registers"):
-            if getattr(self, name):
-                _check_int(name, getattr(self, name), 24, 255)
-        if self.stage1_k_split not in (1, 2, 4) or isinstance(self.stage1_k_split, bool):
-            raise ValueError(f"stage1_k_split: expected 1, 2 or 4, got {self.stage1_k_split!r}")
+        if self.front_route_registers:
+            _check_int("front_route_registers", self.front_route_registers, 24, 255)
 
     def mma_tile(self, stage: int) -> tuple[int, int, int] | None:
         """The fixed tensor-core tile of stage 1 or 2 (None: picked by the launch)."""

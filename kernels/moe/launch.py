@@ -49,8 +49,6 @@ ZERO_MIN_BLOCK = 16  # stage 1 zeroes stage 2's accumulator in slices of at leas
 # int32 counters (ticket, zeroed flag, done) per D tile, per device, of the self-zeroing atomic
 # stage 2
 _ZERO_COUNTERS: dict[torch.device, torch.Tensor] = {}
-# int32 tickets per stage-1 tile, per device, of stage 1's K shares (stage1_k_split)
-_SPLIT_TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
 def front_config(m: int, rows: int, k: int, gated: bool, config: MoEConfig,
@@ -199,16 +197,7 @@ def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_til
     x_prepared = t.mma is not None and z_mma is not None and config.x_prepared
     if x_prepared:
         z = z_mma  # the tiles read the prepared copy
-    k_split = config.stage1_k_split if t.mma is not None else 1
-    grid = (n_tiles, triton.cdiv(i, t.block_n), k_split)
-    part, tickets = a, plan.num_valid  # unused without K shares
-    if k_split > 1:
-        part = torch.empty(k_split * grid[0] * grid[1] * 2 * t.block_n, device=z.device,
-                           dtype=torch.float32)
-        tickets = zeroed_words(_SPLIT_TICKETS, z.device, grid[0] * grid[1], minimum=1024, error=(
-            f"z: moe stage 1's tickets on {z.device} for {grid[0] * grid[1]} tiles do not exist "
-            "yet and cannot be created inside a CUDA-graph capture; call it once on this device "
-            "with these shapes before capturing"))
+    grid = (n_tiles, triton.cdiv(i, t.block_n))
     out = plan.out
     zero_block = triton.next_power_of_2(max(ZERO_MIN_BLOCK,
                                             triton.cdiv(m * d, grid[0] * grid[1])))
@@ -216,8 +205,7 @@ def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_til
     args = (z.view(torch.int32), w_v, w_s, plan.sorted_ids, plan.block_expert_ids,
             plan.num_valid, a, a_mma_out if a_mma_out is not None else a,
             out if out is not None else a,
-            sync if sync is not None else plan.num_valid, part, tickets, m * top_k, block_m,
-            top_k, i, d // 2,
+            sync if sync is not None else plan.num_valid, m * top_k, block_m, top_k, i, d // 2,
             m * d, float(situ_beta), float(situ_linear_beta))
     consts = _expert_constexprs(config, w13, t, 1, x_prepared)
     del consts["R"]  # stage 1's tensor-core R is 2: its gate and up tiles
@@ -228,11 +216,9 @@ def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_til
                   BLOCK_N=t.block_n, BLOCK_KP=t.block_kp, TOKEN_LOOP=token_loop(config),
                   WRITE_PREPARED=a_mma_out is not None, PDL=pdl,
                   TRIGGER=not pdl and _pdl_on(config) and t.mma is not None, TILED=_tiled(w13),
-                  K_SPLIT=k_split, num_warps=NUM_WARPS)
+                  num_warps=NUM_WARPS)
     if pdl:
         kwargs["launch_pdl"] = True
-    if config.stage1_registers and not INTERPRETED:
-        kwargs["maxnreg"] = config.stage1_registers
     if t.mma is not None:
         _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
     _moe_stage1_kernel[grid](*args, **kwargs)

@@ -247,8 +247,7 @@ def _x_operand(p_x, o_w, o_u, m_x, ASM: tl.constexpr, X_PREPARED: tl.constexpr):
 def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
                  R: tl.constexpr, WARPS_K: tl.constexpr, ASM: tl.constexpr,
                  PREFETCH: tl.constexpr = 0, X_PREPARED: tl.constexpr = False, factor=1.0,
-                 W_EVICT_FIRST: tl.constexpr = False, W_TILED: tl.constexpr = False,
-                 K_SPLIT: tl.constexpr = 1, i_k=0):
+                 W_EVICT_FIRST: tl.constexpr = False, W_TILED: tl.constexpr = False):
     """y [R, 16 * (4 // WARPS_K)] fp32: y[r, j] = factor * (w[row0 + r * ROW_R + j] . x), 0 for
     rows at or past row_lim + r * LIM_R (factor, fp32: multiplies every group's E8M0 factor).
 
@@ -263,17 +262,10 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
     X_PREPARED: p_x holds mma_prepare_x(x) (the B pairs, already times 2^100): no permute and
     scale a step. W_EVICT_FIRST: the weight loads are "evict_first". W_TILED: p_w holds the
     codes in MXFP4's tiled layout (rows a multiple of 16, K of 256), where each of a warp's
-    16-byte loads reads 512 contiguous bytes. K_SPLIT > 1: only K share i_k of K_SPLIT (whole
-    256-element steps; the last share may be shorter or empty). Launch with 4 warps."""
+    16-byte loads reads 512 contiguous bytes. Launch with 4 warps."""
     WN: tl.constexpr = 4 // WARPS_K
     K_WORDS = N_GROUPS * 4
     n_steps = tl.cdiv(K_WORDS, 32)  # 32 words = 256 elements = 8 groups a step
-    if K_SPLIT > 1:  # this program's steps [step0, step_end)
-        share = tl.cdiv(n_steps, K_SPLIT)
-        step0 = i_k * share
-        step_end = tl.minimum(step0 + share, n_steps)
-    else:
-        share, step0, step_end = n_steps, 0, n_steps
     o_i = tl.arange(0, 256)
     lane, warp, h = o_i % 32, o_i // 32 % 4, o_i // 128
     g, t = lane // 4, lane % 4
@@ -307,18 +299,18 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         t_lo1 = tiled_word_offset(row0_i + ROW_R, 4 * grp, K_WORDS)
         t_hi1 = tiled_word_offset(row0_i + ROW_R + 8, 4 * grp, K_WORDS)
     acc = tl.zeros([128, R, 4], dtype=tl.float32)
-    for it in tl.range(0, tl.cdiv(share, WARPS_K)):
+    for it in tl.range(0, tl.cdiv(n_steps, WARPS_K)):
         if PREFETCH > 0 and ASM:
-            pf_step = step0 + (it + PREFETCH) * WARPS_K + q_wk  # [128]
+            pf_step = (it + PREFETCH) * WARPS_K + q_wk  # [128]
             if W_TILED:  # lane l: line l % 16 of the tile's 2 KB block
                 p_pf = p_w + ((pf_row // 16) * (K_WORDS // 32) + pf_step[:, None]) * 512 \
                     + pf_row % 16 * 32
             else:
                 p_pf = p_w + pf_row * K_WORDS + (pf_step * 32)[:, None]
-            prefetch_l2(p_pf, m_pf & (pf_step < step_end)[:, None])
-        step = step0 + it * WARPS_K + wk
+            prefetch_l2(p_pf, m_pf & (pf_step < n_steps)[:, None])
+        step = it * WARPS_K + wk
         o_w = step * 32 + 4 * grp  # [256]: the first of the thread's 4 words
-        m_w = (step < step_end) & (o_w < K_WORDS)
+        m_w = (step < n_steps) & (o_w < K_WORDS)
         b_a, b_b, b_c, b_d, x0, x1, x2, x3 = _x_operand(p_x, o_w, o_u, m_w & (g == grp), ASM,
                                                         X_PREPARED)
         # row tile 0 (and 1): the B registers serve both
@@ -334,10 +326,10 @@ def fp4_mma_gemv(p_x, p_w, p_s, row0, ROW_R, row_lim, LIM_R, N_GROUPS,
         else:
             d = d[:, None, :]
         d = tl.sum(tl.reshape(d, [2, 128, R, 4]), axis=0)  # the two halves' groups
-        q_step = step0 + it * WARPS_K + q_wk
+        q_step = it * WARPS_K + q_wk
         q_grp = q_step * 8 + 2 * (o_q % 4)  # [128]: group of clo = 0
         p_q = p_s + q_row * N_GROUPS + q_grp[:, None, None]
-        m_g = (q_step < step_end)[:, None, None] & (q_grp[:, None, None] < N_GROUPS)
+        m_g = (q_step < n_steps)[:, None, None] & (q_grp[:, None, None] < N_GROUPS)
         b_s0 = tl.load(p_q, mask=m_q & m_g, other=0).to(tl.int32)
         b_s1 = tl.load(p_q + 1, mask=m_q & m_g, other=0).to(tl.int32)
         b_s = tl.reshape(tl.join(b_s0, b_s1), [128, R, 4])

@@ -88,31 +88,8 @@ def _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT: tl.constexpr,
 
 
 @triton.jit
-def _k_split_total(b_gu, p_part, p_cnt, i_t, i_k, n_t, K_SPLIT: tl.constexpr):
-    """Store this program's K share of its [2, BLOCK_N] gate/up tile i_t (of n_t a share) and
-    take the tile's ticket; the last of the K_SPLIT programs gets the total, summed in share
-    order from zero (the same bits whatever the arrival order), and resets the ticket for the
-    next launch. Returns (is_last, total)."""
-    ROWS: tl.constexpr = b_gu.shape[0]
-    BLOCK_N: tl.constexpr = b_gu.shape[1]
-    o_t = tl.arange(0, ROWS)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(p_part + (i_k * n_t + i_t) * (ROWS * BLOCK_N) + o_t, b_gu)
-    tl.debug_barrier()  # every thread's share stored before the release below
-    last = tl.atomic_add(p_cnt + i_t, 1, sem="acq_rel") == K_SPLIT - 1
-    total = tl.zeros_like(b_gu)
-    if last:
-        tl.debug_barrier()
-        for s in tl.static_range(K_SPLIT):
-            total += tl.load(p_part + (s * n_t + i_t) * (ROWS * BLOCK_N) + o_t,
-                             cache_modifier=".cg")
-        tl.atomic_xchg(p_cnt + i_t, 0, sem="relaxed")
-    return last, total
-
-
-@triton.jit
 def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a, p_ap, p_out,
-                       p_sync, p_part, p_cnt, n_entries, block_m, top_k, N_I, D_PAIRS, n_zero,
-                       beta,
+                       p_sync, n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta,
                        linear_beta, ACT: tl.constexpr, FP4: tl.constexpr, USE_MMA: tl.constexpr,
                        WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr,
                        X_PREPARED: tl.constexpr, EVICT_FIRST: tl.constexpr, ASM: tl.constexpr,
@@ -120,20 +97,17 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
                        ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
                        WRITE_PREPARED: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
-                       TILED: tl.constexpr, K_SPLIT: tl.constexpr):
-    """Program (plan tile i_b, I tile i_n, K share i_k): a[entries, tile] = act(z[tokens] @
-    w13[e]^T), gate rows [0, N_I) and up rows [N_I, 2 N_I) of w13 (z as mma_prepare_x wrote it
-    where X_PREPARED); WRITE_PREPARED: also a's mma_prepare_x copy at p_ap. K_SPLIT > 1
-    (tensor-core tiles): the tile's K_SPLIT programs each take a K share, the last one sums them
-    (fp32 shares at p_part, tickets at p_cnt, zero between launches) and stores. Side jobs
-    (programs of share 0): zero stage 2's accumulator (a slice a program) and the stage-2 + tail
-    launch's two counters (program 0), after the wait under PDL. TRIGGER (without PDL): let the
-    next launch start as programs start. TILED: MXFP4 codes in the tiled layout."""
-    i_b, i_n, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    side = i_k == 0
+                       TILED: tl.constexpr):
+    """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T), gate
+    rows [0, N_I) and up rows [N_I, 2 N_I) of w13 (z as mma_prepare_x wrote it where
+    X_PREPARED); WRITE_PREPARED: also a's mma_prepare_x copy at p_ap. Side jobs: zero stage 2's
+    accumulator (a slice a program) and the stage-2 + tail launch's two counters (program 0),
+    after the wait under PDL. TRIGGER (without PDL): let the next launch start as programs
+    start. TILED: MXFP4 codes in the tiled layout."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
     if TRIGGER and not PDL:
         gdc_launch_dependents()
-    if not PDL and side:
+    if not PDL:
         _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
     # the plan's count, entries and expert in one round trip; the weight addresses wait for them
     n_valid = tl.load(p_num_valid)
@@ -145,33 +119,25 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-        if side:
-            _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
+        _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
     if runs:
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N_I
-        stores = True  # K shares: only the tile's last program
         if USE_MMA:  # tensor-core tiles: BLOCK_N gate rows and their up rows (R = 2)
             p_x = p_z + tl.sum(tl.where(m_ent, b_tok, 0)) * D_PAIRS
             b_gu = fp4_mma_gemv(p_x, p_we, p_se, i_n * BLOCK_N, N_I, N_I, N_I, D_PAIRS // 16, 2,
-                                WARPS_K, ASM, L2_PREFETCH, X_PREPARED, 1.0, EVICT_FIRST, TILED,
-                                K_SPLIT, i_k)
-            if K_SPLIT > 1:
-                stores, b_gu = _k_split_total(b_gu, p_part, p_cnt,
-                                              i_b * tl.num_programs(1) + i_n, i_k,
-                                              tl.num_programs(0) * tl.num_programs(1), K_SPLIT)
+                                WARPS_K, ASM, L2_PREFETCH, X_PREPARED, 1.0, EVICT_FIRST, TILED)
             b_g, b_u = tl.split(tl.permute(b_gu, [1, 0]))
             b_a = act(b_g, b_u, beta, linear_beta, ACT)[None, :]
         else:
             b_a = gate_up_act(p_z, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D_PAIRS, beta,
                               linear_beta, ACT, BLOCK_M, BLOCK_N, BLOCK_KP, FP4, KLANE_STAGES,
                               TOKEN_LOOP, TILED)
-        if stores:
-            b_ab = to_bf16(b_a)
-            m_a = m_ent[:, None] & m_n[None, :]
-            tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], b_ab, mask=m_a)
-            if WRITE_PREPARED:
-                store_prepared_x(p_ap, b_ent, o_n, N_I, b_ab, m_a)
+        b_ab = to_bf16(b_a)
+        tl.store(p_a + b_ent[:, None] * N_I + o_n[None, :], b_ab,
+                 mask=m_ent[:, None] & m_n[None, :])
+        if WRITE_PREPARED:
+            store_prepared_x(p_ap, b_ent, o_n, N_I, b_ab, m_ent[:, None] & m_n[None, :])
 
 
 @triton.jit

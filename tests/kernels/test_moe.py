@@ -178,8 +178,7 @@ def test_reference_matches_dense(changes, fmt):
     ("klane_words", 2), ("klane_rows", 0), ("target_programs", 0),
     ("front_target_programs", 2.5), ("stage2_evict_first", "no"), ("tiled_weights", None),
     ("front_overlaps_route", 1), ("front_triggers_last", "on"), ("shared_beside_stage1", 0),
-    ("tail_second_first", 1), ("stage1_k_split", 3), ("stage1_k_split", True),
-    ("stage1_registers", 16), ("stage1_registers", 256)])
+    ("tail_second_first", 1)])
 def test_bad_config(field, value):
     """A bad MoEConfig field is a ValueError naming it, before anything runs."""
     with pytest.raises(ValueError, match=f"^{field}: expected"):
@@ -282,7 +281,6 @@ VARIANTS = {
                                       stage2_mma_tile=(1, 4, 2)),
     "mma-r1wk1": dataclasses.replace(MMA_TILES, stage1_mma_tile=(2, 2, 1),
                                      stage2_mma_tile=(1, 1, 1)),
-    "mma-ksplit2": dataclasses.replace(MMA_TILES, stage1_mma_tile=(2, 4, 1), stage1_k_split=2),
 }
 VARIANT_CASES = [(c, v) for c in STAGE_CASES if c[0] in ("M1-bm1-mxfp4", "M3-bm4-mxfp4-crowd")
                  for v in ("klane", "klane-stages")] + [
@@ -307,30 +305,6 @@ def test_stages_mxfp4_tiles(case, variant, device):
                  rtol=Y_RTOL)
     assert_close("y_det", moe_stage2(a, plan, w["w2"], deterministic=True, config=config), y_ref,
                  atol=Y_ATOL, rtol=Y_RTOL)
-
-
-K_SPLIT_CASES = [((2, 4, 1), 2, 1), ((2, 4, 0), 4, 1), ((2, 1, 0), 2, 3), ((2, 2, 1), 4, 1)]
-
-
-@pytest.mark.parametrize("tile,k_split,M", K_SPLIT_CASES,
-                         ids=[f"WK{t[1]}-split{s}-M{m}" for t, s, m in K_SPLIT_CASES])
-def test_stage1_k_split(tile, k_split, M, device):
-    """Stage 1's tensor-core tiles over K shares (MoEConfig.stage1_k_split) against the
-    reference at K = 640 (2 full steps and a partial one: shares of 2 steps and 1, or of 1 step
-    and an empty one), and bitwise the same call after call (shares summed in share order, the
-    tickets back at zero after each launch)."""
-    cfg, w, x = _setup(device, M=M, fmt="mxfp4", latent=640)
-    plan = _plan(cfg, x, w, 1)
-    z = randn((M, cfg.moe_in), make_generator(2, device))
-    config = dataclasses.replace(MMA_TILES, stage1_mma_tile=tile, stage1_k_split=k_split)
-    a = moe_stage1(z, plan, w["w13"], config=config, **_act(cfg))
-    assert_close("a", a, ref.moe_stage1_reference(z, plan, w["w13"], **_act(cfg)),
-                 atol=A_ATOL, rtol=A_RTOL)
-    whole = moe_stage1(z, plan, w["w13"], config=dataclasses.replace(
-        config, stage1_k_split=1), **_act(cfg))
-    assert_close("a vs one share", a, whole, atol=A_ATOL, rtol=A_RTOL)
-    assert not torch.equal(a, torch.zeros_like(a))
-    assert torch.equal(moe_stage1(z, plan, w["w13"], config=config, **_act(cfg)), a)
 
 
 DECODE_CONFIGS = {
@@ -1169,38 +1143,6 @@ def test_gpu_cuda_graph(fmt, fuse_tail, M):
         torch.cuda.synchronize()
         want = ref.latent_moe_from_plan_reference(x, _fused_plan(cfg, x, w), w, cfg)
         assert_close("out", out, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4])
-@pytest.mark.parametrize("k_split,registers", [(2, 0), (2, 80), (4, 0)],
-                         ids=["split2", "split2-regs80", "split4"])
-def test_gpu_k3_stage1_k_split_graph(k_split, registers, M):
-    """Stage 1 over K shares (MoEConfig.stage1_k_split; a register cap that spills) in the
-    fused+dense block with routing at K3 tp 8, captured once and replayed on new x: right each
-    time against the reference, and every replay of one x bitwise the same (the shares'
-    tickets race on the GPU; their sum is in share order)."""
-    config = MoEConfig(dense_projections=True, stage1_k_split=k_split,
-                       stage1_registers=registers)
-    cfg, w, x = _gpu_k3("mxfp4", M)
-    wk = moe_kernel_weights(w, config)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        moe_block(x, wk, cfg=cfg, config=config)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = moe_block(x, wk, cfg=cfg, config=config)
-    for seed in (1, 2):
-        x.copy_(hidden_states(cfg, M, make_generator(seed, "cuda")))
-        graph.replay()
-        first = out.clone()
-        for _ in range(3):
-            graph.replay()
-            assert torch.equal(out, first)
-        want = ref.latent_moe_from_plan_reference(x, _fused_plan(cfg, x, w), w, cfg)
-        assert_close("out", first, want, atol=BLOCK_ATOL, rtol=BLOCK_RTOL)
 
 
 @pytest.mark.gpu
