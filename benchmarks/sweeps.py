@@ -606,6 +606,19 @@ _SWEEPS = [
           "(stack.Configs.read_sums; the projection capped at 72 registers or not), their "
           "mix in programs of 512, 1024 or 256 columns",
           variants=("full stack",), tp=8),
+    Sweep("prefetch", "token",
+          ({}, {"kda.pdl": True}, {"kda.pdl": True, "o_proj_prefetch": 3},
+           {"kda.pdl": True, "o_proj_prefetch": 1}, {"o_proj_prefetch": 3},
+           {"in_proj_prefetch": 1}, {"in_proj_prefetch": 2},
+           {**_front(4, 1024, 4), "front.prefetch_steps": 1},
+           {**_front(4, 1024, 4), "front.prefetch_steps": 2},
+           {"kda.pdl": True, "o_proj_prefetch": 3, "in_proj_prefetch": 1}),
+          "weights asked of L2 before a projection's PDL wait in the full stack's token, while "
+          "the launch before it runs: the attention's output projections (all 3 of o_proj's "
+          "K steps at tp 8, or 1; the KDA decode by PDL lets its projection start early, the "
+          "MLA v absorb always does), the merged input projections' first 1 or 2 steps during "
+          "the AttnRes read, the MoE front's during the FFN read; against their tilings' none "
+          "({})", variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},

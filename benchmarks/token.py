@@ -30,7 +30,9 @@ CONFIG_CLASSES = {"gemv": "GemvConfig", "tail": "GemvConfig", "front": "GemvConf
                   "attn_res": "AttnResConfig", "kda": "KDAConfig", "mla": "MLAConfig",
                   "moe": "MoEConfig"}
 SPLITS = "num_splits"  # a point's key for its token's fixed MLA split count
-SWITCHES = ("read_sums", "read_sums_registers")  # stack.Configs' own fields a point may set
+# stack.Configs' own fields a point may set, and the type each takes
+SWITCHES = {"read_sums": bool, "read_sums_registers": int, "o_proj_prefetch": int,
+            "in_proj_prefetch": int}
 # the token measured: the reference reports' setup on a GPU, a short one under the interpreter
 GPU_PARAMS = {"window": 12, "context": 8192, "first_layer": 0, "num_splits": 0,
               "expert_format": "mxfp4"}
@@ -73,10 +75,13 @@ def resolve(sweep, points: list[int] | None = None, device: str = "cpu") -> list
                                      f"count of at least 1")
                 continue
             if key in SWITCHES:
-                kind = type(getattr(configs, key))
+                kind = SWITCHES[key]
                 if type(value) is not kind:
                     raise ValueError(f"{where}: {key}={value!r}: expected a {kind.__name__}")
-                configs = dataclasses.replace(configs, **{key: value})
+                try:
+                    configs = dataclasses.replace(configs, **{key: value})
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}") from exc
                 continue
             field, _, attr = key.partition(".")
             if field not in CONFIG_CLASSES or not attr:

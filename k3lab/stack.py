@@ -272,7 +272,12 @@ class Configs:
     register cap (GemvConfig.max_registers; 0: its tiling's own). The sums cost K3's output
     projection 9-20 registers a thread above its 70 (offline sm_90 build): 5-6 programs an
     SM where 7 fit its one-wave grid; capped at 72 it spills 24-40 bytes. Off: slower in
-    the token than the one-pass read (docs/decisions.md, AttnRes)."""
+    the token than the one-pass read (docs/decisions.md, AttnRes).
+    o_proj_prefetch, in_proj_prefetch: weight steps the attention's output projections (KDA,
+    MLA), or its merged input projections, ask of L2 before their PDL wait
+    (GemvConfig.prefetch_steps, on their tiling; None: the tiling's own). The prefetch runs
+    only while the launch before lets them start early: the MLA v absorb does, the KDA
+    decode with ``KDAConfig.pdl`` and the AttnRes read do."""
 
     gemv: object = None
     route: object = None
@@ -284,6 +289,23 @@ class Configs:
     front: object = None
     read_sums: bool = False
     read_sums_registers: int = 72
+    o_proj_prefetch: int | None = None
+    in_proj_prefetch: int | None = None
+
+    def __post_init__(self):
+        for name in ("o_proj_prefetch", "in_proj_prefetch"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                                  or not 0 <= v <= 8):
+                raise ValueError(f"Configs.{name}: expected None or an int in 0..8, got {v!r}")
+
+    def prefetch_steps(self, op: str) -> int | None:
+        """The L2 prefetch steps set for projection ``op`` (None: its tiling's own)."""
+        if op in ("kda.o_proj", "mla.o_proj"):
+            return self.o_proj_prefetch
+        if op in ("kda.q_proj", "mla.q_a_proj"):  # the merged input projections' ops
+            return self.in_proj_prefetch
+        return None
 
 
 @dataclass(frozen=True)
@@ -306,8 +328,21 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
     (bf16 F.linear, the norm, activation or residual as separate ops)."""
     if run.stack.owned_by(op, "dense-gemv"):
         from k3lab.kernels.dense import dense_gemv
-        return dense_gemv(x, w, **{"config": run.configs.gemv, **kw})
+        config = _gemv_config(run.configs, op, x.shape[0], w, kw.pop("config", run.configs.gemv))
+        return dense_gemv(x, w, config=config, **kw)
     return dense_engine(x, w, **kw)
+
+
+def _gemv_config(configs: Configs, op: str, m: int, w: torch.Tensor, config):
+    """The GemvConfig projection ``op`` (an unscaled, ungated [rows, K] weight) runs at M = m:
+    ``config`` (None: the launcher's own choice), on the tiling the launcher would take with
+    the L2 prefetch steps ``configs`` sets for ``op``, launched by PDL."""
+    steps = configs.prefetch_steps(op)
+    if steps is None:
+        return config
+    from k3lab.kernels.dense import call_config
+    return replace(call_config(config, m, w.shape[0], w.shape[1]), pdl=True,
+                   prefetch_steps=steps)
 
 
 def _act(cfg: Preset) -> dict:

@@ -462,6 +462,36 @@ def test_gpu_moe_front_overlapping_the_route_gives_the_sequential_logits(device)
     assert torch.equal(logits["overlap, pair plain"], logits["after"])
 
 
+@pytest.mark.gpu
+def test_gpu_projection_prefetch_keeps_the_bits(device):
+    """Weights asked of L2 before the projections' PDL waits (stack.Configs.o_proj_prefetch /
+    in_proj_prefetch with the KDA decode by PDL, the MoE front's first step) give the token's
+    logits bit for bit, eager and over replays of one captured token."""
+    from k3lab.kernels import KDAConfig
+    from k3lab.kernels.moe.front_route import FRONT_TILING_M1
+
+    cfg = preset("kimi-k3", 8)
+    tok = study.build(cfg, device, window=2, context=256, first_layer=2,
+                      expert_format="mxfp4")
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    base = study.configs_for(device)
+    early = dataclasses.replace(base, kda=KDAConfig(pdl=True), o_proj_prefetch=3,
+                                in_proj_prefetch=1,
+                                front=dataclasses.replace(FRONT_TILING_M1, prefetch_steps=1))
+    snap = study._snapshot(tok)
+    want = stack.run_token(full, tok, num_splits=4, configs=base)
+    study._restore(tok, snap)
+    assert torch.equal(stack.run_token(full, tok, num_splits=4, configs=early), want)
+    out = []
+    graph = dt._graph(lambda t: out.append(stack.run_token(full, t, num_splits=4,
+                                                           configs=early)), tok)
+    for _ in range(3):
+        study._restore(tok, snap)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[-1], want)
+
+
 def test_fp8_latent_tail_runs_the_persistent_variant_with_the_fp8_tail(device, monkeypatch):
     """In the reviewed stack, fp8-latent-tail makes every MoE layer run the moe boundary's
     persistent_fp8_tail variant (persistent-moe alone: persistent), and the token still meets

@@ -278,3 +278,29 @@ def test_read_sums_in_the_token(device):
     mixes = sum("_attn_res_mix_kernel" in n for n in kernels["sums"])
     assert mixes - sum("_attn_res_mix_kernel" in n for n in kernels["plain"]) == len(
         token["layer_ids"])
+
+
+def test_projection_prefetch_configs():
+    """Configs.o_proj_prefetch / in_proj_prefetch: checked; they set the L2 prefetch steps (and
+    PDL) of the attention's output and merged input projections on the tiling the launcher
+    would take, and of no other projection."""
+    from dataclasses import replace
+
+    from k3lab.kernels.dense import GemvConfig, call_config
+    from k3lab.stack import Configs, _gemv_config
+
+    for name in ("o_proj_prefetch", "in_proj_prefetch"):
+        for bad in (9, -1, True, 1.0):
+            with pytest.raises(ValueError, match=f"^Configs.{name}: expected None or an int"):
+                Configs(**{name: bad})
+    configs = Configs(o_proj_prefetch=3, in_proj_prefetch=1)
+    w = torch.empty(7168, 1536)
+    want = replace(call_config(None, 1, 7168, 1536), pdl=True, prefetch_steps=3)
+    for op in ("kda.o_proj", "mla.o_proj"):
+        assert _gemv_config(configs, op, 1, w, None) == want
+    given = GemvConfig(block_n=8, block_k=256)
+    assert _gemv_config(configs, "kda.q_proj", 1, w, given) == replace(given, pdl=True,
+                                                                         prefetch_steps=1)
+    for op in ("moe.latent_up", "mla.q_b_proj", "moe.shared"):
+        assert _gemv_config(configs, op, 1, w, given) is given
+    assert _gemv_config(Configs(), "kda.o_proj", 1, w, None) is None
