@@ -619,6 +619,19 @@ _SWEEPS = [
           "MLA v absorb always does), the merged input projections' first 1 or 2 steps during "
           "the AttnRes read, the MoE front's during the FFN read; against their tilings' none "
           "({})", variants=("full stack",), tp=8),
+    Sweep("prefetch_mix", "token",
+          ({}, {"in_proj_prefetch": 1},
+           {"in_proj_prefetch": 1, "kda.pdl": True, "o_proj_prefetch": 1},
+           {"in_proj_prefetch": 1, "o_proj_prefetch": 1},
+           {"in_proj_prefetch": 1, "kda.pdl": True, "o_proj_prefetch": 2},
+           {"kda.pdl": True, "o_proj_prefetch": 1},
+           _tail(16, 512, 1, max_registers=128), _tail(16, 512, 2, max_registers=128),
+           {"in_proj_prefetch": 1, "kda.pdl": True, "o_proj_prefetch": 1,
+            **_tail(16, 512, 1, max_registers=128)}),
+          "the prefetch sweep's gains together: the merged input projections' first step, "
+          "the output projections' first 1 or 2 (the KDA decode by PDL or not), the e4m3 MoE "
+          "tail's first 1 or 2 on its table's tiling (16 x 512 at 128 registers)",
+          variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
            {"moe.front_route_registers": 0}, {"moe.front_route_registers": 80},
