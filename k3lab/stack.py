@@ -277,7 +277,9 @@ class Configs:
     MLA), or its merged input projections, ask of L2 before their PDL wait
     (GemvConfig.prefetch_steps, on their tiling; None: the tiling's own). The prefetch runs
     only while the launch before lets them start early: the MLA v absorb does, the KDA
-    decode with ``KDAConfig.pdl`` and the AttnRes read do."""
+    decode with ``KDAConfig.pdl`` and the AttnRes read do. The input projections' first step
+    by default: it streams while the AttnRes read before them runs (docs/decisions.md,
+    decode token)."""
 
     gemv: object = None
     route: object = None
@@ -290,7 +292,7 @@ class Configs:
     read_sums: bool = False
     read_sums_registers: int = 72
     o_proj_prefetch: int | None = None
-    in_proj_prefetch: int | None = None
+    in_proj_prefetch: int | None = 1
 
     def __post_init__(self):
         for name in ("o_proj_prefetch", "in_proj_prefetch"):

@@ -395,7 +395,9 @@ def _compiled_grouped(inputs: dict) -> torch.Tensor:
     """torch.compile of the grouped peer as two graphs, the reference route's and the block's
     given a plan: with routing the block reuses the graph compiled given the plan. (Compiling
     the reference's loop instead unrolls it into M * top_k experts' worth of kernels for
-    Inductor to generate: half a minute of compiling at K3 for a slower peer.)"""
+    Inductor to generate: half a minute of compiling at K3 for a slower peer.) The code table
+    is made outside the graphs: made inside, its cache's guard would recompile the block."""
+    _pair_table(inputs["x"].device)
     if inputs["route"]:
         inputs = {**inputs, "plan": _compiled_route(inputs)}
     return _compiled_block(inputs)

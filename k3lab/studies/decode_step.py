@@ -283,7 +283,7 @@ PDL_CHOICES = (("AttnRes reads", "attn_res", "AttnResConfig"),
 # Rounds of the launch choices' interleaved replays (launch_choices)
 INTERLEAVED_ROUNDS = 7
 # Other launch choices timed in the token, each alone on top of the configs given: (label, the
-# Configs field, the config class, the fields it sets).
+# Configs field, the config class, the fields it sets; a class of None: fields of Configs).
 CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResConfig",
                    {"bank_before_wait": False}),
                   ("MLA split kernel by PDL", "mla", "MLAConfig", {"split_pdl": True}),
@@ -300,7 +300,9 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                   # (TUNED_M1_E4M3: wider tiles, more bytes a step)
                   ("MoE tail at 16 x 256 steps", "tail", "GemvConfig",
                    {"block_n": 16, "block_k": 256, "num_stages": 3, "pdl": True,
-                    "prefetch_steps": 0}))
+                    "prefetch_steps": 0}),
+                  ("Input projections' first weight step not asked of L2 early", None, None,
+                   {"in_proj_prefetch": None}))
 # Changes of the catalogue timed in the token against the full stack, each alone with the
 # configs given: (label, the change, True: added to the full stack / False: taken out of it).
 # A change joins the integration stack once measured here; one in it stays measured by its
@@ -381,8 +383,9 @@ def launch_choices(token: dict, device, full: stack.Stack, *, configs: stack.Con
                **{labels[f]: dataclasses.replace(configs, **{f: c}) for f, c in toggled.items()},
                "all of them toggled": dataclasses.replace(configs, **toggled)}
     for label, field, cls, changes in CONFIG_CHOICES:
-        choices[label] = dataclasses.replace(
-            configs, **{field: dataclasses.replace(current(field, cls), **changes)})
+        choices[label] = dataclasses.replace(configs, **changes) if cls is None else \
+            dataclasses.replace(configs, **{field: dataclasses.replace(current(field, cls),
+                                                                       **changes)})
     stacks = dict.fromkeys(choices, full)
     for label, st in stack_choices(full).items():
         stacks[label], choices[label] = st, configs
