@@ -277,9 +277,9 @@ class Configs:
     MLA), or its merged input projections, ask of L2 before their PDL wait
     (GemvConfig.prefetch_steps, on their tiling; None: the tiling's own). The prefetch runs
     only while the launch before lets them start early: the MLA v absorb does, the KDA
-    decode with ``KDAConfig.pdl`` and the AttnRes read do. The input projections' first step
-    by default: it streams while the AttnRes read before them runs (docs/decisions.md,
-    decode token)."""
+    decode with ``KDAConfig.pdl`` and the AttnRes read do. By default the input projections
+    ask for their first step, which streams while the AttnRes read before them runs
+    (docs/decisions.md, decode token)."""
 
     gemv: object = None
     route: object = None
@@ -330,20 +330,23 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
     (bf16 F.linear, the norm, activation or residual as separate ops)."""
     if run.stack.owned_by(op, "dense-gemv"):
         from k3lab.kernels.dense import dense_gemv
-        config = _gemv_config(run.configs, op, x.shape[0], w, kw.pop("config", run.configs.gemv))
+        config = _gemv_config(run.configs, op, x.shape[0], w, kw.pop("config", run.configs.gemv),
+                              e4m3=kw.get("weight_scale") is not None)
         return dense_gemv(x, w, config=config, **kw)
     return dense_engine(x, w, **kw)
 
 
-def _gemv_config(configs: Configs, op: str, m: int, w: torch.Tensor, config):
-    """The GemvConfig projection ``op`` (an unscaled, ungated [rows, K] weight) runs at M = m:
-    ``config`` (None: the launcher's own choice), on the tiling the launcher would take with
-    the L2 prefetch steps ``configs`` sets for ``op``, launched by PDL."""
+def _gemv_config(configs: Configs, op: str, m: int, w: torch.Tensor, config, *,
+                 e4m3: bool = False):
+    """The GemvConfig projection ``op`` (an ungated [rows, K] weight; ``e4m3``: with row
+    scales) runs at M = m: ``config`` (None: the launcher's own choice), or, where ``configs``
+    sets L2 prefetch steps for ``op``, the tiling the launcher would take with them, launched
+    by PDL."""
     steps = configs.prefetch_steps(op)
     if steps is None:
         return config
     from k3lab.kernels.dense import call_config
-    return replace(call_config(config, m, w.shape[0], w.shape[1]), pdl=True,
+    return replace(call_config(config, m, w.shape[0], w.shape[1], e4m3=e4m3), pdl=True,
                    prefetch_steps=steps)
 
 
