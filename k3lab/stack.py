@@ -328,26 +328,32 @@ class _Run:
 def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
     """A projection: the dense GEMV when ``op`` is the dense-gemv change's, else the engine's call
     (bf16 F.linear, the norm, activation or residual as separate ops)."""
+    sums = kw.pop("read_sums", None)  # only where the projection is the dense GEMV's
     if run.stack.owned_by(op, "dense-gemv"):
         from k3lab.kernels.dense import dense_gemv
-        config = _gemv_config(run.configs, op, x.shape[0], w, kw.pop("config", run.configs.gemv),
-                              e4m3=kw.get("weight_scale") is not None)
-        return dense_gemv(x, w, config=config, **kw)
+        config = _gemv_config(run.configs, op, x.shape[0], w, run.configs.gemv,
+                              e4m3=kw.get("weight_scale") is not None, sums=sums is not None)
+        return dense_gemv(x, w, config=config, read_sums=sums, **kw)
     return dense_engine(x, w, **kw)
 
 
 def _gemv_config(configs: Configs, op: str, m: int, w: torch.Tensor, config, *,
-                 e4m3: bool = False):
+                 e4m3: bool = False, sums: bool = False):
     """The GemvConfig projection ``op`` (an ungated [rows, K] weight; ``e4m3``: with row
-    scales) runs at M = m: ``config`` (None: the launcher's own choice), or, where ``configs``
-    sets L2 prefetch steps for ``op``, the tiling the launcher would take with them, launched
-    by PDL."""
+    scales; ``sums``: leaving an AttnRes read's sums) runs at M = m: ``config`` (None: the
+    launcher's own choice), or, where ``configs`` sets L2 prefetch steps for ``op`` (then
+    launched by PDL) or a register cap for the sums' producer (``read_sums_registers``), the
+    tiling the launcher would take with them."""
+    changes = {}
     steps = configs.prefetch_steps(op)
-    if steps is None:
+    if steps is not None:
+        changes.update(pdl=True, prefetch_steps=steps)
+    if sums and configs.read_sums_registers:
+        changes["max_registers"] = configs.read_sums_registers
+    if not changes:
         return config
     from k3lab.kernels.dense import call_config
-    return replace(call_config(config, m, w.shape[0], w.shape[1], e4m3=e4m3), pdl=True,
-                   prefetch_steps=steps)
+    return replace(call_config(config, m, w.shape[0], w.shape[1], e4m3=e4m3), **changes)
 
 
 def _act(cfg: Preset) -> dict:
@@ -382,17 +388,6 @@ def _ffn_sums(run: _Run, state: dict, bank, buffers):
     w = state["res_ffn"]
     buf, clear = buffers if buffers is not None else (None, None)
     return read_sums(bank, w["res_norm_weight"], w["res_proj_weight"], buffer=buf), clear
-
-
-def _sums_kw(run: _Run, sums, weight: torch.Tensor, m: int) -> dict:
-    """The output projection's extra arguments when it leaves the FFN read's sums: them, and
-    its tiling with ``Configs.read_sums_registers``."""
-    if sums is None:
-        return {}
-    from k3lab.kernels.dense import call_config
-    tiling = call_config(run.configs.gemv, m, weight.shape[0], weight.shape[1])
-    cap = run.configs.read_sums_registers
-    return {"read_sums": sums, "config": replace(tiling, max_registers=cap) if cap else tiling}
 
 
 def sums_buffers(token: dict, m: int, device) -> list[torch.Tensor]:
@@ -449,7 +444,7 @@ def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual, sums=None) -
         o = ref_kda.out_norm_gate(o, g.reshape(m, hl, d), w["o_norm"], cfg.rms_eps)
     tag("dense projections")
     return _linear(run, "kda.o_proj", o.reshape(m, hl * d).to(x.dtype), w["o_proj"],
-                   residual=residual, **_sums_kw(run, sums, w["o_proj"], m))
+                   residual=residual, read_sums=sums)
 
 
 def _mla(run: _Run, x, state: dict, residual, sums=None) -> torch.Tensor:
@@ -487,8 +482,7 @@ def _mla(run: _Run, x, state: dict, residual, sums=None) -> torch.Tensor:
         o = ref_mla.mla_absorb_out_reference(o_lat.float(), w["kv_b"], g, qk_nope=nope,
                                              v_head=v).to(x.dtype)
     tag("dense projections")
-    return _linear(run, "mla.o_proj", o, w["o_proj"], residual=residual,
-                   **_sums_kw(run, sums, w["o_proj"], m))
+    return _linear(run, "mla.o_proj", o, w["o_proj"], residual=residual, read_sums=sums)
 
 
 def _route(run: _Run, x, w: dict, cfg: Preset, early: bool = False):

@@ -283,7 +283,7 @@ def test_read_sums_in_the_token(device):
 def test_projection_prefetch_configs():
     """Configs.o_proj_prefetch / in_proj_prefetch: checked; they set the L2 prefetch steps (and
     PDL) of the attention's output and merged input projections on the tiling the launcher
-    would take, and of no other projection."""
+    would take, and of no other projection; read_sums_registers caps the sums' producer."""
     from dataclasses import replace
 
     from k3lab.kernels.dense import GemvConfig, call_config
@@ -304,3 +304,8 @@ def test_projection_prefetch_configs():
     for op in ("moe.latent_up", "mla.q_b_proj", "moe.shared"):
         assert _gemv_config(configs, op, 1, w, given) is given
     assert _gemv_config(Configs(), "kda.o_proj", 1, w, None) is None
+    # the sums' producer (Configs.read_sums) takes its register cap on that tiling
+    assert _gemv_config(Configs(), "kda.o_proj", 1, w, None, sums=True) == replace(
+        call_config(None, 1, 7168, 1536), max_registers=72)
+    assert _gemv_config(Configs(read_sums_registers=0), "kda.o_proj", 1, w, None,
+                        sums=True) is None
