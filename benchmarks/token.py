@@ -77,7 +77,8 @@ def resolve(sweep, points: list[int] | None = None, device: str = "cpu") -> list
             if key in SWITCHES:
                 kind = SWITCHES[key]
                 if type(value) is not kind:
-                    raise ValueError(f"{where}: {key}={value!r}: expected a {kind.__name__}")
+                    raise ValueError(f"{where}: {key}={value!r}: expected "
+                                     f"{'an' if kind is int else 'a'} {kind.__name__}")
                 try:
                     configs = dataclasses.replace(configs, **{key: value})
                 except ValueError as exc:

@@ -267,6 +267,10 @@ def test_token_sweep_refuses_bad_points_before_running():
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match=f"num_splits={bad!r}: expected an MLA split"):
             sweeps.resolve(dataclasses.replace(tail, points=({}, {"num_splits": bad})))
+    with pytest.raises(ValueError, match="in_proj_prefetch=1.0: expected an int"):
+        sweeps.resolve(dataclasses.replace(tail, points=({}, {"in_proj_prefetch": 1.0})))
+    with pytest.raises(ValueError, match="point 1 .*Configs.o_proj_prefetch: expected None"):
+        sweeps.resolve(dataclasses.replace(tail, points=({}, {"o_proj_prefetch": 9})))
     with pytest.raises(sweeps.SweepError, match="no point 9"):
         sweeps.resolve(tail, [9])
     assert run.main(["token", "--sweep", "tail", "--variants", "fused", "--device", "cpu",
