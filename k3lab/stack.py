@@ -265,7 +265,9 @@ class Configs:
     ``MLAConfig`` (mla_decode), moe a ``MoEConfig`` (moe_experts, moe_stage1, moe_stage2), tail
     a ``GemvConfig`` for the latent MoE tail's dense GEMV alone (None: gemv's), front one for the
     MoE front's merged GEMV alone (latent down and shared gate/up, in the router's launch or
-    its own; None: gemv's, else the front's own tiling; the launch sets PDL and its waits).
+    its own; None: gemv's, else the front's own tiling; the launch sets PDL and its waits),
+    shared_down one for the shared down-projection's programs in stage 1's launch
+    (``MoEConfig.shared_down_beside_stage1``; None: that launch's own tiling).
     read_sums: the attention's output projection (the dense GEMV) leaves the FFN read's sums
     in its epilogue, and that read only mixes (``kernels/attn_res_sums.py``; where the read,
     and the projection by the dense GEMV, are fused); read_sums_registers: that projection's
@@ -289,6 +291,7 @@ class Configs:
     moe: object = None
     tail: object = None
     front: object = None
+    shared_down: object = None
     read_sums: bool = False
     read_sums_registers: int = 72
     o_proj_prefetch: int | None = None
@@ -597,18 +600,30 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
                                                  cfg.n_experts, block_m=1, out_dim=cfg.moe_in)
     tag("MoE experts")
     experts = _kernel_experts(w) if fused_stage else w
+    # the shared down-projection and the residual in stage 1's launch, the tail's residual
+    # their sum (MoEConfig.shared_down_beside_stage1; the dense tail below only)
+    down_beside = (pair and not beside and shared_a is not None and cfg.latent
+                   and run.fused("moe.latent_up") and isinstance(moe_cfg, k.MoEConfig)
+                   and moe_cfg.shared_down_beside_stage1)
     if pair:
         # moe_block's pair: stage 1 zeroes stage 2's accumulator, stage 2 follows by PDL; stage
         # 1 by PDL too where the plan was written two launches earlier (the handoff's route)
         # (after an overlapping front only if it lets stage 1 start after its wait for the
         # route: stage 1 reads the plan before its PDL wait)
+        extra = {}
+        if beside:
+            extra = dict(shared_x=x, shared_w13=w["shared_w13"])
+        elif down_beside:
+            extra = dict(shared_a=shared_a, shared_w2=w["shared_w2"], shared_residual=residual,
+                         shared_config=run.configs.shared_down)
         y = k.moe_experts(z, plan, experts["w13"], experts["w2"], **act,
                           pdl=(handoff and not fused_front
                                and (not overlap or moe_cfg.front_triggers_last)),
-                          config=run.configs.moe,
-                          **(dict(shared_x=x, shared_w13=w["shared_w13"]) if beside else {}))
+                          config=run.configs.moe, **extra)
         if beside:
             y, shared_a = y
+        elif down_beside:
+            y, shared_res = y
     else:
         if run.fused("moe.stage1"):
             a = k.moe_stage1(z, plan, experts["w13"], **act, config=run.configs.moe)
@@ -630,6 +645,17 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
             from k3lab.kernels.dense import dense_gemv
             q = fp8_tail_rows(up) if fp8_tail else None
             tc = run.configs.tail or run.configs.gemv
+            if down_beside:
+                # the shared down-projection and the residual are stage 1's launch's: the
+                # tail's residual, which it may load before its wait (stage 1 has ended by then)
+                if moe_cfg.tail_second_first:
+                    from k3lab.kernels.dense import call_config
+                    tc = replace(call_config(tc, x.shape[0], up.shape[0], up.shape[1],
+                                             e4m3=fp8_tail), second_first=True)
+                return dense_gemv(y, q.values if fp8_tail else up, norm_weight=norm,
+                                  eps=cfg.rms_eps, residual=shared_res,
+                                  weight_scale=q.scales if fp8_tail else None,
+                                  config=tc), True
             if fused_front and moe_cfg.tail_second_first:
                 # the shared activation is the route's launch's, which stage 1 waited for
                 # whole (a plain launch), and the residual older: both before the tail's wait

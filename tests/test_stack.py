@@ -220,6 +220,33 @@ def test_router_in_the_front_launch_in_the_token(device):
     assert len(kernels["apart"]) - len(kernels["fused"]) == routes
 
 
+def test_shared_down_beside_stage1_in_the_token(device):
+    """MoEConfig.shared_down_beside_stage1 in the full stack's token: the shared
+    down-projection and the residual run in stage 1's launch and the MoE tail adds their sum;
+    the logits meet the fp32 truth with as many launches as the default, every MoE layer's
+    stage 1 the combined launch."""
+    from dataclasses import replace
+
+    from k3lab.kernels import MoEConfig
+    from k3lab.profile import count_launches
+    from k3lab.stack import runnable, steps
+
+    cfg = preset("tiny")
+    full, _ = runnable(compose(steps(STACKS["integration"])[-1][1]))
+    base = configs_for(device)
+    down = replace(base, moe=MoEConfig(shared_down_beside_stage1=True))
+    token = make_token(cfg, device, window=3, seed=4, context=24, expert_format="mxfp4")
+    checks = check_token(token, {"base": full, "down": full}, {"base": base, "down": down},
+                         num_splits=3)
+    assert checks["ok"].all(), checks
+    kernels = {k: count_launches(lambda t, c=c: run_token(full, t, num_splits=3, configs=c),
+                                 token).kernels for k, c in (("base", base), ("down", down))}
+    assert len(kernels["base"]) == len(kernels["down"])
+    stage1 = sum("_moe_stage1_kernel" in n for n in kernels["base"])
+    assert stage1 >= 3 and not any("_moe_stage1_kernel" in n for n in kernels["down"])
+    assert sum("_stage1_shared_down_kernel" in n for n in kernels["down"]) == stage1
+
+
 def test_window_layers_from_a_layer_or_centred():
     """Layer 0, then the window from first_layer (0: centred in the model); bad values named."""
     from k3lab.reference.layer import window_layers

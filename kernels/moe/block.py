@@ -269,7 +269,9 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     (latent down and, merged, the shared gate/up: ``weights["front"]``, else two launches),
     stage 1, stage 2 alone, then RMSNorm(y) @ W_up^T + a_s @ W_s2^T as one dense GEMV (the norm
     in its prologue, the shared down-projection its second product): 4 launches given a plan
-    (5 with ``config.shared_beside_stage1``: the shared gate/up between the stages).
+    (5 with ``config.shared_beside_stage1``: the shared gate/up between the stages; with
+    ``config.shared_down_beside_stage1`` the shared down-projection runs in stage 1's launch
+    and the tail adds it).
     overlap: the front follows a route_sort launched with early dependents (MoEConfig.
     front_overlaps_route) and waits for it only at its end. front: (z, a_s), already computed
     in the route's launch (front_route, MoEConfig.front_routes): stage 1 then launches
@@ -299,13 +301,24 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     # Stage 1 reads the plan before its PDL wait, which is safe only if its predecessor waited
     # for the route before letting it start: an overlapping front (wait_last) does so only
     # with front_triggers_last.
+    # the shared down-projection in stage 1's launch (shared_down_beside_stage1): the tail adds
+    # its fp32 result as a residual
+    down_beside = a_s is not None and not beside and config.shared_down_beside_stage1
+    extra = {}
+    if beside:
+        extra = dict(shared_x=x, shared_w13=weights["shared_w13"])
+    elif down_beside:
+        extra = dict(shared_a=a_s, shared_w2=weights["shared_w2"])
     y = moe_experts(z, plan, w13, w2, activation=cfg.activation, situ_beta=betas[0],
                     situ_linear_beta=betas[1], deterministic=deterministic,
                     pdl=front is None and (not overlap or config.front_triggers_last),
-                    config=config, **(dict(shared_x=x, shared_w13=weights["shared_w13"])
-                                      if beside else {}))
+                    config=config, **extra)
     if beside:
         y, a_s = y
+    if down_beside:
+        y, shared_out = y
+        return dense_gemv(y, weights["latent_up"], norm_weight=weights["latent_norm"],
+                          eps=cfg.rms_eps, residual=shared_out)
     shared = {} if a_s is None else {"x2": a_s, "weight2": weights["shared_w2"]}
     tail = None
     if front is not None and a_s is not None and config.tail_second_first:

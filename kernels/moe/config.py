@@ -113,6 +113,11 @@ class MoEConfig:
             residual before its PDL wait (``GemvConfig.second_first``), so they overlap stage
             2's end: the shared activation was written by the front, which stage 1 waits for
             whole (it launches plainly after it).
+        shared_down_beside_stage1: where a caller runs the MoE tail as one dense GEMV (the
+            decode stack), the shared experts' down-projection and the residual go into stage
+            1's launch as GEMV programs beside its tiles (``moe_experts(shared_a=...)``,
+            stage1_beside.py), and the tail adds their fp32 sum as its residual: the shared
+            rows' bytes stream in the SM slots stage 1 leaves free instead of after stage 2.
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
@@ -141,12 +146,14 @@ class MoEConfig:
     front_routes: bool = True
     front_route_registers: int = 96
     tail_second_first: bool = False
+    shared_down_beside_stage1: bool = False
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
                      "dense_projections", "front_overlaps_route", "front_triggers_last",
-                     "shared_beside_stage1", "front_routes", "tail_second_first"):
+                     "shared_beside_stage1", "front_routes", "tail_second_first",
+                     "shared_down_beside_stage1"):
             _check_bool(name, getattr(self, name))
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from ..dense import GemvConfig, default_config, dense_gemv
+from ..dense.launch import prepare_gemv
 from ..mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
 from ..plan import RoutePlan
 from ..runtime import INTERPRETED, zeroed_words
@@ -30,6 +31,7 @@ from .checks import (
 from .config import MoEConfig
 from .front_route import front_tiling
 from .mma import MMA_WARPS, mma_layout_problem
+from .stage1_beside import launch_stage1_shared_down, shared_down_tiling
 from .stages import _moe_front_kernel, _moe_stage1_kernel, _moe_stage2_tail_kernel
 from .tiles import (
     MIN_PAIRS,
@@ -189,7 +191,9 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
 
 
 def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync=None,
-                   z_mma=None, a_mma_out=None, pdl=False):
+                   z_mma=None, a_mma_out=None, pdl=False, beside=None):
+    """Stage 1's launch; ``beside``: a prepared dense GEMV launch whose programs join stage 1's
+    grid (stage1_beside.py)."""
     m, d = z.shape
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
@@ -219,6 +223,9 @@ def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_til
                   num_warps=NUM_WARPS)
     if pdl:
         kwargs["launch_pdl"] = True
+    if beside is not None:
+        launch_stage1_shared_down(args, kwargs, grid, beside, _check_mma_layout)
+        return a
     if t.mma is not None:
         _check_mma_layout(_moe_stage1_kernel, grid, args, kwargs)
     _moe_stage1_kernel[grid](*args, **kwargs)
@@ -403,9 +410,19 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
                 situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                 deterministic: bool | None = None, pdl: bool = True,
                 config: MoEConfig | None = None, validate: str = "cheap",
-                shared_x: torch.Tensor | None = None, shared_w13: torch.Tensor | None = None):
+                shared_x: torch.Tensor | None = None, shared_w13: torch.Tensor | None = None,
+                shared_a: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
+                shared_residual: torch.Tensor | None = None,
+                shared_config: GemvConfig | None = None):
     """Stage 1 then stage 2 as ``moe_block`` runs them: 2 launches, returns plan.out (fp32
     [M, D], the routed experts' weighted sum).
+
+    shared_a, shared_w2 (bf16 [M, S] and [H, S]), shared_residual (None, or bf16 / fp32
+    [M, H]): the shared experts' down-projection ``a_s @ Ws2^T (+ residual)`` as dense GEMV
+    programs in stage 1's launch (stage1_beside.py; ``shared_config`` their tiling, None:
+    ``shared_down_tiling``, 4 warps as stage 1's): it reads nothing stage 1 writes, and its
+    tiles fill the SM slots stage 1 leaves free. Returns (plan.out, the fp32 [M, H] result):
+    still 2 launches. Not with shared_x.
 
     shared_x, shared_w13: the shared experts' gate/up (bf16 [M, H] and [2S, H]) as one dense
     GEMV launch between the stages, act(x @ gate^T, x @ up^T), at the merged front's tiles
@@ -443,9 +460,15 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
                 or shared_w13.shape[0] % 2):
             raise ValueError(f"shared_w13: expected shared_x [M={m}, H] and shared_w13 [2S, H], "
                              f"got {list(shared_x.shape)} and {list(shared_w13.shape)}")
+    beside, shared_out = _shared_down(m, z.device, shared_x, shared_a, shared_w2,
+                                      shared_residual, shared_config)
     a_mma = prepared_a(config, w2, plan, n_tiles, deterministic)
     a = _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles,
-                       a_mma_out=a_mma, pdl=pdl)
+                       a_mma_out=a_mma, pdl=pdl, beside=beside)
+    if beside is not None:
+        stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
+        _launch_stage2_tail(config, stage2, None, pdl=True)
+        return stage2[2], shared_out()
     a_s = None
     if shared_x is not None:
         # the merged front's tiles: beside stage 1 the shared rows keep the front's sums
@@ -457,6 +480,43 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
     stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
     _launch_stage2_tail(config, stage2, None, pdl=True)
     return stage2[2] if a_s is None else (stage2[2], a_s)
+
+
+def _shared_down(m, dev, shared_x, shared_a, shared_w2, shared_residual, shared_config):
+    """(the prepared GEMV launch, its result) of moe_experts' shared down-projection beside
+    stage 1, or (None, None) without one; its arguments checked."""
+    if shared_a is None and shared_w2 is None:
+        if shared_residual is not None or shared_config is not None:
+            raise ValueError("shared_residual: shared_residual and shared_config go with "
+                             "shared_a and shared_w2")
+        return None, None
+    if shared_a is None or shared_w2 is None:
+        raise ValueError("shared_a: give both shared_a and shared_w2, or neither")
+    if shared_x is not None:
+        raise ValueError("shared_a: the shared down-projection beside stage 1 (shared_a, "
+                         "shared_w2) and the shared gate/up between the stages (shared_x, "
+                         "shared_w13) are exclusive")
+    check_tensor("shared_a", shared_a, dtypes=(torch.bfloat16,), dim=2, device=dev)
+    check_tensor("shared_w2", shared_w2, dtypes=(torch.bfloat16,), dim=2, device=dev)
+    if shared_a.shape[0] != m or shared_w2.shape[1] != shared_a.shape[1]:
+        raise ValueError(f"shared_w2: expected shared_a [M={m}, S] and shared_w2 [H, S], got "
+                         f"{list(shared_a.shape)} and {list(shared_w2.shape)}")
+    h = shared_w2.shape[0]
+    if shared_residual is not None:
+        check_tensor("shared_residual", shared_residual,
+                     dtypes=(torch.bfloat16, torch.float32), dim=2, device=dev)
+        if tuple(shared_residual.shape) != (m, h):
+            raise ValueError(f"shared_residual: expected [M, H] = [{m}, {h}], got "
+                             f"{list(shared_residual.shape)}")
+    if shared_config is not None and not isinstance(shared_config, GemvConfig):
+        raise ValueError(f"shared_config: expected a GemvConfig or None, got "
+                         f"{type(shared_config).__name__}")
+    if shared_config is not None and shared_config.num_warps != NUM_WARPS:
+        raise ValueError(f"shared_config: its programs share stage 1's launch, which runs "
+                         f"{NUM_WARPS} warps; got num_warps={shared_config.num_warps}")
+    return prepare_gemv(shared_a, shared_w2, residual=shared_residual, out_dtype=torch.float32,
+                        config=shared_config,
+                        default_tiling=lambda mm, rows, k, _: shared_down_tiling(mm, rows, k))
 
 
 def moe_stage2(a: torch.Tensor, plan: RoutePlan, w2, *, deterministic: bool | None = None,

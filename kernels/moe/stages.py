@@ -75,12 +75,12 @@ def _plan_tile_runs(i_b, block_m, n_valid, i_e, m_ent):
 
 
 @triton.jit
-def _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT: tl.constexpr,
+def _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_n, n_zero, ZERO_OUT: tl.constexpr,
                       ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr):
     """Stage 1's side jobs: zero a slice of stage 2's accumulator, and (program 0) the stage-2 +
-    tail launch's two counters."""
+    tail launch's two counters (n_n: I tiles a plan tile)."""
     if ZERO_OUT:
-        o_o = (i_b * tl.num_programs(1) + i_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        o_o = (i_b * n_n + i_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
         tl.store(p_out + o_o, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=o_o < n_zero)
     if ZERO_SYNC:
         o_s = tl.arange(0, 2)
@@ -98,17 +98,35 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
                        BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr, TOKEN_LOOP: tl.constexpr,
                        WRITE_PREPARED: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
                        TILED: tl.constexpr):
-    """Program (plan tile i_b, I tile i_n): a[entries, tile] = act(z[tokens] @ w13[e]^T), gate
-    rows [0, N_I) and up rows [N_I, 2 N_I) of w13 (z as mma_prepare_x wrote it where
-    X_PREPARED); WRITE_PREPARED: also a's mma_prepare_x copy at p_ap. Side jobs: zero stage 2's
-    accumulator (a slice a program) and the stage-2 + tail launch's two counters (program 0),
-    after the wait under PDL. TRIGGER (without PDL): let the next launch start as programs
-    start. TILED: MXFP4 codes in the tiled layout."""
-    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    """Grid (plan tiles, I tiles): :func:`_stage1_program`."""
+    _stage1_program(tl.program_id(0), tl.program_id(1), tl.num_programs(1), p_z, p_w, p_ws,
+                    p_sorted, p_block_expert, p_num_valid, p_a, p_ap, p_out, p_sync, n_entries,
+                    block_m, top_k, N_I, D_PAIRS, n_zero, beta, linear_beta, ACT, FP4, USE_MMA,
+                    WARPS_K, L2_PREFETCH, X_PREPARED, EVICT_FIRST, ASM, KLANE_STAGES, ZERO_OUT,
+                    ZERO_SYNC, ZERO_BLOCK, BLOCK_M, BLOCK_N, BLOCK_KP, TOKEN_LOOP,
+                    WRITE_PREPARED, PDL, TRIGGER, TILED)
+
+
+@triton.jit
+def _stage1_program(i_b, i_n, n_n, p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_a,
+                    p_ap, p_out, p_sync, n_entries, block_m, top_k, N_I, D_PAIRS, n_zero, beta,
+                    linear_beta, ACT: tl.constexpr, FP4: tl.constexpr, USE_MMA: tl.constexpr,
+                    WARPS_K: tl.constexpr, L2_PREFETCH: tl.constexpr, X_PREPARED: tl.constexpr,
+                    EVICT_FIRST: tl.constexpr, ASM: tl.constexpr, KLANE_STAGES: tl.constexpr,
+                    ZERO_OUT: tl.constexpr, ZERO_SYNC: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
+                    TOKEN_LOOP: tl.constexpr, WRITE_PREPARED: tl.constexpr, PDL: tl.constexpr,
+                    TRIGGER: tl.constexpr, TILED: tl.constexpr):
+    """Program (plan tile i_b, I tile i_n of n_n): a[entries, tile] = act(z[tokens] @
+    w13[e]^T), gate rows [0, N_I) and up rows [N_I, 2 N_I) of w13 (z as mma_prepare_x wrote it
+    where X_PREPARED); WRITE_PREPARED: also a's mma_prepare_x copy at p_ap. Side jobs: zero
+    stage 2's accumulator (a slice a program) and the stage-2 + tail launch's two counters
+    (program 0), after the wait under PDL. TRIGGER (without PDL): let the next launch start as
+    programs start. TILED: MXFP4 codes in the tiled layout."""
     if TRIGGER and not PDL:
         gdc_launch_dependents()
     if not PDL:
-        _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
+        _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
     # the plan's count, entries and expert in one round trip; the weight addresses wait for them
     n_valid = tl.load(p_num_valid)
     b_ent, b_tok, m_ent = _plan_tile(p_sorted, i_b, block_m, n_entries, top_k, BLOCK_M)
@@ -119,7 +137,7 @@ def _moe_stage1_kernel(p_z, p_w, p_ws, p_sorted, p_block_expert, p_num_valid, p_
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-        _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
+        _stage1_side_jobs(p_out, p_sync, i_b, i_n, n_n, n_zero, ZERO_OUT, ZERO_SYNC, ZERO_BLOCK)
     if runs:
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_n = o_n < N_I

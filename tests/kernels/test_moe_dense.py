@@ -73,6 +73,36 @@ def test_shared_gate_up_beside_stage1(fmt, m, det, device):
     assert len(names) == 5, names
 
 
+@pytest.mark.parametrize("fmt,m,det,routed", [("bf16", 1, True, False),
+                                              ("mxfp4", 3, False, True),
+                                              ("mxfp4", 1, True, True)])
+def test_shared_down_beside_stage1(fmt, m, det, routed, device):
+    """MoEConfig.shared_down_beside_stage1: the shared down-projection's GEMV programs run in
+    stage 1's launch and the tail adds their fp32 result (still 4 launches, the first stage-1
+    launch holding both kinds of program); the output meets the reference and the default
+    block's (the same products, summed in other K steps)."""
+    cfg = preset("tiny", 1)
+    down = MoEConfig(dense_projections=True, shared_down_beside_stage1=True)
+    inp = _inputs(cfg, device, m, fmt)
+    if routed:
+        inp = {**inp, "route": True, "config": down}
+    w = inp["weights"].for_kernels(down)
+    plan = None if routed else inp["plan"]
+
+    def run(x, conf):
+        return moe_block(x, w, cfg=cfg, plan=plan, deterministic=det, config=conf)
+
+    out = run(inp["x"], down)
+    B.check(out, None, inp)
+    assert (out.float() - run(inp["x"], DENSE).float()).abs().max() < 0.05
+    names = count_launches(lambda x: run(x, down), inp["x"]).kernels
+    if device.type == "cpu":
+        names = [n for n in names if n.startswith("triton::")]
+    assert len(names) == 4, names
+    assert sum("_stage1_shared_down_kernel" in n for n in names) == 1, names
+    assert not any("_moe_stage1_kernel" in n for n in names), names
+
+
 @pytest.mark.parametrize("fmt,m,det", [("bf16", 1, True), ("mxfp4", 3, False),
                                        ("mxfp4", 1, False)])
 def test_router_in_the_front_launch(fmt, m, det, device):
@@ -134,6 +164,71 @@ def test_moe_experts_shared_inputs_are_checked(device):
                     (dict(shared_x=x, shared_w13=w13s[:, :-1].contiguous()), "shared_w13")]:
         with pytest.raises(ValueError, match=msg):
             moe_experts(z, inp["plan"], w["w13"], w["w2"], **kw)
+
+
+def test_moe_experts_shared_down_inputs_are_checked(device):
+    from k3lab.kernels import GemvConfig, moe_experts
+
+    cfg = preset("tiny", 1)
+    inp = _inputs(cfg, device, 2, "bf16")
+    w = inp["weights"].fused
+    z = torch.zeros(2, cfg.moe_in, dtype=torch.bfloat16, device=device)
+    s, h = cfg.shared_intermediate, cfg.hidden
+    a = torch.zeros(2, s, dtype=torch.bfloat16, device=device)
+    w2s, res = w["shared_w2"], torch.zeros(2, h, device=device)
+    for kw, msg in [(dict(shared_a=a), "shared_a: give both"),
+                    (dict(shared_residual=res), "shared_residual: shared_residual and"),
+                    (dict(shared_a=a.float(), shared_w2=w2s), "shared_a: expected"),
+                    (dict(shared_a=a[:1], shared_w2=w2s), r"shared_w2: expected shared_a \[M=2"),
+                    (dict(shared_a=a[:, :-1].contiguous(), shared_w2=w2s), "shared_w2: expected"),
+                    (dict(shared_a=a, shared_w2=w2s, shared_residual=res[:, :-1].contiguous()),
+                     r"shared_residual: expected \[M, H\]"),
+                    (dict(shared_a=a, shared_w2=w2s, shared_residual=res.long()),
+                     "shared_residual: expected"),
+                    (dict(shared_a=a, shared_w2=w2s, shared_config=GemvConfig(num_warps=8)),
+                     "shared_config: its programs share stage 1's launch"),
+                    (dict(shared_a=a, shared_w2=w2s, shared_config="tiles"),
+                     "shared_config: expected a GemvConfig"),
+                    (dict(shared_a=a, shared_w2=w2s, shared_x=inp["x"],
+                          shared_w13=w["shared_w13"]), "are exclusive")]:
+        with pytest.raises(ValueError, match=msg):
+            moe_experts(z, inp["plan"], w["w13"], w["w2"], **kw)
+
+
+@pytest.mark.gpu
+def test_gpu_shared_down_beside_stage1_k3():
+    """K3 tp 8, MXFP4, routing in the front's launch, deterministic stage 2: the shared
+    down-projection in stage 1's launch meets the block's reference and the default block, and
+    gives the same bits call after call, eager and over 20 replays of a 16-call CUDA graph."""
+    cfg = preset("kimi-k3", 8)
+    dev = torch.device("cuda")
+    down = MoEConfig(dense_projections=True, shared_down_beside_stage1=True)
+    inp = {**_inputs(cfg, dev, 1, "mxfp4"), "route": True, "config": down}
+    xs = [_inputs(cfg, dev, 1, "mxfp4", seed=s)["x"] for s in range(16)]
+    w = inp["weights"].for_kernels(down)
+
+    def run(x, conf=down):
+        return moe_block(x, w, cfg=cfg, deterministic=True, config=conf)
+
+    out = run(inp["x"])
+    B.check(out, None, inp)
+    assert (out.float() - run(inp["x"], DENSE).float()).abs().max() < 0.05
+    want = [run(x).clone() for x in xs]
+    for x, ref in zip(xs, want, strict=True):
+        assert torch.equal(run(x), ref)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(xs[0])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [run(x) for x in xs]
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, ref in zip(outs, want, strict=True):
+            assert torch.equal(got, ref)
 
 
 @pytest.mark.gpu
