@@ -230,10 +230,10 @@ def _front(block_n, block_k, num_stages) -> dict:
             "front.prefetch_steps": 0}
 
 
-def _down(block_n, block_k, num_stages=3, max_registers=0) -> dict:
-    """A token sweep's point: the shared down-projection beside stage 1
-    (MoEConfig.shared_down_beside_stage1) at a tiling (stack.Configs.shared_down)."""
-    return {"moe.shared_down_beside_stage1": True, "shared_down.block_n": block_n,
+def _down(where, block_n, block_k, num_stages=3, max_registers=0) -> dict:
+    """A token sweep's point: the shared down-projection beside an expert stage
+    (MoEConfig.shared_down_launch) at a tiling (stack.Configs.shared_down)."""
+    return {"moe.shared_down_launch": where, "shared_down.block_n": block_n,
             "shared_down.block_k": block_k, "shared_down.num_stages": num_stages,
             "shared_down.prefetch_steps": 0,
             **({"shared_down.max_registers": max_registers} if max_registers else {})}
@@ -347,10 +347,11 @@ _SWEEPS = [
           "(fused+dense, with routing)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("shared_down", "moe",
-          grid(({"M": 1}, {"M": 4}), ({}, {"shared_down_beside_stage1": True})),
-          "the shared down-projection's GEMV programs in stage 1's launch, the tail adding "
-          "their fp32 result (MoEConfig.shared_down_beside_stage1), against the tail's second "
-          "product (fused+dense, with routing: the front in the route's launch)",
+          grid(({"M": 1}, {"M": 4}), ({}, {"shared_down_launch": "stage1"},
+                                       {"shared_down_launch": "stage2"})),
+          "the shared down-projection's GEMV programs in stage 1's or stage 2's launch, the "
+          "tail adding their fp32 result (MoEConfig.shared_down_launch), against the tail's "
+          "second product (fused+dense, with routing: the front in the route's launch)",
           variants=("fused+dense",), params={"route": True, "expert_format": "mxfp4"}, tp=8),
     Sweep("tail_first", "moe",
           grid(({"M": 1}, {"M": 4}), ({}, {"tail_second_first": True})),
@@ -648,14 +649,15 @@ _SWEEPS = [
           "tail's first 1 or 2 on its table's tiling (16 x 512 at 128 registers)",
           variants=("full stack",), tp=8),
     Sweep("shared_down", "token",
-          ({}, {"moe.shared_down_beside_stage1": True},
-           {"moe.shared_down_beside_stage1": True, "moe.tail_second_first": True},
-           _down(16, 256), _down(16, 128), _down(64, 128), _down(8, 512),
-           _down(32, 256, max_registers=128)),
-          "the shared down-projection and the residual in stage 1's launch, the MoE tail "
-          "adding their sum (MoEConfig.shared_down_beside_stage1; its tiles 32 x 128 over 3 "
-          "stages, others set by Configs.shared_down), with the residual loaded before the "
-          "tail's wait (tail_second_first), against the tail's second product ({})",
+          ({}, {"moe.shared_down_launch": "stage2"}, _down("stage2", 16, 256),
+           _down("stage2", 8, 512), _down("stage2", 16, 128), _down("stage2", 64, 128),
+           {"moe.shared_down_launch": "stage1"}, _down("stage1", 16, 256),
+           {**_down("stage1", 16, 256), "moe.tail_second_first": True}),
+          "the shared down-projection and the residual in stage 2's launch (its programs first, "
+          "running while stage 1 does) or stage 1's (after its tiles), the MoE tail adding "
+          "their sum (MoEConfig.shared_down_launch; tiles 32 x 128 over 3 stages unless "
+          "Configs.shared_down sets them; from stage 1's the residual may be loaded before the "
+          "tail's wait: tail_second_first), against the tail's second product ({})",
           variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},

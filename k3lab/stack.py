@@ -266,8 +266,8 @@ class Configs:
     a ``GemvConfig`` for the latent MoE tail's dense GEMV alone (None: gemv's), front one for the
     MoE front's merged GEMV alone (latent down and shared gate/up, in the router's launch or
     its own; None: gemv's, else the front's own tiling; the launch sets PDL and its waits),
-    shared_down one for the shared down-projection's programs in stage 1's launch
-    (``MoEConfig.shared_down_beside_stage1``; None: that launch's own tiling).
+    shared_down one for the shared down-projection's programs in an expert stage's launch
+    (``MoEConfig.shared_down_launch``; None: those programs' own tiling).
     read_sums: the attention's output projection (the dense GEMV) leaves the FFN read's sums
     in its epilogue, and that read only mixes (``kernels/attn_res_sums.py``; where the read,
     and the projection by the dense GEMV, are fused); read_sums_registers: that projection's
@@ -600,11 +600,11 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
                                                  cfg.n_experts, block_m=1, out_dim=cfg.moe_in)
     tag("MoE experts")
     experts = _kernel_experts(w) if fused_stage else w
-    # the shared down-projection and the residual in stage 1's launch, the tail's residual
-    # their sum (MoEConfig.shared_down_beside_stage1; the dense tail below only)
+    # the shared down-projection and the residual in an expert stage's launch, the tail's
+    # residual their sum (MoEConfig.shared_down_launch; the dense tail below only)
     down_beside = (pair and not beside and shared_a is not None and cfg.latent
                    and run.fused("moe.latent_up") and isinstance(moe_cfg, k.MoEConfig)
-                   and moe_cfg.shared_down_beside_stage1)
+                   and moe_cfg.shared_down_launch != "tail")
     if pair:
         # moe_block's pair: stage 1 zeroes stage 2's accumulator, stage 2 follows by PDL; stage
         # 1 by PDL too where the plan was written two launches earlier (the handoff's route)
@@ -646,9 +646,11 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
             q = fp8_tail_rows(up) if fp8_tail else None
             tc = run.configs.tail or run.configs.gemv
             if down_beside:
-                # the shared down-projection and the residual are stage 1's launch's: the
-                # tail's residual, which it may load before its wait (stage 1 has ended by then)
-                if moe_cfg.tail_second_first:
+                # the shared down-projection and the residual are a stage's launch's: the
+                # tail's residual. Stage 1's the tail may load before its wait (it starts once
+                # stage 2's tiles have waited for stage 1); stage 2's GEMV programs let the
+                # tail start as they start, so their result is read after the wait
+                if moe_cfg.tail_second_first and moe_cfg.shared_down_launch == "stage1":
                     from k3lab.kernels.dense import call_config
                     tc = replace(call_config(tc, x.shape[0], up.shape[0], up.shape[1],
                                              e4m3=fp8_tail), second_first=True)

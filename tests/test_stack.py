@@ -220,11 +220,12 @@ def test_router_in_the_front_launch_in_the_token(device):
     assert len(kernels["apart"]) - len(kernels["fused"]) == routes
 
 
-def test_shared_down_beside_stage1_in_the_token(device):
-    """MoEConfig.shared_down_beside_stage1 in the full stack's token: the shared
-    down-projection and the residual run in stage 1's launch and the MoE tail adds their sum;
-    the logits meet the fp32 truth with as many launches as the default, every MoE layer's
-    stage 1 the combined launch."""
+@pytest.mark.parametrize("where", ["stage1", "stage2"])
+def test_shared_down_beside_a_stage_in_the_token(where, device):
+    """MoEConfig.shared_down_launch in the full stack's token: the shared down-projection and
+    the residual run in stage 1's or stage 2's launch and the MoE tail adds their sum (with
+    tail_second_first: before its wait only from stage 1's); the logits meet the fp32 truth
+    with as many launches as the default, every MoE layer's stage the combined launch."""
     from dataclasses import replace
 
     from k3lab.kernels import MoEConfig
@@ -234,7 +235,7 @@ def test_shared_down_beside_stage1_in_the_token(device):
     cfg = preset("tiny")
     full, _ = runnable(compose(steps(STACKS["integration"])[-1][1]))
     base = configs_for(device)
-    down = replace(base, moe=MoEConfig(shared_down_beside_stage1=True))
+    down = replace(base, moe=MoEConfig(shared_down_launch=where, tail_second_first=True))
     token = make_token(cfg, device, window=3, seed=4, context=24, expert_format="mxfp4")
     checks = check_token(token, {"base": full, "down": full}, {"base": base, "down": down},
                          num_splits=3)
@@ -242,9 +243,10 @@ def test_shared_down_beside_stage1_in_the_token(device):
     kernels = {k: count_launches(lambda t, c=c: run_token(full, t, num_splits=3, configs=c),
                                  token).kernels for k, c in (("base", base), ("down", down))}
     assert len(kernels["base"]) == len(kernels["down"])
-    stage1 = sum("_moe_stage1_kernel" in n for n in kernels["base"])
-    assert stage1 >= 3 and not any("_moe_stage1_kernel" in n for n in kernels["down"])
-    assert sum("_stage1_shared_down_kernel" in n for n in kernels["down"]) == stage1
+    alone = "_moe_stage1_kernel" if where == "stage1" else "_moe_stage2_tail_kernel"
+    stages = sum(alone in n for n in kernels["base"])
+    assert stages >= 3 and not any(alone in n for n in kernels["down"])
+    assert sum(f"_{where}_shared_down_kernel" in n for n in kernels["down"]) == stages
 
 
 def test_window_layers_from_a_layer_or_centred():

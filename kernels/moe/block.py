@@ -270,8 +270,8 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     stage 1, stage 2 alone, then RMSNorm(y) @ W_up^T + a_s @ W_s2^T as one dense GEMV (the norm
     in its prologue, the shared down-projection its second product): 4 launches given a plan
     (5 with ``config.shared_beside_stage1``: the shared gate/up between the stages; with
-    ``config.shared_down_beside_stage1`` the shared down-projection runs in stage 1's launch
-    and the tail adds it).
+    ``config.shared_down_launch`` "stage1" or "stage2" the shared down-projection runs in that
+    stage's launch and the tail adds it).
     overlap: the front follows a route_sort launched with early dependents (MoEConfig.
     front_overlaps_route) and waits for it only at its end. front: (z, a_s), already computed
     in the route's launch (front_route, MoEConfig.front_routes): stage 1 then launches
@@ -301,9 +301,9 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
     # Stage 1 reads the plan before its PDL wait, which is safe only if its predecessor waited
     # for the route before letting it start: an overlapping front (wait_last) does so only
     # with front_triggers_last.
-    # the shared down-projection in stage 1's launch (shared_down_beside_stage1): the tail adds
-    # its fp32 result as a residual
-    down_beside = a_s is not None and not beside and config.shared_down_beside_stage1
+    # the shared down-projection in a stage's launch (shared_down_launch): the tail adds its
+    # fp32 result as a residual
+    down_beside = a_s is not None and not beside and config.shared_down_launch != "tail"
     extra = {}
     if beside:
         extra = dict(shared_x=x, shared_w13=weights["shared_w13"])

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# MoEConfig.shared_down_launch: the launch that runs the shared experts' down-projection
+SHARED_DOWN_LAUNCHES = ("tail", "stage1", "stage2")
+
 __all__ = ["MoEConfig", "MMA_STAGE1_R"]
 
 MMA_STAGE1_R = 2  # a stage-1 tensor-core program holds its gate tile and its up tile
@@ -113,11 +116,13 @@ class MoEConfig:
             residual before its PDL wait (``GemvConfig.second_first``), so they overlap stage
             2's end: the shared activation was written by the front, which stage 1 waits for
             whole (it launches plainly after it).
-        shared_down_beside_stage1: where a caller runs the MoE tail as one dense GEMV (the
-            decode stack), the shared experts' down-projection and the residual go into stage
-            1's launch as GEMV programs beside its tiles (``moe_experts(shared_a=...)``,
-            stage1_beside.py), and the tail adds their fp32 sum as its residual: the shared
-            rows' bytes stream in the SM slots stage 1 leaves free instead of after stage 2.
+        shared_down_launch: where a caller runs the MoE tail as one dense GEMV (the decode
+            stack, the dense block), the launch that runs the shared experts'
+            down-projection (and the residual): "tail" (the tail's second product), "stage1" or
+            "stage2" (dense GEMV programs in that stage's launch, ``moe_experts(shared_a=...)``,
+            kernels/moe/shared_down.py; the tail adds their fp32 sum as its residual): the
+            shared rows' bytes stream in the SM slots the stages leave free instead of after
+            stage 2.
         interpret_gpu_tiles: under the Triton interpreter, run the GPU's tiling (small tiles, K
             steps, token loops, and the tensor-core tiles, their mma emulated) instead of a few
             big tiles (the interpreter runs programs one by one); no effect when compiled.
@@ -146,15 +151,17 @@ class MoEConfig:
     front_routes: bool = True
     front_route_registers: int = 96
     tail_second_first: bool = False
-    shared_down_beside_stage1: bool = False
+    shared_down_launch: str = "tail"
 
     def __post_init__(self):
         for name in ("mma", "stage1_evict_first", "stage2_evict_first", "x_prepared", "pdl",
                      "tiled_weights", "deterministic_stage2", "interpret_gpu_tiles",
                      "dense_projections", "front_overlaps_route", "front_triggers_last",
-                     "shared_beside_stage1", "front_routes", "tail_second_first",
-                     "shared_down_beside_stage1"):
+                     "shared_beside_stage1", "front_routes", "tail_second_first"):
             _check_bool(name, getattr(self, name))
+        if self.shared_down_launch not in SHARED_DOWN_LAUNCHES:
+            raise ValueError(f"shared_down_launch: expected one of {SHARED_DOWN_LAUNCHES}, got "
+                             f"{self.shared_down_launch!r}")
         _check_mma_tile("stage1_mma_tile", self.stage1_mma_tile, 1)
         _check_mma_tile("stage2_mma_tile", self.stage2_mma_tile, 2)
         _check_int("stage1_klane_stages", self.stage1_klane_stages, 0, 7)

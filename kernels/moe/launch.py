@@ -31,7 +31,11 @@ from .checks import (
 from .config import MoEConfig
 from .front_route import front_tiling
 from .mma import MMA_WARPS, mma_layout_problem
-from .stage1_beside import launch_stage1_shared_down, shared_down_tiling
+from .shared_down import (
+    launch_stage1_shared_down,
+    launch_stage2_shared_down,
+    shared_down_tiling,
+)
 from .stages import _moe_front_kernel, _moe_stage1_kernel, _moe_stage2_tail_kernel
 from .tiles import (
     MIN_PAIRS,
@@ -193,7 +197,7 @@ def latent_down(x: torch.Tensor, down_weight: torch.Tensor | None,
 def _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles, sync=None,
                    z_mma=None, a_mma_out=None, pdl=False, beside=None):
     """Stage 1's launch; ``beside``: a prepared dense GEMV launch whose programs join stage 1's
-    grid (stage1_beside.py)."""
+    grid (shared_down.py)."""
     m, d = z.shape
     top_k, block_m, i = plan.topk_ids.shape[1], plan.block_m, w13.shape[1] // 2
     a = torch.empty((m * top_k, i), device=z.device, dtype=torch.bfloat16)
@@ -393,14 +397,19 @@ def _stage2_tail_kwargs(config, stage2, tail, sync=None):
     return kw, n
 
 
-def _launch_stage2_tail(config, stage2, tail, sync=None, pdl=False):
+def _launch_stage2_tail(config, stage2, tail, sync=None, pdl=False, beside=None):
     """One launch of the stage-2 + tail kernel (see _stage2_tail_kwargs); pdl: stage 2 alone
-    (compiled atomic tensor-core tiles) or the tail alone with programmatic dependent launch."""
+    (compiled atomic tensor-core tiles) or the tail alone with programmatic dependent launch;
+    beside: a prepared dense GEMV launch whose programs go first in stage 2's grid (stage 2
+    alone; shared_down.py)."""
     kw, n = _stage2_tail_kwargs(config, stage2, tail, sync)
     kw["num_warps"] = NUM_WARPS
     if pdl and _pdl_on(config) and (stage2 is None or (
             tail is None and not kw["DETERMINISTIC"] and kw["USE_MMA"])):
         kw.update(PDL=True, launch_pdl=True)
+    if beside is not None:
+        launch_stage2_shared_down(kw, n, beside, _check_mma_layout)
+        return
     if kw["USE_MMA"]:
         _check_mma_layout(_moe_stage2_tail_kernel, (n,), (), kw)
     _moe_stage2_tail_kernel[(n,)](**kw)
@@ -419,10 +428,11 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
 
     shared_a, shared_w2 (bf16 [M, S] and [H, S]), shared_residual (None, or bf16 / fp32
     [M, H]): the shared experts' down-projection ``a_s @ Ws2^T (+ residual)`` as dense GEMV
-    programs in stage 1's launch (stage1_beside.py; ``shared_config`` their tiling, None:
-    ``shared_down_tiling``, 4 warps as stage 1's): it reads nothing stage 1 writes, and its
-    tiles fill the SM slots stage 1 leaves free. Returns (plan.out, the fp32 [M, H] result):
-    still 2 launches. Not with shared_x.
+    programs in the launch of stage 1 or stage 2 (``config.shared_down_launch``; shared_down.py;
+    ``shared_config`` their tiling, None: ``shared_down_tiling``, 4 warps as the stages'): it
+    reads nothing the stages write, and its tiles fill the SM slots stage 1 leaves free. Its
+    inputs must be older than the launch before stage 1. Returns (plan.out, the fp32 [M, H]
+    result): still 2 launches. Not with shared_x.
 
     shared_x, shared_w13: the shared experts' gate/up (bf16 [M, H] and [2S, H]) as one dense
     GEMV launch between the stages, act(x @ gate^T, x @ up^T), at the merged front's tiles
@@ -460,14 +470,16 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
                 or shared_w13.shape[0] % 2):
             raise ValueError(f"shared_w13: expected shared_x [M={m}, H] and shared_w13 [2S, H], "
                              f"got {list(shared_x.shape)} and {list(shared_w13.shape)}")
-    beside, shared_out = _shared_down(m, z.device, shared_x, shared_a, shared_w2,
+    beside, shared_out = _shared_down(m, z.device, config, shared_x, shared_a, shared_w2,
                                       shared_residual, shared_config)
+    first = beside if config.shared_down_launch == "stage1" else None
     a_mma = prepared_a(config, w2, plan, n_tiles, deterministic)
     a = _launch_stage1(config, z, plan, w13, act, situ_beta, situ_linear_beta, n_tiles,
-                       a_mma_out=a_mma, pdl=pdl, beside=beside)
+                       a_mma_out=a_mma, pdl=pdl, beside=first)
     if beside is not None:
         stage2 = _stage2_args(config, a, plan, w2, deterministic, n_tiles, a_mma)
-        _launch_stage2_tail(config, stage2, None, pdl=True)
+        _launch_stage2_tail(config, stage2, None, pdl=True,
+                            beside=None if first is not None else beside)
         return stage2[2], shared_out()
     a_s = None
     if shared_x is not None:
@@ -482,9 +494,10 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
     return stage2[2] if a_s is None else (stage2[2], a_s)
 
 
-def _shared_down(m, dev, shared_x, shared_a, shared_w2, shared_residual, shared_config):
+def _shared_down(m, dev, config, shared_x, shared_a, shared_w2, shared_residual,
+                 shared_config):
     """(the prepared GEMV launch, its result) of moe_experts' shared down-projection beside
-    stage 1, or (None, None) without one; its arguments checked."""
+    a stage, or (None, None) without one; its arguments checked."""
     if shared_a is None and shared_w2 is None:
         if shared_residual is not None or shared_config is not None:
             raise ValueError("shared_residual: shared_residual and shared_config go with "
@@ -493,9 +506,12 @@ def _shared_down(m, dev, shared_x, shared_a, shared_w2, shared_residual, shared_
     if shared_a is None or shared_w2 is None:
         raise ValueError("shared_a: give both shared_a and shared_w2, or neither")
     if shared_x is not None:
-        raise ValueError("shared_a: the shared down-projection beside stage 1 (shared_a, "
+        raise ValueError("shared_a: the shared down-projection beside a stage (shared_a, "
                          "shared_w2) and the shared gate/up between the stages (shared_x, "
                          "shared_w13) are exclusive")
+    if config.shared_down_launch == "tail":
+        raise ValueError("shared_a: config.shared_down_launch is 'tail' (the MoE tail's second "
+                         "product); 'stage1' or 'stage2' runs it beside a stage")
     check_tensor("shared_a", shared_a, dtypes=(torch.bfloat16,), dim=2, device=dev)
     check_tensor("shared_w2", shared_w2, dtypes=(torch.bfloat16,), dim=2, device=dev)
     if shared_a.shape[0] != m or shared_w2.shape[1] != shared_a.shape[1]:

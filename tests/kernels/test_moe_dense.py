@@ -13,6 +13,7 @@ from k3lab.profile import count_launches
 
 B = get("moe")
 DENSE = MoEConfig(dense_projections=True)
+STAGE1 = MoEConfig(shared_down_launch="stage1")
 
 
 def _inputs(cfg, device, m, fmt, block_m=1, seed=0):
@@ -73,16 +74,17 @@ def test_shared_gate_up_beside_stage1(fmt, m, det, device):
     assert len(names) == 5, names
 
 
-@pytest.mark.parametrize("fmt,m,det,routed", [("bf16", 1, True, False),
-                                              ("mxfp4", 3, False, True),
-                                              ("mxfp4", 1, True, True)])
-def test_shared_down_beside_stage1(fmt, m, det, routed, device):
-    """MoEConfig.shared_down_beside_stage1: the shared down-projection's GEMV programs run in
-    stage 1's launch and the tail adds their fp32 result (still 4 launches, the first stage-1
-    launch holding both kinds of program); the output meets the reference and the default
-    block's (the same products, summed in other K steps)."""
+@pytest.mark.parametrize("fmt,m,det,routed,where", [("bf16", 1, True, False, "stage1"),
+                                                    ("mxfp4", 3, False, True, "stage1"),
+                                                    ("mxfp4", 1, True, True, "stage2"),
+                                                    ("bf16", 2, False, False, "stage2")])
+def test_shared_down_beside_a_stage(fmt, m, det, routed, where, device):
+    """MoEConfig.shared_down_launch "stage1" / "stage2": the shared down-projection's GEMV
+    programs run in that stage's launch and the tail adds their fp32 result (still 4 launches,
+    that stage's the combined kernel); the output meets the reference and the default block's
+    (the same products, summed in other K steps)."""
     cfg = preset("tiny", 1)
-    down = MoEConfig(dense_projections=True, shared_down_beside_stage1=True)
+    down = MoEConfig(dense_projections=True, shared_down_launch=where)
     inp = _inputs(cfg, device, m, fmt)
     if routed:
         inp = {**inp, "route": True, "config": down}
@@ -99,8 +101,10 @@ def test_shared_down_beside_stage1(fmt, m, det, routed, device):
     if device.type == "cpu":
         names = [n for n in names if n.startswith("triton::")]
     assert len(names) == 4, names
-    assert sum("_stage1_shared_down_kernel" in n for n in names) == 1, names
-    assert not any("_moe_stage1_kernel" in n for n in names), names
+    combined = f"_{where}_shared_down_kernel"
+    assert sum(combined in n for n in names) == 1, names
+    alone = "_moe_stage1_kernel" if where == "stage1" else "_moe_stage2_tail_kernel"
+    assert not any(alone in n for n in names), names
 
 
 @pytest.mark.parametrize("fmt,m,det", [("bf16", 1, True), ("mxfp4", 3, False),
@@ -176,7 +180,9 @@ def test_moe_experts_shared_down_inputs_are_checked(device):
     s, h = cfg.shared_intermediate, cfg.hidden
     a = torch.zeros(2, s, dtype=torch.bfloat16, device=device)
     w2s, res = w["shared_w2"], torch.zeros(2, h, device=device)
-    for kw, msg in [(dict(shared_a=a), "shared_a: give both"),
+    for kw, msg in [(dict(shared_a=a, shared_w2=w2s, config=MoEConfig()),
+                     "shared_a: config.shared_down_launch is 'tail'"),
+                    (dict(shared_a=a), "shared_a: give both"),
                     (dict(shared_residual=res), "shared_residual: shared_residual and"),
                     (dict(shared_a=a.float(), shared_w2=w2s), "shared_a: expected"),
                     (dict(shared_a=a[:1], shared_w2=w2s), r"shared_w2: expected shared_a \[M=2"),
@@ -192,17 +198,21 @@ def test_moe_experts_shared_down_inputs_are_checked(device):
                     (dict(shared_a=a, shared_w2=w2s, shared_x=inp["x"],
                           shared_w13=w["shared_w13"]), "are exclusive")]:
         with pytest.raises(ValueError, match=msg):
-            moe_experts(z, inp["plan"], w["w13"], w["w2"], **kw)
+            moe_experts(z, inp["plan"], w["w13"], w["w2"], **{"config": STAGE1, **kw})
+    with pytest.raises(ValueError, match="shared_down_launch: expected one of"):
+        MoEConfig(shared_down_launch="front")
 
 
 @pytest.mark.gpu
-def test_gpu_shared_down_beside_stage1_k3():
+@pytest.mark.parametrize("where", ["stage1", "stage2"])
+def test_gpu_shared_down_beside_a_stage_k3(where):
     """K3 tp 8, MXFP4, routing in the front's launch, deterministic stage 2: the shared
-    down-projection in stage 1's launch meets the block's reference and the default block, and
-    gives the same bits call after call, eager and over 20 replays of a 16-call CUDA graph."""
+    down-projection in stage 1's or stage 2's launch meets the block's reference and the
+    default block, and gives the same bits call after call, eager and over 20 replays of a
+    16-call CUDA graph."""
     cfg = preset("kimi-k3", 8)
     dev = torch.device("cuda")
-    down = MoEConfig(dense_projections=True, shared_down_beside_stage1=True)
+    down = MoEConfig(dense_projections=True, shared_down_launch=where)
     inp = {**_inputs(cfg, dev, 1, "mxfp4"), "route": True, "config": down}
     xs = [_inputs(cfg, dev, 1, "mxfp4", seed=s)["x"] for s in range(16)]
     w = inp["weights"].for_kernels(down)
