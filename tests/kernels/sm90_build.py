@@ -228,6 +228,10 @@ def main() -> dict:
     attempt("moe/fused+dense tail_second_first", lambda: moe.variant("fused+dense").fn(
         {**boundaries.clone_inputs(fr), "config": dataclasses.replace(
             fr_conf, tail_second_first=True)}))
+    for where in ("stage1", "stage2"):  # the shared down-projection beside a stage, K3 widths
+        attempt(f"moe/fused+dense shared_down_launch {where}", lambda where=where: moe.variant(
+            "fused+dense").fn({**boundaries.clone_inputs(fr), "config": dataclasses.replace(
+                fr_conf, shared_down_launch=where)}))
     attempt("dense gate/up together", lambda: dense_gemv(
         torch.zeros(1, 7168, dtype=torch.bfloat16), torch.zeros(1536, 7168, dtype=torch.bfloat16),
         activation="situ", config=GemvConfig(block_n=8, split_k=2, pdl=True,
