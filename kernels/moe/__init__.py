@@ -12,8 +12,9 @@ tanh(x) = 2*sigmoid(2x) - 1.
 Modules: ``config`` (MoEConfig: every tuning choice, passed to the launchers), ``front_route``
 (route_sort and the dense front in one launch), ``tiles`` (tile choice on the host), ``gemv``
 (bf16 and MXFP4 K-lane GEMV helpers), ``mma`` (the tensor-core MXFP4 tile for plan tiles of one
-token), ``stages`` (the jit kernels), ``checks`` (input validation), ``launch`` and ``block``
-(the launchers).
+token), ``stages`` (the jit kernels), ``shared_down`` (the shared down-projection's GEMV in an
+expert stage's launch), ``checks`` (input validation), ``launch`` and ``block`` (the
+launchers).
 
 Stages 1 and 2 consume the route plan as is (no second top-k or sort). Stage 1 also zeroes
 ``plan.out`` (stage 2's accumulator) for moe_block's stage 2; ``moe_stage2`` launched alone
