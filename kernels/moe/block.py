@@ -298,9 +298,6 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
         a_s = dense_gemv(x, weights["shared_w13"], activation=cfg.activation,
                          situ_beta=betas[0], situ_linear_beta=betas[1],
                          config=_front_config(m, s, h, True, overlap, config))
-    # Stage 1 reads the plan before its PDL wait, which is safe only if its predecessor waited
-    # for the route before letting it start: an overlapping front (wait_last) does so only
-    # with front_triggers_last.
     # the shared down-projection in a stage's launch (shared_down_launch): the tail adds its
     # fp32 result as a residual
     down_beside = a_s is not None and not beside and config.shared_down_launch != "tail"
@@ -309,6 +306,9 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
         extra = dict(shared_x=x, shared_w13=weights["shared_w13"])
     elif down_beside:
         extra = dict(shared_a=a_s, shared_w2=weights["shared_w2"])
+    # Stage 1 reads the plan before its PDL wait, which is safe only if its predecessor waited
+    # for the route before letting it start: an overlapping front (wait_last) does so only
+    # with front_triggers_last.
     y = moe_experts(z, plan, w13, w2, activation=cfg.activation, situ_beta=betas[0],
                     situ_linear_beta=betas[1], deterministic=deterministic,
                     pdl=front is None and (not overlap or config.front_triggers_last),

@@ -431,8 +431,8 @@ def moe_experts(z: torch.Tensor, plan: RoutePlan, w13, w2, *, activation: str = 
     programs in the launch of stage 1 or stage 2 (``config.shared_down_launch``; shared_down.py;
     ``shared_config`` their tiling, None: ``shared_down_tiling``, 4 warps as the stages'): it
     reads nothing the stages write, and its tiles fill the SM slots stage 1 leaves free. Its
-    inputs must be older than the launch before stage 1. Returns (plan.out, the fp32 [M, H]
-    result): still 2 launches. Not with shared_x.
+    inputs must be written by the launch before stage 1's at the latest. Returns (plan.out,
+    the fp32 [M, H] result): still 2 launches. Not with shared_x.
 
     shared_x, shared_w13: the shared experts' gate/up (bf16 [M, H] and [2S, H]) as one dense
     GEMV launch between the stages, act(x @ gate^T, x @ up^T), at the merged front's tiles
@@ -528,8 +528,8 @@ def _shared_down(m, dev, config, shared_x, shared_a, shared_w2, shared_residual,
         raise ValueError(f"shared_config: expected a GemvConfig or None, got "
                          f"{type(shared_config).__name__}")
     if shared_config is not None and shared_config.num_warps != NUM_WARPS:
-        raise ValueError(f"shared_config: its programs share stage 1's launch, which runs "
-                         f"{NUM_WARPS} warps; got num_warps={shared_config.num_warps}")
+        raise ValueError(f"shared_config: its programs share an expert stage's launch, which "
+                         f"runs {NUM_WARPS} warps; got num_warps={shared_config.num_warps}")
     return prepare_gemv(shared_a, shared_w2, residual=shared_residual, out_dtype=torch.float32,
                         config=shared_config,
                         default_tiling=lambda mm, rows, k, _: shared_down_tiling(mm, rows, k))
