@@ -26,11 +26,11 @@ from .stages import _stage1_program, _stage2_tile
 
 __all__ = ["SHARED_DOWN_TILING_M1", "shared_down_tiling"]
 
-# The shared down-projection's tiles beside a stage at one token: few, long programs, so that
-# most of them find an SM slot stage 1 leaves free (K3 tp 8: 224 tiles of 32 rows over K 768).
-# 128-column steps keep the launch at stage 1's 128 registers (offline sm_90 build, Triton 3.9:
-# 256-column steps take 134, 4 programs an SM no longer fit; capped at 128 they spill 24 bytes)
-SHARED_DOWN_TILING_M1 = GemvConfig(block_n=32, block_k=128, num_stages=3, prefetch_steps=0)
+# The shared down-projection's tiles beside a stage at one token: 16 rows over 256-column steps
+# (K3 tp 8: 448 tiles; the launch stays at stage 1's 128 registers in an offline sm_90 build),
+# the best median of the H100 token sweep beside stage 1 (token --sweep shared_down at
+# f545009; 8 x 512 within its range, 32 x 128, 16 x 128, 64 x 128 and 32 x 256 slower)
+SHARED_DOWN_TILING_M1 = GemvConfig(block_n=16, block_k=256, num_stages=3, prefetch_steps=0)
 
 
 def shared_down_tiling(m: int, rows: int, k: int) -> GemvConfig:
