@@ -20,6 +20,24 @@ def _inputs(cfg, device, m, fmt, block_m=1, seed=0):
     return B.make_inputs(cfg, device, seed, M=m, expert_format=fmt, block_m=block_m)
 
 
+def _replays_give(run, xs, want, replays=20):
+    """A CUDA graph of run(x) over every x (after a warm-up call on a side stream), replayed
+    ``replays`` times: every output equals ``want`` bit for bit each time."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(xs[0])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [run(x) for x in xs]
+    for _ in range(replays):
+        graph.replay()
+        torch.cuda.synchronize()
+        for out, ref in zip(outs, want, strict=True):
+            assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("fmt,m,block_m,det", [("bf16", 1, 1, False), ("mxfp4", 1, 1, True),
                                                ("mxfp4", 5, 4, False), ("bf16", 8, 1, True)])
 def test_dense_projections_match_the_reference(fmt, m, block_m, det, device):
@@ -226,19 +244,7 @@ def test_gpu_shared_down_beside_a_stage_k3(where):
     want = [run(x).clone() for x in xs]
     for x, ref in zip(xs, want, strict=True):
         assert torch.equal(run(x), ref)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(xs[0])
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [run(x) for x in xs]
-    for _ in range(20):
-        graph.replay()
-        torch.cuda.synchronize()
-        for got, ref in zip(outs, want, strict=True):
-            assert torch.equal(got, ref)
+    _replays_give(run, xs, want)
 
 
 @pytest.mark.gpu
@@ -289,19 +295,7 @@ def test_router_in_the_front_launch_k3_graph():
 
         B.check(run(inp["x"]), None, {**inp, "route": True, "config": conf})
         want = [run(x).clone() for x in xs]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run(xs[0])
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = [run(x) for x in xs]
-        for _ in range(20):
-            graph.replay()
-            torch.cuda.synchronize()
-            for out, ref in zip(outs, want, strict=True):
-                assert torch.equal(out, ref)
+        _replays_give(run, xs, want)
 
 
 @pytest.mark.gpu
@@ -331,16 +325,4 @@ def test_overlapping_launches_change_nothing(field):
     want = [run(x, False).clone() for x in xs]
     for x, ref in zip(xs, want, strict=True):
         assert torch.equal(run(x, True), ref)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(xs[0], True)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [run(x, True) for x in xs]
-    for _ in range(20):
-        graph.replay()
-        torch.cuda.synchronize()
-        for out, ref in zip(outs, want, strict=True):
-            assert torch.equal(out, ref)
+    _replays_give(lambda x: run(x, True), xs, want)
