@@ -28,8 +28,7 @@ __all__ = ["SHARED_DOWN_TILING_M1", "shared_down_tiling"]
 
 # The shared down-projection's tiles beside a stage at one token: 16 rows over 256-column steps
 # (K3 tp 8: 448 tiles; the launch stays at stage 1's 128 registers in an offline sm_90 build),
-# the best median of the H100 token sweep beside stage 1 (token --sweep shared_down at
-# f545009; 8 x 512 within its range, 32 x 128, 16 x 128, 64 x 128 and 32 x 256 slower)
+# the best beside stage 1 in the token (token --sweep shared_down, H100; docs/decisions.md)
 SHARED_DOWN_TILING_M1 = GemvConfig(block_n=16, block_k=256, num_stages=3, prefetch_steps=0)
 
 
