@@ -127,6 +127,15 @@ class GemvLaunch:
                                                            "S_BLOCK_C": 16,
                                                            "S_PREFETCH": False})
 
+    def inner_constexprs(self, pdl: bool) -> dict:
+        """The constexprs, named ``F_<name>``, of these programs run inside another kernel's
+        1-D grid (kernels/moe/front_route.py, shared_down.py): ``pdl``, whether they wait
+        for the previous grid (then with the tiling's L2 prefetch before it); never waiting
+        last."""
+        const = {**self.constexprs, "PDL": pdl, "WAIT_LAST": False, "TRIGGER_LAST": False,
+                 "PREFETCH": self.constexprs["PREFETCH"] if pdl else 0}
+        return {f"F_{k}": v for k, v in const.items()}
+
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation=None,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,

@@ -136,15 +136,13 @@ def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: tor
     gemv, outputs = prepare_gemv(x, front_weight, splits=splits, activation=activation,
                                  situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                                  config=gemv_config, default_tiling=front_tiling)
-    # every program waits for the previous grid first, when launched by PDL
-    fconst = {**gemv.constexprs, "PDL": pdl, "WAIT_LAST": False, "TRIGGER_LAST": False,
-              "PREFETCH": gemv.constexprs["PREFETCH"] if pdl else 0}
     e_tiles, splits_k = route.grid
     f_tiles, f_shares = gemv.grid
     n_route = e_tiles * splits_k
+    # every program waits for the previous grid first, when launched by PDL
     _front_route_kernel[(n_route + f_tiles * f_shares,)](
         *route.args, *gemv.args, e_tiles, n_route, f_tiles, **{**route.constexprs, "PDL": pdl},
-        **{f"F_{k}": v for k, v in fconst.items()},
+        **gemv.inner_constexprs(pdl),
         num_warps=max(route.num_warps, gemv.num_warps), **({"launch_pdl": True} if pdl else {}),
         **({"maxnreg": max_registers} if max_registers else {}))
     launch_select(route)

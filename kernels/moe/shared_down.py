@@ -96,12 +96,10 @@ def launch_stage1_shared_down(args: tuple, kwargs: dict, grid: tuple[int, int], 
     The GEMV's tiling must have stage 1's warps; its register cap, if any, caps the launch."""
     kwargs = dict(kwargs)
     pdl = bool(kwargs.get("launch_pdl"))
-    fconst = {**gemv.constexprs, "PDL": pdl, "WAIT_LAST": False, "TRIGGER_LAST": False,
-              "PREFETCH": gemv.constexprs["PREFETCH"] if pdl else 0}
     f_tiles, f_shares = gemv.grid
     n_s1 = grid[0] * grid[1]
     full = (*args, *gemv.args, grid[1], n_s1, f_tiles)
-    kwargs.update({f"F_{k}": v for k, v in fconst.items()})
+    kwargs.update(gemv.inner_constexprs(pdl))
     if gemv.max_registers:
         kwargs["maxnreg"] = gemv.max_registers
     grid1 = (n_s1 + f_tiles * f_shares,)
@@ -172,9 +170,7 @@ def launch_stage2_shared_down(kw: dict, n_stage2: int, gemv, check_layout) -> No
     n_f = f_tiles * f_shares
     args = (*(kw[n] for n in names), *gemv.args, n_f, f_tiles)
     kwargs = {c: kw[c] for c in consts}
-    fconst = {**gemv.constexprs, "PDL": False, "WAIT_LAST": False, "TRIGGER_LAST": False,
-              "PREFETCH": 0}
-    kwargs.update({f"F_{k}": v for k, v in fconst.items()})
+    kwargs.update(gemv.inner_constexprs(False))
     kwargs["num_warps"] = kw["num_warps"]
     if kw.get("launch_pdl"):
         kwargs["launch_pdl"] = True
