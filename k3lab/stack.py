@@ -658,7 +658,8 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
                                   eps=cfg.rms_eps, residual=shared_res,
                                   weight_scale=q.scales if fp8_tail else None,
                                   config=tc), True
-            if fused_front and moe_cfg.tail_second_first:
+            if (fused_front and moe_cfg.tail_second_first
+                    and moe_cfg.shared_down_launch == "tail"):
                 # the shared activation is the route's launch's, which stage 1 waited for
                 # whole (a plain launch), and the residual older: both before the tail's wait
                 from k3lab.kernels.dense import call_config

@@ -285,9 +285,9 @@ def test_tail_second_first_keeps_the_tokens_bits(device):
 
     cfg = preset("tiny")
     full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
-    base = study.configs_for(device)
-    first = dataclasses.replace(base, moe=dataclasses.replace(base.moe or kernels.MoEConfig(),
-                                                              tail_second_first=True))
+    # the shared down-projection as the tail's second product, not the token's stage-1 launch
+    base = dataclasses.replace(study.configs_for(device), moe=kernels.MoEConfig())
+    first = dataclasses.replace(base, moe=kernels.MoEConfig(tail_second_first=True))
 
     def token():  # a token's run advances its caches: each run gets a fresh one
         return study.build(cfg, device, window=2, context=24, expert_format="mxfp4")

@@ -234,7 +234,7 @@ def test_shared_down_beside_a_stage_in_the_token(where, device):
 
     cfg = preset("tiny")
     full, _ = runnable(compose(steps(STACKS["integration"])[-1][1]))
-    base = configs_for(device)
+    base = replace(configs_for(device), moe=MoEConfig())  # the tail's second product
     down = replace(base, moe=MoEConfig(shared_down_launch=where, tail_second_first=True))
     token = make_token(cfg, device, window=3, seed=4, context=24, expert_format="mxfp4")
     checks = check_token(token, {"base": full, "down": full}, {"base": base, "down": down},

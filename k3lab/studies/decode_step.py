@@ -78,18 +78,27 @@ def catalogue() -> pd.DataFrame:
                          for c in stack.CATALOGUE])
 
 
+# The token's MoE layout: the shared down-projection and the residual in stage 1's launch, the
+# tail loading that sum before its PDL wait (docs/decisions.md, "The shared down-projection
+# beside an expert stage")
+TOKEN_MOE = {"shared_down_launch": "stage1", "tail_second_first": True}
+
+
 def configs_for(device) -> stack.Configs:
-    """The launchers' configs: on a GPU their defaults, except the AttnRes reads' sealed rows
-    loaded before their PDL wait (the token writes a bank row only by a plain copy at least two
-    launches before a read that holds it: ``AttnResConfig.bank_before_wait``); under the
-    interpreter, few big programs (each interpreted program costs the same Python overhead,
-    whatever its size): the route's split-K gate tiles (the dense GEMV takes its own
-    interpreter tiling when given none)."""
+    """The launchers' configs: their defaults, except the MoE layout of :data:`TOKEN_MOE` and,
+    on a GPU, the AttnRes reads' sealed rows loaded before their PDL wait (the token writes a
+    bank row only by a plain copy at least two launches before a read that holds it:
+    ``AttnResConfig.bank_before_wait``); under the interpreter, few big programs (each
+    interpreted program costs the same Python overhead, whatever its size): the route's
+    split-K gate tiles (the dense GEMV takes its own interpreter tiling when given none)."""
+    from k3lab.kernels import MoEConfig
+
+    moe = MoEConfig(**TOKEN_MOE)
     if torch.device(device).type == "cuda":
         from k3lab.kernels import AttnResConfig
-        return stack.Configs(attn_res=AttnResConfig(bank_before_wait=True))
+        return stack.Configs(attn_res=AttnResConfig(bank_before_wait=True), moe=moe)
     from k3lab.kernels import RouteConfig
-    return stack.Configs(route=RouteConfig(gemv_row_programs=0))
+    return stack.Configs(route=RouteConfig(gemv_row_programs=0), moe=moe)
 
 
 def build(cfg, device, *, window: int = 0, context: int = 8192, expert_format: str = "mxfp4",
@@ -294,8 +303,8 @@ CONFIG_CHOICES = (("AttnRes bank rows after the PDL wait", "attn_res", "AttnResC
                    {"front_routes": False, "front_overlaps_route": False}),
                   ("MoE shared gate/up beside stage 1", "moe", "MoEConfig",
                    {"shared_beside_stage1": True}),
-                  ("MoE tail's shared down and residual before its PDL wait", "moe",
-                   "MoEConfig", {"tail_second_first": True}),
+                  ("MoE shared down-projection in the tail's launch", "moe", "MoEConfig",
+                   {"shared_down_launch": "tail", "tail_second_first": False}),
                   # K3's bf16 tail tiling (kernels/dense/tuned.py) against the e4m3 tail's own
                   # (TUNED_M1_E4M3: wider tiles, more bytes a step)
                   ("MoE tail at 16 x 256 steps", "tail", "GemvConfig",

@@ -84,6 +84,8 @@ def call_config(config: GemvConfig | None, m: int, rows: int, k: int, gated: boo
     :func:`interpreter_config`, else :func:`default_config`; for a caller that changes one
     field of whatever the call would take."""
     if config is not None:
+        if not isinstance(config, GemvConfig):
+            raise ValueError(f"config: expected a GemvConfig or None, got {type(config).__name__}")
         return config
     if INTERPRETED:
         return interpreter_config(m, rows, k)

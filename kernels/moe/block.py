@@ -317,8 +317,12 @@ def _dense_block(x, weights, cfg, plan, w13, w2, act, betas, n_tiles, determinis
         y, a_s = y
     if down_beside:
         y, shared_out = y
+        tail = None
+        if config.tail_second_first and config.shared_down_launch == "stage1":
+            # stage 2's tiles let the tail start only after their wait for stage 1
+            tail = dataclasses.replace(call_config(None, m, h, d), second_first=True)
         return dense_gemv(y, weights["latent_up"], norm_weight=weights["latent_norm"],
-                          eps=cfg.rms_eps, residual=shared_out)
+                          eps=cfg.rms_eps, residual=shared_out, config=tail)
     shared = {} if a_s is None else {"x2": a_s, "weight2": weights["shared_w2"]}
     tail = None
     if front is not None and a_s is not None and config.tail_second_first:

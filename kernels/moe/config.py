@@ -115,7 +115,9 @@ class MoEConfig:
             (front_routes), the tail's launch runs its shared down-projection and loads its
             residual before its PDL wait (``GemvConfig.second_first``), so they overlap stage
             2's end: the shared activation was written by the front, which stage 1 waits for
-            whole (it launches plainly after it).
+            whole (it launches plainly after it). With shared_down_launch "stage1" it loads
+            that launch's sum, its residual, before the wait (stage 2's tiles let the tail
+            start only after their own wait for stage 1); no effect with "stage2".
         shared_down_launch: where a caller runs the MoE tail as one dense GEMV (the decode
             stack, the dense block), the launch that runs the shared experts'
             down-projection (and the residual): "tail" (the tail's second product), "stage1" or

@@ -2,6 +2,8 @@
 (``MoEConfig(dense_projections=True)``) against the fp32 reference given the same plan, and its
 launch count; GPU: K3 tp 8 against the default block and inside a CUDA graph."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -150,13 +152,16 @@ def test_router_in_the_front_launch(fmt, m, det, device):
     assert len(names) == 4 and "front_route" in names[0], names
 
 
-@pytest.mark.parametrize("fmt,m", [("bf16", 1), ("mxfp4", 3)])
-def test_tail_second_first_keeps_the_bits(fmt, m, device):
+@pytest.mark.parametrize("fmt,m,where", [("bf16", 1, "tail"), ("mxfp4", 3, "tail"),
+                                         ("mxfp4", 1, "stage1"), ("bf16", 2, "stage1")])
+def test_tail_second_first_keeps_the_bits(fmt, m, where, device):
     """MoEConfig.tail_second_first with the router in the front's launch: the tail runs its
-    shared down-projection before its latent up (before its PDL wait, compiled), with the
-    default order's bits (deterministic stage 2), in the same 4 launches."""
+    shared down-projection before its latent up (before its PDL wait, compiled), or with the
+    shared down-projection in stage 1's launch loads that sum, its residual, first; the bits of
+    the same placement without it (deterministic stage 2), in the same 4 launches."""
     cfg = preset("tiny", 1)
-    first = MoEConfig(dense_projections=True, tail_second_first=True)
+    plain = MoEConfig(dense_projections=True, shared_down_launch=where)
+    first = replace(plain, tail_second_first=True)
     inp = {**_inputs(cfg, device, m, fmt), "route": True, "config": first}
     w = inp["weights"].for_kernels(first)
 
@@ -165,7 +170,7 @@ def test_tail_second_first_keeps_the_bits(fmt, m, device):
 
     out = run(inp["x"], first)
     B.check(out, None, inp)
-    assert torch.equal(out, run(inp["x"], DENSE))
+    assert torch.equal(out, run(inp["x"], plain))
     names = count_launches(lambda x: run(x, first), inp["x"]).kernels
     if device.type == "cpu":
         names = [n for n in names if n.startswith("triton::")]
