@@ -649,15 +649,17 @@ _SWEEPS = [
           "tail's first 1 or 2 on its table's tiling (16 x 512 at 128 registers)",
           variants=("full stack",), tp=8),
     Sweep("shared_down", "token",
-          ({}, {"moe.shared_down_launch": "stage2"}, _down("stage2", 32, 128),
-           _down("stage2", 8, 512), _down("stage2", 16, 128), _down("stage2", 64, 128),
-           {"moe.shared_down_launch": "stage1"},
-           {"moe.shared_down_launch": "stage1", "moe.tail_second_first": True}),
-          "the shared down-projection and the residual in stage 2's launch (its programs first, "
-          "running while stage 1 does) or stage 1's (after its tiles), the MoE tail adding "
-          "their sum (MoEConfig.shared_down_launch; tiles 16 x 256 over 3 stages unless "
-          "Configs.shared_down sets them; from stage 1's the residual may be loaded before the "
-          "tail's wait: tail_second_first), against the tail's second product ({})",
+          ({}, {"moe.shared_down_launch": "tail", "moe.tail_second_first": False},
+           {"moe.tail_second_first": False},
+           {**_down("stage1", 32, 128), "moe.tail_second_first": True},
+           {**_down("stage1", 8, 512), "moe.tail_second_first": True},
+           {**_down("stage1", 16, 128), "moe.tail_second_first": True},
+           {"moe.shared_down_launch": "stage2"}, _down("stage2", 8, 512)),
+          "the shared down-projection and the residual in stage 1's launch (after its tiles; "
+          "the token's choice, decode_step.TOKEN_MOE, the tail loading their sum before its "
+          "wait: tail_second_first) at other tilings (16 x 256 over 3 stages unless "
+          "Configs.shared_down sets them), after the tail's wait, in stage 2's launch (its "
+          "programs first, running while stage 1 does), or as the tail's second product",
           variants=("full stack",), tp=8),
     Sweep("front_routes", "token",
           ({}, {"moe.front_routes": False}, {"moe.front_routes": False, **_front(8, 512, 3)},
