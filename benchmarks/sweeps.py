@@ -622,6 +622,14 @@ _SWEEPS = [
           "(stack.Configs.read_sums; the projection capped at 72 registers or not), their "
           "mix in programs of 512, 1024 or 256 columns",
           variants=("full stack",), tp=8),
+    Sweep("kda_rms", "token", ({}, {"kda_rms_in_o_proj": True}, {"kda.early_ticket": True},
+                               {"kda_rms_in_o_proj": True, "kda.early_ticket": True},
+                               {"kda_rms_in_o_proj": True, "kda.early_ticket": True,
+                                "kda.pdl": True}),
+          "the KDA decode's v-tiles without their meeting at the end: the output gate's "
+          "per-head RMS in the output projection's prologue (stack.Configs.kda_rms_in_o_proj) "
+          "and the conv caches' ticket taken as soon as they are read (KDAConfig.early_ticket), "
+          "apart and together (and the decode by PDL)", variants=("full stack",), tp=8),
     Sweep("prefetch", "token",
           ({}, {"kda.pdl": True}, {"kda.pdl": True, "o_proj_prefetch": 3},
            {"kda.pdl": True, "o_proj_prefetch": 1}, {"o_proj_prefetch": 3},

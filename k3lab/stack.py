@@ -281,7 +281,11 @@ class Configs:
     only while the launch before lets them start early: the MLA v absorb does, the KDA
     decode with ``KDAConfig.pdl`` and the AttnRes read do. By default the input projections
     ask for their first step, which streams while the AttnRes read before them runs
-    (docs/decisions.md, decode token)."""
+    (docs/decisions.md, decode token).
+    kda_rms_in_o_proj: with the KDA output gate fused, its per-head RMS is left to the output
+    projection (``KDAOutGate.rms_by_consumer``): the decode's v-tiles never wait for each
+    other, and the dense GEMV scales each head of x in its prologue (``head_sums``); where
+    o_proj is the engine's call, the scaling is a torch op before it."""
 
     gemv: object = None
     route: object = None
@@ -296,8 +300,12 @@ class Configs:
     read_sums_registers: int = 72
     o_proj_prefetch: int | None = None
     in_proj_prefetch: int | None = 1
+    kda_rms_in_o_proj: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.kda_rms_in_o_proj, bool):
+            raise ValueError(f"Configs.kda_rms_in_o_proj: expected a bool, got "
+                             f"{self.kda_rms_in_o_proj!r}")
         for name in ("o_proj_prefetch", "in_proj_prefetch"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)
@@ -425,7 +433,8 @@ def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual, sums=None) -
         q, k, v = (ref_kda.short_conv_step(t, cache[f"{n}_conv_state"], w[f"{n}_conv"])
                    .view(m, hl, d).to(x.dtype) for n, t in zip("qkv", (q, k, v), strict=True))
     if run.fused("kda.out_norm_gate"):
-        gate = _kernels().KDAOutGate(g.contiguous().view(m, hl, d), w["o_norm"], cfg.rms_eps)
+        gate = _kernels().KDAOutGate(g.contiguous().view(m, hl, d), w["o_norm"], cfg.rms_eps,
+                                     rms_by_consumer=run.configs.kda_rms_in_o_proj)
     if run.fused("kda.recurrence"):
         f_b = w["f_b"]
         if not run.fused("kda.f_b_proj"):
@@ -445,6 +454,14 @@ def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual, sums=None) -
                                          lower_bound=cfg.kda_lower_bound)
     if gate is None:
         o = ref_kda.out_norm_gate(o, g.reshape(m, hl, d), w["o_norm"], cfg.rms_eps)
+    elif gate.rms_by_consumer:
+        o, head_sums = o  # the gated o; each head's rsqrt is the output projection's
+        if run.stack.owned_by("kda.o_proj", "dense-gemv"):
+            tag("dense projections")
+            return _linear(run, "kda.o_proj", o.reshape(m, hl * d), w["o_proj"],
+                           residual=residual, read_sums=sums, head_sums=head_sums,
+                           head_dim=d, eps=cfg.rms_eps)
+        o = (o.float() * torch.rsqrt(head_sums.sum(-1, keepdim=True) / d + cfg.rms_eps))
     tag("dense projections")
     return _linear(run, "kda.o_proj", o.reshape(m, hl * d).to(x.dtype), w["o_proj"],
                    residual=residual, read_sums=sums)

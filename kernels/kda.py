@@ -18,8 +18,13 @@ Variants (constexpr flags of the same kernel):
                  and k channels and shifts its own v channels' caches.
   FUSE_OUT_GATE  o = RMSNorm_head(o) * w * sigmoid(gate logits) behind. The RMS needs the whole
                  head's o: the v-tiles leave o and its sum of squares in a workspace.
+  DEFER_RMS      with FUSE_OUT_GATE: each v-tile stores o * w * sigmoid(gate) and its sum of
+                 o^2, and the consumer (the output projection's prologue, ``dense_gemv(
+                 head_sums=...)``) applies the head's rsqrt: no program waits for the others.
 With either and several v-tiles a head, the head's last program to finish (a ticket per token
-and head) shifts the q, k caches (every program has read them by then) and normalizes the head.
+and head) shifts the q, k caches (every program has read them by then) and normalizes the head;
+with DEFER_RMS (or the conv alone) and ``KDAConfig.early_ticket`` the ticket is taken as soon as
+a program has read the caches, and only the shift waits for it.
 
 The tiling is a :class:`KDAConfig` (each default's evidence: docs/decisions.md).
 """
@@ -55,6 +60,9 @@ class KDAConfig:
     pdl: (compiled only) launched with programmatic dependent launch: a program lets the next
         such launch start and waits for the previous grid before it reads anything, so its
         launch overlaps the end of the previous grid.
+    early_ticket: with the conv fused and no out gate to finish (none, or its RMS deferred to
+        the consumer), take the head's ticket right after the conv caches are read (its round
+        trip overlaps the rest of the program) instead of after the output.
     """
 
     block_v: int | None = None
@@ -65,15 +73,16 @@ class KDAConfig:
     tile_per_warp: int = 512
     max_warps: int = 8
     pdl: bool = False
+    early_ticket: bool = False
 
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)
             if v is None and f.name == "block_v":
                 continue
-            if f.name == "pdl":
+            if f.name in ("pdl", "early_ticket"):
                 if not isinstance(v, bool):
-                    raise ValueError(f"pdl: expected a bool, got {v!r}")
+                    raise ValueError(f"{f.name}: expected a bool, got {v!r}")
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f.name}: expected a positive int, got {v!r}")
@@ -127,9 +136,13 @@ def _kda_decode_kernel(
     H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, DEFER_RMS: tl.constexpr = False, EARLY_TICKET: tl.constexpr = False,
 ):
     NV: tl.constexpr = D // BV  # v-tiles (programs) of a head
+    # a ticket per (token, head) when the head's programs must meet: to shift the q, k caches
+    # all have read, or (out gate done here) to normalize the head's o
+    TICKET: tl.constexpr = NV > 1 and (FUSE_CONV or (FUSE_OUT_GATE and not DEFER_RMS))
+    EARLY: tl.constexpr = TICKET and EARLY_TICKET and not (FUSE_OUT_GATE and not DEFER_RMS)
     i_v, i_h, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_mh = (i_m * H + i_h).to(tl.int64)
     o_k = tl.arange(0, D)
@@ -146,6 +159,10 @@ def _kda_decode_kernel(
         w_q, t_q = _conv_load(q + i_mh * D, q_cache + o_cache, q_conv + i_h * D * C, o_k, C, BC)
         w_k, t_k = _conv_load(k + i_mh * D, k_cache + o_cache, k_conv + i_h * D * C, o_k, C, BC)
         w_v, t_v = _conv_load(v + i_mh * D, v_cache + o_cache, v_conv + i_h * D * C, o_v, C, BC)
+        if EARLY:  # the caches read (their values used), then the ticket; only the shift waits
+            b_q, b_k, b_v = _conv_silu(w_q, t_q), _conv_silu(w_k, t_k), _conv_silu(w_v, t_v)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(p_cnt + i_mh, 1, sem="release")
 
     # f_b projection of this head's d channels: f = f_b[h rows] @ f_low[m], fp32 accumulation
     b_f = tl.zeros([D], dtype=tl.float32)
@@ -162,7 +179,8 @@ def _kda_decode_kernel(
     b_beta = _sigmoid(tl.load(b_logits + i_mh).to(tl.float32))
 
     if FUSE_CONV:
-        b_q, b_k, b_v = _conv_silu(w_q, t_q), _conv_silu(w_k, t_k), _conv_silu(w_v, t_v)
+        if not EARLY:
+            b_q, b_k, b_v = _conv_silu(w_q, t_q), _conv_silu(w_k, t_k), _conv_silu(w_v, t_v)
         _conv_shift(v_cache + o_cache, o_v, w_v, C, BC)
         if NV == 1:
             _conv_shift(q_cache + o_cache, o_k, w_q, C, BC)
@@ -181,17 +199,27 @@ def _kda_decode_kernel(
     b_o = tl.sum(b_s * b_q[:, None], 0)
     tl.store(p_s, b_s)
 
-    if FUSE_OUT_GATE and NV == 1:  # per-head RMSNorm times sigmoid(gate)
+    if FUSE_OUT_GATE and DEFER_RMS:  # gated here, the head's rsqrt by the consumer
+        b_w = tl.load(o_norm + o_v).to(tl.float32)
+        b_gate = tl.load(gate_logits + i_mh * D + o_v).to(tl.float32)
+        tl.store(ss_ws + i_mh * NV + i_v, tl.sum(b_o * b_o, 0))
+        b_o = b_o * b_w * _sigmoid(b_gate)
+    if FUSE_OUT_GATE and NV == 1 and not DEFER_RMS:  # per-head RMSNorm times sigmoid(gate)
         b_rms = tl.sqrt(tl.sum(b_o * b_o, 0) / D + eps)
         b_w = tl.load(o_norm + o_v).to(tl.float32)
         b_gate = tl.load(gate_logits + i_mh * D + o_v).to(tl.float32)
         b_o = b_o / b_rms * b_w * _sigmoid(b_gate)
-    if FUSE_OUT_GATE and NV > 1:
+    if FUSE_OUT_GATE and NV > 1 and not DEFER_RMS:
         tl.store(o_ws + i_mh * D + o_v, b_o)
         tl.store(ss_ws + i_mh * NV + i_v, tl.sum(b_o * b_o, 0))
     else:
         tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
-    if (FUSE_CONV or FUSE_OUT_GATE) and NV > 1:
+    if EARLY:
+        if ticket == NV - 1:  # every program of the head has read the q, k caches
+            _conv_shift(q_cache + o_cache, o_k, w_q, C, BC)
+            _conv_shift(k_cache + o_cache, o_k, w_k, C, BC)
+            tl.atomic_xchg(p_cnt + i_mh, 0, sem="relaxed")
+    elif TICKET:
         # the head's last program to finish (one ticket per token and head) shifts the q, k
         # caches every program has read and normalizes and gates the head's o
         tl.debug_barrier()  # every thread's cache reads and stores performed before the ticket
@@ -200,7 +228,7 @@ def _kda_decode_kernel(
             if FUSE_CONV:
                 _conv_shift(q_cache + o_cache, o_k, w_q, C, BC)
                 _conv_shift(k_cache + o_cache, o_k, w_k, C, BC)
-            if FUSE_OUT_GATE:
+            if FUSE_OUT_GATE and not DEFER_RMS:
                 b_ss = tl.sum(tl.load(ss_ws + i_mh * NV + tl.arange(0, NV),
                                       cache_modifier=".cg"), 0)
                 b_oh = tl.load(o_ws + i_mh * D + o_k, cache_modifier=".cg")
@@ -233,11 +261,16 @@ class KDAOutGate:
     """The output RMSNorm times sigmoid gate fused behind (``kda_decode(..., out_gate=...)``).
 
     logits: gate logits [M, Hl, d] (x @ W_g^T); weight: RMSNorm weight [d]; eps > 0.
+    rms_by_consumer: the kernel returns (o * weight * sigmoid(logits), fp32 [M, Hl, P] partial
+        sums of o^2, P the v-tiles of a head), and the consumer divides each head by
+        sqrt(sum / d + eps): the output projection's prologue (``dense_gemv(head_sums=...,
+        head_dim=d, eps=eps)``), so no program of a head waits for the others.
     """
 
     logits: torch.Tensor
     weight: torch.Tensor
     eps: float = 1e-5
+    rms_by_consumer: bool = False
 
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -286,7 +319,8 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     out_gate: :class:`KDAOutGate` to fuse ``RMSNorm_head(o) * sigmoid(logits)`` behind.
     config: the :class:`KDAConfig` (None: the defaults); it changes speed, not the result.
 
-    Returns o [M, Hl, d] in v's dtype (the gated output with ``out_gate``).
+    Returns o [M, Hl, d] in v's dtype (the gated output with ``out_gate``); with
+    ``out_gate.rms_by_consumer`` (o gated but not normalized, the partial sums of o^2 [M, Hl, P]).
     """
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q: expected a [M, Hl, d] tensor, got {getattr(q, 'shape', q)!r}")
@@ -339,7 +373,11 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         _check("out_gate.logits", out_gate.logits, (m, hl, d), device=dev)
         _check("out_gate.weight", out_gate.weight, (d,), device=dev)
         eps = check_number("out_gate.eps", out_gate.eps, positive=True)
+        if not isinstance(out_gate.rms_by_consumer, bool):
+            raise ValueError(f"out_gate.rms_by_consumer: expected a bool, got "
+                             f"{out_gate.rms_by_consumer!r}")
         gate_logits, o_norm = out_gate.logits, out_gate.weight
+    defer = out_gate is not None and out_gate.rms_by_consumer
 
     if config is not None and not isinstance(config, KDAConfig):
         raise ValueError(f"config: expected a KDAConfig or None, got {type(config).__name__}")
@@ -353,8 +391,9 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
     cnt = o_ws = ss_ws = state  # placeholders, never read
     if n_v > 1 and (conv is not None or out_gate is not None):
         cnt = _counters(dev, m * hl)
-    if n_v > 1 and out_gate is not None:
+    if n_v > 1 and out_gate is not None and not defer:
         o_ws = torch.empty(m * hl * d, dtype=torch.float32, device=dev)
+    if out_gate is not None and (n_v > 1 or defer):
         ss_ws = torch.empty(m * hl * n_v, dtype=torch.float32, device=dev)
 
     o = torch.empty((m, hl, d), dtype=v.dtype, device=dev)
@@ -369,8 +408,10 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         C=c, BC=triton.next_power_of_2(c), L2EPS=L2_EPS,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
         PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
+        **({"DEFER_RMS": True} if defer else {}),
+        **({"EARLY_TICKET": True} if cfg.early_ticket else {}),
     )
-    return o
+    return (o, ss_ws.view(m, hl, n_v)) if defer else o
 
 
 # int32 tickets per (token, head), per device, of the v-tiled conv / out gate; zero between

@@ -81,7 +81,9 @@ def _rstd(p_x, o_m, m_m, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off, acc, acc_u, ss,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-            DOT_FP32: tl.constexpr, TWO: tl.constexpr):
+            DOT_FP32: tl.constexpr, TWO: tl.constexpr,
+            HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
+            HEAD_EPS: tl.constexpr = 1e-5):
     """One K step of :func:`_k_loop` at columns [k0, k0 + BLOCK_K) below k_hi."""
     o_k = k0 + tl.arange(0, BLOCK_K)
     m_k = o_k < k_hi
@@ -98,6 +100,24 @@ def _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off, acc, acc_u, s
     if NORM:  # x is in registers anyway: its sum of squares costs no second pass
         ss += tl.sum(b_xf * b_xf, axis=1)
         b_xf = b_xf * tl.load(p_g + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    if HEAD_NV > 0:  # each head's RMS from its producer's sums of squares (p_g: [M, heads, NV])
+        if BLOCK_K % HEAD_D == 0:  # whole heads a step: one rsqrt a head, broadcast
+            G: tl.constexpr = BLOCK_K // HEAD_D
+            o_g = k0 // HEAD_D + tl.arange(0, G)
+            o_s = ((o_m[:, None, None] * (K // HEAD_D) + o_g[None, :, None]) * HEAD_NV
+                   + tl.arange(0, HEAD_NV)[None, None, :])
+            m_s = m_m[:, None, None] & (o_g < K // HEAD_D)[None, :, None]
+            b_rs = tl.rsqrt(tl.sum(tl.load(p_g + o_s, mask=m_s, other=0.0), 2) / HEAD_D
+                            + HEAD_EPS)
+            b_xf = tl.reshape(tl.reshape(b_xf, [BLOCK_M, G, HEAD_D]) * b_rs[:, :, None],
+                              [BLOCK_M, BLOCK_K])
+        else:  # a head over several steps: each column gathers its head's sums
+            o_s = (o_m[:, None] * (K // HEAD_D) + (o_k // HEAD_D)[None, :]) * HEAD_NV
+            m_s = m_m[:, None] & m_k[None, :]
+            b_ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+            for j in tl.static_range(HEAD_NV):
+                b_ss += tl.load(p_g + o_s + j, mask=m_s, other=0.0)
+            b_xf = b_xf * tl.rsqrt(b_ss / HEAD_D + HEAD_EPS)
     if BLOCK_M == 1:
         acc += b_w.to(tl.float32) * b_xf
         if TWO:
@@ -117,7 +137,9 @@ def _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off, acc, acc_u, s
 def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, u_off,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             NORM: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
-            TWO: tl.constexpr, UNROLL: tl.constexpr):
+            TWO: tl.constexpr, UNROLL: tl.constexpr,
+            HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
+            HEAD_EPS: tl.constexpr = 1e-5):
     """(fp32 [BLOCK_M, BLOCK_N] sums of x[o_m, k] (* g[k]) * W[o_n, k] over k in [k_lo, k_hi),
     the same sums against the rows u_off elements further when TWO (else the first again), fp32
     [BLOCK_M] sums of x^2 over the range: the RMSNorm's, when NORM). UNROLL > 0: the range is
@@ -134,11 +156,12 @@ def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, u_off,
         for j in tl.static_range(UNROLL):
             acc, acc_u, ss = _k_step(k_lo + j * BLOCK_K, k_hi, p_x, p_w, p_g, o_m, m_m, o_n,
                                      m_n, K, u_off, acc, acc_u, ss, BLOCK_M, BLOCK_K, NORM,
-                                     DOT_FP32, TWO)
+                                     DOT_FP32, TWO, HEAD_NV, HEAD_D, HEAD_EPS)
     else:
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
             acc, acc_u, ss = _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off,
-                                     acc, acc_u, ss, BLOCK_M, BLOCK_K, NORM, DOT_FP32, TWO)
+                                     acc, acc_u, ss, BLOCK_M, BLOCK_K, NORM, DOT_FP32, TWO,
+                                     HEAD_NV, HEAD_D, HEAD_EPS)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
         acc_u = tl.sum(acc_u, axis=1)[None, :]
@@ -287,7 +310,9 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
           NUM_STAGES: tl.constexpr, WAIT_LAST: tl.constexpr, GATE_UP_TOGETHER: tl.constexpr,
           UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr, SECOND_FIRST: tl.constexpr,
           p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, SUMS: tl.constexpr,
-          S_NB: tl.constexpr, S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr):
+          S_NB: tl.constexpr, S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr,
+          HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
+          HEAD_EPS: tl.constexpr = 1e-5):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns.
     GATE_UP_TOGETHER: with ACT, the gate and up rows stream in one K loop (else one loop
     each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales).
@@ -330,7 +355,8 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
         b_sc = tl.load(p_sc + o_n, mask=m_n, other=0.0)[None, :]
     together = ACT != 0 and GATE_UP_TOGETHER
     acc, acc_u, ss = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, N * K, BLOCK_M,
-                             BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, together, UNROLL)
+                             BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, together, UNROLL,
+                             HEAD_NV, HEAD_D, HEAD_EPS)
     if SCALED:
         acc = acc * b_sc
     if ACT != 0 and not together:
@@ -387,7 +413,9 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
                   UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr,
                   SECOND_FIRST: tl.constexpr, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm,
                   s_p, s_cols, SUMS: tl.constexpr, S_NB: tl.constexpr,
-                  S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr):
+                  S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr,
+                  HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
+                  HEAD_EPS: tl.constexpr = 1e-5):
     """Program (i_n, i_k) of :func:`dense_gemv_kernel`'s grid."""
     if MIXED:
         if i_n >= T0:
@@ -411,7 +439,7 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
               BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
               PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST,
               SECOND_FIRST, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, SUMS,
-              S_NB, S_BLOCK_C, S_PREFETCH)
+              S_NB, S_BLOCK_C, S_PREFETCH, HEAD_NV, HEAD_D, HEAD_EPS)
 
 
 @triton.jit
@@ -427,7 +455,9 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
                       UNROLL: tl.constexpr, TRIGGER_LAST: tl.constexpr,
                       SECOND_FIRST: tl.constexpr, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn,
                       s_sbm, s_p, s_cols, SUMS: tl.constexpr, S_NB: tl.constexpr,
-                      S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr):
+                      S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr,
+                      HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
+                      HEAD_EPS: tl.constexpr = 1e-5):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
@@ -441,11 +471,14 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
     SUMS: the AttnRes read's sums from the output (1: added into a slot of s_cols columns, 2:
     stored; kernels/attn_res_sums.py): sealed rows p_sb [s_n, M, N] (strides s_sbn, s_sbm),
     score weights p_srn * p_srp, s_p slots a token; S_NB their blocks' side, S_BLOCK_C
-    candidates padded."""
+    candidates padded.
+    HEAD_NV > 0: x is a per-head output (HEAD_D columns a head) whose RMS its producer left as
+    HEAD_NV partial sums of squares a (token, head) at p_g [M, K / HEAD_D, HEAD_NV] fp32; each
+    column is scaled by rsqrt(sum / HEAD_D + HEAD_EPS) as it is loaded (NORM off)."""
     _gemv_program(tl.program_id(0), tl.program_id(1), p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt,
                   p_x2, p_w2, p_sc, b1, b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT,
                   T0, NG, eps, beta, linear_beta, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
                   ACT, NORM, RESIDUAL, N_SEG, DUAL, MIXED, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
                   WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST, SECOND_FIRST, p_sb, p_srn,
                   p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, SUMS, S_NB, S_BLOCK_C,
-                  S_PREFETCH)
+                  S_PREFETCH, HEAD_NV, HEAD_D, HEAD_EPS)

@@ -128,6 +128,8 @@ class GemvLaunch:
     sums_constexprs: dict = field(default_factory=lambda: {"SUMS": 0, "S_NB": 16,
                                                            "S_BLOCK_C": 16,
                                                            "S_PREFETCH": False})
+    # x scaled per head by its producer's RMS (head_sums): dense_gemv's own launch only
+    head_constexprs: dict = field(default_factory=dict)
 
     def inner_constexprs(self, pdl: bool) -> dict:
         """The constexprs, named ``F_<name>``, of these programs run inside another kernel's
@@ -145,7 +147,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
                weight_scale: torch.Tensor | None = None, eps: float = 1e-5,
                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None,
-               read_sums: ReadSums | None = None):
+               read_sums: ReadSums | None = None, head_sums: torch.Tensor | None = None,
+               head_dim: int = 0):
     """y = x @ weight^T for a decode batch, one launch.
 
     x: bf16 or fp32 [M, K], 1 <= M <= MAX_TOKENS (fp32 x meets the weights in fp32 at one
@@ -167,14 +170,22 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     read_sums: a :class:`~kernels.attn_res_sums.ReadSums` for the AttnRes read of the output
         as its live sum (bf16 [M, N] output, N its hidden size, no activation or splits): the
         epilogue leaves that read's sums (``attn_res_norm_from_sums``).
+    head_sums, head_dim: x is a per-head output of ``head_dim`` columns a head (K a multiple
+        of it) whose producer left, per token and head, partial sums of its squares: fp32
+        [M, K / head_dim, P], 1 <= P <= 16 (``kda_decode``'s deferred RMS). Each column is
+        scaled by rsqrt(sum / head_dim + eps) in the prologue, so x's per-head RMSNorm costs
+        no pass of its own (no ``norm_weight``; the norm's weight is the producer's).
     """
     launch, outputs = prepare_gemv(
         x, weight, splits=splits, activation=activation, residual=residual,
         norm_weight=norm_weight, x2=x2, weight2=weight2, weight_scale=weight_scale, eps=eps,
         situ_beta=situ_beta, situ_linear_beta=situ_linear_beta, out_dtype=out_dtype,
         config=config, read_sums=read_sums)
+    if head_sums is not None or head_dim:
+        launch = _head_launch(launch, x, head_sums, head_dim, norm_weight, eps)
     dense_gemv_kernel[launch.grid](*launch.args, **launch.sums_args, **launch.constexprs,
-                                   **launch.sums_constexprs, num_warps=launch.num_warps,
+                                   **launch.sums_constexprs, **launch.head_constexprs,
+                                   num_warps=launch.num_warps,
                                    **({"launch_pdl": True} if launch.pdl else {}),
                                    **({"maxnreg": launch.max_registers}
                                       if launch.max_registers else {}))
@@ -325,6 +336,26 @@ def prepare_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activati
         launch = replace(launch, **_sums_launch(read_sums, m, n, act, splits, out_dtype, dev,
                                                 config.block_n))
     return launch, lambda: _outputs(y, m, n, ng, mixed, splits)
+
+
+def _head_launch(launch: GemvLaunch, x, head_sums, head_dim, norm_weight, eps) -> GemvLaunch:
+    """``launch`` with x scaled per head by rsqrt(sum of head_sums / head_dim + eps)."""
+    m, k = x.shape
+    if head_sums is None:
+        raise ValueError("head_sums: expected fp32 [M, K / head_dim, P] with head_dim, got None")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1 \
+            or k % head_dim:
+        raise ValueError(f"head_dim: expected a positive int dividing K={k}, got {head_dim!r}")
+    if norm_weight is not None:
+        raise ValueError("head_sums: a per-head RMS from the producer takes no norm_weight")
+    check_tensor("head_sums", head_sums, dtypes=(torch.float32,), dim=3, device=x.device)
+    if tuple(head_sums.shape[:2]) != (m, k // head_dim) or not 1 <= head_sums.shape[2] <= 16:
+        raise ValueError(f"head_sums: expected [M={m}, K/head_dim={k // head_dim}, P] with "
+                         f"1 <= P <= 16, got {list(head_sums.shape)}")
+    args = list(launch.args)
+    args[4] = head_sums  # the norm weight's slot (p_g)
+    return replace(launch, args=tuple(args), head_constexprs=dict(
+        HEAD_NV=head_sums.shape[2], HEAD_D=head_dim, HEAD_EPS=float(eps)))
 
 
 def _sums_launch(sums, m, n, act, splits, out_dtype, dev, block_n) -> dict:

@@ -251,6 +251,9 @@ def main() -> dict:
             m, n, atomic))
     attempt("integration stack token, read_sums", lambda: stack.run_token(
         st, token, num_splits=4, configs=stack.Configs(read_sums=True)))
+    attempt("integration stack token, KDA RMS in o_proj, early ticket", lambda: stack.run_token(
+        st, token, num_splits=4, configs=stack.Configs(
+            kda_rms_in_o_proj=True, kda=KDAConfig(early_ticket=True))))
     kd = boundaries.get("kda")
     ki = kd.make_inputs(k3, cpu, 0)
     for name in ("fused", "fused+conv+out_gate"):
