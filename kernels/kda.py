@@ -24,7 +24,8 @@ Variants (constexpr flags of the same kernel):
 With either and several v-tiles a head, the head's last program to finish (a ticket per token
 and head) shifts the q, k caches (every program has read them by then) and normalizes the head;
 with DEFER_RMS (or the conv alone) and ``KDAConfig.early_ticket`` the ticket is taken as soon as
-a program has read the caches, and only the shift waits for it.
+a program has read the caches, beside the state load, and nothing but the last program's cache
+shift follows the output.
 
 The tiling is a :class:`KDAConfig` (each default's evidence: docs/decisions.md).
 """
@@ -61,8 +62,10 @@ class KDAConfig:
         such launch start and waits for the previous grid before it reads anything, so its
         launch overlaps the end of the previous grid.
     early_ticket: with the conv fused and no out gate to finish (none, or its RMS deferred to
-        the consumer), take the head's ticket right after the conv caches are read (its round
-        trip overlaps the rest of the program) instead of after the output.
+        the consumer), take the head's ticket right after the conv caches are read instead of
+        after the output: its round trip then runs while the state slice's load is in flight
+        (Triton hands a scalar atomic's result to the whole program at once, so the program
+        waits for it there), and only the last program's cache shift follows the output.
     """
 
     block_v: int | None = None
