@@ -215,10 +215,13 @@ def test_fused_out_gate(m, device, tile):
     assert_close("state", state, ref["state"], atol=STATE_ATOL, rtol=STATE_RTOL)
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["gate-here", "rms-in-o_proj"])
 @pytest.mark.parametrize("tile", list(FUSED_TILES))
-def test_layer_reference_vs_fused_conv_and_out_gate(device, tile):
+def test_layer_reference_vs_fused_conv_and_out_gate(device, tile, deferred):
     """The whole KDA attention of two tokens: the op-by-op layer against projections + one
-    kda_decode with both the conv and the output gate fused + o_proj."""
+    kda_decode with both the conv and the output gate fused + o_proj (deferred: the gate's
+    RMS left to o_proj's prologue, KDAOutGate.rms_by_consumer, and the conv's ticket early)."""
+    from k3lab.kernels.dense import dense_gemv
     kda_decode, KDAConv, KDAOutGate = _kernels()
     cfg, m = tiny(5), 2
     gen = make_generator(9, device)
@@ -239,9 +242,15 @@ def test_layer_reference_vs_fused_conv_and_out_gate(device, tile):
         o = kda_decode(pre["q"], pre["k"], pre["v"], proj("f_a"), w["f_b"],
                        w["A_log"], w["dt_bias"], proj("b_proj"),
                        fused_cache["state"], lower_bound=cfg.kda_lower_bound, conv=conv,
-                       out_gate=KDAOutGate(pre["g"], w["o_norm"], cfg.rms_eps),
-                       config=KDAConfig(block_v=FUSED_TILES[tile]))
-        y = o.float().reshape(m, hl * d) @ w["o_proj"].float().T
+                       out_gate=KDAOutGate(pre["g"], w["o_norm"], cfg.rms_eps,
+                                           rms_by_consumer=deferred),
+                       config=KDAConfig(block_v=FUSED_TILES[tile], early_ticket=deferred))
+        if deferred:
+            o, sums = o
+            y = dense_gemv(o.reshape(m, hl * d), w["o_proj"], head_sums=sums, head_dim=d,
+                           eps=cfg.rms_eps).float()
+        else:
+            y = o.float().reshape(m, hl * d) @ w["o_proj"].float().T
         assert_close(f"layer out[step {step}]", y, y_ref, atol=LAYER_ATOL, rtol=LAYER_RTOL)
     assert_close("state", fused_cache["state"], cache["state"], atol=STATE_ATOL,
                  rtol=STATE_RTOL)

@@ -1,7 +1,7 @@
 """KDA decode with the output gate's RMS left to the consumer (``KDAOutGate.rms_by_consumer``)
 and the conv's ticket taken early (``KDAConfig.early_ticket``), against the op-by-op reference,
-under the interpreter on CPU; the output projection with the per-head RMS in its prologue
-(``dense_gemv(head_sums=...)``) against the reference layer."""
+under the interpreter on CPU (the whole layer with the RMS in o_proj's prologue: test_kda.py's
+layer test)."""
 
 import dataclasses
 
@@ -12,9 +12,6 @@ from k3lab.boundaries import assert_close, clone_inputs
 from k3lab.boundaries import kda as kda_boundary
 from k3lab.config import preset
 from k3lab.kernels import KDAConfig, KDAConv, KDAOutGate, kda_decode
-from k3lab.kernels.dense import dense_gemv
-from k3lab.reference.kda import kda_layer_reference
-from k3lab.weights import hidden_states, kda_cache, kda_weights, make_generator
 
 # the boundary's own tolerances (stated and reasoned there); the deferred path rounds the gated
 # o to bf16 before its rsqrt instead of after, the same one rounding of the output's size
@@ -106,41 +103,6 @@ def test_early_ticket_conv_over_steps(device, tile, defer):
 @pytest.mark.parametrize("m", [1, 64], ids=lambda m: f"M{m}")
 def test_gpu_k3_tp8_early_ticket_steps(m, block_v):
     _conv_steps(preset("kimi-k3", 8), torch.device("cuda"), m, 16, block_v, True)
-
-
-@pytest.mark.parametrize("tile", list(TILES))
-def test_layer_with_the_rms_in_the_output_projection(device, tile):
-    """Two tokens of the whole KDA attention: projections, one kda_decode with the conv and the
-    gate fused (its RMS deferred, the ticket early) and the output projection applying the
-    heads' RMS in its prologue, against the op-by-op layer."""
-    cfg, m = tiny(5), 2
-    gen = make_generator(9, device)
-    w, cache = kda_weights(cfg, gen), kda_cache(cfg, m, gen)
-    fused_cache = clone_inputs(cache)
-    hl, d = cfg.kda_heads, cfg.kda_head_dim
-    conv = KDAConv(*(fused_cache[f"{n}_conv_state"] for n in "qkv"),
-                   *(w[f"{n}_conv"] for n in "qkv"))
-    for step in range(2):
-        x = hidden_states(cfg, m, gen)
-        y_ref = kda_layer_reference(x, w, cache, cfg)
-        xf = x.float()
-
-        def proj(name):  # fp32 accumulation rounded to bf16, as in the reference layer
-            return (xf @ w[name].float().T).to(x.dtype)
-
-        pre = {n: proj(f"{n}_proj").view(m, hl, d) for n in ("q", "k", "v", "g")}
-        o, sums = kda_decode(pre["q"], pre["k"], pre["v"], proj("f_a"), w["f_b"],
-                             w["A_log"], w["dt_bias"], proj("b_proj"), fused_cache["state"],
-                             lower_bound=cfg.kda_lower_bound, conv=conv,
-                             out_gate=KDAOutGate(pre["g"], w["o_norm"], cfg.rms_eps,
-                                                 rms_by_consumer=True),
-                             config=KDAConfig(block_v=TILES[tile], early_ticket=True))
-        y = dense_gemv(o.reshape(m, hl * d), w["o_proj"], head_sums=sums, head_dim=d,
-                       eps=cfg.rms_eps)
-        assert_close(f"layer out[step {step}]", y.float(), y_ref.float(), atol=LAYER_ATOL,
-                     rtol=LAYER_RTOL)
-    assert_close("state", fused_cache["state"], cache["state"], atol=STATE_ATOL,
-                 rtol=STATE_RTOL)
 
 
 def test_bad_flags_are_named(device):
