@@ -24,8 +24,8 @@ Variants (constexpr flags of the same kernel):
 With either and several v-tiles a head, the head's last program to finish (a ticket per token
 and head) shifts the q, k caches (every program has read them by then) and normalizes the head;
 with DEFER_RMS (or the conv alone) and ``KDAConfig.early_ticket`` the ticket is taken as soon as
-a program has read the caches, beside the state load, and nothing but the last program's cache
-shift follows the output.
+a program has read the caches, its round trip beside the rest of the program, and nothing but
+the last program's cache shift follows the output.
 
 The tiling is a :class:`KDAConfig` (each default's evidence: docs/decisions.md).
 """
@@ -63,9 +63,9 @@ class KDAConfig:
         launch overlaps the end of the previous grid.
     early_ticket: with the conv fused and no out gate to finish (none, or its RMS deferred to
         the consumer), take the head's ticket right after the conv caches are read instead of
-        after the output: its round trip then runs while the state slice's load is in flight
-        (Triton hands a scalar atomic's result to the whole program at once, so the program
-        waits for it there), and only the last program's cache shift follows the output.
+        after the output: one thread's atomic whose result no thread waits for until the end
+        (compiled: inline PTX, not Triton's scalar atomic, which hands its result to every
+        thread at once), and only the last program's cache shift follows the output.
     """
 
     block_v: int | None = None
@@ -122,6 +122,19 @@ def _conv_silu(b_win, b_w):
 
 
 @triton.jit
+def _ticket_unbroadcast(p_cnt, NT: tl.constexpr):
+    """A release atomic add of 1 at p_cnt by one thread of the program, its old value in that
+    thread's element of the [NT] result (NT the program's threads; the others hold -1). The
+    result is not handed to the other threads, so no thread waits for the round trip until a
+    reduction of the result uses it (inline PTX: compiled only)."""
+    o_t = tl.arange(0, NT)
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.eq.u32 p, $2, 0; mov.u32 $0, 0xffffffff; "
+        "@p atom.global.gpu.release.add.u32 $0, [$1], 1; }",
+        "=r,l,r", [p_cnt + o_t * 0, o_t], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _conv_shift(p_cache, o_c, b_win, C: tl.constexpr, BC: tl.constexpr):
     """New cache = window[1:] in the cache's dtype (window column j to cache column j - 1)."""
     o_j = tl.arange(0, BC)
@@ -140,6 +153,7 @@ def _kda_decode_kernel(
     C: tl.constexpr, BC: tl.constexpr, L2EPS: tl.constexpr,
     FUSE_CONV: tl.constexpr, FUSE_OUT_GATE: tl.constexpr,
     PDL: tl.constexpr, DEFER_RMS: tl.constexpr = False, EARLY_TICKET: tl.constexpr = False,
+    ASM: tl.constexpr = False, NT: tl.constexpr = 32,
 ):
     NV: tl.constexpr = D // BV  # v-tiles (programs) of a head
     # a ticket per (token, head) when the head's programs must meet: to shift the q, k caches
@@ -165,7 +179,10 @@ def _kda_decode_kernel(
         if EARLY:  # the caches read (their values used), then the ticket; only the shift waits
             b_q, b_k, b_v = _conv_silu(w_q, t_q), _conv_silu(w_k, t_k), _conv_silu(w_v, t_v)
             tl.debug_barrier()
-            ticket = tl.atomic_add(p_cnt + i_mh, 1, sem="release")
+            if ASM:  # the ticket stays with the thread that took it until the end
+                ticket = _ticket_unbroadcast(p_cnt + i_mh, NT)
+            else:  # a scalar atomic: Triton hands its result to every thread at once
+                ticket = tl.atomic_add(p_cnt + i_mh, 1, sem="release")
 
     # f_b projection of this head's d channels: f = f_b[h rows] @ f_low[m], fp32 accumulation
     b_f = tl.zeros([D], dtype=tl.float32)
@@ -218,6 +235,8 @@ def _kda_decode_kernel(
     else:
         tl.store(o + i_mh * D + o_v, b_o.to(o.dtype.element_ty))
     if EARLY:
+        if ASM:
+            ticket = tl.max(ticket, 0)
         if ticket == NV - 1:  # every program of the head has read the q, k caches
             _conv_shift(q_cache + o_cache, o_k, w_q, C, BC)
             _conv_shift(k_cache + o_cache, o_k, w_k, C, BC)
@@ -412,7 +431,8 @@ def kda_decode(q, k, v, f_low, f_b, A_log, dt_bias, b_logits, state, *,
         FUSE_CONV=conv is not None, FUSE_OUT_GATE=out_gate is not None,
         PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}),
         **({"DEFER_RMS": True} if defer else {}),
-        **({"EARLY_TICKET": True} if cfg.early_ticket else {}),
+        **({"EARLY_TICKET": True, "ASM": not INTERPRETED, "NT": 32 * num_warps}
+           if cfg.early_ticket else {}),
     )
     return (o, ss_ws.view(m, hl, n_v)) if defer else o
 
