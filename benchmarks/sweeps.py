@@ -230,6 +230,14 @@ def _front(block_n, block_k, num_stages) -> dict:
             "front.prefetch_steps": 0}
 
 
+def _oproj(block_n, block_k, num_warps) -> dict:
+    """A token sweep's point: the attention output projections' tiling (stack.Configs.o_proj;
+    unrolled K steps and by PDL, as their table entry at K3 tp 8)."""
+    return {"o_proj.block_n": block_n, "o_proj.block_k": block_k,
+            "o_proj.num_warps": num_warps, "o_proj.num_stages": 3, "o_proj.unroll_k": True,
+            "o_proj.pdl": True, "o_proj.prefetch_steps": 0}
+
+
 def _down(where, block_n, block_k, num_stages=3, max_registers=0) -> dict:
     """A token sweep's point: the shared down-projection beside an expert stage
     (MoEConfig.shared_down_launch) at a tiling (stack.Configs.shared_down)."""
@@ -622,14 +630,20 @@ _SWEEPS = [
           "(stack.Configs.read_sums; the projection capped at 72 registers or not), their "
           "mix in programs of 512, 1024 or 256 columns",
           variants=("full stack",), tp=8),
-    Sweep("kda_rms", "token", ({}, {"kda_rms_in_o_proj": True}, {"kda.early_ticket": True},
-                               {"kda_rms_in_o_proj": True, "kda.early_ticket": True},
-                               {"kda_rms_in_o_proj": True, "kda.early_ticket": True,
-                                "kda.pdl": True}),
+    Sweep("kda_rms", "token",
+          ({}, {"kda_rms_in_o_proj": True}, {"kda.early_ticket": True},
+           {"kda_rms_in_o_proj": True, "kda.early_ticket": True},
+           {"kda_rms_in_o_proj": True, "kda.early_ticket": True, "kda.pdl": True},
+           _oproj(16, 256, 4), _oproj(8, 512, 8),
+           {"kda_rms_in_o_proj": True, "kda.early_ticket": True, **_oproj(16, 256, 4)},
+           {"kda_rms_in_o_proj": True, "kda.early_ticket": True, **_oproj(8, 512, 8)}),
           "the KDA decode's v-tiles without their meeting at the end: the output gate's "
           "per-head RMS in the output projection's prologue (stack.Configs.kda_rms_in_o_proj) "
           "and the conv caches' ticket taken as soon as they are read (KDAConfig.early_ticket), "
-          "apart and together (and the decode by PDL)", variants=("full stack",), tp=8),
+          "apart and together (and the decode by PDL); with the output projections at 16 x 256 "
+          "or 8 x 512 at 8 warps (stack.Configs.o_proj), whose registers keep one wave with the "
+          "prologue where the table's 8 x 512 at 4 warps loses it, with and without it",
+          variants=("full stack",), tp=8),
     Sweep("prefetch", "token",
           ({}, {"kda.pdl": True}, {"kda.pdl": True, "o_proj_prefetch": 3},
            {"kda.pdl": True, "o_proj_prefetch": 1}, {"o_proj_prefetch": 3},

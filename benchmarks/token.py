@@ -26,7 +26,7 @@ __all__ = ["TOKEN", "CONFIG_CLASSES", "SPLITS", "GPU_PARAMS", "CPU_PARAMS", "res
 TOKEN = "token"  # the boundary name token sweeps go by
 # stack.Configs field -> the config class of its launcher (k3lab.kernels)
 CONFIG_CLASSES = {"gemv": "GemvConfig", "tail": "GemvConfig", "front": "GemvConfig",
-                  "shared_down": "GemvConfig",
+                  "shared_down": "GemvConfig", "o_proj": "GemvConfig",
                   "route": "RouteConfig",
                   "attn_res": "AttnResConfig", "kda": "KDAConfig", "mla": "MLAConfig",
                   "moe": "MoEConfig"}

@@ -267,7 +267,8 @@ class Configs:
     MoE front's merged GEMV alone (latent down and shared gate/up, in the router's launch or
     its own; None: gemv's, else the front's own tiling; the launch sets PDL and its waits),
     shared_down one for the shared down-projection's programs in an expert stage's launch
-    (``MoEConfig.shared_down_launch``; None: those programs' own tiling).
+    (``MoEConfig.shared_down_launch``; None: those programs' own tiling), o_proj one for the
+    attention's output projections alone (KDA and MLA; None: gemv's).
     read_sums: the attention's output projection (the dense GEMV) leaves the FFN read's sums
     in its epilogue, and that read only mixes (``kernels/attn_res_sums.py``; where the read,
     and the projection by the dense GEMV, are fused); read_sums_registers: that projection's
@@ -296,6 +297,7 @@ class Configs:
     tail: object = None
     front: object = None
     shared_down: object = None
+    o_proj: object = None
     read_sums: bool = False
     read_sums_registers: int = 72
     o_proj_prefetch: int | None = None
@@ -311,6 +313,12 @@ class Configs:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)
                                   or not 0 <= v <= 8):
                 raise ValueError(f"Configs.{name}: expected None or an int in 0..8, got {v!r}")
+
+    def for_op(self, op: str):
+        """The GemvConfig a projection ``op`` takes (None: the launcher's own choice)."""
+        if op in ("kda.o_proj", "mla.o_proj") and self.o_proj is not None:
+            return self.o_proj
+        return self.gemv
 
     def prefetch_steps(self, op: str) -> int | None:
         """The L2 prefetch steps set for projection ``op`` (None: its tiling's own)."""
@@ -342,7 +350,7 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
     sums = kw.pop("read_sums", None)  # only where the projection is the dense GEMV's
     if run.stack.owned_by(op, "dense-gemv"):
         from k3lab.kernels.dense import dense_gemv
-        config = _gemv_config(run.configs, op, x.shape[0], w, run.configs.gemv,
+        config = _gemv_config(run.configs, op, x.shape[0], w, run.configs.for_op(op),
                               e4m3=kw.get("weight_scale") is not None, sums=sums is not None)
         return dense_gemv(x, w, config=config, read_sums=sums, **kw)
     return dense_engine(x, w, **kw)

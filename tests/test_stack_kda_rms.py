@@ -43,3 +43,20 @@ def test_kda_rms_flag_is_checked():
     from k3lab.stack import Configs
     with pytest.raises(ValueError, match="Configs.kda_rms_in_o_proj: expected a bool"):
         Configs(kda_rms_in_o_proj=1)
+
+
+def test_o_proj_config_reaches_the_output_projections(device):
+    """Configs.o_proj: the attention's output projections' GemvConfig (KDA and MLA), gemv's
+    for the others; a config that is not one is refused by the o_proj launch, named."""
+    from k3lab.kernels.dense import GemvConfig
+    from k3lab.stack import Configs
+    tiling, other = GemvConfig(block_n=16, block_k=256), GemvConfig(block_n=8)
+    c = Configs(gemv=other, o_proj=tiling)
+    assert c.for_op("kda.o_proj") is tiling and c.for_op("mla.o_proj") is tiling
+    assert c.for_op("kda.q_proj") is other and Configs(gemv=other).for_op("mla.o_proj") is other
+    cfg = preset("tiny")
+    full, _ = runnable(compose(steps(STACKS["integration"])[-1][1]))
+    token = make_token(cfg, device, window=1, seed=4, context=24, expert_format="mxfp4")
+    with pytest.raises(ValueError, match="config: expected a GemvConfig"):
+        run_token(full, token, num_splits=3,
+                  configs=replace(configs_for(device), o_proj="not a config"))
