@@ -172,9 +172,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         epilogue leaves that read's sums (``attn_res_norm_from_sums``).
     head_sums, head_dim: x is a per-head output of ``head_dim`` columns a head (K a multiple
         of it) whose producer left, per token and head, partial sums of its squares: fp32
-        [M, K / head_dim, P], 1 <= P <= 16 (``kda_decode``'s deferred RMS). Each column is
-        scaled by rsqrt(sum / head_dim + eps) in the prologue, so x's per-head RMSNorm costs
-        no pass of its own (no ``norm_weight``; the norm's weight is the producer's).
+        [M, K / head_dim, P], P a power of two up to 16 (``kda_decode``'s deferred RMS). Each
+        column is scaled by rsqrt(sum / head_dim + eps) in the prologue, so x's per-head
+        RMSNorm costs no pass of its own (no ``norm_weight``; the norm's weight is the
+        producer's).
     """
     launch, outputs = prepare_gemv(
         x, weight, splits=splits, activation=activation, residual=residual,
@@ -349,9 +350,10 @@ def _head_launch(launch: GemvLaunch, x, head_sums, head_dim, norm_weight, eps) -
     if norm_weight is not None:
         raise ValueError("head_sums: a per-head RMS from the producer takes no norm_weight")
     check_tensor("head_sums", head_sums, dtypes=(torch.float32,), dim=3, device=x.device)
-    if tuple(head_sums.shape[:2]) != (m, k // head_dim) or not 1 <= head_sums.shape[2] <= 16:
-        raise ValueError(f"head_sums: expected [M={m}, K/head_dim={k // head_dim}, P] with "
-                         f"1 <= P <= 16, got {list(head_sums.shape)}")
+    p = head_sums.shape[2]
+    if tuple(head_sums.shape[:2]) != (m, k // head_dim) or p not in (1, 2, 4, 8, 16):
+        raise ValueError(f"head_sums: expected [M={m}, K/head_dim={k // head_dim}, P] with P a "
+                         f"power of two up to 16, got {list(head_sums.shape)}")
     args = list(launch.args)
     args[4] = head_sums  # the norm weight's slot (p_g)
     return replace(launch, args=tuple(args), head_constexprs=dict(

@@ -4,6 +4,8 @@ on CPU."""
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from k3lab.kernels.dense import GemvConfig, dense_gemv
 
@@ -63,9 +65,33 @@ def test_head_rms_bad_input_is_named(device):
         dense_gemv(x, w, head_sums=sums, head_dim=48)
     with pytest.raises(ValueError, match="head_sums: expected fp32"):
         dense_gemv(x, w, head_dim=32)
-    with pytest.raises(ValueError, match=r"head_sums: expected \[M=1, K/head_dim=4, P\]"):
+    with pytest.raises(ValueError, match=r"head_sums: expected \[M=1, K/head_dim=4, P\] with"):
         dense_gemv(x, w, head_sums=sums[:, :3].contiguous(), head_dim=32)
+    with pytest.raises(ValueError, match="P a power of two up to 16"):
+        dense_gemv(x, w, head_sums=sums.repeat(1, 1, 3)[..., :3].contiguous(), head_dim=32)
     with pytest.raises(ValueError, match="head_sums: expected dtype"):
         dense_gemv(x, w, head_sums=sums.double(), head_dim=32)
     with pytest.raises(ValueError, match="takes no norm_weight"):
         dense_gemv(x, w, head_sums=sums, head_dim=32, norm_weight=torch.ones(128, device=device))
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(heads=st.integers(1, 5), log_d=st.integers(2, 6), log_p=st.integers(0, 2),
+       m=st.integers(1, 3), log_bk=st.integers(4, 7), n=st.integers(1, 24),
+       seed=st.integers(0, 2 ** 16))
+def test_head_rms_is_the_scaled_input(heads, log_d, log_p, m, log_bk, n, seed, device):
+    """The contract: the prologue's product is the product of x already scaled per head, for
+    head widths and K steps either side of each other (a step of several heads, or a head
+    over several steps); heads of both signs from 1e-3 to 1e3 in scale, one of zeros."""
+    d, p, bk = 2 ** log_d, min(2 ** log_p, 2 ** log_d), 2 ** log_bk
+    x, sums, w, o = _inputs(m, heads, d, p, n, seed)
+    cfg = GemvConfig(block_n=16 if m > 1 else 4, block_k=bk)
+    got = dense_gemv(x.to(device), w.to(device), head_sums=sums.to(device), head_dim=d,
+                     eps=1e-5, config=cfg).cpu()
+    rstd = torch.rsqrt(sums.sum(-1) / d + 1e-5).repeat_interleave(d, -1)
+    xs = x.float() * rstd
+    want = xs @ w.float().T
+    bound = BF16_OUT * want.abs() + (FP32_SUM + (BF16_IN if m > 1 else 0.0)) * (
+        xs.abs() @ w.float().abs().T)
+    assert ((got.float() - want).abs() <= bound + 1e-6).all()
