@@ -460,19 +460,18 @@ def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual, sums=None) -
         o = ref_kda.kda_decode_reference(q, k, v, f_low, w["f_b"], w["A_log"], w["dt_bias"],
                                          b_logits, cache["state"],
                                          lower_bound=cfg.kda_lower_bound)
+    head = {}
     if gate is None:
         o = ref_kda.out_norm_gate(o, g.reshape(m, hl, d), w["o_norm"], cfg.rms_eps)
     elif gate.rms_by_consumer:
         o, head_sums = o  # the gated o; each head's rsqrt is the output projection's
-        if run.stack.owned_by("kda.o_proj", "dense-gemv"):
-            tag("dense projections")
-            return _linear(run, "kda.o_proj", o.reshape(m, hl * d), w["o_proj"],
-                           residual=residual, read_sums=sums, head_sums=head_sums,
-                           head_dim=d, eps=cfg.rms_eps)
-        o = (o.float() * torch.rsqrt(head_sums.sum(-1, keepdim=True) / d + cfg.rms_eps))
+        if run.stack.owned_by("kda.o_proj", "dense-gemv"):  # in its prologue
+            head = dict(head_sums=head_sums, head_dim=d, eps=cfg.rms_eps)
+        else:
+            o = o.float() * torch.rsqrt(head_sums.sum(-1, keepdim=True) / d + cfg.rms_eps)
     tag("dense projections")
     return _linear(run, "kda.o_proj", o.reshape(m, hl * d).to(x.dtype), w["o_proj"],
-                   residual=residual, read_sums=sums)
+                   residual=residual, read_sums=sums, **head)
 
 
 def _mla(run: _Run, x, state: dict, residual, sums=None) -> torch.Tensor:
@@ -675,25 +674,20 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
                 # tail's residual. Stage 1's the tail may load before its wait (it starts once
                 # stage 2's tiles have waited for stage 1); stage 2's GEMV programs let the
                 # tail start as they start, so their result is read after the wait
-                if moe_cfg.tail_second_first and moe_cfg.shared_down_launch == "stage1":
-                    from k3lab.kernels.dense import call_config
-                    tc = replace(call_config(tc, x.shape[0], up.shape[0], up.shape[1],
-                                             e4m3=fp8_tail), second_first=True)
-                return dense_gemv(y, q.values if fp8_tail else up, norm_weight=norm,
-                                  eps=cfg.rms_eps, residual=shared_res,
-                                  weight_scale=q.scales if fp8_tail else None,
-                                  config=tc), True
-            if (fused_front and moe_cfg.tail_second_first
-                    and moe_cfg.shared_down_launch == "tail"):
+                early = moe_cfg.shared_down_launch == "stage1"
+                second = dict(residual=shared_res)
+            else:
                 # the shared activation is the route's launch's, which stage 1 waited for
                 # whole (a plain launch), and the residual older: both before the tail's wait
+                early = fused_front and moe_cfg.shared_down_launch == "tail"
+                second = dict(x2=shared_a, weight2=shared["w2"], residual=residual)
+            if early and moe_cfg.tail_second_first:
                 from k3lab.kernels.dense import call_config
                 tc = replace(call_config(tc, x.shape[0], up.shape[0], up.shape[1],
                                          e4m3=fp8_tail), second_first=True)
             return dense_gemv(y, q.values if fp8_tail else up, norm_weight=norm,
-                              eps=cfg.rms_eps, x2=shared_a, weight2=shared["w2"],
-                              residual=residual, weight_scale=q.scales if fp8_tail else None,
-                              config=tc), True
+                              eps=cfg.rms_eps, weight_scale=q.scales if fp8_tail else None,
+                              config=tc, **second), True
         if fp8_tail:
             raise ValueError("stack: fp8-latent-tail runs in the persistent MoE launch or the "
                              "fused tail's dense GEMV, which needs shared experts; this preset "
