@@ -286,7 +286,12 @@ class Configs:
     kda_rms_in_o_proj: with the KDA output gate fused, its per-head RMS is left to the output
     projection (``KDAOutGate.rms_by_consumer``): the decode's v-tiles never wait for each
     other, and the dense GEMV scales each head of x in its prologue (``head_sums``); where
-    o_proj is the engine's call, the scaling is a torch op before it."""
+    o_proj is the engine's call, the scaling is a torch op before it.
+    attn_read_in_proj: the attention read of a layer whose previous layer ends in a dense GEMV
+    (the MoE tail, layer 0's down projection) has no launch: that GEMV leaves the read's sums
+    in its epilogue and the merged input projection (the dense GEMV) mixes its input from
+    them as it loads it (``dense_gemv(read_input=...)``, ``kernels/dense/mix.py``); a block's
+    first read, of sealed rows only, keeps its launch."""
 
     gemv: object = None
     route: object = None
@@ -303,11 +308,13 @@ class Configs:
     o_proj_prefetch: int | None = None
     in_proj_prefetch: int | None = 1
     kda_rms_in_o_proj: bool = False
+    attn_read_in_proj: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.kda_rms_in_o_proj, bool):
-            raise ValueError(f"Configs.kda_rms_in_o_proj: expected a bool, got "
-                             f"{self.kda_rms_in_o_proj!r}")
+        for name in ("kda_rms_in_o_proj", "attn_read_in_proj"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Configs.{name}: expected a bool, got "
+                                 f"{getattr(self, name)!r}")
         for name in ("o_proj_prefetch", "in_proj_prefetch"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)
@@ -348,11 +355,16 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
     """A projection: the dense GEMV when ``op`` is the dense-gemv change's, else the engine's call
     (bf16 F.linear, the norm, activation or residual as separate ops)."""
     sums = kw.pop("read_sums", None)  # only where the projection is the dense GEMV's
+    read = kw.pop("read_input", None)
     if run.stack.owned_by(op, "dense-gemv"):
         from k3lab.kernels.dense import dense_gemv
         config = _gemv_config(run.configs, op, x.shape[0], w, run.configs.for_op(op),
-                              e4m3=kw.get("weight_scale") is not None, sums=sums is not None)
-        return dense_gemv(x, w, config=config, read_sums=sums, **kw)
+                              e4m3=kw.get("weight_scale") is not None,
+                              sums=sums is not None and op in ("kda.o_proj", "mla.o_proj"))
+        return dense_gemv(x, w, config=config, read_sums=sums, read_input=read, **kw)
+    if sums is not None or read is not None:
+        raise ValueError(f"stack: {op} leaves or takes an AttnRes read's sums only as the "
+                         f"dense GEMV")
     return dense_engine(x, w, **kw)
 
 
@@ -425,12 +437,38 @@ def sums_buffers(token: dict, m: int, device) -> list[torch.Tensor]:
     return bufs
 
 
-def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual, sums=None) -> torch.Tensor:
+def _mixed_reads(stack: Stack, token: dict) -> list[int]:
+    """Window positions of ``token`` whose attention read is the input projection's prologue
+    under ``Configs.attn_read_in_proj``: past a block's first layer, after a layer that
+    :func:`leaves_read_sums`, where the layer :func:`takes_read_input`."""
+    layers, ids = token["layers"], token["layer_ids"]
+    return [i for i in range(1, len(ids)) if not token["schedule"][ids[i]][1]
+            and leaves_read_sums(stack, layers[i - 1]) and takes_read_input(stack, layers[i])]
+
+
+def attn_sums_buffers(token: dict, m: int, device) -> list[torch.Tensor]:
+    """One zeroed sums buffer per layer of ``token`` for ``Configs.attn_read_in_proj`` (kept
+    in the token for CUDA-graph replays): each mixed read's projection zeroes the next mixed
+    read's, the last the first's, so every replay finds them zero."""
+    from k3lab.kernels.attn_res_sums import SLOT_COLS, sums_numel
+    cfg = token["cfg"]
+    most = max(n for n, _ in token["schedule"].values())
+    need = sums_numel(m, cfg.hidden, most, SLOT_COLS)
+    bufs = token.get("attn_sums")
+    if bufs is None or bufs[0].numel() < need or bufs[0].device != torch.device(device):
+        bufs = [torch.zeros(need, dtype=torch.float32, device=device)
+                for _ in token["layer_ids"]]
+        token["attn_sums"] = bufs
+    return bufs
+
+
+def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual, sums=None, read=None
+         ) -> torch.Tensor:
     tag = run.tag
     m, hl, d = x.shape[0], cfg.kda_heads, cfg.kda_head_dim
     tag("dense projections")
     q, k, v, f_low, b_logits, g = _linear(run, "kda.q_proj", x, w["in_proj"],
-                                          splits=w["in_splits"])
+                                          splits=w["in_splits"], read_input=read)
     tag("KDA")
     conv = gate = None
     if run.fused("kda.short_conv"):  # the kernel takes the projections before the conv
@@ -474,13 +512,14 @@ def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual, sums=None) -
                    residual=residual, read_sums=sums, **head)
 
 
-def _mla(run: _Run, x, state: dict, residual, sums=None) -> torch.Tensor:
+def _mla(run: _Run, x, state: dict, residual, sums=None, read=None) -> torch.Tensor:
     tag, num_splits = run.tag, run.num_splits
     cfg, w, cache = state["cfg"], state["attn"], state["cache"]
     m = x.shape[0]
     hm, nope, r, v = cfg.mla_heads, cfg.qk_nope, cfg.qk_rope, cfg.v_head
     tag("dense projections")
-    q_a, kv, g = _linear(run, "mla.q_a_proj", x, w["in_proj"], splits=w["in_splits"])
+    q_a, kv, g = _linear(run, "mla.q_a_proj", x, w["in_proj"], splits=w["in_splits"],
+                         read_input=read)
     q = _linear(run, "mla.q_b_proj", q_a.contiguous(), w["q_b"], norm_weight=w["q_a_norm"],
                 eps=cfg.rms_eps).view(m, hm, nope + r)
     tag("MLA")
@@ -551,9 +590,11 @@ def _kernel_experts(w: dict) -> dict:
     return w["kernel_experts"]
 
 
-def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
+def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor, next_sums=None
          ) -> tuple[torch.Tensor, bool]:
-    """(the latent MoE's output [M, H] bf16 or fp32, whether ``residual`` is already added)."""
+    """(the latent MoE's output [M, H] bf16 or fp32, whether ``residual`` is already added).
+    next_sums: the next read's ReadSums, left by the tail's dense GEMV (where
+    :func:`leaves_read_sums`)."""
     tag = run.tag
     fp8_tail = "fp8-latent-tail" in run.stack.names and cfg.latent
     if run.stack.owned_by("moe.stage1", "persistent-moe"):
@@ -687,7 +728,7 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
                                          e4m3=fp8_tail), second_first=True)
             return dense_gemv(y, q.values if fp8_tail else up, norm_weight=norm,
                               eps=cfg.rms_eps, weight_scale=q.scales if fp8_tail else None,
-                              config=tc, **second), True
+                              config=tc, read_sums=next_sums, **second), True
         if fp8_tail:
             raise ValueError("stack: fp8-latent-tail runs in the persistent MoE launch or the "
                              "fused tail's dense GEMV, which needs shared experts; this preset "
@@ -705,10 +746,29 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor
     return out, False
 
 
+def leaves_read_sums(stack: Stack, state: dict) -> bool:
+    """Whether the layer's last launch under ``stack`` is a dense GEMV writing the live sum,
+    which can leave the next read's sums (``run_layer(next_sums=...)``)."""
+    if "mlp" in state:
+        return stack.owned_by("mlp.down", "dense-gemv")
+    cfg = state["cfg"]
+    return (not stack.owned_by("moe.stage1", "persistent-moe") and stack.fused("moe.latent_up")
+            and bool(cfg.latent) and bool(cfg.shared_intermediate))
+
+
+def takes_read_input(stack: Stack, state: dict) -> bool:
+    """Whether the layer's attention read can be its merged input projection's prologue
+    (``run_layer(attn_read=...)``): the read and that projection fused, the latter the dense
+    GEMV's."""
+    op = "kda.q_proj" if state["kind"] == "kda" else "mla.q_a_proj"
+    return stack.fused("attn_res.read@attn") and stack.owned_by(op, "dense-gemv")
+
+
 def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live=None,
               start: bool = False, ffn_bank=None, configs: Configs | None = None,
               tag: Callable[[str], None] | None = None, record: list | None = None,
-              sums_buffers: tuple | None = None) -> torch.Tensor:
+              sums_buffers: tuple | None = None, attn_read=None, next_sums=None
+              ) -> torch.Tensor:
     """One decode layer of ``state`` (``k3lab.reference.layer.make_layer``) under ``stack``;
     returns the new live sum [M, H] bf16.
 
@@ -721,22 +781,35 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
     appends its MoE's chosen experts to (None for layer 0's dense MLP), for checks.
     sums_buffers: with ``Configs.read_sums``, (this layer's zeroed sums buffer, the one its
     FFN read clears or None) as :func:`sums_buffers` lays them out (None: a zeroed one).
+    attn_read: a ReadInput whose sums the previous layer left: the attention read is the
+    merged input projection's prologue (live is its live sum; :func:`takes_read_input`).
+    next_sums: a ReadSums the layer's last dense GEMV fills for the next layer's attention
+    read (:func:`leaves_read_sums`).
     """
     tag = tag or _noop
     run = _Run(stack, num_splits, configs or Configs(), tag, record)
     cfg = state["cfg"]
     bank = state["bank"] if bank is None else bank
     live = state["live"] if live is None else live
-    tag("AttnRes")
-    x = _read(run, state, bank, live, "attn")
+    if attn_read is not None:
+        if start or not takes_read_input(stack, state):
+            raise ValueError("attn_read: the layer's attention read is its input projection's "
+                             "prologue only past a block's first layer, with both fused")
+        x = live
+    else:
+        tag("AttnRes")
+        x = _read(run, state, bank, live, "attn")
+    if next_sums is not None and not leaves_read_sums(stack, state):
+        raise ValueError("next_sums: the layer's last launch is not a dense GEMV writing the "
+                         "live sum")
     if start:
         bank = torch.cat([bank, live.unsqueeze(0)]) if ffn_bank is None else ffn_bank
     residual = None if start else live
     sums, clear = _ffn_sums(run, state, bank, sums_buffers)
     if state["kind"] == "kda":
-        live = _kda(run, x, state["attn"], state["cache"], cfg, residual, sums)
+        live = _kda(run, x, state["attn"], state["cache"], cfg, residual, sums, attn_read)
     else:
-        live = _mla(run, x, state, residual, sums)
+        live = _mla(run, x, state, residual, sums, attn_read)
     live = live.to(torch.bfloat16)
     tag("AttnRes")
     x = _read(run, state, bank, live, "ffn", sums, clear)
@@ -746,8 +819,8 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
         if record is not None:
             record.append(None)
         a = _linear(run, "mlp.gate_up", x, mlp["gate_up"], **_act(cfg))
-        return _linear(run, "mlp.down", a, mlp["down"], residual=live)
-    f, added = _moe(run, x, state["moe"], cfg, live)
+        return _linear(run, "mlp.down", a, mlp["down"], residual=live, read_sums=next_sums)
+    f, added = _moe(run, x, state["moe"], cfg, live, next_sums)
     if added:
         return f
     tag("dense projections")
@@ -776,6 +849,9 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
     torch.index_select(token["embed"], 0, token["ids"], out=rows[0])
     live = rows[0]
     bufs = sums_buffers(token, live.shape[0], live.device) if configs.read_sums else None
+    mixed = _mixed_reads(stack, token) if configs.attn_read_in_proj else []
+    mix_bufs = (attn_sums_buffers(token, live.shape[0], live.device) if mixed else None)
+    prev = None  # the ReadSums the previous layer left for this layer's attention read
     for i, (layer, state) in enumerate(zip(token["layer_ids"], token["layers"], strict=True)):
         n_sealed, start = token["schedule"][layer]
         if start and layer:  # seal the block sum of the layers before
@@ -788,9 +864,26 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
         if bufs is not None:  # a single layer's buffer is zeroed by a launch of its own
             pair = (bufs[i], bufs[(i + 1) % len(bufs)]) if len(bufs) > 1 else (
                 bufs[0].zero_(), None)
+        attn_read = next_sums = None
+        if i in mixed:  # the previous layer left this read's sums; the next one's zeroed here
+            j = mixed.index(i)
+            nxt = mix_bufs[mixed[(j + 1) % len(mixed)]] if len(mixed) > 1 else None
+            from k3lab.kernels.attn_res_sums import read_input
+            attn_read = read_input(prev, state["res_attn"]["norm_weight"], eps=cfg.rms_eps,
+                                   clear=nxt)
+        if i + 1 in mixed:
+            from k3lab.kernels.attn_res_sums import read_sums
+            n_next = token["schedule"][token["layer_ids"][i + 1]][0]
+            w_next = token["layers"][i + 1]["res_attn"]
+            if len(mixed) == 1:  # no other read zeroes it: a launch of its own
+                mix_bufs[i + 1].zero_()
+            next_sums = read_sums(rows[:n_next], w_next["res_norm_weight"],
+                                  w_next["res_proj_weight"], buffer=mix_bufs[i + 1])
         live = run_layer(stack, state, num_splits=num_splits, bank=bank, live=cand,
                          start=start, ffn_bank=rows[:n_sealed], configs=configs,
-                         tag=tag, record=record, sums_buffers=pair)
+                         tag=tag, record=record, sums_buffers=pair, attn_read=attn_read,
+                         next_sums=next_sums)
+        prev = next_sums
     tag("segment head")
     tag("AttnRes")
     last = token["schedule"][token["layer_ids"][-1]][0]

@@ -14,6 +14,11 @@ then after all of them an [NB] dots block per (m, s); NB = max(16, next_power_of
 padded entries 0. ``atomic``: the producer's programs of a slot add into it (the buffer must be
 zero before the producer runs: ``clear`` of the read before zeroes the next one); else every
 program stores its own slot (slot_cols = its rows a tile: deterministic, more slots to sum).
+
+The read may also have no launch of its own: a dense GEMV consuming its h_normed takes
+(:class:`ReadInput`, live) instead (``dense_gemv(live, w, read_input=...)``), each program
+mixing its K steps from the sums (``kernels/dense/mix.py``); that GEMV zeroes the next read's
+sums (``clear``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import triton
 from .attn_res import MAX_SEALED, AttnResConfig, _attn_res_mix_kernel, _check_weight
 from .runtime import INTERPRETED, check_device, check_number
 
-__all__ = ["ReadSums", "read_sums", "sums_numel", "attn_res_norm_from_sums", "SLOT_COLS"]
+__all__ = ["ReadSums", "read_sums", "sums_numel", "attn_res_norm_from_sums", "SLOT_COLS",
+           "ReadInput", "read_input"]
 
 BLOCK_P = 16  # slots the read loads at once
 SLOT_COLS = 512  # columns a slot covers by default
@@ -184,3 +190,37 @@ def attn_res_norm_from_sums(sums: ReadSums, live: torch.Tensor, norm_weight: tor
             sums.slots)), STORE_H=return_h, CLEAR=clear is not None,
         num_warps=cfg.split_warps, **({"launch_pdl": True} if pdl else {}))
     return (out[0] if return_h else None), out[1]
+
+
+@dataclass(frozen=True)
+class ReadInput:
+    """A projection's input given as the AttnRes read of its live sum: the sums its producer
+    left (``dense_gemv(read_sums=sums)``), the read's norm weight and eps, and the next read's
+    sums buffer the projection zeroes (None: none). Build it with :func:`read_input`."""
+
+    sums: ReadSums
+    norm_weight: torch.Tensor
+    eps: float
+    clear: torch.Tensor | None
+
+
+def read_input(sums: ReadSums, norm_weight: torch.Tensor, *, eps: float = 1e-5,
+               clear: torch.Tensor | None = None) -> ReadInput:
+    """Validated :class:`ReadInput`: ``sums`` atomic (slots summed by the producer's programs),
+    norm_weight [H] bf16 or fp32, eps > 0, clear None or a contiguous fp32 tensor on the
+    bank's device other than the sums' own buffer."""
+    if not isinstance(sums, ReadSums):
+        raise ValueError(f"sums: expected a ReadSums (read_sums()), got {type(sums).__name__}")
+    if not sums.atomic:
+        raise ValueError("sums: a projection's read takes atomic sums (a slot of many "
+                         "programs); stored per-tile slots are the mix launch's")
+    _check_weight("norm_weight", norm_weight, sums.hidden, sums.bank.device)
+    eps = check_number("eps", eps, positive=True)
+    if clear is not None:
+        if (not isinstance(clear, torch.Tensor) or clear.dtype != torch.float32
+                or clear.device != sums.bank.device or not clear.is_contiguous()):
+            raise ValueError("clear: expected None or a contiguous fp32 tensor on the device "
+                             "of the bank")
+        if clear.data_ptr() == sums.buffer.data_ptr():
+            raise ValueError("clear: the read's own sums; give the next read's buffer")
+    return ReadInput(sums, norm_weight, float(eps), clear)

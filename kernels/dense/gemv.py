@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .mix import clear, mix_weights, mixed_x
+
 ACT_NONE, ACT_SITU, ACT_SILU = 0, 1, 2
 
 
@@ -83,8 +85,11 @@ def _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off, acc, acc_u, s
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
             DOT_FP32: tl.constexpr, TWO: tl.constexpr,
             HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
-            HEAD_EPS: tl.constexpr = 1e-5):
-    """One K step of :func:`_k_loop` at columns [k0, k0 + BLOCK_K) below k_hi."""
+            HEAD_EPS: tl.constexpr = 1e-5, MIX: tl.constexpr = False, p_sb=0, s_n=0,
+            s_sbn=0, s_sbm=0, b_pb=0.0, b_pl=0.0, b_rstd=0.0, S_BLOCK_C: tl.constexpr = 1):
+    """One K step of :func:`_k_loop` at columns [k0, k0 + BLOCK_K) below k_hi. MIX: x is
+    the AttnRes read of live at p_x (bank rows p_sb, weights b_pb / b_pl, rstd b_rstd; p_g
+    the read's norm weight; kernels/dense/mix.py)."""
     o_k = k0 + tl.arange(0, BLOCK_K)
     m_k = o_k < k_hi
     o_w = o_n[:, None].to(tl.int64) * K + o_k[None, :]
@@ -94,9 +99,13 @@ def _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off, acc, acc_u, s
         b_u = tl.load(p_w + u_off + o_w, mask=m_w, other=0.0)
     else:
         b_u = b_w
-    b_x = tl.load(p_x + o_m[:, None] * K + o_k[None, :],
-                  mask=m_m[:, None] & m_k[None, :], other=0.0)
-    b_xf = b_x.to(tl.float32)
+    if MIX:
+        b_xf = mixed_x(p_x, p_g, p_sb, s_n, s_sbn, s_sbm, b_pb, b_pl, b_rstd, o_m, m_m, o_k,
+                       m_k, K, S_BLOCK_C)
+    else:
+        b_x = tl.load(p_x + o_m[:, None] * K + o_k[None, :],
+                      mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_xf = b_x.to(tl.float32)
     if NORM:  # x is in registers anyway: its sum of squares costs no second pass
         ss += tl.sum(b_xf * b_xf, axis=1)
         b_xf = b_xf * tl.load(p_g + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
@@ -139,7 +148,8 @@ def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, u_off,
             NORM: tl.constexpr, DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr,
             TWO: tl.constexpr, UNROLL: tl.constexpr,
             HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
-            HEAD_EPS: tl.constexpr = 1e-5):
+            HEAD_EPS: tl.constexpr = 1e-5, MIX: tl.constexpr = False, p_sb=0, s_n=0,
+            s_sbn=0, s_sbm=0, b_pb=0.0, b_pl=0.0, b_rstd=0.0, S_BLOCK_C: tl.constexpr = 1):
     """(fp32 [BLOCK_M, BLOCK_N] sums of x[o_m, k] (* g[k]) * W[o_n, k] over k in [k_lo, k_hi),
     the same sums against the rows u_off elements further when TWO (else the first again), fp32
     [BLOCK_M] sums of x^2 over the range: the RMSNorm's, when NORM). UNROLL > 0: the range is
@@ -156,12 +166,14 @@ def _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, u_off,
         for j in tl.static_range(UNROLL):
             acc, acc_u, ss = _k_step(k_lo + j * BLOCK_K, k_hi, p_x, p_w, p_g, o_m, m_m, o_n,
                                      m_n, K, u_off, acc, acc_u, ss, BLOCK_M, BLOCK_K, NORM,
-                                     DOT_FP32, TWO, HEAD_NV, HEAD_D, HEAD_EPS)
+                                     DOT_FP32, TWO, HEAD_NV, HEAD_D, HEAD_EPS, MIX, p_sb, s_n,
+                                     s_sbn, s_sbm, b_pb, b_pl, b_rstd, S_BLOCK_C)
     else:
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
             acc, acc_u, ss = _k_step(k0, k_hi, p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, u_off,
                                      acc, acc_u, ss, BLOCK_M, BLOCK_K, NORM, DOT_FP32, TWO,
-                                     HEAD_NV, HEAD_D, HEAD_EPS)
+                                     HEAD_NV, HEAD_D, HEAD_EPS, MIX, p_sb, s_n, s_sbn, s_sbm,
+                                     b_pb, b_pl, b_rstd, S_BLOCK_C)
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
         acc_u = tl.sum(acc_u, axis=1)[None, :]
@@ -312,12 +324,14 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
           p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, SUMS: tl.constexpr,
           S_NB: tl.constexpr, S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr,
           HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
-          HEAD_EPS: tl.constexpr = 1e-5):
+          HEAD_EPS: tl.constexpr = 1e-5, MIX: tl.constexpr = False):
     """Row tile i_n (split-K ticket i_t) and K share i_k of one GEMV over N output columns.
     GATE_UP_TOGETHER: with ACT, the gate and up rows stream in one K loop (else one loop
     each). SCALED: the first product's row n is multiplied by p_sc[n] (e4m3 weights' scales).
     SECOND_FIRST: the second product and the residual's load come first, before the PDL wait.
-    SUMS (1 atomic, 2 stored; 0 off): the epilogue leaves the AttnRes read's sums (p_sb...)."""
+    SUMS (1 atomic, 2 stored; 0 off): the epilogue leaves the AttnRes read's sums (p_sb...).
+    MIX: x is the AttnRes read of live p_x from its producer's sums p_sums (bank p_sb, norm
+    weight p_g, eps; the first program zeroes s_cols words at p_srn, the next read's sums)."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < N
     o_m = tl.arange(0, BLOCK_M)
@@ -348,6 +362,12 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
             gdc_wait()
         if not TRIGGER_LAST:
             gdc_launch_dependents()
+    b_pb, b_pl, b_rstd = 0.0, 0.0, 0.0
+    if MIX:  # the read's weights from the sums the previous grid left
+        b_pb, b_pl, b_rstd = mix_weights(p_sums, s_n, s_p, M, K, eps, o_m, BLOCK_M, S_NB,
+                                         S_BLOCK_C)
+        if i_n == 0 and i_k == 0:
+            clear(p_srn, s_cols)
     if RESIDUAL and SPLIT_K == 1 and not SECOND_FIRST:
         b_res = _residual(p_res, o_m, m_m, o_n, m_n, N)
     b_sc = 1.0
@@ -356,13 +376,15 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
     together = ACT != 0 and GATE_UP_TOGETHER
     acc, acc_u, ss = _k_loop(p_x, p_w, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, N * K, BLOCK_M,
                              BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, together, UNROLL,
-                             HEAD_NV, HEAD_D, HEAD_EPS)
+                             HEAD_NV, HEAD_D, HEAD_EPS, MIX, p_sb, s_n, s_sbn, s_sbm, b_pb,
+                             b_pl, b_rstd, S_BLOCK_C)
     if SCALED:
         acc = acc * b_sc
     if ACT != 0 and not together:
         acc_u, _, _ = _k_loop(p_x, p_w + N * K, p_g, o_m, m_m, o_n, m_n, K, k_lo, k_hi, 0,
                               BLOCK_M, BLOCK_N, BLOCK_K, NORM, DOT_FP32, NUM_STAGES, False,
-                              UNROLL)
+                              UNROLL, HEAD_NV, HEAD_D, HEAD_EPS, MIX, p_sb, s_n, s_sbn, s_sbm,
+                              b_pb, b_pl, b_rstd, S_BLOCK_C)
     if DUAL:
         if SECOND_FIRST:
             acc_u = acc_2
@@ -415,7 +437,7 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
                   s_p, s_cols, SUMS: tl.constexpr, S_NB: tl.constexpr,
                   S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr,
                   HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
-                  HEAD_EPS: tl.constexpr = 1e-5):
+                  HEAD_EPS: tl.constexpr = 1e-5, MIX: tl.constexpr = False):
     """Program (i_n, i_k) of :func:`dense_gemv_kernel`'s grid."""
     if MIXED:
         if i_n >= T0:
@@ -439,7 +461,7 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
               BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, RESIDUAL, N_SEG, DUAL, DOT_FP32,
               PDL, PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST,
               SECOND_FIRST, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, SUMS,
-              S_NB, S_BLOCK_C, S_PREFETCH, HEAD_NV, HEAD_D, HEAD_EPS)
+              S_NB, S_BLOCK_C, S_PREFETCH, HEAD_NV, HEAD_D, HEAD_EPS, MIX)
 
 
 @triton.jit
@@ -457,7 +479,7 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
                       s_sbm, s_p, s_cols, SUMS: tl.constexpr, S_NB: tl.constexpr,
                       S_BLOCK_C: tl.constexpr, S_PREFETCH: tl.constexpr,
                       HEAD_NV: tl.constexpr = 0, HEAD_D: tl.constexpr = 1,
-                      HEAD_EPS: tl.constexpr = 1e-5):
+                      HEAD_EPS: tl.constexpr = 1e-5, MIX: tl.constexpr = False):
     """Grid (row tiles, SPLIT_K). N: output columns (with ACT, the weight has 2N rows: gate rows
     [0, N), up rows [N, 2N)). K_SPLIT: columns of a K share, a multiple of BLOCK_K.
     DUAL: a second product x2 [M, K2] @ w2 [N, K2]^T (K2_SPLIT columns a share) is added to the
@@ -474,11 +496,15 @@ def dense_gemv_kernel(p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, 
     candidates padded.
     HEAD_NV > 0: x is a per-head output (HEAD_D columns a head) whose RMS its producer left as
     HEAD_NV partial sums of squares a (token, head) at p_g [M, K / HEAD_D, HEAD_NV] fp32; each
-    column is scaled by rsqrt(sum / HEAD_D + HEAD_EPS) as it is loaded (NORM off)."""
+    column is scaled by rsqrt(sum / HEAD_D + HEAD_EPS) as it is loaded (NORM off).
+    MIX: x is the live sum of an AttnRes read whose sums its producer left at p_sums (the
+    SUMS layout; bank p_sb, s_n rows): the projection's input is that read's h_normed, with
+    p_g its norm weight and eps its eps (NORM off), mixed as each K step loads it
+    (kernels/dense/mix.py); the first program zeroes s_cols fp32 words at p_srn."""
     _gemv_program(tl.program_id(0), tl.program_id(1), p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt,
                   p_x2, p_w2, p_sc, b1, b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT,
                   T0, NG, eps, beta, linear_beta, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
                   ACT, NORM, RESIDUAL, N_SEG, DUAL, MIXED, DOT_FP32, PDL, PREFETCH, NUM_STAGES,
                   WAIT_LAST, GATE_UP_TOGETHER, UNROLL, TRIGGER_LAST, SECOND_FIRST, p_sb, p_srn,
                   p_srp, p_sums, s_n, s_sbn, s_sbm, s_p, s_cols, SUMS, S_NB, S_BLOCK_C,
-                  S_PREFETCH, HEAD_NV, HEAD_D, HEAD_EPS)
+                  S_PREFETCH, HEAD_NV, HEAD_D, HEAD_EPS, MIX)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import triton
 
-from ..attn_res_sums import ReadSums
+from ..attn_res_sums import ReadInput, ReadSums
 from ..runtime import INTERPRETED, check_number, check_tensor
 from .config import GemvConfig
 from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
@@ -148,7 +148,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
                situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
                out_dtype: torch.dtype = torch.bfloat16, config: GemvConfig | None = None,
                read_sums: ReadSums | None = None, head_sums: torch.Tensor | None = None,
-               head_dim: int = 0):
+               head_dim: int = 0, read_input: ReadInput | None = None):
     """y = x @ weight^T for a decode batch, one launch.
 
     x: bf16 or fp32 [M, K], 1 <= M <= MAX_TOKENS (fp32 x meets the weights in fp32 at one
@@ -176,6 +176,10 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         column is scaled by rsqrt(sum / head_dim + eps) in the prologue, so x's per-head
         RMSNorm costs no pass of its own (no ``norm_weight``; the norm's weight is the
         producer's).
+    read_input: a :class:`~kernels.attn_res_sums.ReadInput`: x is the live sum [M, H] bf16 of
+        an AttnRes read whose sums x's producer left, and the projection's input is that
+        read's h_normed, mixed from the sums as each program loads its K steps: the read
+        costs no launch (no ``norm_weight``, ``head_sums``, ``x2``, or ``wait_last``).
     """
     launch, outputs = prepare_gemv(
         x, weight, splits=splits, activation=activation, residual=residual,
@@ -184,6 +188,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
         config=config, read_sums=read_sums)
     if head_sums is not None or head_dim:
         launch = _head_launch(launch, x, head_sums, head_dim, norm_weight, eps)
+    if read_input is not None:
+        launch = _mix_launch(launch, x, read_input, norm_weight, x2, head_sums, read_sums)
     dense_gemv_kernel[launch.grid](*launch.args, **launch.sums_args, **launch.constexprs,
                                    **launch.sums_constexprs, **launch.head_constexprs,
                                    num_warps=launch.num_warps,
@@ -358,6 +364,41 @@ def _head_launch(launch: GemvLaunch, x, head_sums, head_dim, norm_weight, eps) -
     args[4] = head_sums  # the norm weight's slot (p_g)
     return replace(launch, args=tuple(args), head_constexprs=dict(
         HEAD_NV=head_sums.shape[2], HEAD_D=head_dim, HEAD_EPS=float(eps)))
+
+
+def _mix_launch(launch: GemvLaunch, x, read, norm_weight, x2, head_sums, read_sums
+                ) -> GemvLaunch:
+    """``launch`` with x the live sum of the AttnRes read ``read`` (a ReadInput)."""
+    if not isinstance(read, ReadInput):
+        raise ValueError(f"read_input: expected a ReadInput (read_input()), got "
+                         f"{type(read).__name__}")
+    if norm_weight is not None or head_sums is not None or x2 is not None \
+            or read_sums is not None:
+        raise ValueError("read_input: the read's norm is the prologue; no norm_weight, "
+                         "head_sums, x2 or read_sums beside it")
+    sums = read.sums
+    m, k = x.shape
+    if x.dtype != torch.bfloat16 or (sums.tokens, sums.hidden) != (m, k) \
+            or sums.bank.device != x.device:
+        raise ValueError(f"read_input: x is the read's live sum, expected bf16 [M, H] = "
+                         f"[{sums.tokens}, {sums.hidden}] on {sums.bank.device}, got "
+                         f"{x.dtype} {list(x.shape)} on {x.device}")
+    if launch.constexprs["WAIT_LAST"]:
+        raise ValueError("config: wait_last reads x before the wait; a read_input's sums are "
+                         "the previous launch's")
+    args = list(launch.args)
+    args[4] = read.norm_weight  # the norm weight's slot (p_g)
+    args[-3] = read.eps  # eps (then beta, linear_beta)
+    n = sums.n_sealed
+    clear = read.clear
+    return replace(launch, args=tuple(args), sums_args=dict(zip(SUMS_ARGS, (
+        sums.bank if n else sums.buffer, clear if clear is not None else sums.buffer,
+        sums.buffer, sums.buffer, n, sums.bank.stride(0) if n else 0,
+        sums.bank.stride(1) if n else 0, sums.slots,
+        clear.numel() if clear is not None else 0), strict=True)),
+        sums_constexprs={"SUMS": 0, "S_NB": sums.nb,
+                         "S_BLOCK_C": triton.next_power_of_2(n + 1), "S_PREFETCH": False},
+        head_constexprs={"MIX": True})
 
 
 def _sums_launch(sums, m, n, act, splits, out_dtype, dev, block_n) -> dict:

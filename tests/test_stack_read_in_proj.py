@@ -1,0 +1,67 @@
+"""stack.Configs.attn_read_in_proj in the full stack's token: the attention reads past a
+block's first layer have no launch; the previous layer's last dense GEMV leaves their sums and
+the merged input projection mixes its input from them. The logits meet the fp32 truth twice in
+a row (each mixed read zeroes the next one's sums, the last the first's) with one launch fewer
+a mixed read."""
+
+from dataclasses import replace
+
+import pytest
+
+from k3lab.config import preset
+from k3lab.profile import count_launches
+from k3lab.reference.layer import make_token
+from k3lab.stack import STACKS, compose, run_token, runnable, steps
+from k3lab.studies.decode_step import check_token, configs_for
+
+
+@pytest.mark.parametrize("window,first", [(3, None), (1, None), (3, 0)],
+                         ids=["from-layer-1", "one-layer", "centred"])
+def test_attn_reads_in_the_input_projections(window, first, device):
+    from k3lab.stack import _mixed_reads
+
+    cfg = preset("tiny")
+    full, _ = runnable(compose(steps(STACKS["integration"])[-1][1]))
+    base = configs_for(device)
+    mixed = replace(base, attn_read_in_proj=True)
+    kw = {} if first is None else {"first_layer": first}
+    token = make_token(cfg, device, window=window, seed=4, context=24, expert_format="mxfp4",
+                       **kw)
+    reads = _mixed_reads(full, token)
+    assert reads == [i for i in range(1, len(token["layer_ids"]))
+                     if not token["schedule"][token["layer_ids"][i]][1]]
+    assert reads, token["layer_ids"]
+    for _ in range(2):
+        checks = check_token(token, {"base": full, "mixed": full},
+                             {"base": base, "mixed": mixed}, num_splits=3)
+        assert checks["ok"].all(), checks
+        zero = [int(token["attn_sums"][i].count_nonzero()) == 0 for i in reads]
+        if len(reads) > 1:  # the first read's zeroed by the last one, the others held
+            assert zero[0] and not any(zero[1:]), zero
+        else:  # zeroed by a launch of its own before its producer
+            assert not zero[0]
+    kernels = {k: count_launches(lambda t, c=c: run_token(full, t, num_splits=3, configs=c),
+                                 token).kernels for k, c in (("base", base), ("mixed", mixed))}
+    alone = 1 if len(reads) == 1 else 0  # a single mixed read's sums zeroed by a launch
+    assert len(kernels["base"]) - len(kernels["mixed"]) == len(reads) - alone
+
+
+def test_attn_read_in_proj_needs_the_dense_gemv(device):
+    """Without the dense GEMV the option has no read to move: the token runs as without it."""
+    cfg = preset("tiny")
+    names = [n for n in steps(STACKS["integration"])[-1][1] if n != "dense-gemv"]
+    stack, _ = runnable(compose(names))
+    from k3lab.stack import _mixed_reads
+    token = make_token(cfg, device, window=2, seed=4, context=24, expert_format="mxfp4")
+    assert _mixed_reads(stack, token) == []
+    base = configs_for(device)
+    checks = check_token(token, {"base": stack, "mixed": stack},
+                         {"base": base, "mixed": replace(base, attn_read_in_proj=True)},
+                         num_splits=3)
+    assert checks["ok"].all(), checks
+
+
+def test_attn_read_in_proj_flag_is_checked():
+    from k3lab.stack import Configs
+    with pytest.raises(ValueError, match="Configs.attn_read_in_proj: expected a bool"):
+        Configs(attn_read_in_proj=1)
