@@ -647,12 +647,14 @@ _SWEEPS = [
     Sweep("attn_read", "token",
           ({}, {"attn_read_in_proj": True}, {"attn_read_in_proj": True, "in_proj_prefetch": 2},
            {"attn_read_in_proj": True, "in_proj_prefetch": 0},
+           {"attn_read_in_proj": True, "attn_read_registers": 0},
            {"attn_read_in_proj": True, "kda_rms_in_o_proj": True, "kda.early_ticket": True}),
           "the attention reads past a block's first layer without a launch "
           "(stack.Configs.attn_read_in_proj): the MoE tail's dense GEMV leaves their sums and "
           "the merged input projection mixes its input from them, against the read's own "
           "launch ({}); with the input projection's first 2 or no weight steps asked of L2 "
-          "before its wait (1 by default), and beside the KDA decode's deferred RMS",
+          "before its wait (1 by default), uncapped (145-156 registers, 3 programs an SM; "
+          "capped at 128 by default), and beside the KDA decode's deferred RMS",
           variants=("full stack",), tp=8),
     Sweep("prefetch", "token",
           ({}, {"kda.pdl": True}, {"kda.pdl": True, "o_proj_prefetch": 3},

@@ -291,7 +291,10 @@ class Configs:
     (the MoE tail, layer 0's down projection) has no launch: that GEMV leaves the read's sums
     in its epilogue and the merged input projection (the dense GEMV) mixes its input from
     them as it loads it (``dense_gemv(read_input=...)``, ``kernels/dense/mix.py``); a block's
-    first read, of sealed rows only, keeps its launch."""
+    first read, of sealed rows only, keeps its launch. attn_read_registers: that input
+    projection's register cap (GemvConfig.max_registers; 0: its tiling's own). The mix takes
+    K3 tp 8's KDA input projection from 127 registers a thread to 145-156 (offline sm_90
+    build): 3 programs an SM instead of 4; capped at 128 it does not spill."""
 
     gemv: object = None
     route: object = None
@@ -309,12 +312,18 @@ class Configs:
     in_proj_prefetch: int | None = 1
     kda_rms_in_o_proj: bool = False
     attn_read_in_proj: bool = False
+    attn_read_registers: int = 128
 
     def __post_init__(self):
         for name in ("kda_rms_in_o_proj", "attn_read_in_proj"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Configs.{name}: expected a bool, got "
                                  f"{getattr(self, name)!r}")
+        for name in ("read_sums_registers", "attn_read_registers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 255:
+                raise ValueError(f"Configs.{name}: expected an int in 0..255 (0: no cap), got "
+                                 f"{v!r}")
         for name in ("o_proj_prefetch", "in_proj_prefetch"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)
@@ -360,7 +369,8 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
         from k3lab.kernels.dense import dense_gemv
         config = _gemv_config(run.configs, op, x.shape[0], w, run.configs.for_op(op),
                               e4m3=kw.get("weight_scale") is not None,
-                              sums=sums is not None and op in ("kda.o_proj", "mla.o_proj"))
+                              sums=sums is not None and op in ("kda.o_proj", "mla.o_proj"),
+                              read=read is not None)
         return dense_gemv(x, w, config=config, read_sums=sums, read_input=read, **kw)
     if sums is not None or read is not None:
         raise ValueError(f"stack: {op} leaves or takes an AttnRes read's sums only as the "
@@ -369,7 +379,7 @@ def _linear(run: _Run, op: str, x: torch.Tensor, w: torch.Tensor, **kw):
 
 
 def _gemv_config(configs: Configs, op: str, m: int, w: torch.Tensor, config, *,
-                 e4m3: bool = False, sums: bool = False):
+                 e4m3: bool = False, sums: bool = False, read: bool = False):
     """The GemvConfig projection ``op`` (an ungated [rows, K] weight; ``e4m3``: with row
     scales; ``sums``: leaving an AttnRes read's sums) runs at M = m: ``config`` (None: the
     launcher's own choice), or, where ``configs`` sets L2 prefetch steps for ``op`` (then
@@ -381,6 +391,8 @@ def _gemv_config(configs: Configs, op: str, m: int, w: torch.Tensor, config, *,
         changes.update(pdl=True, prefetch_steps=steps)
     if sums and configs.read_sums_registers:
         changes["max_registers"] = configs.read_sums_registers
+    if read and configs.attn_read_registers:
+        changes["max_registers"] = configs.attn_read_registers
     if not changes:
         return config
     from k3lab.kernels.dense import call_config

@@ -8,7 +8,7 @@ from .runtime import INTERPRETED  # noqa: F401  (before any import of triton)
 # isort: on
 
 from .attn_res import AttnResConfig, attn_res_norm  # noqa: F401, E402
-from .attn_res_sums import ReadSums, attn_res_norm_from_sums, read_sums  # noqa: F401, E402
+from .attn_res_sums import ReadInput, ReadSums, attn_res_norm_from_sums, read_input, read_sums  # noqa: F401, E402
 from .dense import GemvConfig, dense_gemv  # noqa: F401, E402
 from .kda import KDAConfig, KDAConv, KDAOutGate, kda_decode  # noqa: F401, E402
 from .mla import MLAConfig, mla_decode  # noqa: F401, E402

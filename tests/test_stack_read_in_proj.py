@@ -61,7 +61,29 @@ def test_attn_read_in_proj_needs_the_dense_gemv(device):
     assert checks["ok"].all(), checks
 
 
-def test_attn_read_in_proj_flag_is_checked():
+def test_attn_read_in_proj_fields_are_checked():
     from k3lab.stack import Configs
     with pytest.raises(ValueError, match="Configs.attn_read_in_proj: expected a bool"):
         Configs(attn_read_in_proj=1)
+    for name in ("attn_read_registers", "read_sums_registers"):
+        for bad in (-1, 256, True, 72.0):
+            with pytest.raises(ValueError, match=f"Configs.{name}: expected an int in 0..255"):
+                Configs(**{name: bad})
+
+
+def test_the_input_projection_takes_the_register_cap():
+    """The mixing input projection runs its tiling capped at attn_read_registers (0: not)."""
+    from dataclasses import replace as rep
+
+    import torch
+
+    from k3lab.kernels.dense import call_config
+    from k3lab.stack import Configs, _gemv_config
+    w = torch.empty(6284, 7168)
+    tiling = call_config(None, 1, 6284, 7168)
+    for cap in (128, 96):
+        got = _gemv_config(Configs(attn_read_registers=cap, in_proj_prefetch=None), "kda.q_proj",
+                           1, w, None, read=True)
+        assert got == rep(tiling, max_registers=cap)
+    assert _gemv_config(Configs(attn_read_registers=0, in_proj_prefetch=None), "kda.q_proj", 1,
+                        w, None, read=True) is None

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from ..attn_res import _round_bf16
 
-BLOCK_P = 16  # slots a program loads at once
+BLOCK_P = tl.constexpr(16)  # slots a program loads at once
 
 
 @triton.jit

@@ -125,6 +125,18 @@ def _read_sums(m: int, n: int, atomic: bool) -> None:
     attn_res_norm_from_sums(sums, live, w, clear=z(64))
 
 
+def _read_input(m: int, n: int) -> None:
+    """K3 tp 8's merged KDA input projection taking the attention read of n sealed rows."""
+    from k3lab.kernels import dense_gemv, read_input, read_sums
+
+    z = torch.zeros
+    bank, w = z(n, m, 7168, dtype=torch.bfloat16), z(7168, dtype=torch.bfloat16)
+    sums = read_sums(bank, w, w)
+    dense_gemv(z(m, 7168, dtype=torch.bfloat16), z(6284, 7168, dtype=torch.bfloat16),
+               splits=[1536, 1536, 1536, 128, 12, 1536],
+               read_input=read_input(sums, w, clear=z(64)))
+
+
 def main() -> dict:
     triton.runtime.driver.set_active(_H200Stub())
     compiled: dict[str, int] = {}
@@ -251,6 +263,11 @@ def main() -> dict:
             m, n, atomic))
     attempt("integration stack token, read_sums", lambda: stack.run_token(
         st, token, num_splits=4, configs=stack.Configs(read_sums=True)))
+    attempt("integration stack token, attention reads in the input projections",
+            lambda: stack.run_token(st, token, num_splits=4,
+                                    configs=stack.Configs(attn_read_in_proj=True)))
+    for m, n in ((1, 1), (1, 5), (4, 3)):  # K3 tp 8's merged KDA input projection
+        attempt(f"dense read_input M {m} N {n}", lambda m=m, n=n: _read_input(m, n))
     attempt("integration stack token, KDA RMS in o_proj, early ticket", lambda: stack.run_token(
         st, token, num_splits=4, configs=stack.Configs(
             kda_rms_in_o_proj=True, kda=KDAConfig(early_ticket=True))))
