@@ -189,7 +189,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     if head_sums is not None or head_dim:
         launch = _head_launch(launch, x, head_sums, head_dim, norm_weight, eps)
     if read_input is not None:
-        launch = _mix_launch(launch, x, read_input, norm_weight, x2, head_sums, read_sums)
+        launch = _mix_launch(launch, x, read_input, norm_weight, x2, head_sums, read_sums,
+                             config)
     dense_gemv_kernel[launch.grid](*launch.args, **launch.sums_args, **launch.constexprs,
                                    **launch.sums_constexprs, **launch.head_constexprs,
                                    num_warps=launch.num_warps,
@@ -366,7 +367,7 @@ def _head_launch(launch: GemvLaunch, x, head_sums, head_dim, norm_weight, eps) -
         HEAD_NV=head_sums.shape[2], HEAD_D=head_dim, HEAD_EPS=float(eps)))
 
 
-def _mix_launch(launch: GemvLaunch, x, read, norm_weight, x2, head_sums, read_sums
+def _mix_launch(launch: GemvLaunch, x, read, norm_weight, x2, head_sums, read_sums, config
                 ) -> GemvLaunch:
     """``launch`` with x the live sum of the AttnRes read ``read`` (a ReadInput)."""
     if not isinstance(read, ReadInput):
@@ -383,7 +384,8 @@ def _mix_launch(launch: GemvLaunch, x, read, norm_weight, x2, head_sums, read_su
         raise ValueError(f"read_input: x is the read's live sum, expected bf16 [M, H] = "
                          f"[{sums.tokens}, {sums.hidden}] on {sums.bank.device}, got "
                          f"{x.dtype} {list(x.shape)} on {x.device}")
-    if launch.constexprs["WAIT_LAST"]:
+    if launch.constexprs["WAIT_LAST"] or (config is not None and config.pdl
+                                          and config.wait_last):
         raise ValueError("config: wait_last reads x before the wait; a read_input's sums are "
                          "the previous launch's")
     args = list(launch.args)
