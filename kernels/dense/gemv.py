@@ -364,7 +364,7 @@ def _tile(i_n, i_t, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_s
             gdc_launch_dependents()
     b_pb, b_pl, b_rstd = 0.0, 0.0, 0.0
     if MIX:  # the read's weights from the sums the previous grid left
-        b_pb, b_pl, b_rstd = mix_weights(p_sums, s_n, s_p, M, K, eps, o_m, BLOCK_M, S_NB,
+        b_pb, b_pl, b_rstd = mix_weights(p_sums, s_n, s_p, M, K, eps, 0, BLOCK_M, S_NB,
                                          S_BLOCK_C)
         if i_n == 0 and i_k == 0:
             clear(p_srn, s_cols)

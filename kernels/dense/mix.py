@@ -19,39 +19,64 @@ BLOCK_P = tl.constexpr(16)  # slots a program loads at once
 
 
 @triton.jit
-def mix_weights(p_sums, s_n, s_p, M, H, eps, o_m, BLOCK_M: tl.constexpr, S_NB: tl.constexpr,
-                S_BLOCK_C: tl.constexpr):
-    """(bank rows' weights [BLOCK_M, S_BLOCK_C] (rows from s_n 0), live's [BLOCK_M], rstd of
-    h [BLOCK_M]) per token from its s_p slots of sums (Gram blocks of S_NB x S_NB, then dots
-    blocks of S_NB; live is candidate s_n), summed in slot order."""
+def token_mix_weights(p_sums, s_n, s_p, M, H, eps, m, S_NB: tl.constexpr,
+                      S_BLOCK_C: tl.constexpr):
+    """(bank rows' weights [S_BLOCK_C] (rows from s_n 0), live's, rstd of h) of token m (< M)
+    from its s_p slots of sums (Gram blocks of S_NB x S_NB, then dots blocks of S_NB; live is
+    candidate s_n), summed in slot order."""
     o_c = tl.arange(0, S_BLOCK_C)
     o_q = o_c[:, None] * S_NB + o_c[None, :]
     p_dots = p_sums + M * s_p * S_NB * S_NB
+    b_g = tl.zeros([S_BLOCK_C, S_BLOCK_C], tl.float32)
+    b_d = tl.zeros([S_BLOCK_C], tl.float32)
+    for s0 in range(0, s_p, BLOCK_P):
+        o_s = s0 + tl.arange(0, BLOCK_P)
+        m_s = o_s < s_p
+        slot = m * s_p + o_s
+        b_g += tl.sum(tl.load(p_sums + slot[:, None, None] * S_NB * S_NB + o_q[None, :, :],
+                              mask=m_s[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
+        b_d += tl.sum(tl.load(p_dots + slot[:, None] * S_NB + o_c[None, :], mask=m_s[:, None],
+                              other=0.0, cache_modifier=".cg"), axis=0)
+    b_sq = tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_g, 0.0), axis=1)
+    b_s = tl.where(o_c <= s_n, b_d * tl.rsqrt(b_sq / H + eps), float("-inf"))
+    b_e = tl.exp(b_s - tl.max(b_s, axis=0))
+    b_p = b_e / tl.sum(b_e, axis=0)
+    b_h2 = tl.sum(tl.sum(b_g * b_p[:, None], axis=0) * b_p, axis=0)
+    return (tl.where(o_c < s_n, b_p, 0.0), tl.sum(tl.where(o_c == s_n, b_p, 0.0), axis=0),
+            tl.rsqrt(b_h2 / H + eps))
+
+
+@triton.jit
+def mix_weights(p_sums, s_n, s_p, M, H, eps, m0, BLOCK_M: tl.constexpr, S_NB: tl.constexpr,
+                S_BLOCK_C: tl.constexpr):
+    """:func:`token_mix_weights` of tokens m0 .. m0 + BLOCK_M - 1 (those from M: zeros), as
+    [BLOCK_M, S_BLOCK_C], [BLOCK_M], [BLOCK_M]."""
+    o_j = tl.arange(0, BLOCK_M)
     b_pb = tl.zeros([BLOCK_M, S_BLOCK_C], tl.float32)
     b_pl = tl.zeros([BLOCK_M], tl.float32)
     b_rstd = tl.zeros([BLOCK_M], tl.float32)
-    for m in tl.static_range(BLOCK_M):
-        b_g = tl.zeros([S_BLOCK_C, S_BLOCK_C], tl.float32)
-        b_d = tl.zeros([S_BLOCK_C], tl.float32)
-        for s0 in range(0, s_p, BLOCK_P):
-            o_s = s0 + tl.arange(0, BLOCK_P)
-            m_s = (o_s < s_p) & (o_s * 0 + m < M)
-            slot = m * s_p + o_s
-            b_g += tl.sum(tl.load(p_sums + slot[:, None, None] * S_NB * S_NB + o_q[None, :, :],
-                                  mask=m_s[:, None, None], other=0.0, cache_modifier=".cg"),
-                          axis=0)
-            b_d += tl.sum(tl.load(p_dots + slot[:, None] * S_NB + o_c[None, :],
-                                  mask=m_s[:, None], other=0.0, cache_modifier=".cg"), axis=0)
-        b_sq = tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_g, 0.0), axis=1)
-        b_s = tl.where(o_c <= s_n, b_d * tl.rsqrt(b_sq / H + eps), float("-inf"))
-        b_e = tl.exp(b_s - tl.max(b_s, axis=0))
-        b_p = b_e / tl.sum(b_e, axis=0)
-        b_h2 = tl.sum(tl.sum(b_g * b_p[:, None], axis=0) * b_p, axis=0)
-        sel = o_m == m
-        b_pb = tl.where(sel[:, None], tl.where(o_c < s_n, b_p, 0.0)[None, :], b_pb)
-        b_pl = tl.where(sel, tl.sum(tl.where(o_c == s_n, b_p, 0.0), axis=0), b_pl)
-        b_rstd = tl.where(sel, tl.rsqrt(b_h2 / H + eps), b_rstd)
+    for j in tl.static_range(BLOCK_M):
+        if m0 + j < M:
+            t_pb, t_pl, t_rstd = token_mix_weights(p_sums, s_n, s_p, M, H, eps, m0 + j, S_NB,
+                                                   S_BLOCK_C)
+            b_pb = tl.where((o_j == j)[:, None], t_pb[None, :], b_pb)
+            b_pl = tl.where(o_j == j, t_pl, b_pl)
+            b_rstd = tl.where(o_j == j, t_rstd, b_rstd)
     return b_pb, b_pl, b_rstd
+
+
+@triton.jit
+def mixed_row(p_x, p_nw, p_sb, s_n, s_sbn, s_sbm, b_pb, b_pl, b_rstd, m, o_k, m_k, K,
+              S_BLOCK_C: tl.constexpr):
+    """Token m's h_normed [BLOCK_K] fp32 (bf16 values) on columns o_k, from its weights
+    (:func:`token_mix_weights`): as :func:`mixed_x` for one token."""
+    o_c = tl.arange(0, S_BLOCK_C)
+    b_v = tl.load(p_sb + o_c[:, None].to(tl.int64) * s_sbn + m * s_sbm + o_k[None, :],
+                  mask=(o_c < s_n)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_l = tl.load(p_x + m * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_h = _round_bf16(tl.sum(b_v * b_pb[:, None], axis=0) + b_pl * b_l)
+    b_nw = tl.load(p_nw + o_k, mask=m_k, other=0.0).to(tl.float32)
+    return _round_bf16(b_h * b_rstd * b_nw)
 
 
 @triton.jit
