@@ -14,6 +14,7 @@ from .gemv import ACT_NONE, ACT_SILU, ACT_SITU, dense_gemv_kernel
 from .tuned import TUNED_M1, TUNED_M1_E4M3
 
 __all__ = ["MAX_TOKENS", "MAX_SEGMENTS", "GemvLaunch", "dense_gemv", "prepare_gemv",
+           "mix_launch",
            "default_config", "heuristic_config", "interpreter_config", "call_config"]
 
 MAX_TOKENS = 16  # decode batches; beyond, a GEMM tile wins
@@ -189,8 +190,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     if head_sums is not None or head_dim:
         launch = _head_launch(launch, x, head_sums, head_dim, norm_weight, eps)
     if read_input is not None:
-        launch = _mix_launch(launch, x, read_input, norm_weight, x2, head_sums, read_sums,
-                             config)
+        launch = mix_launch(launch, x, read_input, config)
     dense_gemv_kernel[launch.grid](*launch.args, **launch.sums_args, **launch.constexprs,
                                    **launch.sums_constexprs, **launch.head_constexprs,
                                    num_warps=launch.num_warps,
@@ -367,14 +367,14 @@ def _head_launch(launch: GemvLaunch, x, head_sums, head_dim, norm_weight, eps) -
         HEAD_NV=head_sums.shape[2], HEAD_D=head_dim, HEAD_EPS=float(eps)))
 
 
-def _mix_launch(launch: GemvLaunch, x, read, norm_weight, x2, head_sums, read_sums, config
-                ) -> GemvLaunch:
-    """``launch`` with x the live sum of the AttnRes read ``read`` (a ReadInput)."""
+def mix_launch(launch: GemvLaunch, x, read, config) -> GemvLaunch:
+    """``launch`` (of tiling ``config``, None: the launcher's) with x the live sum of the
+    AttnRes read ``read`` (a ReadInput), which the programs mix into their input."""
     if not isinstance(read, ReadInput):
         raise ValueError(f"read_input: expected a ReadInput (read_input()), got "
                          f"{type(read).__name__}")
-    if norm_weight is not None or head_sums is not None or x2 is not None \
-            or read_sums is not None:
+    if launch.constexprs["NORM"] or launch.head_constexprs or launch.sums_constexprs["SUMS"] \
+            or launch.constexprs["DUAL"]:
         raise ValueError("read_input: the read's norm is the prologue; no norm_weight, "
                          "head_sums, x2 or read_sums beside it")
     sums = read.sums

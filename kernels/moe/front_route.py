@@ -15,9 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attn_res_sums import ReadInput
 from ..dense.config import GemvConfig
 from ..dense.gemv import _gemv_program
-from ..dense.launch import default_config, interpreter_config, prepare_gemv
+from ..dense.launch import default_config, interpreter_config, mix_launch, prepare_gemv
 from ..route.config import RouteConfig
 from ..route.launch import launch_select, prepare_route
 from ..route.sort import _route_program
@@ -56,6 +57,8 @@ def _front_route_kernel(
         f_x, f_w, f_y, f_res, f_g, f_ws, f_cnt, f_x2, f_w2, f_sc, b1, b2, b3, b4, b5, b6, b7,
         f_M, f_N, f_K, f_K_SPLIT, f_K2, f_K2_SPLIT, f_T0, f_NG, f_eps, f_beta, f_linear_beta,
         E_TILES, ROUTE_PROGRAMS, F_TILES,
+        # an AttnRes read as both GEMVs' input (dense_gemv's read_input; kernels/dense/mix.py)
+        m_sb, m_clr, m_sums, m_n, m_sbn, m_sbm, m_p, m_ncl,
         E: tl.constexpr, SPLIT_K: tl.constexpr, TOP_K: tl.constexpr, N_GROUP: tl.constexpr,
         TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, RENORMALIZE: tl.constexpr,
         BM: tl.constexpr, GEMV_E: tl.constexpr, GEMV_K: tl.constexpr, FILL: tl.constexpr,
@@ -72,9 +75,12 @@ def _front_route_kernel(
         F_DUAL: tl.constexpr, F_MIXED: tl.constexpr, F_DOT_FP32: tl.constexpr,
         F_PDL: tl.constexpr, F_PREFETCH: tl.constexpr, F_NUM_STAGES: tl.constexpr,
         F_WAIT_LAST: tl.constexpr, F_GATE_UP_TOGETHER: tl.constexpr, F_UNROLL: tl.constexpr,
-        F_TRIGGER_LAST: tl.constexpr, F_SECOND_FIRST: tl.constexpr):
+        F_TRIGGER_LAST: tl.constexpr, F_SECOND_FIRST: tl.constexpr,
+        F_MIX: tl.constexpr = False, F_S_NB: tl.constexpr = 16, F_S_BLOCK_C: tl.constexpr = 1):
     """1-D grid: ROUTE_PROGRAMS route programs (E_TILES x K splits, E tile fastest), then
-    F_TILES x front K shares GEMV programs (row tile fastest)."""
+    F_TILES x front K shares GEMV programs (row tile fastest). F_MIX: x is an AttnRes read's
+    live sum and both GEMVs take that read (sums m_sums, bank m_sb, norm weight f_g, eps
+    f_eps); the first front program zeroes m_ncl words at m_clr."""
     pid = tl.program_id(0)
     if pid < ROUTE_PROGRAMS:
         _route_program(pid % E_TILES, pid // E_TILES, E_TILES, ROUTE_PROGRAMS, p_x, p_w, p_bias,
@@ -84,7 +90,8 @@ def _front_route_kernel(
                        RENORMALIZE, BM, GEMV_E, GEMV_K, FILL, BLOCK_T, BLOCK_E, BLOCK_G,
                        BLOCK_S, BUCKETS, CAP, IN_REGS, BLOCK_R, BLOCK_C, GEMV_ROWS, GEMV_CHUNKS,
                        CAND_CACHE, SCALAR_E, SORT_N, EARLY_DEPENDENTS, PDL, SELECT, DOT_M,
-                       DOT_K, DOT_FP32)
+                       DOT_K, DOT_FP32, F_MIX, m_sb, f_g, m_sums, m_n, m_sbn, m_sbm, m_p, f_eps,
+                       F_S_NB, F_S_BLOCK_C)
     else:
         j = pid - ROUTE_PROGRAMS
         _gemv_program(j % F_TILES, j // F_TILES, f_x, f_w, f_y, f_res, f_g, f_ws, f_cnt, f_x2,
@@ -93,7 +100,8 @@ def _front_route_kernel(
                       F_BLOCK_N, F_BLOCK_K, F_SPLIT_K, F_ACT, F_NORM, F_RESIDUAL, F_N_SEG,
                       F_DUAL, F_MIXED, F_DOT_FP32, F_PDL, F_PREFETCH, F_NUM_STAGES,
                       F_WAIT_LAST, F_GATE_UP_TOGETHER, F_UNROLL, F_TRIGGER_LAST,
-                      F_SECOND_FIRST, f_x, f_x, f_x, f_x, 0, 0, 0, 0, 1, 0, 16, 16, False)
+                      F_SECOND_FIRST, m_sb, m_clr, m_sums, m_sums, m_n, m_sbn, m_sbm, m_p,
+                      m_ncl, 0, F_S_NB, F_S_BLOCK_C, False, 0, 1, 1e-5, F_MIX)
 
 
 def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,
@@ -102,7 +110,7 @@ def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: tor
                 renormalize: bool = True, routed_scaling_factor: float = 1.0, block_m: int = 1,
                 out_dim: int | None = None, route_config: RouteConfig | None = None,
                 gemv_config: GemvConfig | None = None, pdl: bool = False,
-                max_registers: int = 0):
+                max_registers: int = 0, read_input: ReadInput | None = None):
     """``route_sort(x, gate_weight, correction_bias, ...)`` and ``dense_gemv(x, front_weight,
     splits=..., activation=...)`` in one launch (two where the route's selection is spread
     over a launch of its own: ``RouteConfig.select_programs_min_tokens``). Returns (plan, the
@@ -118,6 +126,9 @@ def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: tor
     must read the plan only after its own PDL wait, or be launched plainly.
     ``max_registers`` (compiled only): the launch's registers a thread at most (Triton's
     ``maxnreg``; 0: the compiler's choice).
+    ``read_input`` (a :class:`~kernels.attn_res_sums.ReadInput`): x is the live sum of an
+    AttnRes read whose sums x's producer left, and both GEMVs take that read's h_normed, mixed
+    as they load it (``dense_gemv(read_input=...)``): the read has no launch of its own.
     """
     pdl = bool(pdl) and not INTERPRETED
     rc = route_config if route_config is not None else FRONT_ROUTE_CONFIG
@@ -136,13 +147,20 @@ def front_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: tor
     gemv, outputs = prepare_gemv(x, front_weight, splits=splits, activation=activation,
                                  situ_beta=situ_beta, situ_linear_beta=situ_linear_beta,
                                  config=gemv_config, default_tiling=front_tiling)
+    mix = {}
+    if read_input is not None:
+        gemv = mix_launch(gemv, x, read_input, None)  # the front never waits last
+        mix = dict(F_MIX=True, F_S_NB=gemv.sums_constexprs["S_NB"],
+                   F_S_BLOCK_C=gemv.sums_constexprs["S_BLOCK_C"])
+    sa = gemv.sums_args
     e_tiles, splits_k = route.grid
     f_tiles, f_shares = gemv.grid
     n_route = e_tiles * splits_k
     # every program waits for the previous grid first, when launched by PDL
     _front_route_kernel[(n_route + f_tiles * f_shares,)](
-        *route.args, *gemv.args, e_tiles, n_route, f_tiles, **{**route.constexprs, "PDL": pdl},
-        **gemv.inner_constexprs(pdl),
+        *route.args, *gemv.args, e_tiles, n_route, f_tiles, sa["p_sb"], sa["p_srn"],
+        sa["p_sums"], sa["s_n"], sa["s_sbn"], sa["s_sbm"], sa["s_p"], sa["s_cols"],
+        **{**route.constexprs, "PDL": pdl}, **gemv.inner_constexprs(pdl), **mix,
         num_warps=max(route.num_warps, gemv.num_warps), **({"launch_pdl": True} if pdl else {}),
         **({"maxnreg": max_registers} if max_registers else {}))
     launch_select(route)

@@ -168,16 +168,20 @@ def _route_program(
         GEMV_ROWS: tl.constexpr, GEMV_CHUNKS: tl.constexpr, CAND_CACHE: tl.constexpr,
         SCALAR_E: tl.constexpr, SORT_N: tl.constexpr, EARLY_DEPENDENTS: tl.constexpr,
         PDL: tl.constexpr, SELECT: tl.constexpr, DOT_M: tl.constexpr, DOT_K: tl.constexpr,
-        DOT_FP32: tl.constexpr):
+        DOT_FP32: tl.constexpr, MIX: tl.constexpr = False, p_sb=0, p_nw=0, p_sums=0, s_n=0,
+        s_sbn=0, s_sbm=0, s_p=0, eps=0.0, S_NB: tl.constexpr = 16,
+        S_BLOCK_C: tl.constexpr = 1):
     """GEMV tile (i_e, i_k) of ``n_prog`` route programs (``n_e`` E tiles): the GEMV partials
     and its share of the plan's padding; with SELECT the last program to finish then selects
-    and sorts (else _route_select_kernel, the next launch, does)."""
+    and sorts (else _route_select_kernel, the next launch, does). MIX: x is an AttnRes
+    read's live sum, the GEMV's input that read (kernels/route/gemv.py)."""
     if EARLY_DEPENDENTS or PDL:
         gdc_launch_dependents()
     if PDL:  # x, the plan and the counter all wait for the previous grid
         gdc_wait()
     _gemv_partials(p_x, p_w, p_part, i_e, i_k, M, E, H, GEMV_E, GEMV_K, GEMV_ROWS, GEMV_CHUNKS,
-                   DOT_M, DOT_K, DOT_FP32)
+                   DOT_M, DOT_K, DOT_FP32, MIX, p_sb, p_nw, p_sums, s_n, s_sbn, s_sbm, s_p, eps,
+                   S_NB, S_BLOCK_C)
 
     # side job: the plan's padding and the zeroed stage-2 buffer (before the counter below, so
     # the selection's scatter lands after every fill)

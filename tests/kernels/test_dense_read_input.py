@@ -95,6 +95,11 @@ def test_merged_and_gated_projections(device):
     want = dense_gemv(hn, c["w"], splits=[8, 31, 1], config=_tiling(8))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=ULP)
+    got = dense_gemv(live, c["w"], splits=[16, 24], activation="silu", config=_tiling(8),
+                     read_input=ri)  # plain rows, then gate/up rows
+    want = dense_gemv(hn, c["w"], splits=[16, 24], activation="silu", config=_tiling(8))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=ULP)
     got = dense_gemv(live, c["w"], activation="silu", config=_tiling(8), read_input=ri)
     want = dense_gemv(hn, c["w"], activation="silu", config=_tiling(8))
     torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=ULP)

@@ -127,3 +127,39 @@ def test_bad_front_weight(device):
         front_route(x, gate, bias, front[:, :32].contiguous(), top_k=4)
     with pytest.raises(ValueError, match="weight"):
         front_route(x, gate, bias, front.float(), top_k=4)
+
+
+@pytest.mark.parametrize("m,rc", [(1, None), (1, RouteConfig(gemv_row_programs=0)),
+                                  (3, None), (4, RouteConfig(gemv_dot_min_tokens=2))],
+                         ids=["rows", "split-K-tiles", "M3", "M4-tensor-cores"])
+def test_read_input_is_the_mix_launchs_read(m, rc, device):
+    """read_input: x is an AttnRes read's live sum, and both GEMVs take that read mixed from its
+    producer's sums: the plan and the front's outputs are those of front_route over the mix
+    launch's h_normed (the same values; on the GPU the sums' reduction may differ by a bf16
+    ulp of the outputs); the next read's sums zeroed."""
+    from k3lab.kernels import attn_res_norm_from_sums, read_input, read_sums
+
+    h, e = 192, 48
+    live, gate, bias, front = _inputs(device, m, h, e, 40, seed=m)
+    g = torch.Generator().manual_seed(9)
+    bank = (torch.randn(3, m, h, generator=g) * 2).to(torch.bfloat16).to(device)
+    rn, rp, nw = (torch.rand(h, generator=g).to(device) + 0.5 for _ in range(3))
+    sums = read_sums(bank, rn, rp, slot_cols=64)  # live's producer leaves them
+    live = dense_gemv((torch.randn(m, 16, generator=g) * 0.1).bfloat16().to(device),
+                      torch.randn(h, 16, generator=g).bfloat16().to(device), residual=live,
+                      read_sums=sums, config=GemvConfig(block_n=16, block_k=16))
+    hn = attn_res_norm_from_sums(sums, live, nw)[1]
+    clear = torch.ones(50, device=device)
+    kw = dict(top_k=6, splits=(24, 16), activation="silu", route_config=rc, out_dim=11)
+    plan, out = front_route(live, gate, bias, front, **kw,
+                            read_input=read_input(sums, nw, clear=clear))
+    ref_plan, ref_out = front_route(hn, gate, bias, front, **kw)
+    _same_plan(plan, ref_plan)
+    for a, b in zip(out, ref_out, strict=True):
+        if device == "cpu":
+            assert torch.equal(a, b)
+        else:  # the slots' sums reduced over other tile shapes: a bf16 ulp
+            torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=2.0 ** -7)
+    assert int(clear.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="read_input: expected a ReadInput"):
+        front_route(live, gate, bias, front, **kw, read_input=sums)
