@@ -644,18 +644,21 @@ _SWEEPS = [
           "or 8 x 512 at 8 warps (stack.Configs.o_proj), whose registers keep one wave with the "
           "prologue where the table's 8 x 512 at 4 warps loses it, with and without it",
           variants=("full stack",), tp=8),
-    Sweep("attn_read", "token",
-          ({}, {"attn_read_in_proj": True}, {"attn_read_in_proj": True, "in_proj_prefetch": 2},
-           {"attn_read_in_proj": True, "in_proj_prefetch": 0},
-           {"attn_read_in_proj": True, "attn_read_registers": 0},
-           {"attn_read_in_proj": True, "kda_rms_in_o_proj": True, "kda.early_ticket": True}),
-          "the attention reads past a block's first layer without a launch "
-          "(stack.Configs.attn_read_in_proj): the MoE tail's dense GEMV leaves their sums and "
-          "the merged input projection mixes its input from them, against the read's own "
-          "launch ({}); with the input projection's first 2 or no weight steps asked of L2 "
-          "before its wait (1 by default), uncapped (145-156 registers, 3 programs an SM; "
-          "capped at 128 by default), and beside the KDA decode's deferred RMS",
-          variants=("full stack",), tp=8),
+    Sweep("read_in_consumer", "token",
+          ({}, {"ffn_read_in_front": True}, {"attn_read_in_proj": True},
+           {"ffn_read_in_front": True, "attn_read_in_proj": True},
+           {"ffn_read_in_front": True, "attn_read_in_proj": True, "attn_read_registers": 0},
+           {"ffn_read_in_front": True, "attn_read_in_proj": True, "in_proj_prefetch": 2},
+           {"ffn_read_in_front": True, "attn_read_in_proj": True, "kda_rms_in_o_proj": True,
+            "kda.early_ticket": True}),
+          "the AttnRes reads without a launch: the dense GEMV before each leaves its sums and "
+          "its consumer mixes its input from them, the FFN read in the MoE front's fused "
+          "launch (stack.Configs.ffn_read_in_front), the attention read past a block's first "
+          "layer in the merged input projection (attn_read_in_proj), apart and together, "
+          "against each read's own launch ({}); the input projection uncapped (145-156 "
+          "registers, 3 programs an SM; capped at 128 by default) or asking L2 for its first "
+          "2 weight steps before its wait (1 by default), and beside the KDA decode's deferred "
+          "RMS", variants=("full stack",), tp=8),
     Sweep("prefetch", "token",
           ({}, {"kda.pdl": True}, {"kda.pdl": True, "o_proj_prefetch": 3},
            {"kda.pdl": True, "o_proj_prefetch": 1}, {"o_proj_prefetch": 3},

@@ -294,7 +294,11 @@ class Configs:
     first read, of sealed rows only, keeps its launch. attn_read_registers: that input
     projection's register cap (GemvConfig.max_registers; 0: its tiling's own). The mix takes
     K3 tp 8's KDA input projection from 127 registers a thread to 145-156 (offline sm_90
-    build): 3 programs an SM instead of 4; capped at 128 it does not spill."""
+    build): 3 programs an SM instead of 4; capped at 128 it does not spill.
+    ffn_read_in_front: the FFN read has no launch where its consumer can mix it: the output
+    projection leaves its sums (as with read_sums) and the MoE front's fused launch
+    (``front_route(read_input=...)``, its router and merged GEMV) or layer 0's gate/up
+    projection mixes its input from them; elsewhere the read is the mix launch."""
 
     gemv: object = None
     route: object = None
@@ -313,9 +317,10 @@ class Configs:
     kda_rms_in_o_proj: bool = False
     attn_read_in_proj: bool = False
     attn_read_registers: int = 128
+    ffn_read_in_front: bool = False
 
     def __post_init__(self):
-        for name in ("kda_rms_in_o_proj", "attn_read_in_proj"):
+        for name in ("kda_rms_in_o_proj", "attn_read_in_proj", "ffn_read_in_front"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Configs.{name}: expected a bool, got "
                                  f"{getattr(self, name)!r}")
@@ -424,7 +429,8 @@ def _ffn_sums(run: _Run, state: dict, bank, buffers):
     its read clears. buffers: (this read's zeroed sums, the next read's or None); None: a
     zeroed one is allocated."""
     o_proj = f"{state['kind']}.o_proj"
-    if not (run.configs.read_sums and run.fused("attn_res.read@ffn")
+    if not ((run.configs.read_sums or run.configs.ffn_read_in_front)
+            and run.fused("attn_res.read@ffn")
             and run.stack.owned_by(o_proj, "dense-gemv")):
         return None, None
     from k3lab.kernels.attn_res_sums import read_sums
@@ -602,19 +608,10 @@ def _kernel_experts(w: dict) -> dict:
     return w["kernel_experts"]
 
 
-def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor, next_sums=None
-         ) -> tuple[torch.Tensor, bool]:
-    """(the latent MoE's output [M, H] bf16 or fp32, whether ``residual`` is already added).
-    next_sums: the next read's ReadSums, left by the tail's dense GEMV (where
-    :func:`leaves_read_sums`)."""
-    tag = run.tag
-    fp8_tail = "fp8-latent-tail" in run.stack.names and cfg.latent
-    if run.stack.owned_by("moe.stage1", "persistent-moe"):
-        tag("MoE experts")
-        if run.record is not None:
-            run.record.append(None)
-        return _persistent(x, w, cfg, "persistent_fp8_tail" if fp8_tail else "persistent"), False
-    k, act = _kernels(), _act(cfg)
+def _front_flags(run: _Run, w: dict):
+    """(merged, overlap, pair, beside, fused_front) of the MoE block's launches under ``run``
+    (see :func:`_moe`)."""
+    k = _kernels()
     merged = "front" in w and all(run.stack.owned_by(op, "dense-gemv")
                                   for op in ("moe.latent_down", "moe.shared"))
     moe_cfg = run.configs.moe or k.MoEConfig()
@@ -633,6 +630,38 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor, next_sums=N
     fused_front = (merged and not beside and isinstance(moe_cfg, k.MoEConfig)
                    and moe_cfg.front_routes
                    and run.stack.owned_by("moe.route_select", "route-sort"))
+    return merged, overlap, pair, beside, fused_front
+
+
+def _ffn_mixes(run: _Run, state: dict) -> bool:
+    """Whether the layer's FFN consumer can take the read from its producer's sums: layer 0's
+    gate/up projection as the dense GEMV, or the MoE front's fused launch."""
+    if "mlp" in state:
+        return run.stack.owned_by("mlp.gate_up", "dense-gemv")
+    return (not run.stack.owned_by("moe.stage1", "persistent-moe")
+            and _front_flags(run, state["moe"])[4])
+
+
+def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor, next_sums=None,
+         read=None) -> tuple[torch.Tensor, bool]:
+    """(the latent MoE's output [M, H] bf16 or fp32, whether ``residual`` is already added).
+    next_sums: the next read's ReadSums, left by the tail's dense GEMV (where
+    :func:`leaves_read_sums`). read: a ReadInput (x is then its live sum) the fused front
+    mixes its input from (where :func:`_ffn_mixes`)."""
+    tag = run.tag
+    fp8_tail = "fp8-latent-tail" in run.stack.names and cfg.latent
+    if run.stack.owned_by("moe.stage1", "persistent-moe"):
+        if read is not None:
+            raise ValueError("read: the persistent MoE takes x itself, not an AttnRes read")
+        tag("MoE experts")
+        if run.record is not None:
+            run.record.append(None)
+        return _persistent(x, w, cfg, "persistent_fp8_tail" if fp8_tail else "persistent"), False
+    k, act = _kernels(), _act(cfg)
+    moe_cfg = run.configs.moe or k.MoEConfig()
+    merged, overlap, pair, beside, fused_front = _front_flags(run, w)
+    if read is not None and not fused_front:
+        raise ValueError("read: only the MoE front's fused launch mixes an AttnRes read")
     if fused_front:
         tag("dense projections")
         plan, (z, shared_a) = k.front_route(
@@ -641,7 +670,7 @@ def _moe(run: _Run, x, w: dict, cfg: Preset, residual: torch.Tensor, next_sums=N
             renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
             out_dim=cfg.moe_in, route_config=run.configs.route,
             gemv_config=run.configs.front or run.configs.gemv, pdl=moe_cfg.pdl,
-            max_registers=moe_cfg.front_route_registers)
+            max_registers=moe_cfg.front_route_registers, read_input=read)
     else:
         tag("routing")
         plan = _route(run, x, w, cfg, early=overlap)
@@ -823,16 +852,22 @@ def run_layer(stack: Stack, state: dict, *, num_splits: int = 4, bank=None, live
     else:
         live = _mla(run, x, state, residual, sums, attn_read)
     live = live.to(torch.bfloat16)
-    tag("AttnRes")
-    x = _read(run, state, bank, live, "ffn", sums, clear)
+    read = None
+    if sums is not None and run.configs.ffn_read_in_front and _ffn_mixes(run, state):
+        from k3lab.kernels.attn_res_sums import read_input
+        read = read_input(sums, state["res_ffn"]["norm_weight"], eps=cfg.rms_eps, clear=clear)
+        x = live  # the consumer mixes its input from the sums
+    else:
+        tag("AttnRes")
+        x = _read(run, state, bank, live, "ffn", sums, clear)
     if "mlp" in state:  # layer 0's dense MLP, its residual add in the down projection
         tag("dense projections")
         mlp = state["mlp"]
         if record is not None:
             record.append(None)
-        a = _linear(run, "mlp.gate_up", x, mlp["gate_up"], **_act(cfg))
+        a = _linear(run, "mlp.gate_up", x, mlp["gate_up"], **_act(cfg), read_input=read)
         return _linear(run, "mlp.down", a, mlp["down"], residual=live, read_sums=next_sums)
-    f, added = _moe(run, x, state["moe"], cfg, live, next_sums)
+    f, added = _moe(run, x, state["moe"], cfg, live, next_sums, read)
     if added:
         return f
     tag("dense projections")
@@ -860,7 +895,8 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
     tag("dense projections")
     torch.index_select(token["embed"], 0, token["ids"], out=rows[0])
     live = rows[0]
-    bufs = sums_buffers(token, live.shape[0], live.device) if configs.read_sums else None
+    bufs = (sums_buffers(token, live.shape[0], live.device)
+            if configs.read_sums or configs.ffn_read_in_front else None)
     mixed = _mixed_reads(stack, token) if configs.attn_read_in_proj else []
     mix_bufs = (attn_sums_buffers(token, live.shape[0], live.device) if mixed else None)
     prev = None  # the ReadSums the previous layer left for this layer's attention read

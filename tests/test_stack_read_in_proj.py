@@ -1,8 +1,9 @@
-"""stack.Configs.attn_read_in_proj in the full stack's token: the attention reads past a
-block's first layer have no launch; the previous layer's last dense GEMV leaves their sums and
-the merged input projection mixes its input from them. The logits meet the fp32 truth twice in
-a row (each mixed read zeroes the next one's sums, the last the first's) with one launch fewer
-a mixed read."""
+"""stack.Configs.attn_read_in_proj and ffn_read_in_front in the full stack's token: the
+attention reads past a block's first layer, and the FFN reads, have no launch; the dense GEMV
+before each leaves its sums and its consumer (the merged input projection; the MoE front's
+fused launch or layer 0's gate/up projection) mixes its input from them. The logits meet the
+fp32 truth twice in a row (each mixed read zeroes the next one's sums, the last the first's)
+with one launch fewer a mixed read."""
 
 from dataclasses import replace
 
@@ -87,3 +88,23 @@ def test_the_input_projection_takes_the_register_cap():
         assert got == rep(tiling, max_registers=cap)
     assert _gemv_config(Configs(attn_read_registers=0, in_proj_prefetch=None), "kda.q_proj", 1,
                         w, None, read=True) is None
+
+
+@pytest.mark.parametrize("attn", [False, True], ids=["ffn", "ffn+attn"])
+def test_ffn_reads_in_their_consumers(attn, device):
+    cfg = preset("tiny")
+    full, _ = runnable(compose(steps(STACKS["integration"])[-1][1]))
+    base = configs_for(device)
+    mixed = replace(base, ffn_read_in_front=True, attn_read_in_proj=attn)
+    token = make_token(cfg, device, window=3, seed=4, context=24, expert_format="mxfp4")
+    for _ in range(2):
+        checks = check_token(token, {"base": full, "mixed": full},
+                             {"base": base, "mixed": mixed}, num_splits=3)
+        assert checks["ok"].all(), checks
+    kernels = {k: count_launches(lambda t, c=c: run_token(full, t, num_splits=3, configs=c),
+                                 token).kernels for k, c in (("base", base), ("mixed", mixed))}
+    reads = lambda ks: sum("_attn_res" in n for n in ks)  # noqa: E731
+    layers = len(token["layer_ids"])
+    attn_reads = sum(not token["schedule"][i][1] for i in token["layer_ids"][1:]) if attn else 0
+    assert reads(kernels["base"]) - reads(kernels["mixed"]) == layers + attn_reads
+    assert not any("_attn_res_mix_kernel" in n for n in kernels["mixed"])
