@@ -645,7 +645,9 @@ _SWEEPS = [
           "prologue where the table's 8 x 512 at 4 warps loses it, with and without it",
           variants=("full stack",), tp=8),
     Sweep("read_in_consumer", "token",
-          ({}, {"ffn_read_in_front": True}, {"attn_read_in_proj": True},
+          ({}, {"ffn_read_in_front": True},
+           {"ffn_read_in_front": True, "moe.front_route_registers": 112},
+           {"attn_read_in_proj": True},
            {"ffn_read_in_front": True, "attn_read_in_proj": True},
            {"ffn_read_in_front": True, "attn_read_in_proj": True, "attn_read_registers": 0},
            {"ffn_read_in_front": True, "attn_read_in_proj": True, "in_proj_prefetch": 2},
@@ -655,7 +657,8 @@ _SWEEPS = [
           "its consumer mixes its input from them, the FFN read in the MoE front's fused "
           "launch (stack.Configs.ffn_read_in_front), the attention read past a block's first "
           "layer in the merged input projection (attn_read_in_proj), apart and together, "
-          "against each read's own launch ({}); the input projection uncapped (145-156 "
+          "against each read's own launch ({}); the fused front at 112 registers (96 by "
+          "default: the mix adds spills, offline), the input projection uncapped (145-156 "
           "registers, 3 programs an SM; capped at 128 by default) or asking L2 for its first "
           "2 weight steps before its wait (1 by default), and beside the KDA decode's deferred "
           "RMS", variants=("full stack",), tp=8),
