@@ -33,7 +33,8 @@ CONFIG_CLASSES = {"gemv": "GemvConfig", "tail": "GemvConfig", "front": "GemvConf
 SPLITS = "num_splits"  # a point's key for its token's fixed MLA split count
 # stack.Configs' own fields a point may set, and the type each takes
 SWITCHES = {"read_sums": bool, "read_sums_registers": int, "o_proj_prefetch": int,
-            "in_proj_prefetch": int, "kda_rms_in_o_proj": bool}
+            "in_proj_prefetch": int, "kda_rms_in_o_proj": bool, "attn_read_in_proj": bool,
+            "attn_read_registers": int, "ffn_read_in_front": bool}
 # the token measured: the reference reports' setup on a GPU, a short one under the interpreter
 GPU_PARAMS = {"window": 12, "context": 8192, "first_layer": 0, "num_splits": 0,
               "expert_format": "mxfp4"}
