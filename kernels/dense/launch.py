@@ -129,8 +129,9 @@ class GemvLaunch:
     sums_constexprs: dict = field(default_factory=lambda: {"SUMS": 0, "S_NB": 16,
                                                            "S_BLOCK_C": 16,
                                                            "S_PREFETCH": False})
-    # x scaled per head by its producer's RMS (head_sums): dense_gemv's own launch only
-    head_constexprs: dict = field(default_factory=dict)
+    # x scaled per head by its producer's RMS (head_sums: dense_gemv's own launch only) or mixed
+    # from an AttnRes read's sums (read_input: MIX)
+    prologue_constexprs: dict = field(default_factory=dict)
 
     def inner_constexprs(self, pdl: bool) -> dict:
         """The constexprs, named ``F_<name>``, of these programs run inside another kernel's
@@ -192,7 +193,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, splits=None, activation
     if read_input is not None:
         launch = mix_launch(launch, x, read_input, config)
     dense_gemv_kernel[launch.grid](*launch.args, **launch.sums_args, **launch.constexprs,
-                                   **launch.sums_constexprs, **launch.head_constexprs,
+                                   **launch.sums_constexprs, **launch.prologue_constexprs,
                                    num_warps=launch.num_warps,
                                    **({"launch_pdl": True} if launch.pdl else {}),
                                    **({"maxnreg": launch.max_registers}
@@ -363,7 +364,7 @@ def _head_launch(launch: GemvLaunch, x, head_sums, head_dim, norm_weight, eps) -
                          f"power of two up to 16, got {list(head_sums.shape)}")
     args = list(launch.args)
     args[4] = head_sums  # the norm weight's slot (p_g)
-    return replace(launch, args=tuple(args), head_constexprs=dict(
+    return replace(launch, args=tuple(args), prologue_constexprs=dict(
         HEAD_NV=head_sums.shape[2], HEAD_D=head_dim, HEAD_EPS=float(eps)))
 
 
@@ -373,7 +374,7 @@ def mix_launch(launch: GemvLaunch, x, read, config) -> GemvLaunch:
     if not isinstance(read, ReadInput):
         raise ValueError(f"read_input: expected a ReadInput (read_input()), got "
                          f"{type(read).__name__}")
-    if launch.constexprs["NORM"] or launch.head_constexprs or launch.sums_constexprs["SUMS"] \
+    if launch.constexprs["NORM"] or launch.prologue_constexprs or launch.sums_constexprs["SUMS"] \
             or launch.constexprs["DUAL"]:
         raise ValueError("read_input: the read's norm is the prologue; no norm_weight, "
                          "head_sums, x2 or read_sums beside it")
@@ -400,7 +401,7 @@ def mix_launch(launch: GemvLaunch, x, read, config) -> GemvLaunch:
         clear.numel() if clear is not None else 0), strict=True)),
         sums_constexprs={"SUMS": 0, "S_NB": sums.nb,
                          "S_BLOCK_C": triton.next_power_of_2(n + 1), "S_PREFETCH": False},
-        head_constexprs={"MIX": True})
+        prologue_constexprs={"MIX": True})
 
 
 def _sums_launch(sums, m, n, act, splits, out_dtype, dev, block_n) -> dict:
