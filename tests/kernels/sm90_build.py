@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 import traceback
 
 os.environ["TRITON_INTERPRET"] = "0"
@@ -137,6 +138,20 @@ def _read_input(m: int, n: int) -> None:
                read_input=read_input(sums, w, clear=z(64)))
 
 
+def _front_read(m: int, n: int) -> None:
+    """The MoE front's fused launch at K3 widths mixing the FFN read of n sealed rows (M 4: the
+    router's tensor-core tiles)."""
+    from k3lab.kernels import RouteConfig, front_route, read_input, read_sums
+
+    z = torch.zeros
+    bank, w = z(n, m, 7168, dtype=torch.bfloat16), z(7168, dtype=torch.bfloat16)
+    front_route(z(m, 7168, dtype=torch.bfloat16), z(896, 7168, dtype=torch.bfloat16),
+                z(896), z(3584 + 1024, 7168, dtype=torch.bfloat16), splits=(3584, 1024),
+                activation="silu", top_k=16, out_dim=3584, pdl=True, max_registers=96,
+                route_config=RouteConfig(gemv_dot_min_tokens=2) if m > 1 else None,
+                read_input=read_input(read_sums(bank, w, w), w, clear=z(64)))
+
+
 def main() -> dict:
     triton.runtime.driver.set_active(_H200Stub())
     compiled: dict[str, int] = {}
@@ -175,8 +190,11 @@ def main() -> dict:
     failures: dict[str, str] = {}
 
     def attempt(label, fn):
+        t0 = time.perf_counter()
         try:
             fn()
+            if os.environ.get("K3LAB_SM90_TIMES"):
+                print(f"{time.perf_counter() - t0:7.1f} s {label}", file=sys.stderr)
         except Exception:  # noqa: BLE001 - every failure is reported, the rest still runs
             failures[label] = traceback.format_exc(limit=-3)[-1500:]
 
@@ -263,11 +281,12 @@ def main() -> dict:
             m, n, atomic))
     attempt("integration stack token, read_sums", lambda: stack.run_token(
         st, token, num_splits=4, configs=stack.Configs(read_sums=True)))
-    attempt("integration stack token, attention reads in the input projections",
-            lambda: stack.run_token(st, token, num_splits=4,
-                                    configs=stack.Configs(attn_read_in_proj=True)))
-    for m, n in ((1, 1), (1, 5), (4, 3)):  # K3 tp 8's merged KDA input projection
+    attempt("integration stack token, reads in their consumers",
+            lambda: stack.run_token(st, token, num_splits=4, configs=stack.Configs(
+                attn_read_in_proj=True, ffn_read_in_front=True)))
+    for m, n in ((4, 3),):  # several tokens: the tensor-core paths (the token above: M 1)
         attempt(f"dense read_input M {m} N {n}", lambda m=m, n=n: _read_input(m, n))
+        attempt(f"front_route read_input M {m} N {n}", lambda m=m, n=n: _front_read(m, n))
     attempt("integration stack token, KDA RMS in o_proj, early ticket", lambda: stack.run_token(
         st, token, num_splits=4, configs=stack.Configs(
             kda_rms_in_o_proj=True, kda=KDAConfig(early_ticket=True))))
