@@ -439,19 +439,22 @@ def _ffn_sums(run: _Run, state: dict, bank, buffers):
     return read_sums(bank, w["res_norm_weight"], w["res_proj_weight"], buffer=buf), clear
 
 
-def sums_buffers(token: dict, m: int, device) -> list[torch.Tensor]:
-    """One zeroed sums buffer per layer of ``token`` for ``Configs.read_sums`` (kept in the
-    token, so a CUDA graph captured after a first call reuses them): layer i's FFN read clears
-    layer i + 1's, the last one layer 0's, so every replay finds them zero."""
+def sums_buffers(token: dict, m: int, device, key: str = "read_sums") -> list[torch.Tensor]:
+    """One zeroed sums buffer per layer of ``token``, kept in it under ``key`` (so a CUDA graph
+    captured after a first call reuses them): "read_sums" for the FFN reads
+    (``Configs.read_sums`` / ``ffn_read_in_front``: layer i's FFN read clears layer i + 1's,
+    the last one layer 0's), "attn_sums" for the attention reads (``attn_read_in_proj``: each
+    mixed read's projection zeroes the next mixed read's, the last the first's), so every
+    replay finds them zero."""
     from k3lab.kernels.attn_res_sums import SLOT_COLS, sums_numel
     cfg = token["cfg"]
     most = max(n for n, _ in token["schedule"].values())
     need = sums_numel(m, cfg.hidden, most, SLOT_COLS)
-    bufs = token.get("read_sums")
+    bufs = token.get(key)
     if bufs is None or bufs[0].numel() < need or bufs[0].device != torch.device(device):
         bufs = [torch.zeros(need, dtype=torch.float32, device=device)
                 for _ in token["layer_ids"]]
-        token["read_sums"] = bufs
+        token[key] = bufs
     return bufs
 
 
@@ -462,22 +465,6 @@ def _mixed_reads(stack: Stack, token: dict) -> list[int]:
     layers, ids = token["layers"], token["layer_ids"]
     return [i for i in range(1, len(ids)) if not token["schedule"][ids[i]][1]
             and leaves_read_sums(stack, layers[i - 1]) and takes_read_input(stack, layers[i])]
-
-
-def attn_sums_buffers(token: dict, m: int, device) -> list[torch.Tensor]:
-    """One zeroed sums buffer per layer of ``token`` for ``Configs.attn_read_in_proj`` (kept
-    in the token for CUDA-graph replays): each mixed read's projection zeroes the next mixed
-    read's, the last the first's, so every replay finds them zero."""
-    from k3lab.kernels.attn_res_sums import SLOT_COLS, sums_numel
-    cfg = token["cfg"]
-    most = max(n for n, _ in token["schedule"].values())
-    need = sums_numel(m, cfg.hidden, most, SLOT_COLS)
-    bufs = token.get("attn_sums")
-    if bufs is None or bufs[0].numel() < need or bufs[0].device != torch.device(device):
-        bufs = [torch.zeros(need, dtype=torch.float32, device=device)
-                for _ in token["layer_ids"]]
-        token["attn_sums"] = bufs
-    return bufs
 
 
 def _kda(run: _Run, x, w: dict, cache: dict, cfg: Preset, residual, sums=None, read=None
@@ -898,7 +885,7 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
     bufs = (sums_buffers(token, live.shape[0], live.device)
             if configs.read_sums or configs.ffn_read_in_front else None)
     mixed = _mixed_reads(stack, token) if configs.attn_read_in_proj else []
-    mix_bufs = (attn_sums_buffers(token, live.shape[0], live.device) if mixed else None)
+    mix_bufs = sums_buffers(token, live.shape[0], live.device, "attn_sums") if mixed else None
     prev = None  # the ReadSums the previous layer left for this layer's attention read
     for i, (layer, state) in enumerate(zip(token["layer_ids"], token["layers"], strict=True)):
         n_sealed, start = token["schedule"][layer]
