@@ -50,9 +50,8 @@ def token_mix_weights(p_sums, s_n, s_p, M, H, eps, m, S_NB: tl.constexpr,
 def mix_weights(p_sums, s_n, s_p, M, H, eps, m0, BLOCK_M: tl.constexpr, S_NB: tl.constexpr,
                 S_BLOCK_C: tl.constexpr):
     """:func:`token_mix_weights` of tokens m0 .. m0 + BLOCK_M - 1 (those from M: zeros), as
-    [BLOCK_M, S_BLOCK_C], [BLOCK_M], [BLOCK_M]. A loop over the tokens, not unrolled: one
-    round trip for the sums a token (unrolled, 16 tokens in the fused MoE front took two
-    minutes to compile)."""
+    [BLOCK_M, S_BLOCK_C], [BLOCK_M], [BLOCK_M]. A loop over the tokens, not unrolled (one
+    round trip for the sums a token; the unrolled code's compile time: docs/decisions.md)."""
     o_j = tl.arange(0, BLOCK_M)
     b_pb = tl.zeros([BLOCK_M, S_BLOCK_C], tl.float32)
     b_pl = tl.zeros([BLOCK_M], tl.float32)
