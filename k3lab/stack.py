@@ -886,6 +886,8 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
             if configs.read_sums or configs.ffn_read_in_front else None)
     mixed = _mixed_reads(stack, token) if configs.attn_read_in_proj else []
     mix_bufs = sums_buffers(token, live.shape[0], live.device, "attn_sums") if mixed else None
+    if mixed:
+        from k3lab.kernels.attn_res_sums import read_input, read_sums
     prev = None  # the ReadSums the previous layer left for this layer's attention read
     for i, (layer, state) in enumerate(zip(token["layer_ids"], token["layers"], strict=True)):
         n_sealed, start = token["schedule"][layer]
@@ -903,11 +905,9 @@ def run_token(stack: Stack, token: dict, *, num_splits: int = 4, configs: Config
         if i in mixed:  # the previous layer left this read's sums; the next one's zeroed here
             j = mixed.index(i)
             nxt = mix_bufs[mixed[(j + 1) % len(mixed)]] if len(mixed) > 1 else None
-            from k3lab.kernels.attn_res_sums import read_input
             attn_read = read_input(prev, state["res_attn"]["norm_weight"], eps=cfg.rms_eps,
                                    clear=nxt)
         if i + 1 in mixed:
-            from k3lab.kernels.attn_res_sums import read_sums
             n_next = token["schedule"][token["layer_ids"][i + 1]][0]
             w_next = token["layers"][i + 1]["res_attn"]
             if len(mixed) == 1:  # no other read zeroes it: a launch of its own

@@ -312,7 +312,15 @@ def _token_weights(p_g, p_d, slot0, P, N, H, eps, BLOCK_NB: tl.constexpr,
                               mask=m_p[:, None], other=0.0, cache_modifier=".cg"), axis=0)
         b_d += tl.sum(tl.load(p_d + (slot0 + o_p)[:, None] * BLOCK_NB + o_n[None, :],
                               mask=m_p[:, None], other=0.0, cache_modifier=".cg"), axis=0)
-    b_g = tl.reshape(b_g, [BLOCK_NB, BLOCK_NB])
+    return _gram_weights(tl.reshape(b_g, [BLOCK_NB, BLOCK_NB]), b_d, N, H, eps, BLOCK_NB)
+
+
+@triton.jit
+def _gram_weights(b_g, b_d, N, H, eps, BLOCK_NB: tl.constexpr):
+    """Softmax weights [BLOCK_NB] (rows past N 0) and rstd of h from a token's summed Gram
+    matrix b_g [BLOCK_NB, BLOCK_NB] and score dots b_d [BLOCK_NB] (live is candidate N):
+    sum(h^2) = p^T G p."""
+    o_n = tl.arange(0, BLOCK_NB)
     b_sq = tl.sum(tl.where(o_n[:, None] == o_n[None, :], b_g, 0.0), axis=1)
     b_s = tl.where(o_n <= N, b_d * tl.rsqrt(b_sq / H + eps), float("-inf"))
     b_e = tl.exp(b_s - tl.max(b_s, axis=0))

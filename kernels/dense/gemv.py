@@ -447,7 +447,7 @@ def _gemv_program(i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, 
                   BLOCK_N, BLOCK_K, SPLIT_K, ACT, NORM, False, 1, False, DOT_FP32, PDL,
                   PREFETCH, NUM_STAGES, WAIT_LAST, GATE_UP_TOGETHER, UNROLL,
                   TRIGGER_LAST, False, p_sb, p_srn, p_srp, p_sums, s_n, s_sbn, s_sbm, s_p,
-                  s_cols, 0, S_NB, S_BLOCK_C, False, 0, 1, 1e-5, MIX)
+                  0, 0, S_NB, S_BLOCK_C, False, 0, 1, 1e-5, MIX)  # the plain rows clear
         else:
             _tile(i_n, i_n, i_k, p_x, p_w, p_y, p_res, p_g, p_ws, p_cnt, p_x2, p_w2, p_sc, b1,
                   b2, b3, b4, b5, b6, b7, M, N, K, K_SPLIT, K2, K2_SPLIT, eps, beta,

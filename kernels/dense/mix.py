@@ -13,7 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..attn_res import _round_bf16
+from ..attn_res import _gram_weights, _round_bf16
 
 BLOCK_P = tl.constexpr(16)  # slots a program loads at once
 
@@ -37,13 +37,9 @@ def token_mix_weights(p_sums, s_n, s_p, M, H, eps, m, S_NB: tl.constexpr,
                               mask=m_s[:, None, None], other=0.0, cache_modifier=".cg"), axis=0)
         b_d += tl.sum(tl.load(p_dots + slot[:, None] * S_NB + o_c[None, :], mask=m_s[:, None],
                               other=0.0, cache_modifier=".cg"), axis=0)
-    b_sq = tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_g, 0.0), axis=1)
-    b_s = tl.where(o_c <= s_n, b_d * tl.rsqrt(b_sq / H + eps), float("-inf"))
-    b_e = tl.exp(b_s - tl.max(b_s, axis=0))
-    b_p = b_e / tl.sum(b_e, axis=0)
-    b_h2 = tl.sum(tl.sum(b_g * b_p[:, None], axis=0) * b_p, axis=0)
+    b_p, b_rstd = _gram_weights(b_g, b_d, s_n, H, eps, S_BLOCK_C)
     return (tl.where(o_c < s_n, b_p, 0.0), tl.sum(tl.where(o_c == s_n, b_p, 0.0), axis=0),
-            tl.rsqrt(b_h2 / H + eps))
+            b_rstd)
 
 
 @triton.jit
@@ -69,7 +65,8 @@ def mix_weights(p_sums, s_n, s_p, M, H, eps, m0, BLOCK_M: tl.constexpr, S_NB: tl
 def mixed_row(p_x, p_nw, p_sb, s_n, s_sbn, s_sbm, b_pb, b_pl, b_rstd, m, o_k, m_k, K,
               S_BLOCK_C: tl.constexpr):
     """Token m's h_normed [BLOCK_K] fp32 (bf16 values) on columns o_k, from its weights
-    (:func:`token_mix_weights`): as :func:`mixed_x` for one token."""
+    (:func:`token_mix_weights`): as :func:`mixed_x` for one token, on 2-D tiles (why not
+    through mixed_x's 3-D ones: docs/decisions.md)."""
     o_c = tl.arange(0, S_BLOCK_C)
     b_v = tl.load(p_sb + o_c[:, None].to(tl.int64) * s_sbn + m * s_sbm + o_k[None, :],
                   mask=(o_c < s_n)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
