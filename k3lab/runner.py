@@ -457,6 +457,11 @@ def _run_one(src: Path, out_dir: Path, params: dict, options: dict, timeout: flo
         except OSError as exc:
             return Result(name, "failed", seconds,
                           f"{error}; could not write the failure record either: {exc}")
+    except KeyboardInterrupt:
+        # the kernel died with the interrupt: its pending nbclient task would print a "Task
+        # exception was never retrieved" trace when collected, here or in a batch's worker
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+        raise
     finally:
         if standby is not None:
             standby.close()
@@ -568,9 +573,6 @@ def _run_sequential(paths, plans, lasts, out, options, timeout, hide_code, cells
                                standby=mine, profile=mine_profile)
             except KeyboardInterrupt:
                 results.interrupted = path.stem
-                # the kernel died with the interrupt: its pending nbclient task would print a
-                # "Task exception was never retrieved" trace when collected
-                logging.getLogger("asyncio").setLevel(logging.CRITICAL)
                 break
             results.append(res)
             line(i, res, last)
