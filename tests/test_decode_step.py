@@ -499,13 +499,13 @@ def test_fp8_latent_tail_runs_the_persistent_variant_with_the_fp8_tail(device, m
     persistent_fp8_tail variant (persistent-moe alone: persistent), and the token still meets
     the truth check."""
     ran: list[str] = []
-    persistent = stack._persistent
+    persistent = stack.moe._persistent
 
     def spy(x, w, cfg, variant="persistent"):
         ran.append(variant)
         return persistent(x, w, cfg, variant)
 
-    monkeypatch.setattr(stack, "_persistent", spy)
+    monkeypatch.setattr(stack.moe, "_persistent", spy)
     cfg = preset("tiny")
     tok = study.build(cfg, device, window=1, context=24, expert_format="mxfp4")
     base = ["persistent-moe", "fused-latent-tail"]

@@ -316,7 +316,8 @@ def test_projection_prefetch_configs():
     from dataclasses import replace
 
     from k3lab.kernels.dense import GemvConfig, call_config
-    from k3lab.stack import Configs, _gemv_config
+    from k3lab.stack import Configs
+    from k3lab.stack.base import _gemv_config
 
     for name in ("o_proj_prefetch", "in_proj_prefetch"):
         for bad in (9, -1, True, 1.0):

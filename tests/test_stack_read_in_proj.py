@@ -12,7 +12,8 @@ import pytest
 from k3lab.config import preset
 from k3lab.profile import count_launches
 from k3lab.reference.layer import make_token
-from k3lab.stack import STACKS, _mixed_reads, compose, run_token, runnable, steps
+from k3lab.stack import STACKS, compose, run_token, runnable, steps
+from k3lab.stack.token import _mixed_reads
 from k3lab.studies.decode_step import check_token, configs_for
 
 
@@ -75,7 +76,8 @@ def test_the_input_projection_takes_the_register_cap():
     import torch
 
     from k3lab.kernels.dense import call_config
-    from k3lab.stack import Configs, _gemv_config
+    from k3lab.stack import Configs
+    from k3lab.stack.base import _gemv_config
     w = torch.empty(6284, 7168)
     tiling = call_config(None, 1, 6284, 7168)
     for cap in (128, 96):
