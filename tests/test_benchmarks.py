@@ -275,3 +275,16 @@ def test_token_sweep_refuses_bad_points_before_running():
         sweeps.resolve(tail, [9])
     assert run.main(["token", "--sweep", "tail", "--variants", "fused", "--device", "cpu",
                      "--out", "/dev/null"]) == 2
+
+
+def test_readme_names_every_sweep():
+    """benchmarks/README.md's table names every sweep of the catalogue in its boundary's row."""
+    import re
+
+    rows = {}
+    for line in (ROOT / "benchmarks" / "README.md").read_text().splitlines():
+        m = re.match(r"\| (\w+) \| (.*) \|$", line)
+        if m:
+            rows[m.group(1)] = set(re.findall(r"`(\w+)`", m.group(2)))
+    missing = [f"{b}:{n}" for b, n in sweeps.names() if n not in rows.get(b, set())]
+    assert not missing, f"sweeps the README's table does not name: {missing}"
