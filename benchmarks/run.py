@@ -11,7 +11,9 @@ launches counted, eager and CUDA-graph latency with cold input copies, the fract
 bandwidth measured in the same process. ``--base REV`` runs the same sweep on another commit (a
 temporary ``git worktree``, its own k3lab imported in a subprocess), appends its rows too and
 prints both side by side. On CPU the kernels run under the Triton interpreter at the tiny
-preset: those timings are not GPU figures.
+preset: those timings are not GPU figures. ``--device sm90`` times nothing: it compiles each
+point's kernels for sm_90 on this machine and records their registers, stack and shared memory
+(``benchmarks/builds.py``).
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ METRICS = ("check", "available", "max_abs_err", "launches", "bytes",
            "eager_us", "eager_p10_us", "eager_p90_us", "eager_copy_frac",
            "graph_us", "graph_p10_us", "graph_p90_us", "graph_copy_frac", "copy_bw_GBps",
            "tok_per_s", "token_us", "window_ratio_median", "window_ratio_min",
-           "window_ratio_max")
+           "window_ratio_max", "registers", "stack_bytes", "shared_bytes")
 # shown in the printed tables (all of them go to the CSV)
 SHOWN = ("check", "launches", "eager_us", "eager_copy_frac", "graph_us", "graph_p10_us",
          "graph_p90_us", "graph_copy_frac", "tok_per_s", "window_ratio_median",
-         "window_ratio_min", "window_ratio_max")
+         "window_ratio_min", "window_ratio_max", "registers", "stack_bytes", "shared_bytes")
 CPU_NOTE = ("CPU timings (Triton interpreter, wall clock) are not GPU figures: they say that "
             "the sweep runs, nothing about a kernel's speed.")
 TREE_ENV = "K3LAB_BENCH_TREE"  # set for a --base run: {"root": ..., "package_dirs": {...}}
@@ -334,12 +336,17 @@ def _describe(df: pd.DataFrame, label: str) -> str:
     r = df.iloc[0]
     commit = str(r["commit"])[:10] if isinstance(r["commit"], str) else "?"
     dirty = " (dirty)" if r["dirty"] is True or str(r["dirty"]) == "True" else ""
-    where = r["gpu"] if r["device"] != "cpu" else "CPU, Triton interpreter"
+    where = {"cpu": "CPU, Triton interpreter", "sm90": "sm_90 builds on this machine, no GPU"
+             }.get(r["device"], r["gpu"])
     return (f"{label}: {commit}{dirty}, {where}, torch {r['torch']}, triton {r['triton']}, "
             f"{r['preset']} tp {r['tp']}, {r['date']}")
 
 
-def _print_table(t: pd.DataFrame, cpu: bool) -> None:
+def _print_table(t: pd.DataFrame, cpu: bool, built: bool = False) -> None:
+    if built:
+        from benchmarks.builds import NOTE
+
+        print(f"NOTE: {NOTE}")
     if cpu:
         print(f"NOTE: {CPU_NOTE}")
     with pd.option_context("display.max_rows", 500, "display.max_columns", 50,
@@ -421,11 +428,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("boundary", nargs="?", help="a boundary of the k3lab registry")
     p.add_argument("--sweep", help="a sweep of benchmarks/sweeps.py (see --list)")
     p.add_argument("--list", action="store_true", help="list the sweeps and exit")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                   help="default: cuda when a GPU is visible, else cpu")
-    p.add_argument("--preset", default=None, help="default: kimi-k3 on cuda, tiny on cpu")
+    p.add_argument("--device", choices=("cpu", "cuda", "sm90"), default=None,
+                   help="default: cuda when a GPU is visible, else cpu; sm90: compile the "
+                        "kernels for sm_90 here and record their registers (no timing)")
+    p.add_argument("--preset", default=None,
+                   help="default: kimi-k3 on cuda and sm90, tiny on cpu")
     p.add_argument("--tp", type=int, default=None,
-                   help="default: the sweep's own tp (else 8) on cuda, 1 on cpu")
+                   help="default: the sweep's own tp (else 8) on cuda and sm90, 1 on cpu")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed repeats (default: k3lab.profile's, 50 on cuda, 3 on cpu)")
     p.add_argument("--points", default=None, metavar="I,J",
@@ -465,16 +474,30 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from benchmarks import sweeps, token
+    from benchmarks import builds, sweeps, token
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        from k3lab.device import use_device
+    if device == builds.DEVICE:
+        if args.boundary == token.TOKEN:
+            print("error: --device sm90: boundary sweeps only (a token sweep's kernels are its "
+                  "boundaries')", file=sys.stderr)
+            return 2
+        from k3lab import sm90
 
-        use_device(device)
-    except ImportError:  # an older k3lab: the interpreter switch by hand
-        if device == "cpu":
-            os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            sm90.compile_here()
+            sm90.cuobjdump()
+        except (ValueError, RuntimeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    else:
+        try:
+            from k3lab.device import use_device
+
+            use_device(device)
+        except ImportError:  # an older k3lab: the interpreter switch by hand
+            if device == "cpu":
+                os.environ["TRITON_INTERPRET"] = "1"
     try:
         sweep = sweeps.get(args.boundary, args.sweep)
         preset = args.preset or ("tiny" if device == "cpu" else "kimi-k3")
@@ -489,7 +512,11 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda *a, **k: None) if args.quiet else print
     try:
-        if sweep.boundary == token.TOKEN:
+        if device == builds.DEVICE:
+            head = builds.build_sweep(sweep, preset=preset, tp=tp, columns=COLUMNS,
+                                      meta=_manifest("cpu", preset, tp), points=points,
+                                      variants=variants, log=log)
+        elif sweep.boundary == token.TOKEN:
             if variants:
                 raise sweeps.SweepError("--variants: a token sweep runs the full stack only")
             head = token.run_token_sweep(sweep, device=device, preset=preset, tp=tp,
@@ -502,11 +529,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     path = append_csv(head, args.out)
-    cpu = device == "cpu"
+    cpu, built = device == "cpu", device == builds.DEVICE
     if args.base is None:
         if not args.quiet:
             print(_describe(head, "rows"))
-            _print_table(table(head), cpu)
+            _print_table(table(head), cpu, built)
             print(f"{len(head)} rows appended to {path}")
         return 0
 
@@ -520,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         base = run_base(args.base, passed, tree=args.base_tree)
     except RuntimeError as exc:
         print(_describe(head, "head"))
-        _print_table(table(head), cpu)
+        _print_table(table(head), cpu, built)
         print(f"{len(head)} rows appended to {path}")
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -528,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     print(_describe(head, "head"))
     print(_describe(base, "base"))
     print("ratio = head / base (latency: < 1 means head is faster)")
-    _print_table(side_by_side(head, base), cpu)
+    _print_table(side_by_side(head, base), cpu, built)
     print(f"{len(head) + len(base)} rows appended to {path}")
     return 0
 

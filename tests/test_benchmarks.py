@@ -3,7 +3,9 @@ anything runs, and --base."""
 
 import dataclasses
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -288,3 +290,39 @@ def test_readme_names_every_sweep():
             rows[m.group(1)] = set(re.findall(r"`(\w+)`", m.group(2)))
     missing = [f"{b}:{n}" for b, n in sweeps.names() if n not in rows.get(b, set())]
     assert not missing, f"sweeps the README's table does not name: {missing}"
+
+
+def _sweep_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.run", *args, "--out",
+                           str(tmp_path / "rows.csv")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600,
+                          env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"})
+
+
+def test_sm90_builds_record_registers_per_launch(tmp_path):
+    """--device sm90 compiles each point's kernels for sm_90 here (a fresh process) and writes
+    their registers, stack and shared memory, one row per launch and metric; nothing timed."""
+    from k3lab import sm90
+
+    try:
+        sm90.cuobjdump()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    proc = _sweep_cli("attn_res", "--sweep", "sealed", "--device", "sm90", "--preset", "tiny",
+                      "--tp", "1", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "resources, not timings" in proc.stdout
+    df = pd.read_csv(tmp_path / "rows.csv")
+    assert set(df["device"]) == {"sm90"} and set(df["metric"]) == {
+        "registers", "stack_bytes", "shared_bytes"}
+    assert not ({"check", "graph_us", "eager_us"} & set(df["metric"]))
+    regs = df[df["metric"] == "registers"]
+    assert set(regs["variant"]) == {"fused/_attn_res_norm_kernel"}
+    assert len(regs) == 3 and regs["value"].between(1, 255).all()
+    assert regs["note"].str.startswith("grid (").all()
+
+
+def test_sm90_builds_refuse_token_sweeps(tmp_path):
+    proc = _sweep_cli("token", "--sweep", "tail", "--device", "sm90", tmp_path=tmp_path)
+    assert proc.returncode == 2 and "boundary sweeps only" in proc.stderr
+    assert not (tmp_path / "rows.csv").exists()

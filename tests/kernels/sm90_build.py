@@ -26,69 +26,11 @@ os.environ["TRITON_INTERPRET"] = "0"
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-import triton.runtime.jit as jit  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.driver import DriverBase  # noqa: E402
 
+from k3lab import sm90  # noqa: E402
+from k3lab.sm90 import allow_cpu_tensors, count_front_ends  # noqa: E402, F401
 
-class _H200Stub(DriverBase):
-    """The active driver: an sm_90 target, device 0, stream 0; nothing else is called."""
-
-    @classmethod
-    def is_active(cls):
-        return True
-
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_device_interface(self):
-        return None
-
-    def get_benchmarker(self):
-        return None
-
-    def map_python_to_cpp_type(self, ty):
-        return ty
-
-
-def allow_cpu_tensors() -> None:
-    """The launchers take CPU tensors (nothing launches: every launch is a compile)."""
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("k3lab.kernels") and hasattr(mod, "check_device"):
-            mod.check_device = lambda name, t: None
-
-
-def compile_here_for_sm90() -> None:
-    """Make the stub driver active and let the kernels' launchers take CPU tensors."""
-    triton.runtime.driver.set_active(_H200Stub())
-    import k3lab.kernels  # noqa: F401
-
-    allow_cpu_tensors()
-
-
-def count_front_ends() -> list[str]:
-    """The names of the kernels whose front end (``ASTSource.make_ir``) runs in this process
-    from now on: none where every kernel comes compiled from Triton's cache."""
-    from triton.compiler import ASTSource
-
-    built_here: list[str] = []
-    make_ir = ASTSource.make_ir
-
-    def counting_ir(self, *args, **kwargs):
-        built_here.append(self.name)
-        return make_ir(self, *args, **kwargs)
-
-    ASTSource.make_ir = counting_ir
-    return built_here
+compile_here_for_sm90 = sm90.compile_here
 
 
 @triton.jit
@@ -153,24 +95,18 @@ def _front_read(m: int, n: int) -> None:
 
 
 def main() -> dict:
-    triton.runtime.driver.set_active(_H200Stub())
-    compiled: dict[str, int] = {}
-    run = jit.JITFunction.run
+    sm90.compile_here()
+    with sm90.builds() as built:
+        return _build_all(built)
 
-    def compile_only(self, *args, grid, warmup, **kw):
-        kernel = run(self, *args, grid=grid, warmup=True, **kw)
-        compiled[self.fn.__name__] = compiled.get(self.fn.__name__, 0) + 1
-        return kernel
 
-    jit.JITFunction.run = compile_only
+def _build_all(built: sm90.Built) -> dict:
     try:  # the recipe leans on Triton's internals: a version they do not fit is no finding
         _canary[(1,)](torch.zeros(16), BLOCK=16)
-        assert compiled.pop("_canary") == 1
+        assert [name for name, _, _ in built] == ["_canary"]
+        built.clear()
     except Exception:  # noqa: BLE001
         return {"harness": traceback.format_exc(limit=-2)[-1500:]}
-    import k3lab.kernels  # noqa: F401
-
-    allow_cpu_tensors()
     from k3lab import boundaries, stack
     from k3lab.config import preset
     from k3lab.kernels import (
@@ -317,6 +253,9 @@ def main() -> dict:
         attempt(f"floors stream {then}", lambda then=then: kfloors.stream(x, then=then))
     attempt("floors stream after", lambda: kfloors.stream(x, then="none", after=True))
     attempt("floors update", lambda: kfloors.update(torch.zeros(4096), x))
+    compiled: dict[str, int] = {}
+    for name, _, _ in built:
+        compiled[name] = compiled.get(name, 0) + 1
     return {"compiled": compiled, "failures": failures}
 
 
