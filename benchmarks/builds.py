@@ -1,6 +1,13 @@
 """A sweep's kernels compiled for sm_90 without a GPU (``--device sm90``): per point and variant,
 every launch's registers a thread, stack bytes and static shared memory, read from its cubin
-(``k3lab.sm90``). Nothing runs and nothing is timed; the rows say so."""
+(``k3lab.sm90``). Nothing runs and nothing is timed; the rows say so.
+
+Inputs are made on the CPU, so a launcher that sizes its grid by the GPU's SM count takes its
+CPU size here: a note's grid is the CPU path's, the resources are the GPU build's. A token
+sweep builds the full stack's token over a short window of the preset's middle block (from
+its second layer to its first MLA layer: reads with the middle block's sealed rows, every
+kind of launch) with the GPU's configs (``decode_step.configs_for("cuda")``); a compiled
+kernel launched several times gets one set of rows, named after its first launch."""
 
 from __future__ import annotations
 
@@ -8,7 +15,8 @@ import dataclasses
 
 import pandas as pd
 
-__all__ = ["DEVICE", "METRICS", "NOTE", "build_sweep"]
+__all__ = ["DEVICE", "METRICS", "NOTE", "build_sweep", "build_token_sweep",
+           "token_window"]
 
 DEVICE = "sm90"
 METRICS = ("registers", "stack_bytes", "shared_bytes")
@@ -59,7 +67,7 @@ def build_sweep(sweep, *, preset: str, tp: int, columns: list[str], meta: dict,
                 with sm90.builds() as built:
                     b.variant(name).fn(boundaries.clone_inputs(inputs))
                 launches = [(kernel, sm90.usage(compiled), grid)
-                            for kernel, compiled, grid in built]
+                            for kernel, compiled, grid, _ in built]
             except Exception as exc:  # noqa: BLE001
                 rows += _failed(base, [name], exc, log)
                 continue
@@ -78,3 +86,73 @@ def _failed(base: dict, variants: list[str], exc: Exception, log) -> list[dict]:
     log(f"    failed: {note}")
     return [{**base, "variant": v, "metric": "check", "value": 0.0, "note": note}
             for v in variants]
+
+
+def token_window(cfg) -> dict:
+    """make_token's window for a token sweep's builds: from the second layer of the preset's
+    middle AttnRes block to its first MLA layer after that (3 layers where it has none)."""
+    block = cfg.attn_res_block
+    first = (cfg.n_layers // 2) // block * block + 1
+    mla = [i for i in cfg.mla_layers if i >= first]
+    window = mla[0] - first + 1 if mla and mla[0] - first < block else 3
+    return {"first_layer": min(first, cfg.n_layers - 1), "window": window}
+
+
+def build_token_sweep(sweep, *, preset: str, tp: int, columns: list[str], meta: dict,
+                      points: list[int] | None = None, log=print) -> pd.DataFrame:
+    """Rows of ``columns`` for every distinct compiled kernel of the full stack's token at each
+    point of token sweep ``sweep``, named "<segment>, <category>: <kernel>" after its first
+    launch (the segment: embed, layer i or head; the category: ``stack.CATEGORIES``), `` #n``
+    for the n-th build first launched there."""
+    from benchmarks import token as token_mod
+    from benchmarks.sweeps import point_json
+    from k3lab import sm90, stack
+    from k3lab.config import preset as make_preset
+    from k3lab.studies import decode_step
+
+    resolved = token_mod.resolve(sweep, points, "cuda")
+    cfg = make_preset(preset, tp)
+    params = {**token_mod.GPU_PARAMS, **sweep.params, **token_window(cfg)}
+    num_splits = params.pop(token_mod.SPLITS) or decode_step.split_override(
+        cfg, "cpu", [params["context"]])
+    log(f"{token_mod.TOKEN}/{sweep.name}: building the token ({cfg.describe()}, {params})")
+    token = decode_step.build(cfg, "cpu", **params)
+    full, _ = stack.runnable(stack.compose(stack.steps(stack.STACKS["integration"])[-1][1]))
+    rows: list[dict] = []
+    for i, (spec, configs) in enumerate(resolved):
+        point = point_json(spec)
+        base = {**meta, "device": DEVICE, "boundary": token_mod.TOKEN,
+                "variant": "full stack", "sweep": sweep.name, "point": point, "config": point,
+                "preset": preset, "tp": tp, "M": 1}
+        log(f"[{i + 1}/{len(resolved)}] {token_mod.TOKEN}/{sweep.name} {point}")
+        where = {"segment": "embed", "category": ""}
+
+        def tag(label: str, where=where) -> None:
+            if label.startswith("segment "):
+                where["segment"] = label.removeprefix("segment ")
+            else:
+                where["category"] = label
+
+        try:
+            with sm90.builds(lambda where=where: f"{where['segment']}, "
+                                                 f"{where['category']}") as built:
+                stack.run_token(full, token, num_splits=spec.get(token_mod.SPLITS, num_splits),
+                                configs=configs, tag=tag)
+            kernels: dict = {}  # a compiled kernel's hash -> [its name, first label, launches]
+            for kernel, compiled, _, label in built:
+                key = getattr(compiled, "hash", id(compiled))
+                kernels.setdefault(key, [kernel, label, 0, compiled])[2] += 1
+            launches, seen = [], {}
+            for kernel, label, n, compiled in kernels.values():
+                name = f"{label}: {kernel}"
+                seen[name] = seen.get(name, 0) + 1
+                name += f" #{seen[name]}" if seen[name] > 1 else ""
+                launches.append((name, n, sm90.usage(compiled)))
+        except Exception as exc:  # noqa: BLE001 - a failing point is a row, not a crash
+            rows += _failed(base, ["full stack"], exc, log)
+            continue
+        for label, n, use in launches:
+            note = f"{n} launch{'es' if n > 1 else ''} in the window; {NOTE}"
+            rows += [{**base, "variant": label, "metric": m, "value": float(use[m]),
+                      "note": note} for m in METRICS if m in use]
+    return pd.DataFrame(rows, columns=columns)

@@ -478,10 +478,6 @@ def main(argv: list[str] | None = None) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == builds.DEVICE:
-        if args.boundary == token.TOKEN:
-            print("error: --device sm90: boundary sweeps only (a token sweep's kernels are its "
-                  "boundaries')", file=sys.stderr)
-            return 2
         from k3lab import sm90
 
         try:
@@ -512,13 +508,17 @@ def main(argv: list[str] | None = None) -> int:
 
     log = (lambda *a, **k: None) if args.quiet else print
     try:
-        if device == builds.DEVICE:
+        if sweep.boundary == token.TOKEN and variants:
+            raise sweeps.SweepError("--variants: a token sweep runs the full stack only")
+        if device == builds.DEVICE and sweep.boundary == token.TOKEN:
+            head = builds.build_token_sweep(sweep, preset=preset, tp=tp, columns=COLUMNS,
+                                            meta=_manifest("cpu", preset, tp), points=points,
+                                            log=log)
+        elif device == builds.DEVICE:
             head = builds.build_sweep(sweep, preset=preset, tp=tp, columns=COLUMNS,
                                       meta=_manifest("cpu", preset, tp), points=points,
                                       variants=variants, log=log)
         elif sweep.boundary == token.TOKEN:
-            if variants:
-                raise sweeps.SweepError("--variants: a token sweep runs the full stack only")
             head = token.run_token_sweep(sweep, device=device, preset=preset, tp=tp,
                                          repeats=args.repeats, points=points, columns=COLUMNS,
                                          meta=_manifest(device, preset, tp), log=log)

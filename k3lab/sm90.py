@@ -22,7 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = ["compile_here", "allow_cpu_tensors", "builds", "usage", "count_front_ends",
@@ -107,12 +107,14 @@ def count_front_ends() -> list[str]:
 
 
 class Built(list):
-    """The launches compiled inside :func:`builds`: (kernel name, compiled kernel, grid)."""
+    """The launches compiled inside :func:`builds`: (kernel name, compiled kernel, grid, the
+    label of the launch or None)."""
 
 
 @contextlib.contextmanager
-def builds() -> Iterator[Built]:
-    """Every Triton launch inside compiles and does not run; yields the launches in order."""
+def builds(label: Callable[[], str] | None = None) -> Iterator[Built]:
+    """Every Triton launch inside compiles and does not run; yields the launches in order.
+    label: called at each launch, its answer kept with it (where in a larger run it was)."""
     import triton.runtime.jit as jit
 
     built = Built()
@@ -120,7 +122,7 @@ def builds() -> Iterator[Built]:
 
     def compile_only(self, *args, grid, warmup, **kw):
         kernel = run(self, *args, grid=grid, warmup=True, **kw)
-        built.append((self.fn.__name__, kernel, grid))
+        built.append((self.fn.__name__, kernel, grid, label() if label else None))
         return kernel
 
     jit.JITFunction.run = compile_only

@@ -322,7 +322,29 @@ def test_sm90_builds_record_registers_per_launch(tmp_path):
     assert regs["note"].str.startswith("grid (").all()
 
 
-def test_sm90_builds_refuse_token_sweeps(tmp_path):
-    proc = _sweep_cli("token", "--sweep", "tail", "--device", "sm90", tmp_path=tmp_path)
-    assert proc.returncode == 2 and "boundary sweeps only" in proc.stderr
-    assert not (tmp_path / "rows.csv").exists()
+def test_sm90_builds_of_a_token_sweep(tmp_path):
+    """A token sweep's sm90 builds: each point's full-stack token compiled over a short window
+    of the middle block, one set of rows per distinct compiled kernel, named where it first
+    launched; a point that changes a launcher's config changes that launcher's build."""
+    from k3lab import sm90
+
+    try:
+        sm90.cuobjdump()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    proc = _sweep_cli("token", "--sweep", "tail", "--points", "0,1", "--device", "sm90",
+                      "--preset", "tiny", "--tp", "1", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    df = pd.read_csv(tmp_path / "rows.csv")
+    assert set(df["device"]) == {"sm90"} and "check" not in set(df["metric"])
+    regs = df[df["metric"] == "registers"]
+    base, tail = (regs[regs["point"] == p].set_index("variant")["value"]
+                  for p in sorted(set(regs["point"]), key=len))
+    assert any(": dense_gemv_kernel" in v for v in base.index)
+    assert any(v.startswith("head, dense projections: ") for v in base.index)
+    assert base.between(1, 255).all() and tail.between(1, 255).all()
+    assert len(base) == len(set(base.index)) > 5
+    # the second point retiles the MoE tail's GEMV alone: its build changes, the KDA's does not
+    assert set(base.index) == set(tail.index)
+    changed = base.index[base != tail[base.index]]
+    assert len(changed) >= 1 and all("dense_gemv_kernel" in v for v in changed)
