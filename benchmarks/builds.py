@@ -66,16 +66,17 @@ def build_sweep(sweep, *, preset: str, tp: int, columns: list[str], meta: dict,
             try:
                 with sm90.builds() as built:
                     b.variant(name).fn(boundaries.clone_inputs(inputs))
-                launches = [(kernel, sm90.usage(compiled), grid)
-                            for kernel, compiled, grid, _ in built]
+                launches = [(launch.name, sm90.usage(launch.kernel), launch.grid,
+                             launch.shapes) for launch in built]
             except Exception as exc:  # noqa: BLE001
                 rows += _failed(base, [name], exc, log)
                 continue
             seen: dict[str, int] = {}
-            for kernel, use, grid in launches:
+            for kernel, use, grid, shapes in launches:
                 seen[kernel] = seen.get(kernel, 0) + 1
                 label = f"{name}/{kernel}" + (f"#{seen[kernel]}" if seen[kernel] > 1 else "")
-                note = f"grid {tuple(grid) if not callable(grid) else 'by meta'}; {NOTE}"
+                note = (f"grid {tuple(grid) if not callable(grid) else 'by meta'}; tensors "
+                        f"{_shapes(shapes)}; {NOTE}")
                 rows += [{**base, "variant": label, "metric": m, "value": float(use[m]),
                           "note": note} for m in METRICS if m in use]
     return pd.DataFrame(rows, columns=columns)
@@ -138,21 +139,27 @@ def build_token_sweep(sweep, *, preset: str, tp: int, columns: list[str], meta: 
                                                  f"{where['category']}") as built:
                 stack.run_token(full, token, num_splits=spec.get(token_mod.SPLITS, num_splits),
                                 configs=configs, tag=tag)
-            kernels: dict = {}  # a compiled kernel's hash -> [its name, first label, launches]
-            for kernel, compiled, _, label in built:
-                key = getattr(compiled, "hash", id(compiled))
-                kernels.setdefault(key, [kernel, label, 0, compiled])[2] += 1
+            kernels: dict = {}  # a compiled kernel's hash -> [its first launch, launches]
+            for launch in built:
+                key = getattr(launch.kernel, "hash", id(launch.kernel))
+                kernels.setdefault(key, [launch, 0])[1] += 1
             launches, seen = [], {}
-            for kernel, label, n, compiled in kernels.values():
-                name = f"{label}: {kernel}"
+            for launch, n in kernels.values():
+                name = f"{launch.label}: {launch.name}"
                 seen[name] = seen.get(name, 0) + 1
                 name += f" #{seen[name]}" if seen[name] > 1 else ""
-                launches.append((name, n, sm90.usage(compiled)))
+                launches.append((name, n, sm90.usage(launch.kernel), launch.shapes))
         except Exception as exc:  # noqa: BLE001 - a failing point is a row, not a crash
             rows += _failed(base, ["full stack"], exc, log)
             continue
-        for label, n, use in launches:
-            note = f"{n} launch{'es' if n > 1 else ''} in the window; {NOTE}"
+        for label, n, use, shapes in launches:
+            note = (f"{n} launch{'es' if n > 1 else ''} in the window; tensors of the first "
+                    f"{_shapes(shapes)}; {NOTE}")
             rows += [{**base, "variant": label, "metric": m, "value": float(use[m]),
                       "note": note} for m in METRICS if m in use]
     return pd.DataFrame(rows, columns=columns)
+
+
+def _shapes(shapes) -> str:
+    """A launch's tensor arguments' shapes, compactly: 1x7168 6284x7168 ..."""
+    return " ".join("x".join(map(str, shape)) or "scalar" for shape in shapes) or "none"

@@ -23,10 +23,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["compile_here", "allow_cpu_tensors", "builds", "usage", "count_front_ends",
-           "cuobjdump", "Built", "TARGET"]
+           "cuobjdump", "Built", "Launch", "TARGET"]
 
 TARGET = "sm_90"
 
@@ -106,15 +107,28 @@ def count_front_ends() -> list[str]:
     return built_here
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One launch compiled inside :func:`builds`: the kernel's name, the compiled kernel, the
+    grid, the label :func:`builds` was given for it (None without one) and the shapes of its
+    tensor arguments, in order."""
+
+    name: str
+    kernel: object
+    grid: object
+    label: str | None
+    shapes: tuple[tuple[int, ...], ...]
+
+
 class Built(list):
-    """The launches compiled inside :func:`builds`: (kernel name, compiled kernel, grid, the
-    label of the launch or None)."""
+    """The launches compiled inside :func:`builds` (:class:`Launch`), in order."""
 
 
 @contextlib.contextmanager
 def builds(label: Callable[[], str] | None = None) -> Iterator[Built]:
     """Every Triton launch inside compiles and does not run; yields the launches in order.
     label: called at each launch, its answer kept with it (where in a larger run it was)."""
+    import torch
     import triton.runtime.jit as jit
 
     built = Built()
@@ -122,7 +136,9 @@ def builds(label: Callable[[], str] | None = None) -> Iterator[Built]:
 
     def compile_only(self, *args, grid, warmup, **kw):
         kernel = run(self, *args, grid=grid, warmup=True, **kw)
-        built.append((self.fn.__name__, kernel, grid, label() if label else None))
+        shapes = tuple(tuple(a.shape) for a in (*args, *kw.values())
+                       if isinstance(a, torch.Tensor))
+        built.append(Launch(self.fn.__name__, kernel, grid, label() if label else None, shapes))
         return kernel
 
     jit.JITFunction.run = compile_only

@@ -320,6 +320,7 @@ def test_sm90_builds_record_registers_per_launch(tmp_path):
     assert set(regs["variant"]) == {"fused/_attn_res_norm_kernel"}
     assert len(regs) == 3 and regs["value"].between(1, 255).all()
     assert regs["note"].str.startswith("grid (").all()
+    assert regs["note"].str.contains(r"tensors (?:\d+x)+\d+ ").all()
 
 
 def test_sm90_builds_of_a_token_sweep(tmp_path):

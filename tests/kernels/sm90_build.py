@@ -103,7 +103,7 @@ def main() -> dict:
 def _build_all(built: sm90.Built) -> dict:
     try:  # the recipe leans on Triton's internals: a version they do not fit is no finding
         _canary[(1,)](torch.zeros(16), BLOCK=16)
-        assert [launch[0] for launch in built] == ["_canary"]
+        assert [launch.name for launch in built] == ["_canary"]
         built.clear()
     except Exception:  # noqa: BLE001
         return {"harness": traceback.format_exc(limit=-2)[-1500:]}
@@ -254,8 +254,8 @@ def _build_all(built: sm90.Built) -> dict:
     attempt("floors stream after", lambda: kfloors.stream(x, then="none", after=True))
     attempt("floors update", lambda: kfloors.update(torch.zeros(4096), x))
     compiled: dict[str, int] = {}
-    for name, *_ in built:
-        compiled[name] = compiled.get(name, 0) + 1
+    for launch in built:
+        compiled[launch.name] = compiled.get(launch.name, 0) + 1
     return {"compiled": compiled, "failures": failures}
 
 
