@@ -39,10 +39,12 @@ class Configs:
     (the MoE tail, layer 0's down projection) has no launch: that GEMV leaves the read's sums
     in its epilogue and the merged input projection (the dense GEMV) mixes its input from
     them as it loads it (``dense_gemv(read_input=...)``, ``kernels/dense/mix.py``); a block's
-    first read, of sealed rows only, keeps its launch. attn_read_registers: that input
-    projection's register cap (GemvConfig.max_registers; 0: its tiling's own). The mix takes
-    K3 tp 8's KDA input projection from 127 registers a thread to 145-156 (offline sm_90
-    build): 3 programs an SM instead of 4; capped at 128 it does not spill.
+    first read, of sealed rows only, keeps its launch. attn_read_registers: the register cap
+    of every dense GEMV that mixes its input (GemvConfig.max_registers; 0: its tiling's own):
+    that input projection, and layer 0's gate/up projection under ffn_read_in_front. The mix
+    takes K3 tp 8's KDA input projection from 127 registers a thread to 145-176 (offline sm_90
+    builds, docs/decisions.md): 3 programs an SM instead of 4; capped at 128 it does not
+    spill.
     ffn_read_in_front: the FFN read has no launch where its consumer can mix it: the output
     projection leaves its sums (as with read_sums) and the MoE front's fused launch
     (``front_route(read_input=...)``, its router and merged GEMV) or layer 0's gate/up
