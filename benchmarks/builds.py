@@ -11,8 +11,6 @@ kernel launched several times gets one set of rows, named after its first launch
 
 from __future__ import annotations
 
-import dataclasses
-
 import pandas as pd
 
 __all__ = ["DEVICE", "METRICS", "NOTE", "build_sweep", "build_token_sweep",
@@ -33,15 +31,8 @@ def build_sweep(sweep, *, preset: str, tp: int, columns: list[str], meta: dict,
     gets a ``check`` row of 0 with the error, and the sweep goes on."""
     from benchmarks import sweeps as sweeps_mod
     from k3lab import boundaries, sm90
-    from k3lab.config import preset as make_preset
 
-    if variants:
-        sweep = dataclasses.replace(sweep, variants=tuple(variants))
-    resolved = sweeps_mod.resolve(sweep, points)
-    b = boundaries.get(sweep.boundary)
-    cfg = make_preset(preset, tp)
-    if not b.applies(cfg):
-        raise ValueError(f"boundary: {sweep.boundary} does not apply to preset {preset} tp {tp}")
+    sweep, resolved, b, cfg = sweeps_mod.prepare(sweep, preset, tp, points, variants)
     chosen = list(sweep.variants) if sweep.variants is not None else [
         v.name for v in b.variants if v.role == "fused"]
     rows: list[dict] = []

@@ -216,16 +216,9 @@ def run_sweep(sweep, *, device: str = "cpu", preset: str = "tiny", tp: int = 1,
     goes on.
     """
     from benchmarks import sweeps as sweeps_mod
-    from k3lab import boundaries, profile
-    from k3lab.config import preset as make_preset
+    from k3lab import profile
 
-    if variants:
-        sweep = dataclasses.replace(sweep, variants=tuple(variants))
-    resolved = sweeps_mod.resolve(sweep, points)
-    b = boundaries.get(sweep.boundary)
-    cfg = make_preset(preset, tp)
-    if not b.applies(cfg):
-        raise ValueError(f"boundary: {sweep.boundary} does not apply to preset {preset} tp {tp}")
+    sweep, resolved, b, cfg = sweeps_mod.prepare(sweep, preset, tp, points, variants)
     dev = device
     meta = _manifest(device, preset, tp)
     chosen = list(sweep.variants) if sweep.variants is not None else [v.name for v in b.variants]

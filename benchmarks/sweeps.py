@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["Sweep", "Point", "SweepError", "SWEEPS", "get", "names", "resolve", "config_class",
-           "default_config", "CONFIG_CLASSES", "point_json", "grid"]
+           "default_config", "CONFIG_CLASSES", "point_json", "grid", "prepare"]
 
 
 class SweepError(KeyError):
@@ -170,6 +170,24 @@ def resolve(sweep: Sweep, points: list[int] | None = None) -> list[Point]:
                 raise SweepError(f"sweep {sweep.boundary}/{sweep.name}: {sweep.boundary} has no "
                                f"variant {v!r}; expected one of {have}")
     return out
+
+
+def prepare(sweep: Sweep, preset: str, tp: int, points: list[int] | None = None,
+            variants: list[str] | None = None) -> tuple[Sweep, list[Point], Any, Any]:
+    """(the sweep with ``variants`` if given, its resolved points, its boundary, the preset
+    sharded at ``tp``); raises before anything runs, as :func:`resolve` does, and ValueError
+    where the boundary does not apply to the preset."""
+    from k3lab import boundaries
+    from k3lab.config import preset as make_preset
+
+    if variants:
+        sweep = dataclasses.replace(sweep, variants=tuple(variants))
+    resolved = resolve(sweep, points)
+    b = boundaries.get(sweep.boundary)
+    cfg = make_preset(preset, tp)
+    if not b.applies(cfg):
+        raise ValueError(f"boundary: {sweep.boundary} does not apply to preset {preset} tp {tp}")
+    return sweep, resolved, b, cfg
 
 
 def point_json(point: dict) -> str:

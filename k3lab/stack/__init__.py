@@ -27,20 +27,20 @@ engine's call).
 """
 
 from .changes import (
-                      CANDIDATES,
-                      CATALOGUE,
-                      CATEGORIES,
-                      CHANGES,
-                      DENSE_OPS,
-                      STACKS,
-                      TOKEN_OPS,
-                      Change,
-                      Stack,
-                      all_ops,
-                      compose,
-                      layer_counts,
-                      runnable,
-                      steps,
+    CANDIDATES,
+    CATALOGUE,
+    CATEGORIES,
+    CHANGES,
+    DENSE_OPS,
+    STACKS,
+    TOKEN_OPS,
+    Change,
+    Stack,
+    all_ops,
+    compose,
+    layer_counts,
+    runnable,
+    steps,
 )
 from .configs import Configs
 from .layer import leaves_read_sums, run_layer, takes_read_input
