@@ -680,6 +680,17 @@ _SWEEPS = [
           "registers, 3 programs an SM; capped at 128 by default) or asking L2 for its first "
           "2 weight steps before its wait (1 by default), and beside the KDA decode's deferred "
           "RMS", variants=("full stack",), tp=8),
+    Sweep("read_in_front_tiles", "token",
+          ({}, {"ffn_read_in_front": True},
+           {"ffn_read_in_front": True, "moe.front_route_registers": 128},
+           {"ffn_read_in_front": True, **_front(4, 512, 4)},
+           {"ffn_read_in_front": True, **_front(4, 512, 4), "moe.front_route_registers": 112},
+           {"ffn_read_in_front": True, **_front(8, 512, 3)},
+           {"ffn_read_in_front": True, **_front(4, 256, 4)}),
+          "the FFN read mixed by the MoE front's fused launch at other front tiles and "
+          "register caps: each K step mixes its columns of every candidate row, so shorter "
+          "steps hold fewer of them (offline, the default 4 x 1024 tiles at 96 registers spill "
+          "424 bytes mixing 4 sealed rows)", variants=("full stack",), tp=8),
     Sweep("prefetch", "token",
           ({}, {"kda.pdl": True}, {"kda.pdl": True, "o_proj_prefetch": 3},
            {"kda.pdl": True, "o_proj_prefetch": 1}, {"o_proj_prefetch": 3},
