@@ -165,13 +165,7 @@ def attn_res_norm_from_sums(sums: ReadSums, live: torch.Tensor, norm_weight: tor
     eps = check_number("eps", eps, positive=True)
     if not isinstance(return_h, bool):
         raise ValueError(f"return_h: expected a bool, got {return_h!r}")
-    if clear is not None:
-        if (not isinstance(clear, torch.Tensor) or clear.dtype != torch.float32
-                or clear.device != live.device or not clear.is_contiguous()):
-            raise ValueError("clear: expected None or a contiguous fp32 tensor on the device "
-                             "of live")
-        if clear.data_ptr() == sums.buffer.data_ptr():
-            raise ValueError("clear: the read's own sums; give the next read's buffer")
+    _check_clear(clear, sums, "live")
     if config is not None and not isinstance(config, AttnResConfig):
         raise ValueError(f"config: expected an AttnResConfig or None, got "
                          f"{type(config).__name__}")
@@ -190,6 +184,18 @@ def attn_res_norm_from_sums(sums: ReadSums, live: torch.Tensor, norm_weight: tor
             sums.slots)), STORE_H=return_h, CLEAR=clear is not None,
         num_warps=cfg.split_warps, **({"launch_pdl": True} if pdl else {}))
     return (out[0] if return_h else None), out[1]
+
+
+def _check_clear(clear, sums: ReadSums, where: str) -> None:
+    """clear: None, or a contiguous fp32 tensor on the sums' device other than their buffer."""
+    if clear is None:
+        return
+    if (not isinstance(clear, torch.Tensor) or clear.dtype != torch.float32
+            or clear.device != sums.bank.device or not clear.is_contiguous()):
+        raise ValueError(f"clear: expected None or a contiguous fp32 tensor on the device of "
+                         f"{where}")
+    if clear.data_ptr() == sums.buffer.data_ptr():
+        raise ValueError("clear: the read's own sums; give the next read's buffer")
 
 
 @dataclass(frozen=True)
@@ -216,11 +222,5 @@ def read_input(sums: ReadSums, norm_weight: torch.Tensor, *, eps: float = 1e-5,
                          "programs); stored per-tile slots are the mix launch's")
     _check_weight("norm_weight", norm_weight, sums.hidden, sums.bank.device)
     eps = check_number("eps", eps, positive=True)
-    if clear is not None:
-        if (not isinstance(clear, torch.Tensor) or clear.dtype != torch.float32
-                or clear.device != sums.bank.device or not clear.is_contiguous()):
-            raise ValueError("clear: expected None or a contiguous fp32 tensor on the device "
-                             "of the bank")
-        if clear.data_ptr() == sums.buffer.data_ptr():
-            raise ValueError("clear: the read's own sums; give the next read's buffer")
+    _check_clear(clear, sums, "the bank")
     return ReadInput(sums, norm_weight, float(eps), clear)

@@ -9,6 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_attn_res_sums import _case as _sums_case
+from test_attn_res_sums import _tiling
 
 from k3lab.kernels import GemvConfig, attn_res_norm_from_sums, dense_gemv, read_input, read_sums
 from k3lab.reference.attn_res import attn_res_norm_reference
@@ -20,26 +22,13 @@ from k3lab.reference.attn_res import attn_res_norm_reference
 ULP = 2.0 ** -7
 
 
-def _tiling(block_n, split_k=1):
-    return GemvConfig(block_n=block_n, block_k=64, split_k=split_k, num_stages=1, pdl=False,
-                      prefetch_steps=0)
-
-
 def _case(n, m, hidden, rows, device, seed=0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(device)
-
-    bank = r(n, m, hidden, scale=2.0)
-    if n >= 3:  # two equal sealed rows (tied scores), one near zero
-        bank[1] = bank[0]
-        bank[2] *= 1e-3
-    return dict(bank=bank.bfloat16(), x=r(m, 48).bfloat16(),
-                wp=r(hidden, 48, scale=48 ** -0.5).bfloat16(), res=r(m, hidden).bfloat16(),
-                rn=r(hidden).abs() + 0.5, rp=r(hidden).bfloat16(),
-                nw=(r(hidden).abs() + 0.5).bfloat16(),
-                w=r(rows, hidden, scale=hidden ** -0.5).bfloat16())
+    """test_attn_res_sums' case (its GEMV's weight is wp here), and the consumer's weight w."""
+    c = _sums_case(n, m, hidden, 48, device, seed)
+    c["wp"] = c.pop("w")
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    c["w"] = (torch.randn(rows, hidden, generator=g) * hidden ** -0.5).to(device).bfloat16()
+    return c
 
 
 def _produce(c, slot_cols=16):
