@@ -349,6 +349,13 @@ _SWEEPS = [
           "routing)",
           variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
           config=("moe.persistent_config", "PersistentMoEConfig")),
+    Sweep("persistent_route_items", "moe",
+          grid(({"multiply": "klane"},), ({}, {"route_items": True},
+                                           {"route_items": True, "programs_per_sm": 3})),
+          "route_sort's programs as the persistent launch's first work items (one launch for "
+          "the block with routing) against route_sort's own launch overlapping it (W4A16)",
+          variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
+          config=("moe.persistent_config", "PersistentMoEConfig")),
     Sweep("front_overlap", "moe",
           ({"front_routes": False, "front_overlaps_route": False},
            {"front_routes": False, "front_overlaps_route": True, "front_triggers_last": False},

@@ -5,7 +5,8 @@ latent down-projection, the shared experts, stage 1 (gate/up + activation), stag
 weighted combine, fp32 atomics or a deterministic slot-order reduce) and the tail (latent
 RMSNorm + up-projection + shared down + add) as work items of one grid of about ``num_sms x
 config.programs_per_sm`` programs (kernels/moe/persistent_kernel.py). Without a plan it routes
-first: route_sort's launch plus this one, 2 launches for the block with routing.
+first: route_sort's launch plus this one, 2 launches for the block with routing; with
+``config.route_items`` route_sort's programs are the launch's first work items: 1 launch.
 
 Formats: experts bf16 or MXFP4 (row layout; also the tiled one with ``multiply="klane"``, the
 MoE stages' K-lane GEMVs); activations bf16 (W4A16) or, with
@@ -36,6 +37,7 @@ schedule (program 0 takes every ticket, in order, and every wait is already sati
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +46,11 @@ import triton
 from ..mxfp4 import MXFP4, mxfp4_layout, mxfp4_tiled_ok
 from ..plan import RoutePlan
 from ..route import route_sort
+from ..route.launch import prepare_route
 from ..runtime import INTERPRETED, zeroed_words
 from .block import _EARLY_ROUTE, _check_block_weights
 from .checks import check_activation, check_plan, check_tensor, check_tokens
+from .front_route import FRONT_ROUTE_CONFIG
 from .persistent_config import PersistentMoEConfig
 from .persistent_kernel import SYNC_HEADER, moe_persistent_kernel
 
@@ -187,8 +191,8 @@ def _tiles(config, m, block_m, sizes, fp4):
 class PersistentTrace:
     """Where each work item of one ``moe_persistent(..., trace=True)`` call ran: ``items``
     int64 [n_items, 4] (start ns, end ns on the GPU's global clock, SM, program), in ticket
-    order; ``phases`` the first ticket of each phase ("front", "stage1", "stage2", "reduce",
-    "tail") and ``n_items``."""
+    order; ``phases`` the first ticket of each phase ("route": route items, if any; "front",
+    "stage1", "stage2", "reduce", "tail") and ``n_items``."""
 
     items: torch.Tensor
     phases: dict
@@ -199,7 +203,8 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
                    block_m: int = 1, num_sms: int | None = None,
                    config: PersistentMoEConfig | None = None, trace: bool = False):
     """The latent MoE block (docs/model.md) in one launch given ``plan``
-    (route_sort's; without one, route_sort runs first with ``block_m``: 2 launches).
+    (route_sort's; without one, route_sort runs first with ``block_m``: 2 launches, or with
+    ``config.route_items`` as the launch's first items: 1 launch).
 
     x: bf16 [M, H], M <= 16. weights: k3lab.weights.moe_weights' dict (latent_down [D, H],
     latent_norm [D], latent_up [H, D] when cfg.latent; w13 [E, 2I, D], w2 [E, D, I] bf16 or
@@ -226,6 +231,16 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
     if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, int)
                                 or num_sms < 1):
         raise ValueError(f"num_sms: expected a positive int or None, got {num_sms!r}")
+    route = None
+    if plan is None and config.route_items:
+        rc = config.route_config if config.route_config is not None else FRONT_ROUTE_CONFIG
+        route, plan = prepare_route(
+            x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
+            n_group=cfg.n_group, topk_group=cfg.topk_group, renormalize=cfg.renormalize,
+            routed_scaling_factor=cfg.routed_scaling, block_m=block_m,
+            config=dataclasses.replace(rc, pdl=False, early_dependents=False))
+        if route.select is not None:  # the selection is a launch of its own: route apart
+            route = plan = None
     overlap = plan is None and config.overlap_route and not INTERPRETED
     if plan is None:
         plan = route_sort(x, weights["gate_weight"], weights["correction_bias"], top_k=cfg.top_k,
@@ -241,7 +256,8 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
     n_i, n_d = cdiv(i, t["BLOCK_NE"]), cdiv(d, t["BLOCK_N2"])
     n_dr = n_d if config.deterministic else 0
     n_t = cdiv(h, t["BLOCK_NT"])
-    n_items = n_z + n_sh + n_tiles * (n_i + n_d) + n_dr + n_t
+    n_route = route.grid[0] * route.grid[1] if route is not None else 0
+    n_items = n_route + n_z + n_sh + n_tiles * (n_i + n_d) + n_dr + n_t
     if num_sms is None:
         num_sms = 1 if dev.type != "cuda" else \
             torch.cuda.get_device_properties(dev).multi_processor_count
@@ -281,17 +297,20 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
         sync, items, m, h, d, i, s, m * top_k, block_m, top_k, n_tiles, n_z, n_sh, n_i, n_d,
         n_dr, n_t,
         float(cfg.situ_beta), float(cfg.situ_linear_beta), float(cfg.rms_eps),
+        *(route.args if route is not None else (x,) * 14 + (0,) * 5 + (0.0,)),
+        route.grid[0] if route is not None else 1, n_route,
         ACT=act, LATENT=bool(cfg.latent), SHARED=bool(s), FP4=fp4, XQ=config.fp8,
         DOT=config.multiply == "dot", EMULATE=INTERPRETED, KLANE=klane,
         TILED13=fp4 and w13.layout == "tiled", TILED2=fp4 and w2.layout == "tiled",
         TOKEN_LOOP=not INTERPRETED,
         DETERMINISTIC=config.deterministic, UP_FP8=isinstance(up, FP8Rows), **t, TRACE=trace,
-        PDL=overlap, num_warps=config.num_warps, **({"launch_pdl": True} if overlap else {}))
+        ROUTE_WAIT=overlap, **(dict(route.constexprs, ROUTE=True) if route is not None else {}),
+        num_warps=config.num_warps, **({"launch_pdl": True} if overlap else {}))
     if not trace:
         return out
-    e_front = n_z + n_sh
+    e_front = n_route + n_z + n_sh
     e_s1 = e_front + n_tiles * n_i
     e_s2 = e_s1 + n_tiles * n_d
-    phases = {"front": 0, "stage1": e_front, "stage2": e_s1, "reduce": e_s2,
+    phases = {"route": 0, "front": n_route, "stage1": e_front, "stage2": e_s1, "reduce": e_s2,
               "tail": e_s2 + n_dr}
     return out, PersistentTrace(items, phases, n_items)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..route.config import RouteConfig
+
 __all__ = ["PersistentMoEConfig", "ACTIVATION_FORMATS", "MULTIPLY_MODES"]
 
 ACTIVATION_FORMATS = ("bf16", "fp8")
@@ -71,6 +73,14 @@ class PersistentMoEConfig:
         overlap_route: when the launch routes itself (no plan given; compiled), route_sort
             lets this launch start at once and only the items that read the plan (stage 1 on)
             wait for it: the front's items stream their weights while the route runs.
+        route_items: when the launch routes itself, route_sort's programs are its first work
+            items instead of a launch before it: one launch for the block with routing. The
+            last route item selects and sorts; stage 1's items wait for every route item.
+            Where the selection would be a launch of its own (``RouteConfig.
+            select_programs_min_tokens``), the route runs apart as without this.
+        route_config: the router GEMV's shape for route items (None: the fused front's,
+            ``front_route.FRONT_ROUTE_CONFIG``); its ``pdl`` and ``early_dependents`` are
+            ignored there.
     """
 
     programs_per_sm: int = 4
@@ -87,10 +97,12 @@ class PersistentMoEConfig:
     num_warps: int = 4
     max_products: int = 8192
     overlap_route: bool = True
+    route_items: bool = False
+    route_config: RouteConfig | None = None
 
     def __post_init__(self):
         _check_int("programs_per_sm", self.programs_per_sm, 1, 64)
-        for name in ("deterministic", "tail_fp8", "overlap_route"):
+        for name in ("deterministic", "tail_fp8", "overlap_route", "route_items"):
             _check_bool(name, getattr(self, name))
         _check_choice("activations", self.activations, ACTIVATION_FORMATS)
         _check_choice("multiply", self.multiply, MULTIPLY_MODES)
@@ -110,6 +122,9 @@ class PersistentMoEConfig:
             _check_int("expert_block_k", self.expert_block_k, 32, 8192, pow2=True)
         _check_int("num_warps", self.num_warps, 1, 16, pow2=True)
         _check_int("max_products", self.max_products, 1, 1 << 24)
+        if self.route_config is not None and not isinstance(self.route_config, RouteConfig):
+            raise ValueError(f"route_config: expected a RouteConfig or None, got "
+                             f"{type(self.route_config).__name__}")
 
     @property
     def fp8(self) -> bool:

@@ -2,11 +2,14 @@
 
 Work items, in ticket order (each waits only for items with lower tickets):
 
+0. route (ROUTE only): route_sort's programs (kernels/route/sort.py: the gate GEMV partials and
+   the plan's padding; the last of them selects and sorts), each counted when done;
 1. front: latent-down tiles (z[:, tile] = x @ W_down[tile]^T, or x's columns without a latent;
    atomic stage 2: also zero y[:, tile]) then shared gate/up tiles (a_s = act(x @ Ws1^T,
    x @ Ws3^T));
-2. stage 1 (plan tile b, I tile): waits for every latent-down tile; a[entries, tile] =
-   act(z @ W1[e]^T, z @ W3[e]^T), then counts itself in plan tile b's counter;
+2. stage 1 (plan tile b, I tile): waits for every latent-down tile (and route item);
+   a[entries, tile] = act(z @ W1[e]^T, z @ W3[e]^T), then counts itself in plan tile b's
+   counter;
 3. stage 2 (plan tile b, D tile): waits for plan tile b's stage-1 tiles; atomic: y[tokens] +=
    w * (a[entries] @ W2[e]^T); deterministic: the routed rows' partials to a scratch;
 4. reduce (deterministic only, D tile): waits for every stage-2 tile; y[t] = sum over slots k in
@@ -26,13 +29,14 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from ..route.sort import _route_program
 from ..runtime import INTERPRETED  # noqa: F401  (sets the interpreter up before any jit)
 from .gemv import act, expert_gemv, gate_up_act, to_bf16
 from .persistent_gemv import gemv, pow2_scales, row_amax, signal_count, wait_count
 from .stages import _plan_tile, _plan_tile_runs
 
 SYNC_HEADER = 8  # sync words before the plan tiles' counters (python int, for the launcher)
-WORK, EXIT, CNT_Z, CNT_SH, CNT_S2, CNT_RED = (tl.constexpr(i) for i in range(6))
+WORK, EXIT, CNT_Z, CNT_SH, CNT_S2, CNT_RED, CNT_PLAN = (tl.constexpr(i) for i in range(7))
 CNT_TILE = tl.constexpr(SYNC_HEADER)  # plan tile b's stage-1 counter is p_sync[CNT_TILE + b]
 RESET_BLOCK = tl.constexpr(1024)
 
@@ -253,6 +257,10 @@ def moe_persistent_kernel(
         p_topk_w, p_w13, p_w13s, p_a, p_a32, p_w2, p_w2s, p_y, p_part, p_nw, p_up, p_ups, p_ws2,
         p_o, p_sync, p_trace, M, H, D, N_I, S, n_entries, block_m, top_k, n_tiles, n_z, n_sh, n_i,
         n_d, n_dr, n_t, beta, linear_beta, eps,
+        # route_sort's (kernels/route/sort.py), read when ROUTE
+        r_x, r_w, r_bias, r_part, r_cand, r_rank, r_count, r_ids, r_topk_w, r_sorted_ids,
+        r_sorted_w, r_block_ids, r_num_valid, r_out, r_M, r_H, r_n_sorted, r_n_blocks, r_n_out,
+        r_scaling, r_e_tiles, n_route,
         ACT: tl.constexpr, LATENT: tl.constexpr, SHARED: tl.constexpr, FP4: tl.constexpr,
         XQ: tl.constexpr, DOT: tl.constexpr, EMULATE: tl.constexpr, KLANE: tl.constexpr,
         TILED13: tl.constexpr, TILED2: tl.constexpr, TOKEN_LOOP: tl.constexpr,
@@ -260,45 +268,75 @@ def moe_persistent_kernel(
         BLOCK_ME: tl.constexpr, BLOCK_NF: tl.constexpr, BLOCK_NE: tl.constexpr,
         BLOCK_N2: tl.constexpr,
         BLOCK_NT: tl.constexpr, BLOCK_KF: tl.constexpr, BLOCK_KE: tl.constexpr,
-        TRACE: tl.constexpr, PDL: tl.constexpr):
+        TRACE: tl.constexpr, ROUTE_WAIT: tl.constexpr, ROUTE: tl.constexpr = False,
+        E: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, TOP_K: tl.constexpr = 1,
+        N_GROUP: tl.constexpr = 1, TOPK_GROUP: tl.constexpr = 1, GROUP_SIZE: tl.constexpr = 1,
+        RENORMALIZE: tl.constexpr = False, BM: tl.constexpr = 1, GEMV_E: tl.constexpr = 1,
+        GEMV_K: tl.constexpr = 1, FILL: tl.constexpr = 1, BLOCK_T: tl.constexpr = 1,
+        BLOCK_E: tl.constexpr = 1, BLOCK_G: tl.constexpr = 1, BLOCK_S: tl.constexpr = 1,
+        BUCKETS: tl.constexpr = 0, CAP: tl.constexpr = 1, IN_REGS: tl.constexpr = False,
+        BLOCK_R: tl.constexpr = 1, BLOCK_C: tl.constexpr = 1, GEMV_ROWS: tl.constexpr = 0,
+        GEMV_CHUNKS: tl.constexpr = 1, CAND_CACHE: tl.constexpr = False,
+        SCALAR_E: tl.constexpr = False, SORT_N: tl.constexpr = 1,
+        EARLY_DEPENDENTS: tl.constexpr = False, PDL: tl.constexpr = False,
+        SELECT: tl.constexpr = True, DOT_M: tl.constexpr = 1, DOT_K: tl.constexpr = 1,
+        DOT_FP32: tl.constexpr = False):
     """Each program takes tickets from p_sync[WORK] until none is left and runs their items
     (see the module docstring); the last program out zeroes the sync words. TRACE: item t's
-    (start ns, end ns, SM, program) into int64 p_trace[4 t .. 4 t + 3]. PDL: launched while
-    the route that wrote the plan may still run; an item past the front waits for it first
-    (the front reads x and weights only)."""
+    (start ns, end ns, SM, program) into int64 p_trace[4 t .. 4 t + 3]. ROUTE_WAIT: launched
+    while the route that wrote the plan may still run; an item past the front waits for it
+    first (the front reads x and weights only). ROUTE: the first n_route tickets are route_sort's
+    programs (r_e_tiles E tiles fastest; route_sort's constexprs from E on, its PDL and
+    EARLY_DEPENDENTS off, SELECT on); stage 1 waits for all of them."""
     e_front = n_z + n_sh
     e_s1 = e_front + n_tiles * n_i
     e_s2 = e_s1 + n_tiles * n_d
     e_red = e_s2 + n_dr
-    n_items = e_red + n_t
+    n_items = n_route + e_red + n_t
     i_y = CNT_RED if DETERMINISTIC else CNT_S2
     n_y = n_dr if DETERMINISTIC else n_tiles * n_d
     t = tl.atomic_add(p_sync + WORK, 1, sem="relaxed")
     while t < n_items:
         if TRACE:
             t_start = _globaltimer()
-        if PDL:  # noqa: SIM102 - a constexpr branch, then a runtime one
-            if t >= e_front:
+        u = t - n_route  # the item's ticket among the block's own (route items below 0)
+        if ROUTE_WAIT:  # noqa: SIM102 - a constexpr branch, then a runtime one
+            if u >= e_front:
                 gdc_wait()
-        if t < e_front:
-            _front_item(t, p_x, p_wd, p_z, p_y, p_ws13, p_as, p_sync, M, H, D, S, n_z, beta,
+        if ROUTE:  # noqa: SIM102 - a constexpr branch, then a runtime one
+            if u >= e_front and u < e_s1:
+                wait_count(p_sync + CNT_PLAN, n_route)
+        if u < 0:
+            if ROUTE:
+                _route_program(t % r_e_tiles, t // r_e_tiles, r_e_tiles, n_route, r_x, r_w,
+                               r_bias, r_part, r_cand, r_rank, r_count, r_ids, r_topk_w,
+                               r_sorted_ids, r_sorted_w, r_block_ids, r_num_valid, r_out, r_M,
+                               r_H, r_n_sorted, r_n_blocks, r_n_out, r_scaling, E, SPLIT_K,
+                               TOP_K, N_GROUP, TOPK_GROUP, GROUP_SIZE, RENORMALIZE, BM, GEMV_E,
+                               GEMV_K, FILL, BLOCK_T, BLOCK_E, BLOCK_G, BLOCK_S, BUCKETS, CAP,
+                               IN_REGS, BLOCK_R, BLOCK_C, GEMV_ROWS, GEMV_CHUNKS, CAND_CACHE,
+                               SCALAR_E, SORT_N, EARLY_DEPENDENTS, PDL, SELECT, DOT_M, DOT_K,
+                               DOT_FP32)
+                signal_count(p_sync + CNT_PLAN)
+        elif u < e_front:
+            _front_item(u, p_x, p_wd, p_z, p_y, p_ws13, p_as, p_sync, M, H, D, S, n_z, beta,
                         linear_beta, ACT, LATENT, not DETERMINISTIC, BLOCK_MT, BLOCK_NF,
                         BLOCK_KF)
-        elif t < e_s1:
-            _stage1_item(t - e_front, p_z, p_z32, p_w13, p_w13s, p_sorted, p_block_expert,
+        elif u < e_s1:
+            _stage1_item(u - e_front, p_z, p_z32, p_w13, p_w13s, p_sorted, p_block_expert,
                          p_num_valid, p_a, p_sync, n_entries, block_m, top_k, N_I, D, n_i, n_z,
                          beta, linear_beta, ACT, FP4, XQ, DOT, EMULATE, KLANE, TILED13,
                          TOKEN_LOOP, BLOCK_ME, BLOCK_NE, BLOCK_KE, BLOCK_KF)
-        elif t < e_s2:
-            _stage2_item(t - e_s1, p_a, p_a32, p_w2, p_w2s, p_sorted, p_sorted_w,
+        elif u < e_s2:
+            _stage2_item(u - e_s1, p_a, p_a32, p_w2, p_w2s, p_sorted, p_sorted_w,
                          p_block_expert, p_num_valid, p_y, p_part, p_sync, n_entries, block_m,
                          top_k, N_I, D, n_d, n_i, FP4, XQ, DOT, EMULATE, KLANE, TILED2,
                          TOKEN_LOOP, DETERMINISTIC, BLOCK_ME, BLOCK_N2, BLOCK_KE, BLOCK_KF)
-        elif t < e_red:
-            _reduce_item(t - e_s2, p_part, p_topk_w, p_y, p_sync, M, D, top_k, n_tiles * n_d,
+        elif u < e_red:
+            _reduce_item(u - e_s2, p_part, p_topk_w, p_y, p_sync, M, D, top_k, n_tiles * n_d,
                          BLOCK_MT, BLOCK_N2)
         else:
-            _tail_item(t - e_red, p_as, p_ws2, p_y, p_nw, p_up, p_ups, p_o, p_sync, M, D, H, S,
+            _tail_item(u - e_red, p_as, p_ws2, p_y, p_nw, p_up, p_ups, p_o, p_sync, M, D, H, S,
                        n_sh, i_y, n_y, eps, LATENT, SHARED, UP_FP8, BLOCK_MT, BLOCK_NT, BLOCK_KF)
         if TRACE:
             p_t = p_trace + t.to(tl.int64) * 4

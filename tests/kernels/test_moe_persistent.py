@@ -18,6 +18,7 @@ import triton.language as tl
 from k3lab.boundaries import assert_close
 from k3lab.config import preset
 from k3lab.kernels import route_sort
+from k3lab.kernels.moe.front_route import FRONT_ROUTE_CONFIG
 from k3lab.kernels.moe.persistent import (
     FP8Rows,
     PersistentMoEConfig,
@@ -28,6 +29,7 @@ from k3lab.kernels.moe.persistent import (
 from k3lab.kernels.moe.persistent_gemv import pow2_scales, round_e4m3
 from k3lab.kernels.moe.persistent_kernel import SYNC_HEADER
 from k3lab.kernels.mxfp4 import mxfp4_layout
+from k3lab.kernels.route.config import RouteConfig
 from k3lab.profile import count_launches
 from k3lab.reference import moe as ref
 from k3lab.reference.route import route_sort_reference
@@ -338,6 +340,33 @@ def test_routing_inside_is_two_launches(device):
                           plan, warmup=False).count == 1
 
 
+@pytest.mark.parametrize("M,block_m,crowd", [(1, 1, False), (3, 4, False), (4, 2, True)],
+                         ids=["M1", "M3-bm4", "M4-crowded"])
+def test_route_items_are_one_launch(M, block_m, crowd, device):
+    """With route_items the router's programs are the launch's first work items: 1 launch for
+    the block with routing, and bitwise the output of route_sort's launch (same route config)
+    and then the launch given its plan (deterministic stage 2), including crowded experts and
+    plan tiles of several tokens."""
+    cfg, w, x = _setup(device, M=M, fmt="mxfp4", seed=11, crowd=crowd)
+    items = dataclasses.replace(BIG, deterministic=True, route_items=True)
+    outs = []
+
+    def run(inp):
+        outs.append(moe_persistent(inp["x"], w, cfg=cfg, block_m=block_m, config=items))
+
+    lc = count_launches(run, {"x": x})
+    assert lc.count == 1, lc.kernels
+    plan = route_sort(x, w["gate_weight"], w["correction_bias"], top_k=cfg.top_k,
+                      n_group=cfg.n_group, topk_group=cfg.topk_group,
+                      renormalize=cfg.renormalize, routed_scaling_factor=cfg.routed_scaling,
+                      block_m=block_m, config=FRONT_ROUTE_CONFIG)
+    apart = moe_persistent(x, w, cfg=cfg, plan=plan, block_m=block_m,
+                           config=dataclasses.replace(items, route_items=False))
+    assert torch.equal(outs[-1], apart)
+    assert_close("out", outs[-1], ref.latent_moe_from_plan_reference(x, plan, w, cfg),
+                 atol=W4A16_ATOL, rtol=W4A16_RTOL)
+
+
 # ---------------------------------------------------------------------------------------------
 # the moe boundary's persistent variants
 
@@ -587,13 +616,18 @@ def test_gpu_k3_tp8_launches_and_determinism(fmt):
 
 
 @pytest.mark.gpu
-def test_gpu_overlapping_the_route_changes_nothing():
+@pytest.mark.parametrize("change", [{"overlap_route": True}, {"route_items": True}],
+                         ids=["overlap", "route-items"])
+def test_gpu_routing_schedules_change_nothing(change):
     """K3 tp 8, routing in the launch, deterministic: the launch started while the route runs
-    (overlap_route) gives the bitwise output of the one started after it, eager and in a CUDA
-    graph of 16 calls on distinct x replayed 20 times."""
+    (overlap_route), or running the route's programs as its first items (route_items, with
+    route_sort's config there), gives the bitwise output of the launch started after
+    route_sort's, eager and in a CUDA graph of 16 calls on distinct x replayed 20 times."""
     cfg, w, _ = _k3(8, 1)
     xs = [hidden_states(cfg, 1, make_generator(100 + s, "cuda")) for s in range(16)]
-    on, off = (PersistentMoEConfig(deterministic=True, overlap_route=o) for o in (True, False))
+    off = PersistentMoEConfig(deterministic=True, overlap_route=False,
+                              route_config=RouteConfig())
+    on = dataclasses.replace(off, **change)
     want = [moe_persistent(x, w, cfg=cfg, config=off).clone() for x in xs]
     for x, ref_out in zip(xs, want, strict=True):
         assert torch.equal(moe_persistent(x, w, cfg=cfg, config=on), ref_out)
