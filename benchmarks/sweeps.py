@@ -351,9 +351,12 @@ _SWEEPS = [
           config=("moe.persistent_config", "PersistentMoEConfig")),
     Sweep("persistent_route_items", "moe",
           grid(({"multiply": "klane"},), ({}, {"route_items": True},
-                                           {"route_items": True, "programs_per_sm": 3})),
+                                           {"route_items": True, "programs_per_sm": 3},
+                                           {"route_items": True, "max_registers": 128})),
           "route_sort's programs as the persistent launch's first work items (one launch for "
-          "the block with routing) against route_sort's own launch overlapping it (W4A16)",
+          "the block with routing) against route_sort's own launch overlapping it (W4A16); "
+          "the route's registers leave 3 programs an SM (offline), so also a grid of 3 an SM "
+          "and a cap of 128 registers",
           variants=("persistent",), params={"route": True, "expert_format": "mxfp4"}, tp=8,
           config=("moe.persistent_config", "PersistentMoEConfig")),
     Sweep("front_overlap", "moe",

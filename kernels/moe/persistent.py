@@ -305,7 +305,9 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
         TOKEN_LOOP=not INTERPRETED,
         DETERMINISTIC=config.deterministic, UP_FP8=isinstance(up, FP8Rows), **t, TRACE=trace,
         ROUTE_WAIT=overlap, **(dict(route.constexprs, ROUTE=True) if route is not None else {}),
-        num_warps=config.num_warps, **({"launch_pdl": True} if overlap else {}))
+        num_warps=config.num_warps, **({"launch_pdl": True} if overlap else {}),
+        **({"maxnreg": config.max_registers} if config.max_registers and not INTERPRETED
+           else {}))
     if not trace:
         return out
     e_front = n_route + n_z + n_sh

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..route.config import RouteConfig
+from ..runtime import check_max_registers
 
 __all__ = ["PersistentMoEConfig", "ACTIVATION_FORMATS", "MULTIPLY_MODES"]
 
@@ -81,6 +82,9 @@ class PersistentMoEConfig:
         route_config: the router GEMV's shape for route items (None: the fused front's,
             ``front_route.FRONT_ROUTE_CONFIG``); its ``pdl`` and ``early_dependents`` are
             ignored there.
+        max_registers: (compiled only) registers a thread at most (Triton's ``maxnreg``; 0:
+            the compiler's choice). With route items the launch takes the route's count
+            (docs/decisions.md), which leaves fewer programs an SM resident.
     """
 
     programs_per_sm: int = 4
@@ -99,6 +103,7 @@ class PersistentMoEConfig:
     overlap_route: bool = True
     route_items: bool = False
     route_config: RouteConfig | None = None
+    max_registers: int = 0
 
     def __post_init__(self):
         _check_int("programs_per_sm", self.programs_per_sm, 1, 64)
@@ -122,6 +127,7 @@ class PersistentMoEConfig:
             _check_int("expert_block_k", self.expert_block_k, 32, 8192, pow2=True)
         _check_int("num_warps", self.num_warps, 1, 16, pow2=True)
         _check_int("max_products", self.max_products, 1, 1 << 24)
+        check_max_registers("max_registers", self.max_registers)
         if self.route_config is not None and not isinstance(self.route_config, RouteConfig):
             raise ValueError(f"route_config: expected a RouteConfig or None, got "
                              f"{type(self.route_config).__name__}")

@@ -409,7 +409,8 @@ def test_boundary_variants(name, device):
     ("programs_per_sm", 0), ("deterministic", 1), ("activations", "fp4"), ("multiply", "mma"),
     ("tail_fp8", "yes"), ("front_block_n", 24), ("expert_block_n", 0), ("tail_block_n", 1024),
     ("block_k", 16), ("num_warps", 3), ("multiply", "klane"), ("max_products", 0),
-    ("stage2_block_n", 3), ("expert_block_k", 48), ("overlap_route", None)])
+    ("stage2_block_n", 3), ("expert_block_k", 48), ("overlap_route", None),
+    ("route_items", 1), ("route_config", {"gemv_row_splits": 4}), ("max_registers", 16)])
 def test_bad_config(field, value):
     extra = {"activations": "fp8"} if (field, value) == ("multiply", "klane") else {}
     with pytest.raises(ValueError, match=f"^{field}: (expected|'klane' reads bf16)"):
