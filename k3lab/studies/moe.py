@@ -459,9 +459,11 @@ def tidy_records(records: pd.DataFrame, *sweeps: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([records, pd.DataFrame(rows)], ignore_index=True)
 
 
-def persistent_items(s: Setup, inputs: dict, config=None) -> pd.DataFrame:
-    """Each work item of one persistent call given the plan (after an untraced call that
-    compiles), under ``config`` (None: what the W4A16 ``persistent`` variant runs): phase,
+def persistent_items(s: Setup, inputs: dict, config=None, routed: bool = False
+                     ) -> pd.DataFrame:
+    """Each work item of one persistent call given the plan (``routed``: routing itself, so
+    with ``config.route_items`` the route's programs are items too) after an untraced call
+    that compiles, under ``config`` (None: what the W4A16 ``persistent`` variant runs): phase,
     ticket, start and end in us from the first item's start on the GPU's global clock, SM and
     program. Empty on the CPU (the trace needs the compiled kernel)."""
     from k3lab.kernels.moe.persistent import moe_persistent
@@ -472,7 +474,8 @@ def persistent_items(s: Setup, inputs: dict, config=None) -> pd.DataFrame:
     w = bmoe._persistent_weights(inputs["weights"], config)
 
     def call(trace):
-        return moe_persistent(inputs["x"], w, cfg=inputs["cfg"], plan=inputs["plan"],
+        return moe_persistent(inputs["x"], w, cfg=inputs["cfg"],
+                              plan=None if routed else inputs["plan"],
                               block_m=inputs["block_m"], config=config, trace=trace)
 
     call(False)
