@@ -94,6 +94,7 @@ def test_merged_and_gated_projections(device):
     torch.testing.assert_close(got.float(), want.float(), atol=1e-3, rtol=ULP)
 
 
+@pytest.mark.interpreter
 @settings(max_examples=6, deadline=None)
 @given(n=st.integers(0, 6), m=st.integers(1, 3), hidden=st.integers(17, 140),
        rows=st.integers(1, 40), seed=st.integers(0, 2 ** 16))

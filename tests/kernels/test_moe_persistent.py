@@ -367,11 +367,11 @@ def test_route_items_are_one_launch(M, block_m, crowd, device):
                  atol=W4A16_ATOL, rtol=W4A16_RTOL)
 
 
-def test_route_items_fall_back_where_the_selection_is_a_launch():
+def test_route_items_fall_back_where_the_selection_is_a_launch(device):
     """Where route_sort spreads its selection over a launch of its own (over 256 experts,
     more tokens than a selection block), route items would leave stage 1 waiting on a plan
     nobody selects: the launcher routes apart instead (2 launches), with the same output."""
-    cfg, w, x = _setup("cpu", M=16, fmt="bf16", seed=4, n_experts=300)
+    cfg, w, x = _setup(device, M=16, fmt="bf16", seed=4, n_experts=300)
     items = dataclasses.replace(BIG, deterministic=True, route_items=True,
                                 route_config=RouteConfig())
     lc = count_launches(lambda i: moe_persistent(i, w, cfg=cfg, config=items), x)
