@@ -2,8 +2,8 @@
 (bf16 activations) and A8W4 (e4m3 activations quantized in the kernel) with bf16 and MXFP4
 experts, M = 1, 4, 16 at the tiny preset and its tp shards, atomic and deterministic stage 2,
 the fp8 latent tail, the tensor-core dot mode (emulated under the interpreter), routing inside
-(2 launches), the e4m3 rounding against torch's cast, bad input; GPU: K3 at tp 1, 8 and 16, CUDA
-graphs, real concurrency.
+(2 launches, or 1 with the route's programs as work items), the e4m3 rounding against torch's
+cast, bad input; GPU: K3 at tp 1, 8 and 16, CUDA graphs, real concurrency.
 
 Under the interpreter programs run one by one, so the ticket order is tested as a schedule but
 races are not: the GPU tests cover those."""
