@@ -339,8 +339,10 @@ _SWEEPS = [
     Sweep("persistent_a8w4", "moe",
           grid(({"multiply": "fma"},),
                ({"front_block_n": 8}, {"front_block_n": 16}),
-               ({"stage2_block_n": 16}, {"stage2_block_n": 64, "max_products": 32768})),
-          "A8W4's item sizes (fma; with routing)",
+               ({"stage2_block_n": 16}, {"stage2_block_n": 64, "max_products": 32768}))
+          + ({"multiply": "klane"}, {"multiply": "klane", "stage2_block_n": 16}),
+          "A8W4's item sizes (fma), and the K-lane GEMVs quantizing as they load at W4A16's "
+          "item sizes and at 16-row stage-2 items (with routing)",
           variants=("persistent_a8w4",), params={"route": True, "expert_format": "mxfp4"},
           tp=8, config=("moe.persistent_config", "PersistentMoEConfig")),
     Sweep("persistent_overlap", "moe",

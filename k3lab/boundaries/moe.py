@@ -257,8 +257,9 @@ def _persistent_weights(weights, config: PersistentMoEConfig):
 def persistent_config(activations: str, config=None) -> PersistentMoEConfig:
     """The config a persistent variant runs: ``config`` (a sweep's point) when it is a
     PersistentMoEConfig, else the defaults with W4A16 multiplying in the stages' K-lane GEMVs
-    (the fastest in the persistent_config sweep, docs/decisions.md; A8W4 needs another mode:
-    fma, with 16-row stage-2 items, so that its product budget keeps the experts' K step);
+    (the fastest in the persistent_config sweep, docs/decisions.md) and A8W4 fma, with 16-row
+    stage-2 items, so that its product budget keeps the experts' K step (its K-lane GEMVs,
+    quantizing as they load, are points of the persistent_a8w4 sweep);
     with ``activations`` ("bf16" or "fp8") set. Under the interpreter the defaults take a few
     big work items instead (it runs programs and items one after another; the tests run the
     GPU's items too)."""

@@ -8,7 +8,9 @@ bf16 operands are read as int32 (even, odd) element pairs (the even element in t
 half-word: a shift and a mask give both fp32 values). MXFP4 weights are read as int32 words of
 8 E2M1 codes, decoded in registers with 3 integer ops an element (shift the nibble to the top,
 arithmetic shift right, mask: the signed fp32 bits of 2^-126 * value) and one FMA each; the
-E8M0 factor 2^(s - 127) is applied once per group of 32. The activations stay bf16 pairs.
+E8M0 factor 2^(s - 127) is applied once per group of 32. The activations stay bf16 pairs;
+against MXFP4 they may be quantized as they load (``XQ``: e4m3 with a per-row power-of-two
+scale, the persistent kernel's A8W4).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .mma import tiled_word_offset
 FP4_SIGN_MAG = tl.constexpr(0x81C00000 - (1 << 32))  # bits 31 and 22..24 as an int32
 FP4_X_SCALE = tl.constexpr(2.0 ** 64)
 FP4_SCALE_BIAS = tl.constexpr(62)
+E4M3_MIN_NORMAL = tl.constexpr(2.0 ** -6)
 
 
 @triton.jit
@@ -55,6 +58,22 @@ def to_bf16(x):
     b = x.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
     return b.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def round_e4m3(v):
+    """fp32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even: the fp32 bits
+    rounded to 3 mantissa bits; below 2^-6 (e4m3 subnormals, spacing 2^-9) the same on
+    |v| + 2^-6, which has that spacing (exact for inputs whose lowest set bit is >= 2^-29, so
+    for every bf16 value the kernel quantizes)."""
+    a = tl.abs(v)
+    small = a < E4M3_MIN_NORMAL
+    w = tl.where(small, a + E4M3_MIN_NORMAL, a)
+    b = w.to(tl.int32, bitcast=True)
+    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576
+    r = b.to(tl.float32, bitcast=True)
+    r = tl.where(small, r - E4M3_MIN_NORMAL, r)
+    return tl.where(v < 0, -r, r)
 
 
 @triton.jit
@@ -156,16 +175,22 @@ def _fp4_code(b_w, J: tl.constexpr):
 
 @triton.jit
 def _klane_part(b_w, p_x, o_row, m_row, o_w, m_w, K_PAIRS, BLOCK_N: tl.constexpr,
-                BLOCK_W: tl.constexpr):
+                BLOCK_W: tl.constexpr, x_inv=1.0, XQ: tl.constexpr = False):
     """[BLOCK_N, BLOCK_W // 4] fp32: per row and group of the K step, 2^-62 * sum over the
     group's 32 elements of w * x (the E8M0 factor not applied). b_w: int32 words [BLOCK_N,
     BLOCK_W] (word q holds elements 8q..8q+7); x bf16 viewed as int32 pairs [rows, K_PAIRS],
-    o_row / m_row one token, shape [1]; o_w / m_w the step's word indices [BLOCK_W]."""
+    o_row / m_row one token, shape [1]; o_w / m_w the step's word indices [BLOCK_W]. XQ: x
+    enters as round_e4m3(x * x_inv) (x_inv the token's 2^-s, shape [1])."""
     b_part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
     for r in tl.static_range(4):  # pair r of each word: codes 2r (even element) and 2r + 1
         b_v = tl.load(p_x + o_row * K_PAIRS + o_w * 4 + r, mask=m_w & m_row, other=0)
-        b_xe = (b_v << 16).to(tl.float32, bitcast=True) * FP4_X_SCALE
-        b_xo = (b_v & -65536).to(tl.float32, bitcast=True) * FP4_X_SCALE
+        b_xe = (b_v << 16).to(tl.float32, bitcast=True)
+        b_xo = (b_v & -65536).to(tl.float32, bitcast=True)
+        if XQ:
+            b_xe = round_e4m3(b_xe * x_inv)
+            b_xo = round_e4m3(b_xo * x_inv)
+        b_xe *= FP4_X_SCALE
+        b_xo *= FP4_X_SCALE
         b_part += _fp4_code(b_w, 2 * r) * b_xe[None, :]  # two FFMA chains, no FMUL + FADD
         b_part += _fp4_code(b_w, 2 * r + 1) * b_xo[None, :]
     return tl.sum(tl.reshape(b_part, [BLOCK_N, BLOCK_W // 4, 4]), axis=2)
@@ -195,7 +220,8 @@ def _klane_load(p_w, p_s, o_wrow, m_wrow, kw0, N_WORDS, N_GROUPS, BLOCK_W: tl.co
 @triton.jit
 def fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                   STAGES: tl.constexpr, TILED: tl.constexpr):
+                   STAGES: tl.constexpr, TILED: tl.constexpr, x_inv=1.0,
+                   XQ: tl.constexpr = False):
     """acc [BLOCK_M, BLOCK_N] fp32 = x[o_xrow] @ w[o_wrow]^T for MXFP4 w: p_w packed codes viewed
     as int32 words [N, K_PAIRS // 4], p_s E8M0 scales uint8 [N, K_PAIRS // 16], x bf16 viewed as
     int32 pairs [rows, K_PAIRS]; BLOCK_W words (4 per group) a K step.
@@ -205,7 +231,9 @@ def fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
     a time (a runtime loop up to the last valid row). STAGES > 0: the K loop is
     tl.range(num_stages=STAGES), which stages the weight and scale loads through shared memory
     (more bytes in flight at the same occupancy; M = 1 in practice: the token loop keeps the
-    pipeliner out). TILED: the codes are in the tiled layout."""
+    pipeliner out). TILED: the codes are in the tiled layout. XQ: each row of x is quantized
+    to e4m3 after scaling by its x_inv [BLOCK_M] (2^-s; the caller multiplies the result by
+    2^s)."""
     N_WORDS = K_PAIRS // 4
     N_GROUPS = K_PAIRS // 16
     o_m = tl.arange(0, BLOCK_M)
@@ -219,12 +247,17 @@ def fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
         b_f = ((b_s + FP4_SCALE_BIAS) << 23).to(tl.float32, bitcast=True)
         if BLOCK_M == 1:
             acc_g += _klane_part(b_w, p_x, o_xrow, m_xrow, o_w, m_w, K_PAIRS, BLOCK_N,
-                                 BLOCK_W) * b_f
+                                 BLOCK_W, x_inv, XQ) * b_f
         else:
             for i_m in range(0, n_rows):
                 o_row, m_row = token(o_xrow, m_xrow, o_m, i_m)
+                if XQ:
+                    inv = tl.zeros([1], dtype=tl.float32) + tl.sum(
+                        tl.where(o_m == i_m, x_inv, 0.0), axis=0)
+                else:
+                    inv = 1.0
                 b_p = tl.sum(_klane_part(b_w, p_x, o_row, m_row, o_w, m_w, K_PAIRS, BLOCK_N,
-                                         BLOCK_W) * b_f, axis=1)
+                                         BLOCK_W, inv, XQ) * b_f, axis=1)
                 acc += tl.where((o_m == i_m)[:, None], b_p[None, :], 0.0)
     if BLOCK_M == 1:
         acc += tl.sum(acc_g, axis=1)[None, :]
@@ -239,12 +272,13 @@ def fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
 def expert_gemv(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr,
                 FP4: tl.constexpr, KLANE_STAGES: tl.constexpr, TOKEN_LOOP: tl.constexpr,
-                TILED: tl.constexpr):
+                TILED: tl.constexpr, x_inv=1.0, XQ: tl.constexpr = False):
     """x[o_xrow] @ w[o_wrow]^T for an expert's weight: MXFP4 (FP4; K-lane tiles of BLOCK_KP // 4
-    words) or bf16 (BLOCK_KP pairs a step)."""
+    words; XQ: x quantized as it loads, see fp4_gemv_klane) or bf16 (BLOCK_KP pairs a step)."""
+    tl.static_assert(FP4 or not XQ, "quantized activations meet MXFP4 weights only")
     if FP4:
         acc = fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS, BLOCK_M,
-                             BLOCK_N, BLOCK_KP // 4, KLANE_STAGES, TILED)
+                             BLOCK_N, BLOCK_KP // 4, KLANE_STAGES, TILED, x_inv, XQ)
     else:
         acc = bf16_gemv(p_x, o_xrow, m_xrow, p_x, p_w, o_wrow, m_wrow, K_PAIRS, BLOCK_M, BLOCK_N,
                         BLOCK_KP, False, False, TOKEN_LOOP)
@@ -255,16 +289,23 @@ def expert_gemv(p_x, o_xrow, m_xrow, p_w, p_s, o_wrow, m_wrow, K_PAIRS,
 def gate_up_act(p_x, o_xrow, m_xrow, p_w, p_s, o_n, m_n, N_HALF, K_PAIRS, beta, linear_beta,
                 ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_KP: tl.constexpr, FP4: tl.constexpr, KLANE_STAGES: tl.constexpr,
-                TOKEN_LOOP: tl.constexpr, TILED: tl.constexpr):
+                TOKEN_LOOP: tl.constexpr, TILED: tl.constexpr, x_inv=1.0, x_sc=1.0,
+                XQ: tl.constexpr = False):
     """act(x @ w[o_n]^T, x @ w[N_HALF + o_n]^T): gate rows then up rows of one [2 * N_HALF, K]
     weight. MXFP4: one K-lane GEMV over a tile of 2 * BLOCK_N interleaved rows (gate n, up n,
-    ...): the same rows a thread at twice the programs of two loops. bf16: two GEMVs."""
+    ...): the same rows a thread at twice the programs of two loops (XQ: x quantized as it
+    loads with the rows' x_inv, both products scaled back by their x_sc before the
+    activation). bf16: two GEMVs."""
+    tl.static_assert(FP4 or not XQ, "quantized activations meet MXFP4 weights only")
     if FP4:
         o_r = tl.reshape(tl.join(o_n, o_n + N_HALF), [2 * BLOCK_N])
         m_r = tl.reshape(tl.join(m_n, m_n), [2 * BLOCK_N])
         b_gu = fp4_gemv_klane(p_x, o_xrow, m_xrow, p_w, p_s, o_r, m_r, K_PAIRS, BLOCK_M,
-                              2 * BLOCK_N, BLOCK_KP // 4, KLANE_STAGES, TILED)
+                              2 * BLOCK_N, BLOCK_KP // 4, KLANE_STAGES, TILED, x_inv, XQ)
         b_g, b_u = tl.split(tl.reshape(b_gu, [BLOCK_M, BLOCK_N, 2]))
+        if XQ:
+            b_g *= x_sc[:, None]
+            b_u *= x_sc[:, None]
     else:
         b_g = bf16_gemv(p_x, o_xrow, m_xrow, p_x, p_w, o_n, m_n, K_PAIRS, BLOCK_M, BLOCK_N,
                         BLOCK_KP, False, False, TOKEN_LOOP)

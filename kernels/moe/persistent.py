@@ -12,7 +12,8 @@ Formats: experts bf16 or MXFP4 (row layout; also the tiled one with ``multiply="
 MoE stages' K-lane GEMVs); activations bf16 (W4A16) or, with
 ``config.activations = "fp8"`` (A8W4), each stage's input rows (z per token, a per routed row)
 quantized in the kernel to e4m3 with a power-of-two per-row scale from the row's amax
-(``persistent_gemv.pow2_scales``); ``config.tail_fp8``: the latent up-projection in e4m3 with
+(``persistent_gemv.pow2_scales``; with ``multiply="klane"``, MXFP4 experts only, as the
+K-lane GEMVs load them); ``config.tail_fp8``: the latent up-projection in e4m3 with
 per-channel fp32 scales (:func:`persistent_kernel_weights` makes them once).
 
 What is guaranteed on the GPU:
@@ -131,6 +132,9 @@ def _check_formats(weights: dict, cfg, config: PersistentMoEConfig, dev) -> tupl
     fp4 = isinstance(weights["w13"], MXFP4)
     if fp4 != isinstance(weights["w2"], MXFP4):
         raise ValueError("w2: w13 and w2 must both be bf16 or both MXFP4")
+    if config.multiply == "klane" and config.fp8 and not fp4:
+        raise ValueError("w13: multiply='klane' quantizes activations to e4m3 only against "
+                         "MXFP4 experts, got bf16 ones (use multiply='fma' or 'dot')")
     for name in ("w13", "w2"):
         w = weights[name]
         if isinstance(w, MXFP4) and w.layout != "rows" and config.multiply != "klane":

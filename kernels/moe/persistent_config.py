@@ -21,7 +21,9 @@ ACTIVATION_FORMATS = ("bf16", "fp8")
 # (Tiles of at most 16 rows compile on sm_90 to mma.sync, Triton feeding e4m3 as f16, which
 # holds every e4m3 value exactly; wgmma's native e4m3 needs 64-row tiles.)
 # klane: the MoE stages' tuned K-lane GEMVs (kernels/moe/gemv.py: int32 code words, FFMA
-# chains per group; bf16 activations only; MXFP4 in either layout).
+# chains per group; MXFP4 in either layout, or bf16 experts with bf16 activations; fp8
+# activations are quantized as they load and need MXFP4 experts).
+# The front and the tail broadcast-multiply bf16 weights in every mode.
 MULTIPLY_MODES = ("fma", "dot", "klane")
 
 
@@ -111,9 +113,6 @@ class PersistentMoEConfig:
             _check_bool(name, getattr(self, name))
         _check_choice("activations", self.activations, ACTIVATION_FORMATS)
         _check_choice("multiply", self.multiply, MULTIPLY_MODES)
-        if self.multiply == "klane" and self.activations != "bf16":
-            raise ValueError(f"multiply: 'klane' reads bf16 activations, got activations="
-                             f"{self.activations!r}")
         # the front and the tail always broadcast-multiply; dot tiles need 16 rows
         for name in ("front_block_n", "tail_block_n"):
             _check_int(name, getattr(self, name), 1, 512, pow2=True)

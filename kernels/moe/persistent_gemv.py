@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from ..runtime import INTERPRETED  # noqa: F401  (sets the interpreter up before any jit)
+from .gemv import round_e4m3
 from .stages import MAX_SPIN
 
 E4M3_MAX = tl.constexpr(448.0)
-E4M3_MIN_NORMAL = tl.constexpr(2.0 ** -6)
 
 
 @triton.jit
@@ -53,22 +53,6 @@ def pow2_scales(amax):
     s = tl.minimum(tl.maximum(tl.where(amax > 0, s, 0), -126), 126)
     inv = ((127 - s) << 23).to(tl.float32, bitcast=True)
     return inv, ((127 + s) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def round_e4m3(v):
-    """fp32 v (|v| <= 448) rounded to the nearest e4m3 value, ties to even: the fp32 bits
-    rounded to 3 mantissa bits; below 2^-6 (e4m3 subnormals, spacing 2^-9) the same on
-    |v| + 2^-6, which has that spacing (exact for inputs whose lowest set bit is >= 2^-29, so
-    for every bf16 value the kernel quantizes)."""
-    a = tl.abs(v)
-    small = a < E4M3_MIN_NORMAL
-    w = tl.where(small, a + E4M3_MIN_NORMAL, a)
-    b = w.to(tl.int32, bitcast=True)
-    b = (b + 0x7FFFF + ((b >> 20) & 1)) & -1048576
-    r = b.to(tl.float32, bitcast=True)
-    r = tl.where(small, r - E4M3_MIN_NORMAL, r)
-    return tl.where(v < 0, -r, r)
 
 
 @triton.jit

@@ -100,7 +100,8 @@ def _stage1_item(j, p_z, p_z32, p_w, p_ws, p_sorted, p_block_expert, p_num_valid
     """Stage-1 item j = (plan tile, I tile): gate and up GEMVs of the tile's tokens' z rows
     (XQ: quantized to e4m3 per row) against expert e's w13, the activation, a bf16 store.
     MXFP4 codes come as int32 words. KLANE: the GEMVs of kernels/moe/gemv.py (z as int32 pairs
-    at p_z32, bf16 weights as pairs; TILED: codes in the tiled layout)."""
+    at p_z32, quantized as it loads with XQ; bf16 weights as pairs; TILED: codes in the tiled
+    layout)."""
     i_b, i_n = j // n_i, j % n_i
     wait_count(p_sync + CNT_Z, n_z)
     n_valid = tl.load(p_num_valid)
@@ -112,15 +113,15 @@ def _stage1_item(j, p_z, p_z32, p_w, p_ws, p_sorted, p_block_expert, p_num_valid
         # expert e's 2I rows: D / 8 int32 code words or D bf16 values (KLANE: D / 2 pairs)
         p_we = p_w + i_e * (2 * N_I * (D // 8 if FP4 else (D // 2 if KLANE else D)))
         p_se = p_ws + i_e * (2 * N_I * (D // 32)) if FP4 else p_ws
+        b_inv = tl.full([BLOCK_M], 1.0, tl.float32)
+        b_sc = b_inv
+        if XQ:
+            b_inv, b_sc = pow2_scales(row_amax(p_z, b_tok, m_ent, D, BLOCK_M, BLOCK_KQ))
         if KLANE:
             b_a = gate_up_act(p_z32, b_tok, m_ent, p_we, p_se, o_n, m_n, N_I, D // 2, beta,
                               linear_beta, ACT, BLOCK_M, BLOCK_N, BLOCK_K // 2, FP4, 0,
-                              TOKEN_LOOP, TILED)
+                              TOKEN_LOOP, TILED, b_inv, b_sc, XQ)
         else:
-            b_inv = tl.full([BLOCK_M], 1.0, tl.float32)
-            b_sc = b_inv
-            if XQ:
-                b_inv, b_sc = pow2_scales(row_amax(p_z, b_tok, m_ent, D, BLOCK_M, BLOCK_KQ))
             b_g = gemv(p_z, b_tok, m_ent, b_inv, p_we, p_se, o_n, m_n, D, p_z, FP4, XQ, False,
                        True, DOT, EMULATE, BLOCK_M, BLOCK_N, BLOCK_K)
             b_u = gemv(p_z, b_tok, m_ent, b_inv, p_we, p_se, o_n + N_I, m_n, D, p_z, FP4, XQ,
@@ -152,14 +153,15 @@ def _stage2_item(j, p_a, p_a32, p_w, p_ws, p_sorted, p_sorted_w, p_block_expert,
         m_o = m_ent[:, None] & m_n[None, :]
         p_we = p_w + i_e * (D * (N_I // 8 if FP4 else (N_I // 2 if KLANE else N_I)))
         p_se = p_ws + i_e * (D * (N_I // 32)) if FP4 else p_ws
+        b_inv = tl.full([BLOCK_M], 1.0, tl.float32)
+        b_sc = b_inv
+        if XQ:
+            b_inv, b_sc = pow2_scales(row_amax(p_a, b_ent, m_ent, N_I, BLOCK_M, BLOCK_KQ))
         if KLANE:
             b_p = expert_gemv(p_a32, b_ent, m_ent, p_we, p_se, o_n, m_n, N_I // 2, BLOCK_M,
-                              BLOCK_N, BLOCK_K // 2, FP4, 0, TOKEN_LOOP, TILED)
+                              BLOCK_N, BLOCK_K // 2, FP4, 0, TOKEN_LOOP, TILED, b_inv,
+                              XQ) * b_sc[:, None]
         else:
-            b_inv = tl.full([BLOCK_M], 1.0, tl.float32)
-            b_sc = b_inv
-            if XQ:
-                b_inv, b_sc = pow2_scales(row_amax(p_a, b_ent, m_ent, N_I, BLOCK_M, BLOCK_KQ))
             b_p = gemv(p_a, b_ent, m_ent, b_inv, p_we, p_se, o_n, m_n, N_I, p_a, FP4, XQ, False,
                        True, DOT, EMULATE, BLOCK_M, BLOCK_N, BLOCK_K) * b_sc[:, None]
         if DETERMINISTIC:

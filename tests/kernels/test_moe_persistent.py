@@ -273,16 +273,20 @@ def test_block_dot_mode(acts, device):
                                                             multiply="dot"))
 
 
-@pytest.mark.parametrize("fmt,latent,M,block_m", [("mxfp4", 256, 1, 1), ("bf16", 96, 3, 4)],
-                         ids=["mxfp4-tiled-w13", "bf16-tiles-of-3"])
-def test_block_klane(fmt, latent, M, block_m, device):
+@pytest.mark.parametrize("fmt,latent,M,block_m,acts", [
+    ("mxfp4", 256, 1, 1, "bf16"), ("bf16", 96, 3, 4, "bf16"), ("mxfp4", 256, 1, 1, "fp8"),
+    ("mxfp4", 96, 4, 2, "fp8")],
+    ids=["mxfp4-tiled-w13", "bf16-tiles-of-3", "a8w4-tiled-w13", "a8w4-tiles-of-2"])
+def test_block_klane(fmt, latent, M, block_m, acts, device):
     """The stages' K-lane GEMVs inside the persistent launch (multiply='klane'): MXFP4 with w13
     in the tiled layout (a latent of 256 allows it), bf16 experts with tiles of several
-    tokens."""
+    tokens; A8W4 (e4m3 activations quantized as they load, per token inside a tile), against
+    the fp32 truth and the reference that quantizes the same way."""
     cfg, w, x = _setup(device, M=M, fmt=fmt, latent=latent, crowd=block_m > 1)
-    config = dataclasses.replace(BIG, multiply="klane", block_k=64)
+    config = dataclasses.replace(BIG, multiply="klane", block_k=64, activations=acts)
     if fmt == "mxfp4":
-        assert persistent_kernel_weights(w, config)["w13"].layout == "tiled"
+        want = "tiled" if latent == 256 else "rows"
+        assert persistent_kernel_weights(w, config)["w13"].layout == want
     _check(x, w, cfg, _plan(cfg, x, w, block_m), config)
 
 
@@ -424,13 +428,12 @@ def test_boundary_variants(name, device):
 @pytest.mark.parametrize("field,value", [
     ("programs_per_sm", 0), ("deterministic", 1), ("activations", "fp4"), ("multiply", "mma"),
     ("tail_fp8", "yes"), ("front_block_n", 24), ("expert_block_n", 0), ("tail_block_n", 1024),
-    ("block_k", 16), ("num_warps", 3), ("multiply", "klane"), ("max_products", 0),
+    ("block_k", 16), ("num_warps", 3), ("max_products", 0),
     ("stage2_block_n", 3), ("expert_block_k", 48), ("overlap_route", None),
     ("route_items", 1), ("route_config", {"gemv_row_splits": 4}), ("max_registers", 16)])
 def test_bad_config(field, value):
-    extra = {"activations": "fp8"} if (field, value) == ("multiply", "klane") else {}
-    with pytest.raises(ValueError, match=f"^{field}: (expected|'klane' reads bf16)"):
-        PersistentMoEConfig(**{field: value}, **extra)
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        PersistentMoEConfig(**{field: value})
 
 
 def test_bad_input(device):
@@ -460,6 +463,12 @@ def test_bad_input(device):
     with pytest.raises(ValueError, match="w2: w13 and w2 must both be"):
         moe_persistent(x, {**w, "w2": w["w2"].dequantize().to(torch.bfloat16)}, cfg=cfg,
                        plan=plan)
+    bf16_experts = {**w, "w13": w["w13"].dequantize().to(torch.bfloat16),
+                    "w2": w["w2"].dequantize().to(torch.bfloat16)}
+    with pytest.raises(ValueError, match="w13: multiply='klane' quantizes activations to e4m3 "
+                                         "only against MXFP4 experts"):
+        moe_persistent(x, bf16_experts, cfg=cfg, plan=plan, config=PersistentMoEConfig(
+            multiply="klane", activations="fp8"))
     with pytest.raises(ValueError, match="plan"):
         moe_persistent(x, w, cfg=cfg, plan=_plan(cfg, hidden_states(cfg, 2, make_generator(
             1, device)), w))
