@@ -571,6 +571,7 @@ GPU_CONFIGS = {
     "a8w4-dot-fp8tail": PersistentMoEConfig(activations="fp8", multiply="dot", tail_fp8=True),
     "w4a16-dot": PersistentMoEConfig(multiply="dot"),
     "w4a16-klane": PersistentMoEConfig(multiply="klane"),
+    "a8w4-klane": PersistentMoEConfig(multiply="klane", activations="fp8"),
 }
 
 
