@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -96,17 +97,62 @@ def env(device: str, profile: Path | None = None, kernels: Path | None = None):
         os.environ.update(saved)
 
 
+# The longest a client's wait for a kernel message polls its socket in one go (seconds).
+POLL_SLICE_S = 1.0
+_CLIENT = None
+
+
+def client_class():
+    """The notebook client's kernel client: jupyter_client's AsyncKernelClient whose channels
+    wait for a message in polls of at most :data:`POLL_SLICE_S`. A ZMQ socket wakes the event
+    loop on an edge, and a wake-up can be missed (a cell's reply, already on the socket, then
+    sat unread until the wait's timeout, 300 s in the tests, while the kernel stood idle); each
+    poll first asks the socket itself, so a missed wake-up costs one slice."""
+    global _CLIENT
+    if _CLIENT is None:
+        from queue import Empty
+
+        from jupyter_client.asynchronous import AsyncKernelClient
+        from jupyter_client.channels import AsyncZMQSocketChannel
+        from traitlets import Type
+
+        class SlicedChannel(AsyncZMQSocketChannel):
+            async def get_msg(self, timeout: float | None = None):
+                assert self.socket is not None
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while True:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    step = POLL_SLICE_S if left is None else min(POLL_SLICE_S, left)
+                    if await self.socket.poll(int(step * 1000)):
+                        return await self._recv()
+                    if left is not None and left <= step:
+                        raise Empty
+
+        class SlicedClient(AsyncKernelClient):
+            shell_channel_class = Type(SlicedChannel)
+            iopub_channel_class = Type(SlicedChannel)
+            stdin_channel_class = Type(SlicedChannel)
+            control_channel_class = Type(SlicedChannel)
+
+        _CLIENT = SlicedClient
+    return _CLIENT
+
+
 def manager():
-    """A manager for one notebook kernel, not started. Its channels are Unix sockets at a path
-    of its own: TCP ports are picked before the kernel binds them, and two kernels starting at
-    once (two notebooks at once, a standby beside a starting notebook) could take each other's,
-    failing one with "Address already in use" before it ran anything."""
+    """A manager for one notebook kernel, not started; its clients are :func:`client_class`'s.
+    Its channels are Unix sockets at a path of its own: TCP ports are picked before the kernel
+    binds them, and two kernels starting at once (two notebooks at once, a standby beside a
+    starting notebook) could take each other's, failing one with "Address already in use"
+    before it ran anything."""
     from jupyter_client.manager import AsyncKernelManager
 
     if os.name == "nt":  # no Unix sockets
-        return AsyncKernelManager(kernel_name=KERNEL_NAME)
-    path = os.path.join(tempfile.gettempdir(), f"k3lab-kernel-{uuid.uuid4().hex[:16]}")
-    return AsyncKernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=path)
+        km = AsyncKernelManager(kernel_name=KERNEL_NAME)
+    else:
+        path = os.path.join(tempfile.gettempdir(), f"k3lab-kernel-{uuid.uuid4().hex[:16]}")
+        km = AsyncKernelManager(kernel_name=KERNEL_NAME, transport="ipc", ip=path)
+    km.client_factory = client_class()
+    return km
 
 
 def shutdown(km) -> None:
