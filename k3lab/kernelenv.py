@@ -1,5 +1,6 @@
-"""The Jupyter kernel a notebook runs in: its environment, its start-up lines, and the standby
-kernel a sequential batch starts ahead of the next notebook."""
+"""The Jupyter kernel a notebook runs in: its environment, its start-up lines, the standby
+kernel a sequential batch starts ahead of the next notebook, and the client that waits for its
+messages."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from pathlib import Path
 import k3lab
 from k3lab import hostprofile, precompile
 
-__all__ = ["KERNEL_NAME", "KERNEL_ARGS", "PRELOAD", "PRELOAD_CALLS", "PRELOAD_DEVICES",
-           "PRELOAD_ENV", "Standby", "check_kernel", "environ", "env", "manager", "repo_root",
-           "shutdown"]
+__all__ = ["KERNEL_NAME", "KERNEL_ARGS", "POLL_SLICE_S", "PRELOAD", "PRELOAD_CALLS",
+           "PRELOAD_DEVICES", "PRELOAD_ENV", "Standby", "check_kernel", "client_class", "environ",
+           "env", "manager", "repo_root", "shutdown"]
 
 KERNEL_NAME = "python3"
 
