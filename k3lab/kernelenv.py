@@ -106,9 +106,9 @@ _CLIENT = None
 def client_class():
     """The notebook client's kernel client: jupyter_client's AsyncKernelClient whose channels
     wait for a message in polls of at most :data:`POLL_SLICE_S`. A ZMQ socket wakes the event
-    loop on an edge, and a wake-up can be missed (a cell's reply, already on the socket, then
-    sat unread until the wait's timeout, 300 s in the tests, while the kernel stood idle); each
-    poll first asks the socket itself, so a missed wake-up costs one slice."""
+    loop on an edge, and a wake-up can be missed: a cell's reply then sits on the socket unread
+    until the wait's timeout (the whole cell timeout), the kernel idle meanwhile. Each poll
+    first asks the socket itself, so a missed wake-up costs one slice."""
     global _CLIENT
     if _CLIENT is None:
         from queue import Empty
