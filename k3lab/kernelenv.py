@@ -5,6 +5,7 @@ messages."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import tempfile
@@ -100,43 +101,40 @@ def env(device: str, profile: Path | None = None, kernels: Path | None = None):
 
 # The longest a client's wait for a kernel message polls its socket in one go (seconds).
 POLL_SLICE_S = 1.0
-_CLIENT = None
 
 
+@functools.cache
 def client_class():
     """The notebook client's kernel client: jupyter_client's AsyncKernelClient whose channels
     wait for a message in polls of at most :data:`POLL_SLICE_S`. A ZMQ socket wakes the event
     loop on an edge, and a wake-up can be missed: a cell's reply then sits on the socket unread
     until the wait's timeout (the whole cell timeout), the kernel idle meanwhile. Each poll
     first asks the socket itself, so a missed wake-up costs one slice."""
-    global _CLIENT
-    if _CLIENT is None:
-        from queue import Empty
+    from queue import Empty
 
-        from jupyter_client.asynchronous import AsyncKernelClient
-        from jupyter_client.channels import AsyncZMQSocketChannel
-        from traitlets import Type
+    from jupyter_client.asynchronous import AsyncKernelClient
+    from jupyter_client.channels import AsyncZMQSocketChannel
+    from traitlets import Type
 
-        class SlicedChannel(AsyncZMQSocketChannel):
-            async def get_msg(self, timeout: float | None = None):
-                assert self.socket is not None
-                deadline = None if timeout is None else time.monotonic() + timeout
-                while True:
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    step = POLL_SLICE_S if left is None else min(POLL_SLICE_S, left)
-                    if await self.socket.poll(int(step * 1000)):
-                        return await self._recv()
-                    if left is not None and left <= step:
-                        raise Empty
+    class SlicedChannel(AsyncZMQSocketChannel):
+        async def get_msg(self, timeout: float | None = None):
+            assert self.socket is not None
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                step = POLL_SLICE_S if left is None else min(POLL_SLICE_S, left)
+                if await self.socket.poll(int(step * 1000)):
+                    return await self._recv()
+                if left is not None and left <= step:
+                    raise Empty
 
-        class SlicedClient(AsyncKernelClient):
-            shell_channel_class = Type(SlicedChannel)
-            iopub_channel_class = Type(SlicedChannel)
-            stdin_channel_class = Type(SlicedChannel)
-            control_channel_class = Type(SlicedChannel)
+    class SlicedClient(AsyncKernelClient):
+        shell_channel_class = Type(SlicedChannel)
+        iopub_channel_class = Type(SlicedChannel)
+        stdin_channel_class = Type(SlicedChannel)
+        control_channel_class = Type(SlicedChannel)
 
-        _CLIENT = SlicedClient
-    return _CLIENT
+    return SlicedClient
 
 
 def manager():

@@ -301,6 +301,7 @@ def moe_persistent(x: torch.Tensor, weights: dict, *, cfg, plan: RoutePlan | Non
         sync, items, m, h, d, i, s, m * top_k, block_m, top_k, n_tiles, n_z, n_sh, n_i, n_d,
         n_dr, n_t,
         float(cfg.situ_beta), float(cfg.situ_linear_beta), float(cfg.rms_eps),
+        # without route items, stand-ins for route_sort's 14 tensors, 5 ints and a float
         *(route.args if route is not None else (x,) * 14 + (0,) * 5 + (0.0,)),
         route.grid[0] if route is not None else 1, n_route,
         ACT=act, LATENT=bool(cfg.latent), SHARED=bool(s), FP4=fp4, XQ=config.fp8,
