@@ -246,9 +246,10 @@ def test_budget_samples(per_s, repeats, want):
 
 def test_slow_graph_gets_fewer_replays(monkeypatch):
     """A replay that takes longer than the budget allows gets MIN_SAMPLES replays, a fast one
-    ``repeats // 2``; the Timing says how many."""
-    monkeypatch.setattr(profile, "TIME_BUDGET_S", 0.02)
-    for call_us, want in ((5000.0, profile.MIN_SAMPLES), (10.0, 20)):
+    ``repeats // 2``; the Timing says how many. The fast case's budget is wide, so that a busy
+    host's wall-clock replays cannot cut its samples."""
+    for call_us, budget_s, want in ((5000.0, 0.02, profile.MIN_SAMPLES), (10.0, 10.0, 20)):
+        monkeypatch.setattr(profile, "TIME_BUDGET_S", budget_s)
         gpu = _FakeGPU(call_us, host_us=0.0, wall=True)
         gpu.install(monkeypatch)
         t = profile.time_variant(lambda inputs, g=gpu: g.launch(), [{}], mode="graph",
